@@ -1,0 +1,29 @@
+# vision_attn — `make demo` and `make test` create .venv when missing and install the project.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+DEMO_DIR ?= runs/demo
+export VISION_ATTN_DATA ?= $(CURDIR)/.data
+
+.PHONY: install demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m vision_attn.demo --output_dir $(DEMO_DIR)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check vision_attn tests train.py eval.py
+
+clean:
+	rm -rf runs .pytest_cache

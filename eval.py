@@ -1,0 +1,10 @@
+#!/usr/bin/env python
+"""Evaluate a checkpoint: ``python eval.py --config CFG --ckpt_path CKPT --output_dir OUT``.
+
+Writes ``OUT/metrics.json`` and ``OUT/predictions.json``.
+"""
+
+from vision_attn.cli import eval_main, run_entry
+
+if __name__ == "__main__":
+    run_entry(eval_main)

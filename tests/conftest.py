@@ -1,0 +1,45 @@
+"""Shared fixtures: offline, CPU, tiny models (image 32, depth 2), a small shapes dataset."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the hub in tests
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A from-scratch ViT small enough for CPU tests.
+TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """All generated datasets of the session go to one temporary cache folder."""
+    cache = tmp_path_factory.mktemp("vision_attn_data")
+    old = os.environ.get("VISION_ATTN_DATA")
+    os.environ["VISION_ATTN_DATA"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("VISION_ATTN_DATA", None)
+    else:
+        os.environ["VISION_ATTN_DATA"] = old
+
+
+@pytest.fixture(scope="session")
+def shapes_root(_data_cache: Path) -> Path:
+    from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
+
+    return ensure_shapes_classification(ShapesConfig(image_size=32, num_train=60, num_val=25, seed=3), _data_cache)
+
+
+@pytest.fixture
+def tiny_encoder():
+    from vision_attn import create_encoder
+
+    torch.manual_seed(0)
+    return create_encoder("vit_tiny_patch16_224", **TINY_VIT).eval()

@@ -1,0 +1,102 @@
+"""Classification task: head, metrics against hand counts, schedule, self-describing checkpoints."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from vision_attn import create_encoder, load_task
+from vision_attn.checkpoint_io import CheckpointError
+from vision_attn.data.classification import ImageFolderDataModule
+from vision_attn.models import ClassificationHead, EncoderOutput
+from vision_attn.tasks import ClassificationTask
+from vision_attn.tasks.base import warmup_cosine
+from vision_attn.tasks.classification import classification_metrics
+
+from .conftest import TINY_VIT
+
+
+def test_head_pooling():
+    tokens = torch.randn(2, 1 + 4, 8)
+    out = EncoderOutput(tokens, 1, (2, 2))
+    head = ClassificationHead(8, 3, pooling="cls")
+    assert torch.equal(head.pool(out), tokens[:, 0])
+    head = ClassificationHead(8, 3, pooling="mean")
+    assert torch.allclose(head.pool(out), tokens[:, 1:].mean(1))
+    auto = ClassificationHead(8, 3, pooling="auto")
+    assert torch.allclose(auto.pool(EncoderOutput(tokens[:, 1:], 0, (2, 2))), tokens[:, 1:].mean(1))
+    with pytest.raises(ValueError, match="class token"):
+        ClassificationHead(8, 3, pooling="cls").pool(EncoderOutput(tokens[:, 1:], 0, (2, 2)))
+
+
+def test_metrics_match_hand_counts():
+    # 6 samples, 5 classes. Top-1 right for samples 0, 1, 3 -> micro 0.5.
+    labels = torch.tensor([0, 1, 2, 2, 3, 4])
+    logits = torch.full((6, 5), -10.0)
+    preds = [0, 1, 0, 2, 4, 3]
+    for i, p in enumerate(preds):
+        logits[i, p] = 10.0
+    logits[2, 2] = 5.0  # second choice right for sample 2
+    m = classification_metrics(logits, labels)
+    assert m["acc_top1"] == pytest.approx(3 / 6)
+    # per class recall: c0 1/1, c1 1/1, c2 1/2, c3 0/1, c4 0/1 -> mean 0.5
+    assert m["acc_macro"] == pytest.approx((1 + 1 + 0.5 + 0 + 0) / 5)
+    assert m["acc_top5"] == pytest.approx(1.0)
+    assert "acc_top5" not in classification_metrics(logits[:, :3], labels.clamp(max=2))
+
+
+def test_warmup_cosine_shape():
+    total, warm = 100, 10
+    f = [warmup_cosine(s, total, warm, 0.01) for s in range(total + 1)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert f[10] == pytest.approx(1.0) and f[100] == pytest.approx(0.01)
+    assert all(a >= b for a, b in zip(f[10:], f[11:], strict=False))
+
+
+def _task(**kw):
+    torch.manual_seed(0)
+    return ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), **kw)
+
+
+def test_schedule_follows_trainer_length_and_checkpoint_roundtrip(shapes_root, tmp_path):
+    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    task = _task(lr=1e-3, warmup_fraction=0.2, min_lr_ratio=0.05)
+    trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(task, datamodule=dm)
+    assert task.class_names == dm.class_names
+    steps = trainer.global_step
+    assert steps == 2 * (60 // 16)
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    # After the last step the schedule has reached its end: lr = min_lr_ratio * peak.
+    assert sched.get_last_lr()[0] == pytest.approx(1e-3 * warmup_cosine(steps, steps, int(0.2 * steps), 0.05))
+    assert sched.get_last_lr()[0] == pytest.approx(5e-5)
+
+    path = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = load_task(path, expected_task="classification")
+    assert isinstance(loaded, ClassificationTask)
+    assert loaded.class_names == dm.class_names and loaded.data_config == task.data_config
+    x = torch.randn(2, 3, 32, 32)
+    task.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), task(x))
+    with pytest.raises(CheckpointError, match="not a 'detection'"):
+        load_task(path, expected_task="detection")
+
+
+def test_class_mismatch_between_model_and_data_is_reported(shapes_root):
+    task = _task(class_names=["a", "b"])
+    dm = ImageFolderDataModule(root=str(shapes_root), num_workers=0)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with pytest.raises(ValueError, match="built for classes"):
+        trainer.fit(task, datamodule=dm)
+
+
+def test_foreign_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1)}}, path)
+    with pytest.raises(CheckpointError, match="not written by a vision_attn task"):
+        load_task(path)

@@ -1,0 +1,141 @@
+"""ViTEncoder against timm's own models with the same weights."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from vision_attn import create_encoder
+from vision_attn.checkpoint_io import CheckpointError
+from vision_attn.models.encoder import ViTEncoder
+
+from .conftest import TINY_VIT
+
+
+def _timm(name: str, seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    return timm.create_model(name, dynamic_img_size=True, **kwargs).eval()
+
+
+@pytest.mark.parametrize(
+    "name, prefix",
+    [
+        ("vit_tiny_patch16_224", 1),
+        ("deit_tiny_distilled_patch16_224", 2),
+        ("vit_base_patch16_reg4_gap_256", 4),
+        ("vit_small_patch14_reg4_dinov2", 5),
+    ],
+)
+def test_tokens_equal_timm_forward_features(name: str, prefix: int):
+    kwargs = dict(TINY_VIT)
+    ref = _timm(name, num_classes=0, **kwargs)
+    enc = create_encoder(name, **kwargs).eval()
+    enc.model.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        out = enc(x)
+        expected = ref.forward_features(x)
+    assert torch.equal(out.tokens, expected)
+    assert out.num_prefix_tokens == prefix == enc.num_prefix_tokens
+    assert out.grid == (4, 4)
+    assert out.tokens.shape == (2, prefix + 16, 32)
+    assert out.patch_tokens.shape == (2, 16, 32)
+
+
+def test_dynamic_image_size_non_square(tiny_encoder):
+    with torch.no_grad():
+        out = tiny_encoder(torch.randn(1, 3, 48, 24))
+    assert out.grid == (6, 3)
+    assert out.tokens.shape[1] == 1 + 18
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_local_weights_file_gives_timm_logits(tmp_path, suffix):
+    ref = _timm("vit_tiny_patch16_224", num_classes=7, **TINY_VIT)
+    path = tmp_path / f"weights{suffix}"
+    if suffix == ".safetensors":
+        save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+    else:
+        torch.save({"state_dict": ref.state_dict()}, path)
+    torch.manual_seed(123)  # different random init: the file must overwrite it
+    enc = create_encoder("vit_tiny_patch16_224", weights_file=str(path), num_classes=7, **TINY_VIT).eval()
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(enc.forward_head(enc(x)), ref(x), atol=1e-6)
+
+
+def test_weights_file_resamples_pos_embed_and_drops_other_head(tmp_path, caplog):
+    ref = _timm("vit_tiny_patch16_224", num_classes=10, **TINY_VIT)
+    path = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+    kwargs = {**TINY_VIT, "img_size": 64}
+    with caplog.at_level(logging.WARNING):
+        enc = create_encoder("vit_tiny_patch16_224", weights_file=str(path), num_classes=3, **kwargs)
+    assert enc.model.pos_embed.shape[1] == 1 + 64
+    assert "re-initialised" in caplog.text
+    assert torch.equal(enc.model.blocks[0].attn.qkv.weight, ref.blocks[0].attn.qkv.weight)
+
+
+def test_weights_file_of_other_architecture_is_a_clear_error(tmp_path):
+    ref = _timm("vit_tiny_patch16_224", num_classes=0, **{**TINY_VIT, "depth": 3})
+    path = tmp_path / "deeper.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+    with pytest.raises(ValueError, match="does not fit"):
+        create_encoder("vit_tiny_patch16_224", weights_file=str(path), **TINY_VIT)
+
+
+def test_pickled_code_in_weights_file_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = tmp_path / "evil.pth"
+    torch.save({"state_dict": {"x": torch.zeros(1)}, "evil": Evil()}, path)
+    with pytest.raises(CheckpointError, match="pickled"):
+        create_encoder("vit_tiny_patch16_224", weights_file=str(path), **TINY_VIT)
+    assert not marker.exists()
+
+
+def test_unknown_model_name_suggests_close_names():
+    with pytest.raises(ValueError, match=r"Unknown timm model name 'vit_tiny_patch16_2244'.*vit_tiny_patch16_224"):
+        create_encoder("vit_tiny_patch16_2244")
+
+
+def test_non_vit_model_is_rejected():
+    with pytest.raises(ValueError, match="ViT-family|not a Vision Transformer"):
+        create_encoder("resnet18", img_size=32)
+
+
+def test_missing_weights_file_names_it(tmp_path):
+    with pytest.raises(CheckpointError, match="nope.safetensors"):
+        create_encoder("vit_tiny_patch16_224", weights_file=str(tmp_path / "nope.safetensors"), **TINY_VIT)
+
+
+def test_data_config_has_this_models_size_and_overrides():
+    enc = create_encoder("vit_tiny_patch16_224", preprocess={"crop_pct": 1.0}, **TINY_VIT)
+    cfg = enc.data_config
+    assert cfg["input_size"] == (3, 32, 32)
+    assert cfg["crop_pct"] == 1.0
+    assert len(cfg["mean"]) == 3 and len(cfg["std"]) == 3
+    with pytest.raises(ValueError, match="unknown keys"):
+        create_encoder("vit_tiny_patch16_224", preprocess={"scale": 2}, **TINY_VIT)
+
+
+def test_conv_stem_keeps_grid_and_rebuilds_from_config():
+    enc = create_encoder("vit_tiny_patch16_224", stem="conv", **{**TINY_VIT, "patch_size": 4})
+    out = enc(torch.randn(2, 3, 32, 40))
+    assert out.grid == (8, 10) and out.tokens.shape == (2, 81, 32)
+    cfg = enc.architecture_config()
+    rebuilt = ViTEncoder(**cfg["init_args"])
+    rebuilt.load_state_dict(enc.state_dict())
+    enc.eval(), rebuilt.eval()
+    x = torch.randn(1, 3, 32, 32)
+    assert torch.equal(rebuilt(x).tokens, enc(x).tokens)
+    with pytest.raises(ValueError, match="power-of-two"):
+        create_encoder("vit_tiny_patch16_224", stem="conv", **{**TINY_VIT, "patch_size": 6})

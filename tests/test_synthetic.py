@@ -1,0 +1,60 @@
+"""The embedded shapes generator: seeded, balanced, boxes that fit the pixels, atomic cache."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from vision_attn.data.synthetic import (
+    COLOURS,
+    SHAPES,
+    ShapesConfig,
+    ensure_shapes_classification,
+    random_scene,
+    render_scene,
+)
+
+
+def test_same_seed_same_scene_and_pixels():
+    a = render_scene(random_scene(np.random.default_rng(5), 48, 32, 3), np.random.default_rng(1))
+    b = render_scene(random_scene(np.random.default_rng(5), 48, 32, 3), np.random.default_rng(1))
+    c = render_scene(random_scene(np.random.default_rng(6), 48, 32, 3), np.random.default_rng(1))
+    assert a.shape == (32, 48, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+def test_box_encloses_the_drawn_shape(kind):
+    rng = np.random.default_rng(0)
+    scene = random_scene(rng, 64, 64, 1, kinds=(kind,))
+    obj = scene.objects[0]
+    img = render_scene(scene, rng, noise=0, clutter=0).astype(int)
+    diff = np.abs(img - np.array(scene.background)).sum(-1) > 60  # clearly shape-coloured pixels
+    ys, xs = np.nonzero(diff)
+    x0, y0, x1, y1 = obj.box
+    assert xs.min() >= x0 - 1 and xs.max() <= x1 + 1
+    assert ys.min() >= y0 - 1 and ys.max() <= y1 + 1
+    # ...and is tight: the shape reaches close to every side of its box.
+    assert xs.min() <= x0 + 2 and xs.max() >= x1 - 3 and ys.min() <= y0 + 2 and ys.max() >= y1 - 3
+    assert obj.colour in COLOURS
+    assert obj.box_xywh[2] > 0 and obj.box_xywh[3] > 0
+
+
+def test_classification_layout_balanced_and_cached(tmp_path):
+    cfg = ShapesConfig(image_size=32, num_train=20, num_val=10, num_test=5, seed=1)
+    root = ensure_shapes_classification(cfg, tmp_path)
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["classes"] == list(SHAPES)
+    for split, n in (("train", 20), ("val", 10), ("test", 5)):
+        counts = {k: len(list((root / split / k).glob("*.png"))) for k in SHAPES}
+        assert sum(counts.values()) == n
+        assert max(counts.values()) - min(counts.values()) <= 1
+    stamp = (root / "train" / "circle" / "000000.png").stat().st_mtime_ns
+    assert ensure_shapes_classification(cfg, tmp_path) == root  # reused, not regenerated
+    assert (root / "train" / "circle" / "000000.png").stat().st_mtime_ns == stamp
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # no leftovers
+    other = ensure_shapes_classification(ShapesConfig(image_size=32, num_train=20, num_val=10, seed=2), tmp_path)
+    assert other != root

@@ -1,0 +1,10 @@
+#!/usr/bin/env python
+"""Train a vision_attn task: ``python train.py --config configs/classification/shapes.yaml``.
+
+See ``python train.py --help`` and the README's configuration table.
+"""
+
+from vision_attn.cli import run_entry, train_main
+
+if __name__ == "__main__":
+    run_entry(train_main)

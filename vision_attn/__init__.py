@@ -1,0 +1,35 @@
+"""vision_attn: Vision Transformers for classification, detection and captioning, with every
+attention map visible.
+
+Public API::
+
+    from vision_attn import create_encoder, capture_attention, MultiHeadAttention
+
+    encoder = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=2)
+    with capture_attention(encoder) as attn:
+        out = encoder(images)        # out.tokens, out.num_prefix_tokens, out.grid
+    attn[0].shape                    # [B, heads, T, T], first block first
+"""
+
+import logging
+
+from vision_attn.attention import KVCache, MultiHeadAttention, scaled_dot_product_attention
+from vision_attn.explain.capture import AttentionCaptureError, capture_attention
+from vision_attn.models.encoder import EncoderOutput, ViTEncoder, create_encoder
+from vision_attn.tasks.base import load_task
+
+__version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = [
+    "AttentionCaptureError",
+    "EncoderOutput",
+    "KVCache",
+    "MultiHeadAttention",
+    "ViTEncoder",
+    "capture_attention",
+    "create_encoder",
+    "load_task",
+    "scaled_dot_product_attention",
+]

@@ -1,0 +1,243 @@
+"""The LightningCLI shared by ``train.py`` and ``eval.py``.
+
+``python train.py --config CFG [--config MORE] [--section.key value ...]`` trains, writing into
+``--trainer.default_root_dir`` (default ``runs/<config name>``)::
+
+    ROOT/config.yaml              resolved config of the run
+    ROOT/checkpoints/last.ckpt    latest state (resume with --ckpt_path last)
+    ROOT/checkpoints/best-*.ckpt  best by the task's validation metric
+    ROOT/tensorboard/version_N/   TensorBoard logs
+    ROOT/csv/version_N/           metrics.csv
+
+``python eval.py --config CFG --ckpt_path CKPT --output_dir OUT`` evaluates a checkpoint and
+writes ``OUT/metrics.json`` and ``OUT/predictions.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from vision_attn.errors import CheckpointError, RunExistsError, VisionAttnError
+from vision_attn.tasks.base import VisionTask, read_task_meta, resolve_class
+
+__all__ = ["EvalCLI", "TrainCLI", "eval_main", "train_main", "write_json_atomic"]
+
+log = logging.getLogger("vision_attn")
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to ``path`` through a temporary file and one rename (never half-written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class RunConfigCallback(SaveConfigCallback):
+    """Save the resolved config as ``ROOT/config.yaml``; never overwrite a previous run's.
+
+    A run into a folder that already holds a ``config.yaml`` is refused unless it resumes from
+    a checkpoint (``--ckpt_path``), in which case the config goes to ``config.resume-N.yaml``.
+    """
+
+    def __init__(self, *args: Any, resuming: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resuming = resuming
+
+    def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        if self.already_saved or stage != "fit":
+            return
+        root = Path(trainer.default_root_dir)
+        target = root / self.config_filename
+        if trainer.is_global_zero:
+            if target.exists():
+                if not self.resuming:
+                    raise RunExistsError(
+                        f"{root} already holds a training run ({target} exists). Refusing to overwrite it: "
+                        "pass another --trainer.default_root_dir, or resume it with --ckpt_path last."
+                    )
+                n = 1
+                while (root / f"config.resume-{n}.yaml").exists():
+                    n += 1
+                target = root / f"config.resume-{n}.yaml"
+            root.mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, target, overwrite=False, multifile=False)
+        self.already_saved = True
+        trainer.strategy.barrier()
+
+
+class _VisionAttnCLI(LightningCLI):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("run", False)
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(VisionTask, *args, **kwargs)
+
+
+class TrainCLI(_VisionAttnCLI):
+    """``train.py``: parse, build, fit."""
+
+    def __init__(self, args: list[str] | None = None) -> None:
+        super().__init__(
+            save_config_callback=RunConfigCallback,
+            save_config_kwargs={"config_filename": "config.yaml"},
+            args=args,
+        )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--ckpt_path",
+            type=str | None,
+            default=None,
+            help="Resume training from this checkpoint ('last' = ROOT/checkpoints/last.ckpt).",
+        )
+        parser.set_defaults({"trainer.default_root_dir": None, "seed_everything": 0})
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config
+        if not cfg.trainer.get("default_root_dir"):
+            names = [Path(str(c)).stem for c in (cfg.get("config") or [])]
+            cfg.trainer.default_root_dir = str(Path("runs") / ("-".join(names) or "run"))
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        root = Path(config["default_root_dir"])
+        monitor, mode = getattr(self.model, "monitor", ("val/loss", "min"))
+        user = config.get("callbacks") or []
+        if not any(isinstance(c, ModelCheckpoint) for c in user + callbacks):
+            callbacks.append(
+                ModelCheckpoint(
+                    dirpath=root / "checkpoints",
+                    filename="best-{epoch:03d}-{step}",
+                    monitor=monitor,
+                    mode=mode,
+                    save_last=True,
+                    save_top_k=1,
+                    auto_insert_metric_name=False,
+                )
+            )
+        if config.get("logger") in (None, True):
+            config["logger"] = [
+                TensorBoardLogger(save_dir=str(root), name="tensorboard"),
+                CSVLogger(save_dir=str(root), name="csv"),
+            ]
+        if config.get("logger") and not any(isinstance(c, LearningRateMonitor) for c in user + callbacks):
+            callbacks.append(LearningRateMonitor(logging_interval="step"))
+        self.save_config_kwargs["resuming"] = bool(self.config.get("ckpt_path"))
+        return super()._instantiate_trainer(config, callbacks)
+
+
+class EvalCLI(_VisionAttnCLI):
+    """``eval.py``: the model (architecture, classes, preprocessing) comes from the checkpoint."""
+
+    def __init__(self, args: list[str] | None = None) -> None:
+        super().__init__(save_config_callback=None, args=args)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint to evaluate.")
+        parser.add_argument("--output_dir", type=str, required=True, help="Where metrics.json etc. go.")
+        parser.add_argument("--split", type=str | None, default=None,
+                            help="Split folder to evaluate (default: the data's validation split).")
+        parser.add_argument("--overwrite", type=bool, default=False,
+                            help="Replace results already in --output_dir.")
+        parser.set_defaults({"seed_everything": 0, "trainer.logger": False})
+
+    def before_instantiate_classes(self) -> None:
+        ckpt = self.config.ckpt_path
+        if ckpt == "last" and self.config.trainer.get("default_root_dir"):
+            ckpt = str(Path(self.config.trainer.default_root_dir) / "checkpoints" / "last.ckpt")
+        self.ckpt_meta, self.ckpt = read_task_meta(ckpt)
+        self.ckpt_file = ckpt
+        out = Path(self.config.output_dir)
+        existing = [p.name for p in (out / "metrics.json", out / "predictions.json") if p.exists()]
+        if existing and not self.config.overwrite:
+            raise RunExistsError(
+                f"{out} already holds evaluation results ({', '.join(existing)}); "
+                "pass another --output_dir or --overwrite true"
+            )
+        # The data and trainer come from the config; the model (architecture, class names,
+        # preprocessing) from the checkpoint, exactly as it was trained, with no download.
+        model_cfg = self.ckpt_meta["model"]
+        config_class = self.config.model.class_path
+        what = f"checkpoint {ckpt}"
+        if resolve_class(config_class, VisionTask, what) is not resolve_class(model_cfg["class_path"], VisionTask, what):
+            raise CheckpointError(
+                f"checkpoint {ckpt} holds a {self.ckpt_meta.get('task')!r} model ({model_cfg['class_path']}) "
+                f"but the config describes {config_class}"
+            )
+        self.config.model = None
+        self.config = self.parser.parse_object({"model": model_cfg}, self.config)
+
+    def after_instantiate_classes(self) -> None:
+        try:
+            self.model.load_state_dict(self.ckpt["state_dict"])
+        except RuntimeError as err:
+            raise CheckpointError(f"checkpoint {self.ckpt_file}: weights do not fit its model: {err}") from err
+        self.model.eval()
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        config["enable_checkpointing"] = False
+        config["default_root_dir"] = self.config.output_dir
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def train_main(args: list[str] | None = None) -> TrainCLI:
+    """Entry point of ``train.py``."""
+    cli = TrainCLI(args=args)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.ckpt_path)
+    if cli.trainer.is_global_zero:
+        root = Path(cli.trainer.default_root_dir)
+        log.info("run written to %s (config.yaml, checkpoints/, tensorboard/, csv/)", root)
+    return cli
+
+
+def eval_main(args: list[str] | None = None) -> dict[str, float]:
+    """Entry point of ``eval.py``: returns the metrics it wrote."""
+    cli = EvalCLI(args=args)
+    dm, model, trainer = cli.datamodule, cli.model, cli.trainer
+    dm.preprocess = model.data_config
+    split = cli.config.split or dm.val_split
+    loader = dm.eval_dataloader(split)
+    trainer.test(model, dataloaders=loader, verbose=False)
+    metrics, predictions = model.eval_results(loader.dataset.samples)
+    if trainer.is_global_zero:
+        out = Path(cli.config.output_dir)
+        write_json_atomic(out / "predictions.json", predictions)
+        write_json_atomic(out / "metrics.json", metrics)
+        log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)
+    return metrics
+
+
+def run_entry(fn) -> None:
+    """Run a command entry point: errors we anticipate become one clear line, exit code 2."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_float32_matmul_precision("high")
+    ours = (VisionAttnError,)
+    try:
+        fn()
+    except (*ours, ValueError, RuntimeError, TypeError) as err:
+        if os.environ.get("VISION_ATTN_DEBUG"):
+            raise
+        # jsonargparse wraps errors raised while building classes: report the original one.
+        cause: BaseException | None = err
+        while cause is not None and not isinstance(cause, ours):
+            cause = cause.__cause__ or cause.__context__
+        sys.stderr.write(f"error: {cause or err}\n(set VISION_ATTN_DEBUG=1 for the traceback)\n")
+        raise SystemExit(2) from None

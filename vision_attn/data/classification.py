@@ -1,0 +1,219 @@
+"""ImageFolder classification data: ``ROOT/<split>/<class>/<image>``.
+
+Class names and their number come from the folder names of the training split (sorted), never
+from a config. Any image mode is accepted (see :mod:`vision_attn.data.imageio`). With no
+``root`` the embedded synthetic shapes dataset is generated on first use and used.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, read_image
+from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
+from vision_attn.data.transforms import (
+    DEFAULT_PREPROCESS,
+    AugmentPreset,
+    build_eval_transform,
+    build_train_transform,
+)
+from vision_attn.errors import DataError
+
+__all__ = ["DataError", "ImageFolderDataModule", "ImageFolderDataset", "find_classes"]
+
+log = logging.getLogger(__name__)
+
+
+def find_classes(split_dir: Path) -> list[str]:
+    """Sorted class-folder names of ``split_dir``; errors for a missing or empty split."""
+    if not split_dir.is_dir():
+        raise DataError(
+            f"split folder {split_dir} does not exist. An ImageFolder root needs "
+            f"{split_dir.parent}/train/<class>/*.png and {split_dir.parent}/val/<class>/*.png."
+        )
+    classes = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise DataError(f"split folder {split_dir} has no class sub-folders (expected {split_dir}/<class>/<image>)")
+    return classes
+
+
+def _list_images(folder: Path) -> list[Path]:
+    return sorted(
+        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+    )
+
+
+class ImageFolderDataset(Dataset):
+    """Images of one split with integer labels.
+
+    Items are ``(image, label, index)``; ``samples[index]`` is ``(path relative to root,
+    label)``.
+
+    Args:
+        root: the dataset root.
+        split: split folder name under ``root``.
+        class_names: the label set (from the training split); a class folder of this split
+            that is not in it is an error.
+        transform: callable on an RGB ``uint8`` array.
+        max_pixels: refuse images larger than this (decompression bombs).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        split: str,
+        class_names: list[str],
+        transform: Any = None,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+    ) -> None:
+        self.root = Path(root)
+        self.split = split
+        self.class_names = list(class_names)
+        self.transform = transform
+        self.max_pixels = max_pixels
+        split_dir = self.root / split
+        present = find_classes(split_dir)
+        unknown = sorted(set(present) - set(class_names))
+        if unknown:
+            raise DataError(
+                f"{split_dir} has class folders {unknown} that the training split does not have; "
+                f"the classes are {self.class_names}. Add them to train/ or remove them here."
+            )
+        index = {c: i for i, c in enumerate(self.class_names)}
+        self.samples: list[tuple[str, int]] = []
+        for cls in present:
+            files = _list_images(split_dir / cls)
+            if not files:
+                raise DataError(
+                    f"class folder {split_dir / cls} contains no images ({', '.join(IMAGE_EXTENSIONS)}); "
+                    "add images or remove the folder"
+                )
+            self.samples += [(str(f.relative_to(self.root)), index[cls]) for f in files]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        rel, label = self.samples[index]
+        img = read_image(self.root / rel, max_pixels=self.max_pixels)
+        if self.transform is not None:
+            img = self.transform(img)
+        return img, label, index
+
+
+class ImageFolderDataModule(L.LightningDataModule):
+    """ImageFolder data for classification.
+
+    Preprocessing (size, mean, std, interpolation, crop) is the model's: when trained or
+    evaluated through Lightning it is read from ``trainer.lightning_module.data_config``;
+    otherwise set :attr:`preprocess` before :meth:`setup`.
+
+    Args:
+        root: dataset root with ``train/`` and ``val/`` (optional ``test/``) class folders.
+            ``None`` uses the embedded shapes dataset (generated on first use).
+        synthetic: parameters of the embedded dataset when ``root`` is ``None``.
+        cache_dir: where the embedded dataset is generated (default ``$VISION_ATTN_DATA`` or
+            ``~/.cache/vision_attn``).
+        train_split: training split folder name.
+        val_split: validation split folder name.
+        test_split: test split folder name (used when it exists).
+        batch_size: images per batch (per process).
+        eval_batch_size: images per batch in validation/test (default ``batch_size``).
+        num_workers: data-loading worker processes.
+        augment: training augmentation preset: ``none``, ``small`` (from scratch, small
+            images) or ``finetune`` (pretrained models at 224 px).
+        max_pixels: images declaring more pixels are refused.
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        synthetic: ShapesConfig | None = None,
+        cache_dir: str | None = None,
+        train_split: str = "train",
+        val_split: str = "val",
+        test_split: str = "test",
+        batch_size: int = 64,
+        eval_batch_size: int | None = None,
+        num_workers: int = 2,
+        augment: AugmentPreset = "small",
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+    ) -> None:
+        super().__init__()
+        if root is None:
+            root = str(ensure_shapes_classification(synthetic or ShapesConfig(), cache_dir))
+        self.root = Path(root).expanduser()
+        if not self.root.is_dir():
+            raise DataError(
+                f"data root {self.root} does not exist. Pass --data.root with a folder holding "
+                "train/<class>/ and val/<class>/ image folders (or leave it unset for the embedded shapes data)."
+            )
+        self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_workers = num_workers
+        self.augment = augment
+        self.max_pixels = max_pixels
+        self.class_names: list[str] = find_classes(self.root / train_split)
+        self.preprocess: dict[str, Any] | None = None
+        self.datasets: dict[str, ImageFolderDataset] = {}
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def _preprocess(self) -> dict[str, Any]:
+        trainer = getattr(self, "trainer", None)
+        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+        if module is not None and getattr(module, "data_config", None):
+            return module.data_config
+        if self.preprocess is not None:
+            return self.preprocess
+        log.warning("no model preprocessing available; using the ViT default %s", DEFAULT_PREPROCESS)
+        return DEFAULT_PREPROCESS
+
+    def dataset(self, split: str, train: bool = False) -> ImageFolderDataset:
+        """The dataset of ``split`` with the training or the evaluation transform."""
+        pre = self._preprocess()
+        transform = build_train_transform(pre, self.augment) if train else build_eval_transform(pre)
+        return ImageFolderDataset(self.root, split, self.class_names, transform, self.max_pixels)
+
+    def setup(self, stage: str | None = None) -> None:
+        if stage in ("fit", None):
+            self.datasets["train"] = self.dataset(self.train_split, train=True)
+        if stage in ("fit", "validate", None):
+            self.datasets["val"] = self.dataset(self.val_split)
+        if stage in ("test", None) and (self.root / self.test_split).is_dir():
+            self.datasets["test"] = self.dataset(self.test_split)
+
+    def _loader(self, ds: Dataset, train: bool) -> DataLoader:
+        return DataLoader(
+            ds,
+            batch_size=self.batch_size if train else self.eval_batch_size,
+            shuffle=train,
+            drop_last=train and len(ds) > self.batch_size,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.datasets["train"], train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.datasets["val"], train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        if "test" not in self.datasets:
+            raise DataError(f"no test split: {self.root / self.test_split} does not exist")
+        return self._loader(self.datasets["test"], train=False)
+
+    def eval_dataloader(self, split: str) -> DataLoader:
+        """Loader over any split folder with the evaluation transform (used by ``eval.py``)."""
+        return self._loader(self.dataset(split), train=False)

@@ -1,0 +1,307 @@
+"""The embedded synthetic "shapes" data: seeded scenes of coloured shapes, in standard layouts.
+
+Nothing can be downloaded at run time, so the suite carries its own data: scenes of simple
+shapes (circle, square, triangle, star, cross) in several colours, sizes, positions and
+rotations, on noisy backgrounds with optional clutter. Every scene knows its objects (kind,
+colour, box in pixels) and can describe itself in words, so the same generator serves
+classification (ImageFolder, class = the shape), detection (COCO boxes) and captioning (COCO
+captions).
+
+Datasets are written once into a cache folder (``$VISION_ATTN_DATA`` or
+``~/.cache/vision_attn``) whose name encodes every generation parameter, atomically (a
+half-written folder is never used), and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+__all__ = [
+    "COLOURS",
+    "SHAPES",
+    "Scene",
+    "SceneObject",
+    "ShapesConfig",
+    "default_cache_dir",
+    "ensure_shapes_classification",
+    "random_scene",
+    "render_scene",
+]
+
+log = logging.getLogger(__name__)
+
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross")
+COLOURS: dict[str, tuple[int, int, int]] = {  # RGB
+    "red": (230, 40, 40),
+    "green": (40, 200, 60),
+    "blue": (50, 90, 240),
+    "yellow": (240, 220, 40),
+    "magenta": (220, 50, 220),
+    "cyan": (40, 220, 230),
+    "white": (245, 245, 245),
+}
+_SUPERSAMPLE = 4  # draw at 4x and downsample: smooth edges at 32 px
+_FORMAT_VERSION = 1
+
+
+@dataclass
+class SceneObject:
+    """One shape in a scene. ``box`` is ``(x0, y0, x1, y1)`` in pixels of the rendered image."""
+
+    kind: str
+    colour: str
+    center: tuple[float, float]
+    size: float  # diameter of the circumscribed circle, pixels
+    angle: float  # degrees
+    box: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+
+    @property
+    def box_xywh(self) -> tuple[float, float, float, float]:
+        x0, y0, x1, y1 = self.box
+        return (x0, y0, x1 - x0, y1 - y0)
+
+
+@dataclass
+class Scene:
+    """A scene: image size and its objects, drawn in list order (later objects on top)."""
+
+    width: int
+    height: int
+    objects: list[SceneObject] = field(default_factory=list)
+    background: tuple[int, int, int] = (40, 40, 40)
+
+
+def _polygon(kind: str, cx: float, cy: float, size: float, angle: float) -> np.ndarray | None:
+    """Vertices ``[K, 2]`` of a shape (``None`` for the circle)."""
+    r = size / 2.0
+    if kind == "circle":
+        return None
+    if kind == "square":
+        pts = [(math.cos(math.radians(45 + 90 * i)), math.sin(math.radians(45 + 90 * i))) for i in range(4)]
+    elif kind == "triangle":
+        pts = [(math.cos(math.radians(-90 + 120 * i)), math.sin(math.radians(-90 + 120 * i))) for i in range(3)]
+    elif kind == "star":
+        pts = []
+        for i in range(10):
+            rad = 1.0 if i % 2 == 0 else 0.45
+            a = math.radians(-90 + 36 * i)
+            pts.append((rad * math.cos(a), rad * math.sin(a)))
+    elif kind == "cross":
+        w = 0.33
+        base = [(-w, -1), (w, -1), (w, -w), (1, -w), (1, w), (w, w), (w, 1), (-w, 1), (-w, w), (-1, w), (-1, -w), (-w, -w)]
+        pts = [(x / math.sqrt(1 + w * w), y / math.sqrt(1 + w * w)) for x, y in base]
+    else:
+        raise ValueError(f"unknown shape kind {kind!r}; known: {', '.join(SHAPES)}")
+    t = math.radians(angle)
+    rot = np.array([[math.cos(t), -math.sin(t)], [math.sin(t), math.cos(t)]])
+    return (np.array(pts) @ rot.T) * r + np.array([cx, cy])
+
+
+def _object_box(obj: SceneObject, width: int, height: int) -> tuple[float, float, float, float]:
+    poly = _polygon(obj.kind, obj.center[0], obj.center[1], obj.size, obj.angle)
+    if poly is None:
+        r = obj.size / 2.0
+        x0, y0, x1, y1 = obj.center[0] - r, obj.center[1] - r, obj.center[0] + r, obj.center[1] + r
+    else:
+        x0, y0 = poly.min(axis=0)
+        x1, y1 = poly.max(axis=0)
+    return (max(0.0, float(x0)), max(0.0, float(y0)), min(float(width), float(x1)), min(float(height), float(y1)))
+
+
+def random_scene(
+    rng: np.random.Generator,
+    width: int,
+    height: int,
+    num_objects: int = 1,
+    min_size: float = 0.35,
+    max_size: float = 0.75,
+    kinds: tuple[str, ...] = SHAPES,
+    max_overlap: float = 0.3,
+    rotate: bool = True,
+) -> Scene:
+    """Draw a random scene.
+
+    Args:
+        rng: numpy random generator (the only source of randomness: same seed, same scene).
+        width: image width in pixels.
+        height: image height in pixels.
+        num_objects: shapes to place.
+        min_size: smallest shape diameter as a fraction of ``min(width, height)``.
+        max_size: largest shape diameter as a fraction of ``min(width, height)``.
+        kinds: shape kinds to draw from.
+        max_overlap: largest allowed intersection-over-smaller-box between two objects
+            (placement is retried a few times, then accepted).
+        rotate: rotate each shape by a random angle.
+    """
+    side = min(width, height)
+    bg_level = int(rng.integers(10, 90))
+    tint = rng.integers(-12, 13, size=3)
+    background = tuple(int(np.clip(bg_level + t, 0, 255)) for t in tint)
+    scene = Scene(width=width, height=height, background=background)
+    for _ in range(num_objects):
+        for _attempt in range(20):
+            size = float(rng.uniform(min_size, max_size) * side)
+            r = size / 2.0
+            cx = float(rng.uniform(r, width - r)) if width > size else width / 2.0
+            cy = float(rng.uniform(r, height - r)) if height > size else height / 2.0
+            obj = SceneObject(
+                kind=str(rng.choice(kinds)),
+                colour=str(rng.choice(list(COLOURS))),
+                center=(cx, cy),
+                size=size,
+                angle=float(rng.uniform(0, 360)) if rotate else 0.0,
+            )
+            obj.box = _object_box(obj, width, height)
+            if all(_overlap(obj.box, other.box) <= max_overlap for other in scene.objects):
+                break
+        scene.objects.append(obj)
+    return scene
+
+
+def _overlap(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    smaller = min((a[2] - a[0]) * (a[3] - a[1]), (b[2] - b[0]) * (b[3] - b[1]))
+    return (ix * iy) / smaller if smaller > 0 else 0.0
+
+
+def render_scene(scene: Scene, rng: np.random.Generator, noise: float = 6.0, clutter: int = 3) -> np.ndarray:
+    """Render a scene to an RGB ``uint8`` array ``[H, W, 3]``.
+
+    Args:
+        scene: what to draw.
+        rng: randomness for noise and clutter.
+        noise: standard deviation of the Gaussian pixel noise (0 for none).
+        clutter: number of thin random line segments drawn under the shapes (distractors that
+            belong to no class).
+    """
+    s = _SUPERSAMPLE
+    h, w = scene.height * s, scene.width * s
+    canvas = np.empty((h, w, 3), np.uint8)
+    canvas[:] = scene.background
+    for _ in range(clutter):
+        p0 = tuple(int(v) for v in rng.integers(0, [w, h]))
+        p1 = tuple(int(v) for v in rng.integers(0, [w, h]))
+        level = int(rng.integers(60, 140))
+        cv2.line(canvas, p0, p1, (level, level, level), thickness=max(1, s // 2), lineType=cv2.LINE_AA)
+    for obj in scene.objects:
+        colour = COLOURS[obj.colour]
+        poly = _polygon(obj.kind, obj.center[0] * s, obj.center[1] * s, obj.size * s, obj.angle)
+        if poly is None:
+            center = (int(round(obj.center[0] * s)), int(round(obj.center[1] * s)))
+            cv2.circle(canvas, center, int(round(obj.size * s / 2)), colour, thickness=-1, lineType=cv2.LINE_AA)
+        else:
+            cv2.fillPoly(canvas, [np.round(poly).astype(np.int32)], colour, lineType=cv2.LINE_AA)
+    img = cv2.resize(canvas, (scene.width, scene.height), interpolation=cv2.INTER_AREA)
+    if noise > 0:
+        img = np.clip(img.astype(np.float32) + rng.normal(0, noise, img.shape), 0, 255).astype(np.uint8)
+    return img
+
+
+@dataclass
+class ShapesConfig:
+    """Parameters of the embedded shapes dataset (each value is part of the cache key).
+
+    Args:
+        image_size: side of the square images in pixels.
+        num_train: training images.
+        num_val: validation images.
+        num_test: test images (0 = no test split).
+        seed: generator seed.
+        noise: Gaussian pixel-noise standard deviation.
+        clutter: distractor line segments per image.
+        min_size: smallest shape, fraction of the image side.
+        max_size: largest shape, fraction of the image side.
+    """
+
+    image_size: int = 32
+    num_train: int = 2000
+    num_val: int = 500
+    num_test: int = 0
+    seed: int = 0
+    noise: float = 6.0
+    clutter: int = 3
+    min_size: float = 0.4
+    max_size: float = 0.8
+
+    def key(self, task: str) -> str:
+        c = self
+        return (
+            f"shapes-{task}-v{_FORMAT_VERSION}-s{c.image_size}-n{c.num_train}-{c.num_val}-{c.num_test}"
+            f"-seed{c.seed}-noise{c.noise:g}-clutter{c.clutter}-size{c.min_size:g}-{c.max_size:g}"
+        )
+
+
+def default_cache_dir() -> Path:
+    """``$VISION_ATTN_DATA`` if set, else ``~/.cache/vision_attn``."""
+    env = os.environ.get("VISION_ATTN_DATA")
+    return Path(env) if env else Path.home() / ".cache" / "vision_attn"
+
+
+def _write_png(path: Path, rgb: np.ndarray) -> None:
+    if not cv2.imwrite(str(path), cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR)):
+        raise OSError(f"OpenCV could not write {path}")
+
+
+def _atomic_dataset(target: Path, build) -> Path:
+    """Run ``build(tmp_dir)`` and move the result to ``target`` in one rename."""
+    if (target / "manifest.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished first (or a stale folder without manifest is there).
+            if (target / "manifest.json").is_file():
+                return target
+            shutil.rmtree(target, ignore_errors=True)
+            os.rename(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def ensure_shapes_classification(config: ShapesConfig | None = None, cache_dir: str | Path | None = None) -> Path:
+    """The shapes classification dataset as an ImageFolder root, generated on first use.
+
+    Layout: ``ROOT/{train,val[,test]}/<shape>/<index>.png`` with one main shape per image whose
+    kind is the class, plus clutter lines. Returns ``ROOT``.
+    """
+    config = config or ShapesConfig()
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / config.key("cls")
+
+    def build(tmp: Path) -> None:
+        log.info("generating shapes classification data into %s", target)
+        splits = {"train": config.num_train, "val": config.num_val, "test": config.num_test}
+        for offset, (split, count) in enumerate(splits.items()):
+            if count <= 0:
+                continue
+            rng = np.random.default_rng([config.seed, offset])
+            for kind in SHAPES:
+                (tmp / split / kind).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                kind = SHAPES[i % len(SHAPES)]  # balanced classes
+                scene = random_scene(
+                    rng, config.image_size, config.image_size, 1, config.min_size, config.max_size, kinds=(kind,)
+                )
+                img = render_scene(scene, rng, noise=config.noise, clutter=config.clutter)
+                _write_png(tmp / split / kind / f"{i:06d}.png", img)
+        manifest = {"task": "classification", "classes": list(SHAPES), "config": asdict(config)}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+    return _atomic_dataset(target, build)

@@ -1,0 +1,94 @@
+"""Image transforms built from the encoder's preprocessing (timm data config).
+
+The preprocessing that a model was trained with — input size, mean, std, interpolation,
+crop fraction — belongs to the model and travels in its checkpoint. These builders turn that
+dict into torchvision v2 pipelines, ``uint8 [H, W, 3]`` numpy in, normalised ``float32
+[3, H, W]`` tensor out.
+
+Augmentation presets:
+
+- ``none``: the evaluation pipeline;
+- ``small``: for small images trained from scratch (CIFAR-style): reflect-pad + random crop,
+  horizontal flip, light colour jitter;
+- ``finetune``: for fine-tuning pretrained models at 224 px: random-resized crop, flip,
+  RandAugment (timm/DeiT style).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import v2 as T
+
+__all__ = ["AugmentPreset", "DEFAULT_PREPROCESS", "build_eval_transform", "build_train_transform"]
+
+AugmentPreset = Literal["none", "small", "finetune"]
+
+DEFAULT_PREPROCESS: dict[str, Any] = {
+    "input_size": (3, 224, 224),
+    "interpolation": "bicubic",
+    "mean": (0.5, 0.5, 0.5),
+    "std": (0.5, 0.5, 0.5),
+    "crop_pct": 0.9,
+}
+
+
+def _interp(name: str) -> InterpolationMode:
+    try:
+        return InterpolationMode(name)
+    except ValueError:
+        return InterpolationMode.BICUBIC
+
+
+def _size(pre: dict[str, Any]) -> tuple[int, int]:
+    _, h, w = pre["input_size"]
+    return int(h), int(w)
+
+
+def _head(pre: dict[str, Any]) -> list:
+    return [T.ToImage()]
+
+
+def _tail(pre: dict[str, Any]) -> list:
+    return [T.ToDtype(torch.float32, scale=True), T.Normalize(mean=list(pre["mean"]), std=list(pre["std"]))]
+
+
+def build_eval_transform(pre: dict[str, Any]) -> T.Compose:
+    """Resize to ``size / crop_pct`` (shorter side) then centre-crop ``size``, as timm evaluates."""
+    h, w = _size(pre)
+    crop_pct = float(pre.get("crop_pct", 1.0))
+    interp = _interp(pre.get("interpolation", "bicubic"))
+    if crop_pct >= 1.0:
+        resize = [T.Resize((h, w), interpolation=interp, antialias=True)]
+    else:
+        scale = (math.floor(h / crop_pct), math.floor(w / crop_pct))
+        resize = [T.Resize(scale, interpolation=interp, antialias=True), T.CenterCrop((h, w))]
+    return T.Compose(_head(pre) + resize + _tail(pre))
+
+
+def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small") -> T.Compose:
+    """Training pipeline for ``augment`` (see the module docstring)."""
+    h, w = _size(pre)
+    interp = _interp(pre.get("interpolation", "bicubic"))
+    if augment == "none":
+        return build_eval_transform({**pre, "crop_pct": 1.0})
+    if augment == "small":
+        pad = max(1, h // 8)
+        ops = [
+            T.Resize((h, w), interpolation=interp, antialias=True),
+            T.RandomCrop((h, w), padding=pad, padding_mode="reflect"),
+            T.RandomHorizontalFlip(),
+            T.ColorJitter(brightness=0.2, contrast=0.2),
+        ]
+    elif augment == "finetune":
+        ops = [
+            T.RandomResizedCrop((h, w), scale=(0.08, 1.0), interpolation=interp, antialias=True),
+            T.RandomHorizontalFlip(),
+            T.RandAugment(num_ops=2, magnitude=9),
+        ]
+    else:
+        raise ValueError(f"unknown augment preset {augment!r}; use 'none', 'small' or 'finetune'")
+    return T.Compose(_head(pre) + ops + _tail(pre))

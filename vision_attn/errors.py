@@ -1,0 +1,29 @@
+"""Errors about user input. Each message names the file, id or key and says what to do.
+
+Commands (``train.py``, ``eval.py``) print these as one line and exit with status 2; anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError", "DataError", "EncoderError", "RunExistsError", "VisionAttnError"]
+
+
+class VisionAttnError(Exception):
+    """Base of the suite's user-facing errors."""
+
+
+class DataError(VisionAttnError, ValueError):
+    """A data root, split, folder or annotation that cannot be used."""
+
+
+class CheckpointError(VisionAttnError, ValueError):
+    """A weights or checkpoint file that cannot be used."""
+
+
+class EncoderError(VisionAttnError, ValueError):
+    """An encoder that cannot be built: unknown timm name, not a ViT, bad arguments."""
+
+
+class RunExistsError(VisionAttnError, FileExistsError):
+    """An output folder that already holds results which would be overwritten."""

@@ -1,0 +1,303 @@
+"""ViT encoder: the one place in the suite that talks to timm.
+
+``ViTEncoder`` wraps any timm Vision-Transformer-family model (``vit_*``, ``deit_*``, distilled
+and register-token variants, or explicit sizes for small from-scratch models) and returns its
+tokens together with what downstream code needs to interpret them:
+
+- ``tokens``: ``[B, P + N, D]``, identical to timm's ``forward_features`` (final norm applied);
+- ``num_prefix_tokens``: ``P``, the class / distillation / register tokens in front;
+- ``grid``: ``(h, w)`` patch grid of the *actual* input, so ``N = h * w`` (dynamic image size).
+
+Preprocessing (input size, mean, std, interpolation, crop fraction) comes from timm's data
+config and is kept in ``data_config``; tasks store it in their checkpoints.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import timm
+from torch import Tensor, nn
+
+from vision_attn.checkpoint_io import load_state_dict_file
+from vision_attn.errors import EncoderError
+
+__all__ = ["ConvStem", "EncoderOutput", "ViTEncoder", "create_encoder"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EncoderOutput:
+    """What :class:`ViTEncoder` returns.
+
+    Attributes:
+        tokens: ``[B, P + N, D]`` — prefix tokens first, then patch tokens in row-major order.
+        num_prefix_tokens: ``P``.
+        grid: ``(h, w)`` with ``h * w = N``.
+    """
+
+    tokens: Tensor
+    num_prefix_tokens: int
+    grid: tuple[int, int]
+
+    @property
+    def patch_tokens(self) -> Tensor:
+        """``[B, N, D]``: the tokens of the image patches (the image regions)."""
+        return self.tokens[:, self.num_prefix_tokens :]
+
+    @property
+    def prefix_tokens(self) -> Tensor:
+        """``[B, P, D]``: class / distillation / register tokens."""
+        return self.tokens[:, : self.num_prefix_tokens]
+
+
+def _suggest(name: str) -> str:
+    candidates = timm.list_models("vit_*") + timm.list_models("deit*")
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    return hint + " List the available names with `timm.list_models('vit_*')`."
+
+
+class ConvStem(nn.Module):
+    """Convolutional patch embedding ("Early convolutions help transformers see better",
+    Xiao et al. 2021): a 3x3 conv, then ``log2(patch)`` stride-2 3x3 convs, then a 1x1 conv to
+    ``embed_dim``. Same token grid as a ``patch x patch`` linear embedding, but it gives small
+    from-scratch ViTs the locality they lack, so they train in far fewer steps. Batch-norm
+    free (GroupNorm), so results do not depend on the per-process batch.
+    """
+
+    def __init__(self, patch_size: int, embed_dim: int, in_chans: int = 3) -> None:
+        super().__init__()
+        if patch_size < 2 or patch_size & (patch_size - 1):
+            raise EncoderError(f"stem='conv' needs a power-of-two patch_size >= 2, got {patch_size}")
+        n_down = patch_size.bit_length() - 1
+        widths = [max(8, embed_dim >> (n_down - i)) for i in range(n_down + 1)]
+        layers: list[nn.Module] = [nn.Conv2d(in_chans, widths[0], 3, 1, 1), nn.GroupNorm(1, widths[0]), nn.GELU()]
+        for c_in, c_out in zip(widths[:-1], widths[1:], strict=True):
+            layers += [nn.Conv2d(c_in, c_out, 3, 2, 1), nn.GroupNorm(1, c_out), nn.GELU()]
+        layers.append(nn.Conv2d(widths[-1], embed_dim, 1))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)  # (B, D, H/p, W/p)
+
+
+class ViTEncoder(nn.Module):
+    """A timm Vision Transformer returning tokens, prefix count and patch grid.
+
+    Args:
+        name: timm model name (``vit_tiny_patch16_224``, ``deit_small_distilled_patch16_224``,
+            ``vit_small_patch16_224.augreg_in21k``, ``vit_base_patch16_reg4_gap_224``, ...).
+            The size arguments below override the architecture for from-scratch models.
+        pretrained: load timm's pretrained weights from the hub (needs network access or a
+            populated hub cache).
+        weights_file: load weights from a local ``.safetensors`` / ``.pth`` / ``.pt`` / ``.bin``
+            file instead (read without executing pickled code). Position embeddings are
+            resampled to ``img_size`` and a classifier head of another size is dropped.
+        img_size: training image size (the position-embedding grid); other sizes still work.
+        patch_size: patch side in pixels.
+        embed_dim: token width ``D``.
+        depth: number of transformer blocks.
+        num_heads: attention heads per block.
+        mlp_ratio: hidden width of the MLP relative to ``embed_dim``.
+        num_classes: size of timm's own classifier head (0 = none). The suite's task heads
+            live outside the encoder; keep 0 unless you want timm's logits.
+        drop_rate: dropout after the position embedding and in the MLPs.
+        drop_path_rate: stochastic depth.
+        dynamic_img_size: accept any input size (multiple of the patch size), resampling the
+            position embeddings on the fly.
+        timm_kwargs: further keyword arguments for ``timm.create_model``.
+        stem: ``patch`` (timm's linear patch embedding, needed for pretrained weights) or
+            ``conv`` (:class:`ConvStem`, for small models trained from scratch).
+        preprocess: overrides of timm's data config (``input_size``, ``mean``, ``std``,
+            ``interpolation``, ``crop_pct``), e.g. ``{"crop_pct": 1.0}`` for small images.
+    """
+
+    def __init__(
+        self,
+        name: str = "vit_tiny_patch16_224",
+        pretrained: bool = False,
+        weights_file: str | None = None,
+        img_size: int | None = None,
+        patch_size: int | None = None,
+        embed_dim: int | None = None,
+        depth: int | None = None,
+        num_heads: int | None = None,
+        mlp_ratio: float | None = None,
+        num_classes: int = 0,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        dynamic_img_size: bool = True,
+        timm_kwargs: dict[str, Any] | None = None,
+        stem: Literal["patch", "conv"] = "patch",
+        preprocess: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        # The constructor arguments, minus where the weights came from: enough to rebuild the
+        # architecture (weights then come from a checkpoint).
+        self.init_args: dict[str, Any] = {
+            "name": name, "img_size": img_size, "patch_size": patch_size, "embed_dim": embed_dim,
+            "depth": depth, "num_heads": num_heads, "mlp_ratio": mlp_ratio, "num_classes": num_classes,
+            "drop_rate": drop_rate, "drop_path_rate": drop_path_rate, "dynamic_img_size": dynamic_img_size,
+            "timm_kwargs": dict(timm_kwargs or {}), "stem": stem, "preprocess": dict(preprocess or {}),
+        }
+        if pretrained and weights_file:
+            raise EncoderError("Give either pretrained=True (timm hub) or weights_file=PATH, not both.")
+        kwargs: dict[str, Any] = dict(timm_kwargs or {})
+        sizes = {
+            "img_size": img_size,
+            "patch_size": patch_size,
+            "embed_dim": embed_dim,
+            "depth": depth,
+            "num_heads": num_heads,
+            "mlp_ratio": mlp_ratio,
+        }
+        kwargs.update({k: v for k, v in sizes.items() if v is not None})
+        kwargs.update(
+            num_classes=num_classes,
+            drop_rate=drop_rate,
+            drop_path_rate=drop_path_rate,
+            dynamic_img_size=dynamic_img_size,
+        )
+        arch = name.split(".")[0]
+        if not timm.is_model(arch):
+            raise EncoderError(f"Unknown timm model name {name!r}.{_suggest(arch)}")
+        try:
+            model = timm.create_model(name, pretrained=pretrained, **kwargs)
+        except TypeError as err:
+            raise EncoderError(
+                f"timm model {name!r} does not accept these arguments {sorted(kwargs)}: {err}. "
+                "Is it a ViT-family model (vit_*, deit_*)?"
+            ) from err
+        required = ("patch_embed", "blocks", "num_prefix_tokens", "forward_features")
+        missing = [a for a in required if not hasattr(model, a)]
+        if missing:
+            raise EncoderError(
+                f"timm model {name!r} is not a Vision Transformer (it has no {', '.join(missing)}); "
+                "vision_attn encoders need a ViT-family model such as vit_tiny_patch16_224 or "
+                "deit_small_patch16_224."
+            )
+        if stem == "conv":
+            model.patch_embed.proj = ConvStem(model.patch_embed.patch_size[0], model.embed_dim)
+        elif stem != "patch":
+            raise EncoderError(f"stem must be 'patch' or 'conv', got {stem!r}")
+        self.model = model
+        self.name = name
+        if weights_file:
+            self.load_weights(weights_file)
+        self.embed_dim: int = model.embed_dim
+        self.num_heads: int = model.blocks[0].attn.num_heads
+        self.depth: int = len(model.blocks)
+        self.num_prefix_tokens: int = model.num_prefix_tokens
+        self.patch_size: tuple[int, int] = tuple(model.patch_embed.patch_size)
+        self.data_config: dict[str, Any] = self._resolve_data_config(preprocess or {})
+
+    def architecture_config(self) -> dict[str, Any]:
+        """``{"class_path", "init_args"}`` that rebuilds this encoder without downloading weights."""
+        init_args = {**self.init_args, "pretrained": False, "weights_file": None}
+        return {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "init_args": init_args}
+
+    # ------------------------------------------------------------------ preprocessing
+    def _resolve_data_config(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """timm's data config, with the input size of *this* model (not of the pretrained tag)."""
+        unknown = set(overrides) - {"input_size", "interpolation", "mean", "std", "crop_pct"}
+        if unknown:
+            raise EncoderError(
+                f"preprocess has unknown keys {sorted(unknown)}; allowed: input_size, interpolation, mean, std, crop_pct"
+            )
+        cfg = dict(timm.data.resolve_model_data_config(self.model))
+        img_size = self.model.patch_embed.img_size
+        if img_size is not None:
+            cfg["input_size"] = (3, int(img_size[0]), int(img_size[1]))
+        cfg.update(overrides)
+        return {
+            "input_size": tuple(int(s) for s in cfg["input_size"]),
+            "interpolation": str(cfg.get("interpolation", "bicubic")),
+            "mean": tuple(float(m) for m in cfg["mean"]),
+            "std": tuple(float(s) for s in cfg["std"]),
+            "crop_pct": float(cfg.get("crop_pct", 1.0)),
+        }
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, path: str | Path) -> None:
+        """Load a local weights file into the timm model (safe: no pickled code runs).
+
+        Accepts a plain timm state dict, a ``{"state_dict": ...}`` / ``{"model": ...}`` wrapper,
+        keys prefixed ``module.`` or ``model.``, and resamples position embeddings with timm's own
+        checkpoint filter. A classifier head whose shape differs from this model's is dropped
+        (with a warning) so the weights can be fine-tuned on another label set.
+        """
+        state = load_state_dict_file(path)
+        own = self.model.state_dict()
+        for prefix in ("module.", "model.", "encoder.model."):
+            if state and not any(k in own for k in state) and all(k.startswith(prefix) for k in state):
+                state = {k[len(prefix) :]: v for k, v in state.items()}
+        filter_fn = getattr(importlib.import_module(type(self.model).__module__), "checkpoint_filter_fn", None)
+        if filter_fn is not None:
+            state = filter_fn(state, self.model)
+        classifier = self.model.pretrained_cfg.get("classifier", "head")
+        heads = (classifier,) if isinstance(classifier, str) else tuple(classifier)
+        for key in list(state):
+            if key.split(".")[0] not in heads:
+                continue
+            if key not in own:  # the encoder has no classifier (num_classes=0): nothing to warn
+                log.info("weights %s: classifier tensor %s not used by this encoder", path, key)
+                del state[key]
+            elif own[key].shape != state[key].shape:
+                log.warning(
+                    "weights %s: classifier tensor %s has shape %s, the model %s; it is re-initialised",
+                    path, key, tuple(state[key].shape), tuple(own[key].shape),
+                )
+                del state[key]
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k.split(".")[0] not in heads]
+        if missing or unexpected:
+            raise EncoderError(
+                f"weights file {path} does not fit timm model {self.name!r}: "
+                f"missing keys {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                f"unexpected keys {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}. "
+                "Check that the file was saved from the same architecture and sizes."
+            )
+        log.info("loaded encoder weights from %s", path)
+
+    # ------------------------------------------------------------------ forward
+    def grid_for(self, height: int, width: int) -> tuple[int, int]:
+        """Patch grid ``(h, w)`` for an input of ``height x width`` pixels."""
+        return tuple(int(g) for g in self.model.patch_embed.dynamic_feat_size((height, width)))
+
+    def forward(self, x: Tensor) -> EncoderOutput:
+        """Encode images ``[B, 3, H, W]`` (normalised with ``data_config``)."""
+        if x.dim() != 4 or x.shape[1] != 3:
+            raise EncoderError(f"ViTEncoder expects images [B, 3, H, W], got {tuple(x.shape)}")
+        tokens = self.model.forward_features(x)  # (B, P + h*w, D)
+        grid = self.grid_for(x.shape[-2], x.shape[-1])
+        return EncoderOutput(tokens=tokens, num_prefix_tokens=self.num_prefix_tokens, grid=grid)
+
+    def forward_head(self, out: EncoderOutput, pre_logits: bool = False) -> Tensor:
+        """timm's own pooling + classifier on the tokens (only useful with ``num_classes > 0``)."""
+        return self.model.forward_head(out.tokens, pre_logits=pre_logits)
+
+
+def create_encoder(
+    name: str = "vit_tiny_patch16_224",
+    pretrained: bool = False,
+    weights_file: str | None = None,
+    **timm_kwargs: Any,
+) -> ViTEncoder:
+    """Build a :class:`ViTEncoder` from a timm name and keyword arguments.
+
+    Keyword arguments that :class:`ViTEncoder` names (``img_size``, ``depth``, ...) are passed
+    as such; any other goes to ``timm.create_model``.
+    """
+    import inspect
+
+    named = set(inspect.signature(ViTEncoder.__init__).parameters) - {"self", "timm_kwargs"}
+    direct = {k: v for k, v in timm_kwargs.items() if k in named}
+    extra = {k: v for k, v in timm_kwargs.items() if k not in named}
+    return ViTEncoder(name=name, pretrained=pretrained, weights_file=weights_file, timm_kwargs=extra, **direct)

@@ -1,0 +1,179 @@
+"""Image classification system: ViT encoder + pooling head, label-smoothed cross-entropy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassAccuracy
+
+from vision_attn.errors import DataError
+from vision_attn.models.classifier import ClassificationHead, Pooling
+from vision_attn.models.encoder import ViTEncoder
+from vision_attn.tasks.base import VisionTask, gather_objects
+
+__all__ = ["ClassificationTask", "classification_metrics"]
+
+
+def _metric_collection(num_classes: int) -> MetricCollection:
+    metrics = {
+        "acc_top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
+        "acc_macro": MulticlassAccuracy(num_classes, top_k=1, average="macro"),
+    }
+    if num_classes >= 5:
+        metrics["acc_top5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
+    return MetricCollection(metrics)
+
+
+def classification_metrics(logits: Tensor, labels: Tensor) -> dict[str, float]:
+    """``acc_top1`` (micro), ``acc_macro`` and ``acc_top5`` (when ``C >= 5``) of a whole split."""
+    metrics = _metric_collection(logits.shape[1])
+    metrics.update(logits, labels)
+    return {k: float(v) for k, v in metrics.compute().items()}
+
+
+class ClassificationTask(VisionTask):
+    """ViT image classifier.
+
+    Class names and their number normally come from the data: leave them unset and the
+    task reads them from the datamodule (``class_names``) when training starts.
+
+    Args:
+        encoder: the ViT encoder.
+        num_classes: number of classes (default: from the datamodule).
+        class_names: class names in label order (default: from the datamodule).
+        pooling: ``auto`` (class token if any, else mean), ``cls`` or ``mean``.
+        head_dropout: dropout before the classifier.
+        label_smoothing: label smoothing of the training loss.
+        lr: peak learning rate.
+        encoder_lr: peak learning rate of the encoder (default ``lr``).
+        weight_decay: AdamW weight decay.
+        warmup_fraction: share of steps in linear warmup.
+        min_lr_ratio: final learning rate relative to the peak.
+    """
+
+    task_name = "classification"
+    monitor = ("val/acc_top1", "max")
+
+    def __init__(
+        self,
+        encoder: ViTEncoder,
+        num_classes: int | None = None,
+        class_names: list[str] | None = None,
+        pooling: Pooling = "auto",
+        head_dropout: float = 0.0,
+        label_smoothing: float = 0.1,
+        lr: float = 1e-3,
+        encoder_lr: float | None = None,
+        weight_decay: float = 0.05,
+        warmup_fraction: float = 0.05,
+        min_lr_ratio: float = 0.01,
+    ) -> None:
+        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio)
+        self.save_hyperparameters(ignore=["encoder"])
+        self.pooling = pooling
+        self.head_dropout = head_dropout
+        self.label_smoothing = label_smoothing
+        self.class_names: list[str] | None = None
+        self.head: ClassificationHead | None = None
+        if class_names is not None or num_classes is not None:
+            self._build_head(num_classes, class_names)
+        self.eval_records: list[dict[str, Any]] = []
+
+    def _build_head(self, num_classes: int | None, class_names: list[str] | None) -> None:
+        if class_names is not None and num_classes is not None and len(class_names) != num_classes:
+            raise ValueError(f"num_classes={num_classes} but {len(class_names)} class_names were given")
+        if class_names is None:
+            class_names = [str(i) for i in range(int(num_classes))]
+        self.class_names = list(class_names)
+        n = len(self.class_names)
+        self.head = ClassificationHead(self.encoder.embed_dim, n, self.pooling, self.head_dropout)
+        self.hparams["num_classes"] = n
+        self.hparams["class_names"] = self.class_names
+        # ("train" cannot be a ModuleDict key: it would shadow nn.Module.train)
+        self.metrics = torch.nn.ModuleDict(
+            {f"{stage}_metrics": _metric_collection(n).clone(prefix=f"{stage}/") for stage in ("train", "val", "test")}
+        )
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None)
+        names = getattr(dm, "class_names", None)
+        if self.head is None:
+            if names is None:
+                raise DataError(
+                    "ClassificationTask has no num_classes/class_names and the datamodule gives no class_names"
+                )
+            self._build_head(len(names), names)
+        elif names is not None and list(names) != self.class_names:
+            raise DataError(
+                f"the model was built for classes {self.class_names} but the data has {list(names)}; "
+                "evaluate on data with the same class folders (or fine-tune a new head)"
+            )
+
+    def forward(self, images: Tensor) -> Tensor:
+        """Logits ``[B, C]`` for normalised images ``[B, 3, H, W]``."""
+        if self.head is None:
+            raise RuntimeError("the classification head is not built yet: pass num_classes or class_names")
+        return self.head(self.encoder(images))
+
+    def _shared_step(self, batch: tuple[Tensor, Tensor, Tensor], stage: str) -> Tensor:
+        images, labels, index = batch
+        logits = self(images)
+        smoothing = self.label_smoothing if stage == "train" else 0.0
+        loss = F.cross_entropy(logits, labels, label_smoothing=smoothing)
+        metrics = self.metrics[f"{stage}_metrics"]
+        metrics.update(logits.detach(), labels)
+        on_step = stage == "train"
+        self.log(f"{stage}/loss", loss, prog_bar=True, on_step=on_step, on_epoch=True, batch_size=len(labels))
+        self.log_dict(metrics, prog_bar=stage != "train", on_step=False, on_epoch=True)
+        if stage == "test":
+            probs = logits.detach().float().softmax(-1).cpu()
+            for i, lab, p in zip(index.tolist(), labels.tolist(), probs, strict=True):
+                self.eval_records.append({"index": i, "label": lab, "probs": p})
+        return loss
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "train")
+
+    def validation_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "test")
+
+    def on_test_epoch_start(self) -> None:
+        self.eval_records = []
+
+    def on_test_epoch_end(self) -> None:
+        # One record per image: gather from every process and drop the duplicates that a
+        # distributed sampler pads with, so results do not depend on the process count.
+        unique = {r["index"]: r for r in gather_objects(self.eval_records)}
+        self.eval_records = [unique[i] for i in sorted(unique)]
+
+    def eval_results(self, samples: list[tuple[str, int]]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """``(metrics, predictions)`` from the last test run, in the contract's formats.
+
+        Args:
+            samples: the evaluated dataset's ``(relative path, label)`` list.
+        """
+        if not self.eval_records:
+            raise RuntimeError("no evaluation records: run trainer.test(...) first")
+        probs = torch.stack([r["probs"] for r in self.eval_records])
+        labels = torch.tensor([r["label"] for r in self.eval_records])
+        metrics = classification_metrics(probs, labels)
+        names = self.class_names or []
+        predictions = []
+        for r, p in zip(self.eval_records, probs, strict=True):
+            score, pred = p.max(dim=0)
+            predictions.append(
+                {
+                    "file": samples[r["index"]][0],
+                    "label": names[r["label"]],
+                    "pred": names[int(pred)],
+                    "score": float(score),
+                }
+            )
+        return metrics, predictions
