@@ -130,3 +130,24 @@ def test_every_config_parses(config):
     parsed = ParseOnly(args=args).config
     assert parsed.model.class_path.startswith("vision_attn.")
     assert parsed.data.class_path.startswith("vision_attn.")
+
+
+def test_corrupt_image_and_empty_class_folder_give_one_clear_error(tmp_path, shapes_root):
+    import shutil
+
+    root = tmp_path / "data"
+    shutil.copytree(shapes_root, root)
+    bad = root / "train" / "circle" / "broken.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    args = [str(REPO / "train.py"), *_tiny(root), "--data.init_args.num_workers", "1",
+            "--trainer.default_root_dir", str(tmp_path / "out")]
+    res = _run(args, tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    last = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(last) == 1 and str(bad) in last[0] and "cannot read image" in last[0]
+    bad.unlink()
+    for f in (root / "val" / "star").iterdir():
+        f.unlink()
+    res = _run(args, tmp_path)
+    assert res.returncode == 2
+    assert f"class folder {root / 'val' / 'star'} contains no images" in res.stderr

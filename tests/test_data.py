@@ -77,6 +77,20 @@ def test_corrupt_image_names_the_file(tmp_path):
         ds[bad]
 
 
+def test_corrupt_image_in_a_worker_process_keeps_type_and_path(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from vision_attn.cli import one_line
+
+    root = _folder(tmp_path, {"train": {"a": 1}})
+    (root / "train" / "a" / "zz_bad.png").write_bytes(b"garbage")
+    ds = ImageFolderDataset(root, "train", ["a"], transform=lambda im: torch.zeros(1))
+    with pytest.raises(ImageReadError) as info:
+        list(DataLoader(ds, batch_size=2, num_workers=1))
+    msg = one_line(info.value)
+    assert msg.startswith("cannot read image") and "zz_bad.png" in msg and "\n" not in msg
+
+
 def test_preprocessing_comes_from_the_model(shapes_root):
     dm = ImageFolderDataModule(root=str(shapes_root), num_workers=0)
     dm.preprocess = {**PRE, "input_size": (3, 48, 48), "mean": (0.1, 0.2, 0.3)}

@@ -58,3 +58,17 @@ def test_classification_layout_balanced_and_cached(tmp_path):
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # no leftovers
     other = ensure_shapes_classification(ShapesConfig(image_size=32, num_train=20, num_val=10, seed=2), tmp_path)
     assert other != root
+
+
+def test_descriptions_name_every_object():
+    rng = np.random.default_rng(4)
+    for n in (1, 2, 3):
+        scene = random_scene(rng, 64, 64, n)
+        captions = scene.describe(np.random.default_rng(0), num=5)
+        assert len(captions) == 5 and len(set(captions)) >= 3
+        for c in captions:
+            for o in scene.objects:
+                assert o.colour in c and o.kind in c
+    one = random_scene(np.random.default_rng(1), 64, 64, 1)
+    one.objects[0].center = (8.0, 8.0)
+    assert any("in the top left" in c for c in one.describe(np.random.default_rng(0), num=6))

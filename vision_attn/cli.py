@@ -225,6 +225,16 @@ def eval_main(args: list[str] | None = None) -> dict[str, float]:
     return metrics
 
 
+def one_line(err: BaseException) -> str:
+    """The message of ``err``; for errors re-raised from a DataLoader worker, the original one."""
+    text = str(err)
+    if "Original Traceback" in text:
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        last = lines[-1]
+        return last.split(": ", 1)[1] if ": " in last and last.split(": ", 1)[0].endswith("Error") else last
+    return text
+
+
 def run_entry(fn) -> None:
     """Run a command entry point: errors we anticipate become one clear line, exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -239,5 +249,5 @@ def run_entry(fn) -> None:
         cause: BaseException | None = err
         while cause is not None and not isinstance(cause, ours):
             cause = cause.__cause__ or cause.__context__
-        sys.stderr.write(f"error: {cause or err}\n(set VISION_ATTN_DEBUG=1 for the traceback)\n")
+        sys.stderr.write(f"error: {one_line(cause or err)}\n(set VISION_ATTN_DEBUG=1 for the traceback)\n")
         raise SystemExit(2) from None

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import time
+import warnings
 from datetime import datetime
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--output_dir", default="runs/demo")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     args, extra = parser.parse_known_args()
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     results = run_demo(args.output_dir, args.tasks, extra)
     print("\n== vision_attn demo ==")

@@ -128,6 +128,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         num_workers: data-loading worker processes.
         augment: training augmentation preset: ``none``, ``small`` (from scratch, small
             images) or ``finetune`` (pretrained models at 224 px).
+        hflip: random horizontal flips in training (turn off for text and digits).
         max_pixels: images declaring more pixels are refused.
     """
 
@@ -143,6 +144,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         eval_batch_size: int | None = None,
         num_workers: int = 2,
         augment: AugmentPreset = "small",
+        hflip: bool = True,
         max_pixels: int = DEFAULT_MAX_PIXELS,
     ) -> None:
         super().__init__()
@@ -159,6 +161,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
         self.augment = augment
+        self.hflip = hflip
         self.max_pixels = max_pixels
         self.class_names: list[str] = find_classes(self.root / train_split)
         self.preprocess: dict[str, Any] | None = None
@@ -181,7 +184,7 @@ class ImageFolderDataModule(L.LightningDataModule):
     def dataset(self, split: str, train: bool = False) -> ImageFolderDataset:
         """The dataset of ``split`` with the training or the evaluation transform."""
         pre = self._preprocess()
-        transform = build_train_transform(pre, self.augment) if train else build_eval_transform(pre)
+        transform = build_train_transform(pre, self.augment, self.hflip) if train else build_eval_transform(pre)
         return ImageFolderDataset(self.root, split, self.class_names, transform, self.max_pixels)
 
     def setup(self, stage: str | None = None) -> None:

@@ -27,12 +27,13 @@ DEFAULT_MAX_PIXELS = 178_956_970  # PIL's own default bomb limit
 class ImageReadError(VisionAttnError, OSError):
     """An image file that cannot be used. ``path`` and ``reason`` say which and why."""
 
-    def __init__(self, path: str | Path, reason: str) -> None:
+    def __init__(self, path: str | Path, reason: str | None = None) -> None:
         self.path = str(path)
         self.reason = reason
-        super().__init__(
-            f"cannot read image {self.path}: {reason}. Check the file (re-save or remove it)."
-        )
+        if reason is None:  # re-raised from a DataLoader worker: ``path`` is the whole message
+            super().__init__(self.path)
+        else:
+            super().__init__(f"cannot read image {self.path}: {reason}. Check the file (re-save or remove it).")
 
 
 def to_rgb_array(img: Image.Image) -> np.ndarray:

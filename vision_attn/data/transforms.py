@@ -48,10 +48,6 @@ def _size(pre: dict[str, Any]) -> tuple[int, int]:
     return int(h), int(w)
 
 
-def _head(pre: dict[str, Any]) -> list:
-    return [T.ToImage()]
-
-
 def _tail(pre: dict[str, Any]) -> list:
     return [T.ToDtype(torch.float32, scale=True), T.Normalize(mean=list(pre["mean"]), std=list(pre["std"]))]
 
@@ -66,11 +62,12 @@ def build_eval_transform(pre: dict[str, Any]) -> T.Compose:
     else:
         scale = (math.floor(h / crop_pct), math.floor(w / crop_pct))
         resize = [T.Resize(scale, interpolation=interp, antialias=True), T.CenterCrop((h, w))]
-    return T.Compose(_head(pre) + resize + _tail(pre))
+    return T.Compose([T.ToImage()] + resize + _tail(pre))
 
 
-def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small") -> T.Compose:
-    """Training pipeline for ``augment`` (see the module docstring)."""
+def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small", hflip: bool = True) -> T.Compose:
+    """Training pipeline for ``augment`` (see the module docstring); ``hflip=False`` for
+    data whose mirror image is another class (text, digits)."""
     h, w = _size(pre)
     interp = _interp(pre.get("interpolation", "bicubic"))
     if augment == "none":
@@ -80,15 +77,15 @@ def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small")
         ops = [
             T.Resize((h, w), interpolation=interp, antialias=True),
             T.RandomCrop((h, w), padding=pad, padding_mode="reflect"),
-            T.RandomHorizontalFlip(),
+            T.RandomHorizontalFlip(0.5 if hflip else 0.0),
             T.ColorJitter(brightness=0.2, contrast=0.2),
         ]
     elif augment == "finetune":
         ops = [
             T.RandomResizedCrop((h, w), scale=(0.08, 1.0), interpolation=interp, antialias=True),
-            T.RandomHorizontalFlip(),
+            T.RandomHorizontalFlip(0.5 if hflip else 0.0),
             T.RandAugment(num_ops=2, magnitude=9),
         ]
     else:
         raise ValueError(f"unknown augment preset {augment!r}; use 'none', 'small' or 'finetune'")
-    return T.Compose(_head(pre) + ops + _tail(pre))
+    return T.Compose([T.ToImage()] + ops + _tail(pre))
