@@ -333,6 +333,37 @@ def _atomic_dataset(target: Path, build) -> Path:
     return target
 
 
+def _ensure_imagefolder(
+    config: ShapesConfig,
+    cache_dir: str | Path | None,
+    family: str,
+    classes: list[str],
+    render,
+    seed_base: int,
+) -> Path:
+    """Write ``ROOT/<split>/<class>/<index>.png`` once (atomically); image ``i`` has class
+    ``i % len(classes)`` (balanced) and pixels ``render(rng, class_index)``."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / config.key("cls", family=family)
+
+    def build(tmp: Path) -> None:
+        log.info("generating %s classification data into %s", family, target)
+        splits = {"train": config.num_train, "val": config.num_val, "test": config.num_test}
+        for offset, (split, count) in enumerate(splits.items()):
+            if count <= 0:
+                continue
+            rng = np.random.default_rng([config.seed, seed_base + offset])
+            for name in classes:
+                (tmp / split / name).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                label = i % len(classes)
+                _write_png(tmp / split / classes[label] / f"{i:06d}.png", render(rng, label))
+        manifest = {"task": "classification", "classes": classes, "config": asdict(config)}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+    return _atomic_dataset(target, build)
+
+
 def ensure_shapes_classification(config: ShapesConfig | None = None, cache_dir: str | Path | None = None) -> Path:
     """The shapes classification dataset as an ImageFolder root, generated on first use.
 
@@ -340,29 +371,13 @@ def ensure_shapes_classification(config: ShapesConfig | None = None, cache_dir: 
     kind is the class, plus clutter lines. Returns ``ROOT``.
     """
     config = config or ShapesConfig()
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / config.key("cls")
 
-    def build(tmp: Path) -> None:
-        log.info("generating shapes classification data into %s", target)
-        splits = {"train": config.num_train, "val": config.num_val, "test": config.num_test}
-        for offset, (split, count) in enumerate(splits.items()):
-            if count <= 0:
-                continue
-            rng = np.random.default_rng([config.seed, offset])
-            for kind in SHAPES:
-                (tmp / split / kind).mkdir(parents=True, exist_ok=True)
-            for i in range(count):
-                kind = SHAPES[i % len(SHAPES)]  # balanced classes
-                scene = random_scene(
-                    rng, config.image_size, config.image_size, 1, config.min_size, config.max_size, kinds=(kind,)
-                )
-                img = render_scene(scene, rng, noise=config.noise, clutter=config.clutter)
-                _write_png(tmp / split / kind / f"{i:06d}.png", img)
-        manifest = {"task": "classification", "classes": list(SHAPES), "config": asdict(config)}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    def render(rng: np.random.Generator, label: int) -> np.ndarray:
+        size = config.image_size
+        scene = random_scene(rng, size, size, 1, config.min_size, config.max_size, kinds=(SHAPES[label],))
+        return render_scene(scene, rng, noise=config.noise, clutter=config.clutter)
 
-    return _atomic_dataset(target, build)
+    return _ensure_imagefolder(config, cache_dir, "shapes", list(SHAPES), render, seed_base=0)
 
 
 GLYPHS: tuple[str, ...] = tuple("0123456789")
@@ -417,26 +432,12 @@ def ensure_glyphs_classification(config: ShapesConfig | None = None, cache_dir: 
     bed for ``configs/classification/small.yaml``. Uses ``config``'s sizes, seed and noise.
     """
     config = config or ShapesConfig(num_train=10000, num_val=2000)
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / config.key("cls", family="glyphs")
 
-    def build(tmp: Path) -> None:
-        log.info("generating glyphs classification data into %s", target)
-        splits = {"train": config.num_train, "val": config.num_val, "test": config.num_test}
-        for offset, (split, count) in enumerate(splits.items()):
-            if count <= 0:
-                continue
-            rng = np.random.default_rng([config.seed, 100 + offset])
-            for ch in GLYPHS:
-                (tmp / split / f"digit_{ch}").mkdir(parents=True, exist_ok=True)
-            for i in range(count):
-                ch = GLYPHS[i % len(GLYPHS)]
-                img = render_glyph(rng, ch, config.image_size, config.noise, config.clutter)
-                _write_png(tmp / split / f"digit_{ch}" / f"{i:06d}.png", img)
-        manifest = {"task": "classification", "classes": [f"digit_{c}" for c in GLYPHS], "config": asdict(config)}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    def render(rng: np.random.Generator, label: int) -> np.ndarray:
+        return render_glyph(rng, GLYPHS[label], config.image_size, config.noise, config.clutter)
 
-    return _atomic_dataset(target, build)
+    classes = [f"digit_{c}" for c in GLYPHS]
+    return _ensure_imagefolder(config, cache_dir, "glyphs", classes, render, seed_base=100)
 
 
 def main(argv: list[str] | None = None) -> None:
