@@ -78,6 +78,13 @@ def test_schedule_follows_trainer_length_and_checkpoint_roundtrip(shapes_root, t
     loaded = load_task(path, expected_task="classification")
     assert isinstance(loaded, ClassificationTask)
     assert loaded.class_names == dm.class_names and loaded.data_config == task.data_config
+    # The stored preprocessing wins over what the encoder would compute today.
+    import vision_attn.tasks.base as base
+
+    meta, ckpt = base.read_task_meta(path)
+    meta["data_config"]["mean"] = [0.25, 0.25, 0.25]
+    other = base.restore_from_checkpoint(base.build_task_from_meta(meta), meta, ckpt, "test")
+    assert other.data_config["mean"] == (0.25, 0.25, 0.25)
     x = torch.randn(2, 3, 32, 32)
     task.eval()
     with torch.no_grad():

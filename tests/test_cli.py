@@ -53,8 +53,12 @@ def test_train_writes_config_checkpoints_and_logs(trained_run):
 
 def test_eval_writes_contract_outputs(trained_run, shapes_root, tmp_path):
     out = tmp_path / "eval"
+    # The config's model section differs from the checkpoint's (embed_dim, preprocessing): the
+    # checkpoint wins, so the trained architecture, classes and preprocessing are evaluated.
     metrics = eval_main(["--config", CONFIG, "--data.init_args.root", str(shapes_root),
                          "--data.init_args.num_workers", "0",
+                         "--model.init_args.encoder.init_args.embed_dim", "64",
+                         "--model.init_args.encoder.init_args.preprocess", "{mean: [0.1, 0.1, 0.1]}",
                          "--ckpt_path", str(trained_run / "checkpoints" / "last.ckpt"), "--output_dir", str(out)])
     saved = json.loads((out / "metrics.json").read_text())
     assert saved == metrics

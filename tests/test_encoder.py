@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from vision_attn import create_encoder
 from vision_attn.checkpoint_io import CheckpointError
+from vision_attn.errors import EncoderError
 from vision_attn.models.encoder import ViTEncoder
 
 from .conftest import TINY_VIT
@@ -110,6 +111,13 @@ def test_unknown_model_name_suggests_close_names():
 def test_non_vit_model_is_rejected():
     with pytest.raises(ValueError, match="ViT-family|not a Vision Transformer"):
         create_encoder("resnet18", img_size=32)
+
+
+def test_pretrained_offline_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty_hf_home"))
+    with pytest.raises(EncoderError, match="could not get pretrained weights.*weights_file"):
+        create_encoder("vit_tiny_patch16_224", pretrained=True)
 
 
 def test_missing_weights_file_names_it(tmp_path):

@@ -30,7 +30,12 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from vision_attn.errors import CheckpointError, RunExistsError, VisionAttnError
-from vision_attn.tasks.base import VisionTask, read_task_meta, resolve_class
+from vision_attn.tasks.base import (
+    VisionTask,
+    read_task_meta,
+    resolve_class,
+    restore_from_checkpoint,
+)
 
 __all__ = ["EvalCLI", "TrainCLI", "eval_main", "train_main", "write_json_atomic"]
 
@@ -186,11 +191,7 @@ class EvalCLI(_VisionAttnCLI):
         self.config = self.parser.parse_object({"model": model_cfg}, self.config)
 
     def after_instantiate_classes(self) -> None:
-        try:
-            self.model.load_state_dict(self.ckpt["state_dict"])
-        except RuntimeError as err:
-            raise CheckpointError(f"checkpoint {self.ckpt_file}: weights do not fit its model: {err}") from err
-        self.model.eval()
+        restore_from_checkpoint(self.model, self.ckpt_meta, self.ckpt, f"checkpoint {self.ckpt_file}")
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         config["enable_checkpointing"] = False

@@ -175,6 +175,14 @@ class ViTEncoder(nn.Module):
                 f"timm model {name!r} does not accept these arguments {sorted(kwargs)}: {err}. "
                 "Is it a ViT-family model (vit_*, deit_*)?"
             ) from err
+        except (OSError, RuntimeError) as err:
+            if not pretrained:
+                raise
+            raise EncoderError(
+                f"could not get pretrained weights for timm model {name!r} ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}). Offline? Download them once where "
+                "the hub is reachable and pass weights_file=PATH (.safetensors / .pth) with pretrained=false."
+            ) from err
         required = ("patch_embed", "blocks", "num_prefix_tokens", "forward_features")
         missing = [a for a in required if not hasattr(model, a)]
         if missing:

@@ -166,6 +166,19 @@ def build_task_from_meta(meta: dict[str, Any], what: str = "checkpoint") -> Visi
     return cls(encoder=encoder, **init_args)
 
 
+def restore_from_checkpoint(task: VisionTask, meta: dict[str, Any], ckpt: dict[str, Any], what: str) -> VisionTask:
+    """Load a checkpoint's weights into ``task`` and its stored preprocessing into the encoder
+    (the stored one wins over today's timm defaults), then switch to eval mode."""
+    try:
+        task.load_state_dict(ckpt["state_dict"])
+    except RuntimeError as err:
+        raise CheckpointError(f"{what}: weights do not fit the model it describes: {err}") from err
+    stored = meta.get("data_config")
+    if stored:
+        task.encoder.data_config = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()}
+    return task.eval()
+
+
 def load_task(path: str | Path, expected_task: str | None = None, map_location: str = "cpu") -> VisionTask:
     """Rebuild a trained task from a checkpoint written by ``train.py`` (or ``Trainer.save_checkpoint``).
 
@@ -179,9 +192,6 @@ def load_task(path: str | Path, expected_task: str | None = None, map_location: 
         raise CheckpointError(
             f"checkpoint {path} holds a {meta.get('task')!r} model, not a {expected_task!r} one"
         )
-    task = build_task_from_meta(meta, what=f"checkpoint {path}")
-    try:
-        task.load_state_dict(ckpt["state_dict"])
-    except RuntimeError as err:
-        raise CheckpointError(f"checkpoint {path}: weights do not fit the model it describes: {err}") from err
-    return task.to(map_location).eval()
+    what = f"checkpoint {path}"
+    task = restore_from_checkpoint(build_task_from_meta(meta, what), meta, ckpt, what)
+    return task.to(map_location)
