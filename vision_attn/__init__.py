@@ -9,12 +9,14 @@ Public API::
     with capture_attention(encoder) as attn:
         out = encoder(images)        # out.tokens, out.num_prefix_tokens, out.grid
     attn[0].shape                    # [B, heads, T, T], first block first
+    maps = attention_rollout(attn, out.grid, out.num_prefix_tokens)   # [B, h, w] in [0, 1]
 """
 
 import logging
 
 from vision_attn.attention import KVCache, MultiHeadAttention, scaled_dot_product_attention
 from vision_attn.explain.capture import AttentionCaptureError, capture_attention
+from vision_attn.explain.rollout import attention_rollout, gradient_relevance, last_layer_attention
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder, create_encoder
 from vision_attn.tasks.base import load_task
 
@@ -25,6 +27,9 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __all__ = [
     "AttentionCaptureError",
     "EncoderOutput",
+    "attention_rollout",
+    "gradient_relevance",
+    "last_layer_attention",
     "KVCache",
     "MultiHeadAttention",
     "ViTEncoder",

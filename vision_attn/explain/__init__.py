@@ -1,5 +1,26 @@
-"""Explanations: capture attention and turn it into maps."""
+"""Explanations: capture attention, turn it into maps, draw them, measure their faithfulness."""
 
 from vision_attn.explain.capture import AttentionCaptureError, attention_modules, capture_attention
+from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
+from vision_attn.explain.methods import METHODS, Explanation, explain_classifier, faithfulness
+from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
+from vision_attn.explain.rollout import attention_rollout, gradient_relevance, last_layer_attention
 
-__all__ = ["AttentionCaptureError", "attention_modules", "capture_attention"]
+__all__ = [
+    "METHODS",
+    "AttentionCaptureError",
+    "Explanation",
+    "attention_modules",
+    "attention_rollout",
+    "auc",
+    "capture_attention",
+    "deletion_insertion_curve",
+    "explain_classifier",
+    "faithfulness",
+    "gradient_relevance",
+    "image_grid",
+    "last_layer_attention",
+    "overlay_saliency",
+    "put_text",
+    "save_png",
+]

@@ -1,0 +1,103 @@
+"""Explaining a classifier's decisions: one call, several methods, batched.
+
+    maps = explain_classifier(task, images, methods=("rollout", "relevance"))
+    maps.maps["rollout"]   # [B, h, w] in [0, 1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from vision_attn.explain.capture import capture_attention
+from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
+from vision_attn.explain.rollout import HeadFusion, attention_rollout, gradient_relevance, last_layer_attention
+
+__all__ = ["METHODS", "Explanation", "Method", "explain_classifier", "faithfulness"]
+
+Method = Literal["rollout", "relevance", "attention", "random"]
+METHODS: tuple[str, ...] = ("rollout", "relevance", "attention", "random")
+
+
+@dataclass
+class Explanation:
+    """Saliency maps of a batch. ``maps[method]`` is ``[B, h, w]`` in ``[0, 1]``."""
+
+    logits: Tensor
+    target: Tensor
+    grid: tuple[int, int]
+    maps: dict[str, Tensor] = field(default_factory=dict)
+
+
+def explain_classifier(
+    task,
+    images: Tensor,
+    methods: Sequence[str] = ("rollout",),
+    target: Tensor | None = None,
+    head_fusion: HeadFusion = "mean",
+    discard_ratio: float = 0.0,
+    start_layer: int = 0,
+    token_index: int = 0,
+    generator: torch.Generator | None = None,
+) -> Explanation:
+    """Saliency maps of a classification task for a batch of normalised images.
+
+    Args:
+        task: a :class:`~vision_attn.tasks.ClassificationTask` (``encoder`` + ``head``).
+        images: ``[B, 3, H, W]`` model inputs.
+        methods: any of ``rollout``, ``relevance`` (gradient-weighted, class specific),
+            ``attention`` (raw last-layer attention) and ``random`` (a baseline).
+        target: ``[B]`` classes to explain for ``relevance`` (default: the predicted ones).
+        head_fusion: head fusion of ``rollout`` and ``attention``.
+        discard_ratio: ``rollout``'s discard ratio.
+        start_layer: first block used by ``rollout`` and ``relevance``.
+        token_index: which prefix token's row is explained.
+        generator: randomness of the ``random`` baseline.
+    """
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown explanation methods {unknown}; choose from {', '.join(METHODS)}")
+    need_grad = "relevance" in methods
+    with torch.set_grad_enabled(need_grad), capture_attention(task.encoder, keep_grad=need_grad) as attn:
+        out = task.encoder(images)
+        logits = task.head(out)
+    if target is None:
+        target = logits.detach().argmax(dim=1)
+    p = out.num_prefix_tokens
+    result = Explanation(logits=logits.detach(), target=target, grid=out.grid)
+    if need_grad:
+        score = logits.gather(1, target.view(-1, 1)).sum()
+        grads = torch.autograd.grad(score, attn)
+        result.maps["relevance"] = gradient_relevance(attn, grads, out.grid, p, token_index, start_layer)
+    for method in methods:
+        if method == "rollout":
+            result.maps[method] = attention_rollout(attn, out.grid, p, head_fusion, discard_ratio, start_layer, token_index)
+        elif method == "attention":
+            result.maps[method] = last_layer_attention(attn, out.grid, p, head_fusion, token_index)
+        elif method == "random":
+            rand = torch.rand((images.shape[0], *out.grid), generator=generator)
+            result.maps[method] = rand.to(images.device)
+    return result
+
+
+def faithfulness(task, images: Tensor, explanation: Explanation, steps: int = 16) -> dict[str, dict[str, Tensor]]:
+    """Per-image deletion and insertion AUC of every map in ``explanation``.
+
+    Returns ``{method: {"deletion_auc": [B], "insertion_auc": [B]}}`` for the class in
+    ``explanation.target``.
+    """
+
+    def proba(x: Tensor) -> Tensor:
+        return task(x).float().softmax(dim=-1)
+
+    out: dict[str, dict[str, Tensor]] = {}
+    for method, sal in explanation.maps.items():
+        out[method] = {
+            f"{mode}_auc": auc(deletion_insertion_curve(proba, images, sal, explanation.target, mode, steps))
+            for mode in ("deletion", "insertion")
+        }
+    return out

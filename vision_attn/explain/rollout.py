@@ -1,0 +1,183 @@
+"""From captured attention to saliency maps over the patch grid: pure, batched tensor functions.
+
+All functions take the list that :func:`vision_attn.capture_attention` fills (one
+``[B, heads, T, T]`` tensor per block, first block first, ``T = P + h * w`` with ``P`` prefix
+tokens in front) and return maps ``[B, h, w]`` in ``[0, 1]``, each scaled to a maximum of 1
+(an all-zero map stays zero).
+
+- :func:`attention_rollout` — Abnar & Zuidema 2020: per layer fuse the heads, add the identity
+  for the residual path, re-normalise the rows and multiply through the layers.
+- :func:`gradient_relevance` — Chefer, Gur & Wolf 2021 ("Generic attention-model
+  explainability"): per block ``Ā = mean_h relu(∂y/∂A ⊙ A)`` and ``R ← R + Ā R``; class specific.
+- :func:`last_layer_attention` — the raw attention of the chosen token in the last block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "HeadFusion",
+    "attention_rollout",
+    "fuse_heads",
+    "gradient_relevance",
+    "last_layer_attention",
+    "normalize_maps",
+    "to_grid",
+]
+
+HeadFusion = Literal["mean", "max", "min"]
+
+
+def fuse_heads(attn: Tensor, head_fusion: HeadFusion = "mean") -> Tensor:
+    """``[B, H, T, T] -> [B, T, T]`` by mean, max or min over the heads."""
+    if attn.dim() != 4:
+        raise ValueError(f"expected attention [B, heads, T, T], got shape {tuple(attn.shape)}")
+    if head_fusion == "mean":
+        return attn.mean(dim=1)
+    if head_fusion == "max":
+        return attn.amax(dim=1)
+    if head_fusion == "min":
+        return attn.amin(dim=1)
+    raise ValueError(f"head_fusion must be 'mean', 'max' or 'min', got {head_fusion!r}")
+
+
+def normalize_maps(maps: Tensor) -> Tensor:
+    """Scale each map of ``[B, ...]`` to maximum 1 (negative values clipped; zero maps stay zero)."""
+    maps = maps.clamp(min=0)
+    peak = maps.flatten(1).amax(dim=1).view(-1, *([1] * (maps.dim() - 1)))
+    return torch.where(peak > 0, maps / peak.clamp(min=torch.finfo(maps.dtype).tiny), torch.zeros_like(maps))
+
+
+def to_grid(row: Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> Tensor:
+    """``[B, T]`` scores of all tokens -> normalised ``[B, h, w]`` map of the patch tokens."""
+    h, w = grid
+    patches = row[:, num_prefix_tokens:]
+    if patches.shape[1] != h * w:
+        raise ValueError(
+            f"{patches.shape[1]} patch tokens after {num_prefix_tokens} prefix tokens do not fill the grid {h}x{w}; "
+            "pass the encoder output's grid and num_prefix_tokens"
+        )
+    return normalize_maps(patches.reshape(-1, h, w))
+
+
+def _check(attentions: Sequence[Tensor], token_index: int, num_prefix_tokens: int) -> None:
+    if len(attentions) == 0:
+        raise ValueError("no attention maps given (capture_attention recorded nothing?)")
+    if not 0 <= token_index < max(1, num_prefix_tokens):
+        raise ValueError(
+            f"token_index {token_index} is not a prefix token (the model has {num_prefix_tokens}); "
+            "for models without prefix tokens use token_index=0 with mean-pooled explanations"
+        )
+
+
+def _discard_lowest(fused: Tensor, ratio: float, num_prefix_tokens: int) -> Tensor:
+    """Zero the ``ratio`` lowest entries of each image's ``[T, T]`` map, never in prefix columns."""
+    if ratio <= 0:
+        return fused
+    if ratio >= 1:
+        raise ValueError(f"discard_ratio must be in [0, 1), got {ratio}")
+    b, t, _ = fused.shape
+    protected = torch.zeros(t, t, dtype=torch.bool, device=fused.device)
+    protected[:, :num_prefix_tokens] = True  # attention *to* prefix tokens is kept
+    candidates = int((~protected).sum())
+    k = int(candidates * ratio)
+    if k == 0:
+        return fused
+    scores = fused.masked_fill(protected, float("inf")).flatten(1)  # (B, T*T)
+    idx = scores.topk(k, dim=1, largest=False).indices
+    return fused.flatten(1).scatter(1, idx, 0.0).view(b, t, t)
+
+
+def attention_rollout(
+    attentions: Sequence[Tensor],
+    grid: tuple[int, int],
+    num_prefix_tokens: int = 1,
+    head_fusion: HeadFusion = "mean",
+    discard_ratio: float = 0.0,
+    start_layer: int = 0,
+    token_index: int = 0,
+) -> Tensor:
+    """Attention rollout (Abnar & Zuidema 2020) as ``[B, h, w]`` maps scaled to max 1.
+
+    Args:
+        attentions: per-block ``[B, heads, T, T]`` probabilities, first block first.
+        grid: patch grid ``(h, w)`` of the input (``EncoderOutput.grid``); non-square works.
+        num_prefix_tokens: ``P`` (cls, distillation, register tokens).
+        head_fusion: ``mean``, ``max`` or ``min`` over heads.
+        discard_ratio: share of the lowest fused attentions zeroed per layer and image (the
+            columns of prefix tokens are never discarded).
+        start_layer: skip the blocks before this one.
+        token_index: which prefix token's row to explain (0 = class token; 1 = DeiT's
+            distillation token). With ``P = 0`` the mean over all token rows is explained.
+    """
+    _check(attentions, token_index, num_prefix_tokens)
+    if not 0 <= start_layer < len(attentions):
+        raise ValueError(f"start_layer {start_layer} out of range for {len(attentions)} blocks")
+    first = attentions[start_layer]
+    b, t = first.shape[0], first.shape[-1]
+    eye = torch.eye(t, device=first.device, dtype=torch.float32)
+    rollout = eye.expand(b, t, t)
+    for attn in attentions[start_layer:]:
+        fused = fuse_heads(attn.float(), head_fusion)
+        fused = _discard_lowest(fused, discard_ratio, num_prefix_tokens)
+        a = fused + eye  # the residual connection
+        a = a / a.sum(dim=-1, keepdim=True)
+        rollout = a @ rollout  # (B, T, T)
+    row = rollout[:, token_index] if num_prefix_tokens > 0 else rollout.mean(dim=1)
+    return to_grid(row, grid, num_prefix_tokens)
+
+
+def gradient_relevance(
+    attentions: Sequence[Tensor],
+    gradients: Sequence[Tensor] | None,
+    grid: tuple[int, int],
+    num_prefix_tokens: int = 1,
+    token_index: int = 0,
+    start_layer: int = 0,
+) -> Tensor:
+    """Class-specific relevance (Chefer et al. 2021) as ``[B, h, w]`` maps scaled to max 1.
+
+    Args:
+        attentions: per-block ``[B, heads, T, T]`` probabilities, captured with
+            ``capture_attention(model, keep_grad=True)``.
+        gradients: per-block d(target score)/d(attention); default ``a.grad`` of each tensor
+            after ``target.backward()``.
+        grid: patch grid ``(h, w)``.
+        num_prefix_tokens: ``P``.
+        token_index: which prefix token's row to explain.
+        start_layer: skip the blocks before this one.
+    """
+    _check(attentions, token_index, num_prefix_tokens)
+    if gradients is None:
+        gradients = [a.grad for a in attentions]
+        if any(g is None for g in gradients):
+            raise ValueError(
+                "attention tensors have no gradients: capture with keep_grad=True and call backward() on the "
+                "target score first, or pass gradients="
+            )
+    b, t = attentions[0].shape[0], attentions[0].shape[-1]
+    rel = torch.eye(t, device=attentions[0].device, dtype=torch.float32).repeat(b, 1, 1)
+    for attn, grad in list(zip(attentions, gradients, strict=True))[start_layer:]:
+        cam = (grad.detach().float() * attn.detach().float()).clamp(min=0).mean(dim=1)  # (B, T, T)
+        rel = rel + cam @ rel
+    row = rel[:, token_index] if num_prefix_tokens > 0 else rel.mean(dim=1)
+    return to_grid(row, grid, num_prefix_tokens)
+
+
+def last_layer_attention(
+    attentions: Sequence[Tensor],
+    grid: tuple[int, int],
+    num_prefix_tokens: int = 1,
+    head_fusion: HeadFusion = "mean",
+    token_index: int = 0,
+) -> Tensor:
+    """The last block's (head-fused) attention of one prefix token over the patches."""
+    _check(attentions, token_index, num_prefix_tokens)
+    fused = fuse_heads(attentions[-1].float(), head_fusion)
+    row = fused[:, token_index] if num_prefix_tokens > 0 else fused.mean(dim=1)
+    return to_grid(row, grid, num_prefix_tokens)
