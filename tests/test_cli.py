@@ -59,11 +59,16 @@ def test_eval_writes_contract_outputs(trained_run, shapes_root, tmp_path):
                          "--data.init_args.num_workers", "0",
                          "--model.init_args.encoder.init_args.embed_dim", "64",
                          "--model.init_args.encoder.init_args.preprocess", "{mean: [0.1, 0.1, 0.1]}",
+                         "--explain.num_overlays", "3", "--explain.faithfulness_images", "8", "--explain.steps", "4",
                          "--ckpt_path", str(trained_run / "checkpoints" / "last.ckpt"), "--output_dir", str(out)])
     saved = json.loads((out / "metrics.json").read_text())
     assert saved == metrics
-    assert set(saved) == {"acc_top1", "acc_macro", "acc_top5"}
-    assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in saved.values())
+    assert {"acc_top1", "acc_macro", "acc_top5", "deletion_auc", "deletion_auc_random", "insertion_auc",
+            "insertion_auc_random", "deletion_auc_rollout", "deletion_auc_relevance"} <= set(saved)
+    assert saved["deletion_auc"] == saved["deletion_auc_rollout"]  # the first method is "the" method
+    overlays = sorted((out / "overlays").glob("*.png"))
+    assert len(overlays) == 3 and overlays[0].name.startswith("00000_")
+    assert all(isinstance(v, float) and 0.0 <= v <= 1.0 + 1e-6 for v in saved.values())
     preds = json.loads((out / "predictions.json").read_text())
     assert len(preds) == 25
     assert set(preds[0]) == {"file", "label", "pred", "score"}
@@ -155,3 +160,34 @@ def test_corrupt_image_and_empty_class_folder_give_one_clear_error(tmp_path, sha
     res = _run(args, tmp_path)
     assert res.returncode == 2
     assert f"class folder {root / 'val' / 'star'} contains no images" in res.stderr
+
+
+def test_folder_overlay_command_explains_and_skips_bad_files(trained_run, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from vision_attn.overlay import explain_folder, main
+
+    images = tmp_path / "imgs"
+    (images / "sub").mkdir(parents=True)
+    Image.new("RGB", (48, 40), (200, 30, 30)).save(images / "a.jpg")
+    Image.fromarray((np.random.default_rng(0).random((33, 65)) * 255).astype(np.uint8), "L").save(images / "sub" / "b.png")
+    Image.new("RGBA", (32, 32), (0, 200, 0, 128)).save(images / "sub" / "c.png")
+    (images / "broken.png").write_bytes(b"not an image")
+    out = tmp_path / "out"
+    ckpt = trained_run / "checkpoints" / "last.ckpt"
+    res = explain_folder(ckpt, images, out, methods=("rollout", "attention"), batch_size=2, progress=False)
+    files = sorted(p["file"] for p in res["predictions"])
+    assert files == ["a.jpg", "sub/b.png", "sub/c.png"]
+    assert [s["file"] for s in res["skipped"]] == ["broken.png"]
+    assert json.loads((out / "predictions.json").read_text()) == res["predictions"]
+    assert json.loads((out / "skipped.json").read_text())[0]["file"] == "broken.png"
+    assert sorted(str(p.relative_to(out / "overlays")) for p in (out / "overlays").rglob("*.png")) == [
+        "a.png", "sub/b.png", "sub/c.png"]
+    with pytest.raises(SystemExit):  # results there already: refused, nothing overwritten
+        main(["--ckpt_path", str(ckpt), "--images", str(images), "--output_dir", str(out)])
+    # A checkpoint is required to be a classification one; a foreign file is refused clearly.
+    bad = tmp_path / "x.ckpt"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(SystemExit):
+        main(["--ckpt_path", str(bad), "--images", str(images), "--output_dir", str(tmp_path / "o2")])

@@ -30,6 +30,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from vision_attn.errors import CheckpointError, RunExistsError, VisionAttnError
+from vision_attn.explain.evaluate import ExplainOptions, explain_eval_split
 from vision_attn.tasks.base import (
     VisionTask,
     read_task_meta,
@@ -114,6 +115,7 @@ class TrainCLI(_VisionAttnCLI):
             default=None,
             help="Resume training from this checkpoint ('last' = ROOT/checkpoints/last.ckpt).",
         )
+        parser.add_class_arguments(ExplainOptions, "explain")  # used by eval.py; accepted so one YAML serves both
         parser.set_defaults({"trainer.default_root_dir": None, "seed_everything": 0})
 
     def before_instantiate_classes(self) -> None:
@@ -162,6 +164,7 @@ class EvalCLI(_VisionAttnCLI):
                             help="Split folder to evaluate (default: the data's validation split).")
         parser.add_argument("--overwrite", type=bool, default=False,
                             help="Replace results already in --output_dir.")
+        parser.add_class_arguments(ExplainOptions, "explain")
         parser.set_defaults({"seed_everything": 0, "trainer.logger": False})
 
     def before_instantiate_classes(self) -> None:
@@ -220,6 +223,8 @@ def eval_main(args: list[str] | None = None) -> dict[str, float]:
     metrics, predictions = model.eval_results(loader.dataset.samples)
     if trainer.is_global_zero:
         out = Path(cli.config.output_dir)
+        model.eval()
+        metrics.update(explain_eval_split(model, loader.dataset, cli.config_init.explain, out))
         write_json_atomic(out / "predictions.json", predictions)
         write_json_atomic(out / "metrics.json", metrics)
         log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)

@@ -23,7 +23,13 @@ import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
-__all__ = ["AugmentPreset", "DEFAULT_PREPROCESS", "build_eval_transform", "build_train_transform"]
+__all__ = [
+    "AugmentPreset",
+    "DEFAULT_PREPROCESS",
+    "build_display_transform",
+    "build_eval_transform",
+    "build_train_transform",
+]
 
 AugmentPreset = Literal["none", "small", "finetune"]
 
@@ -52,17 +58,30 @@ def _tail(pre: dict[str, Any]) -> list:
     return [T.ToDtype(torch.float32, scale=True), T.Normalize(mean=list(pre["mean"]), std=list(pre["std"]))]
 
 
-def build_eval_transform(pre: dict[str, Any]) -> T.Compose:
-    """Resize to ``size / crop_pct`` (shorter side) then centre-crop ``size``, as timm evaluates."""
+def _eval_geometry(pre: dict[str, Any]) -> list:
     h, w = _size(pre)
     crop_pct = float(pre.get("crop_pct", 1.0))
     interp = _interp(pre.get("interpolation", "bicubic"))
     if crop_pct >= 1.0:
-        resize = [T.Resize((h, w), interpolation=interp, antialias=True)]
-    else:
-        scale = (math.floor(h / crop_pct), math.floor(w / crop_pct))
-        resize = [T.Resize(scale, interpolation=interp, antialias=True), T.CenterCrop((h, w))]
-    return T.Compose([T.ToImage()] + resize + _tail(pre))
+        return [T.Resize((h, w), interpolation=interp, antialias=True)]
+    scale = (math.floor(h / crop_pct), math.floor(w / crop_pct))
+    return [T.Resize(scale, interpolation=interp, antialias=True), T.CenterCrop((h, w))]
+
+
+def build_eval_transform(pre: dict[str, Any]) -> T.Compose:
+    """Resize to ``size / crop_pct`` (shorter side) then centre-crop ``size``, as timm evaluates."""
+    return T.Compose([T.ToImage()] + _eval_geometry(pre) + _tail(pre))
+
+
+def build_display_transform(pre: dict[str, Any]):
+    """The evaluation geometry without normalisation: RGB ``uint8 [H, W, 3]`` in and out, so
+    saliency maps of the model input can be drawn on exactly the pixels the model saw."""
+    geometry = T.Compose([T.ToImage()] + _eval_geometry(pre))
+
+    def display(image):
+        return geometry(image).permute(1, 2, 0).contiguous().numpy()
+
+    return display
 
 
 def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small", hflip: bool = True) -> T.Compose:

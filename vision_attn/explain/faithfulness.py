@@ -43,6 +43,7 @@ def deletion_insertion_curve(
     mode: Literal["deletion", "insertion"] = "deletion",
     steps: int = 16,
     baseline: Literal["zero", "blur"] | None = None,
+    chunk: int = 256,
 ) -> Tensor:
     """Probability of ``target`` as patches are deleted (or inserted) in saliency order.
 
@@ -56,6 +57,7 @@ def deletion_insertion_curve(
         steps: curve points after the start (``steps + 1`` in all).
         baseline: what a removed patch becomes: ``zero`` (the normalisation mean) or ``blur``
             (the blurred image). Default: ``zero`` for deletion, ``blur`` for insertion.
+        chunk: images per model call (the curve points of several images are batched).
 
     Returns:
         ``[B, steps + 1]`` probabilities at ``0, 1/steps, ..., 1`` of the patches changed.
@@ -71,14 +73,17 @@ def deletion_insertion_curve(
     order = saliency.reshape(b, n).float().argsort(dim=1, descending=True, stable=True)
     rank = torch.empty_like(order)
     rank.scatter_(1, order, torch.arange(n, device=order.device).expand(b, n))
-    probs = []
-    for k in range(steps + 1):
-        count = round(k * n / steps)
-        changed = (rank < count).view(b, 1, h, w).to(images.dtype)
-        changed = F.interpolate(changed, size=(H, W), mode="nearest")  # (B, 1, H, W)
+    counts = torch.tensor([round(k * n / steps) for k in range(steps + 1)], device=images.device)
+    probs = torch.empty(b, steps + 1, device=images.device)
+    pairs = [(i, k) for k in range(steps + 1) for i in range(b)]  # (image, curve point)
+    for start in range(0, len(pairs), chunk):
+        ii = torch.tensor([p[0] for p in pairs[start : start + chunk]], device=images.device)
+        kk = torch.tensor([p[1] for p in pairs[start : start + chunk]], device=images.device)
+        changed = (rank[ii] < counts[kk, None]).view(-1, 1, h, w).to(images.dtype)
+        changed = F.interpolate(changed, size=(H, W), mode="nearest")  # (n, 1, H, W)
         if mode == "deletion":
-            x = images * (1 - changed) + base * changed
+            x = images[ii] * (1 - changed) + base[ii] * changed
         else:
-            x = base * (1 - changed) + images * changed
-        probs.append(predict_proba(x).gather(1, target.view(-1, 1)).squeeze(1))
-    return torch.stack(probs, dim=1)
+            x = base[ii] * (1 - changed) + images[ii] * changed
+        probs[ii, kk] = predict_proba(x).gather(1, target[ii].view(-1, 1)).squeeze(1).float()
+    return probs

@@ -15,7 +15,12 @@ from torch import Tensor
 
 from vision_attn.explain.capture import capture_attention
 from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
-from vision_attn.explain.rollout import HeadFusion, attention_rollout, gradient_relevance, last_layer_attention
+from vision_attn.explain.rollout import (
+    HeadFusion,
+    attention_rollout,
+    gradient_relevance,
+    last_layer_attention,
+)
 
 __all__ = ["METHODS", "Explanation", "Method", "explain_classifier", "faithfulness"]
 
@@ -81,6 +86,7 @@ def explain_classifier(
         elif method == "random":
             rand = torch.rand((images.shape[0], *out.grid), generator=generator)
             result.maps[method] = rand.to(images.device)
+    result.maps = {m: result.maps[m] for m in methods}  # in the order asked for
     return result
 
 

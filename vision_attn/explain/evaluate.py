@@ -1,0 +1,134 @@
+"""Explanations at evaluation time: overlays of the first images and faithfulness numbers.
+
+Used by ``eval.py`` (options under ``--explain.*``) and by the folder command
+``python -m vision_attn.overlay``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from vision_attn.data.imageio import read_image
+from vision_attn.data.transforms import build_display_transform
+from vision_attn.explain.methods import METHODS, explain_classifier, faithfulness
+from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
+
+__all__ = ["ExplainOptions", "explanation_panel", "explain_eval_split"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExplainOptions:
+    """What ``eval.py`` explains.
+
+    Args:
+        methods: explanation methods drawn side by side; the first is *the* method whose
+            faithfulness is reported as ``deletion_auc`` / ``insertion_auc``. Choose from
+            ``rollout``, ``relevance`` (gradient-weighted, class specific), ``attention``
+            (raw last layer).
+        num_overlays: overlays written for the first N images of the split (0 = none).
+        faithfulness: compute deletion / insertion AUC for each method and a random baseline.
+        faithfulness_images: at most this many images for the faithfulness numbers.
+        steps: points of the deletion / insertion curves.
+        head_fusion: how rollout and raw attention fuse the heads (mean, max, min).
+        discard_ratio: rollout's discard ratio.
+        alpha: heat-map opacity of the overlays.
+        batch_size: images per explanation batch.
+    """
+
+    methods: list[str] = field(default_factory=lambda: ["rollout", "relevance", "attention"])
+    num_overlays: int = 16
+    faithfulness: bool = True
+    faithfulness_images: int = 256
+    steps: int = 16
+    head_fusion: str = "mean"
+    discard_ratio: float = 0.0
+    alpha: float = 0.5
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.methods if m not in METHODS or m == "random"]
+        if not self.methods or bad:
+            raise ValueError(
+                f"explain.methods {self.methods} invalid; choose one or more of rollout, relevance, attention"
+            )
+
+
+def explanation_panel(
+    display: np.ndarray, maps: dict[str, torch.Tensor], index: int, caption: str, alpha: float = 0.5
+) -> np.ndarray:
+    """One image: the input (with ``caption``) and one overlay per method, side by side.
+
+    Small inputs are enlarged (nearest neighbour) to at least 160 px first, so the caption
+    fits and the heat map is drawn at a resolution one can look at.
+    """
+    side = max(display.shape[:2])
+    if side < 160:
+        f = int(np.ceil(160 / side))
+        display = cv2.resize(display, (display.shape[1] * f, display.shape[0] * f), interpolation=cv2.INTER_NEAREST)
+    tiles = [put_text(display, caption)]
+    titles = ["input"]
+    for method, m in maps.items():
+        tiles.append(overlay_saliency(display, m[index], alpha=alpha))
+        titles.append(method)
+    return image_grid(tiles, titles)
+
+
+def _batches(dataset, indices: list[int], batch_size: int) -> DataLoader:
+    return DataLoader(Subset(dataset, indices), batch_size=batch_size, shuffle=False, num_workers=0)
+
+
+def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path) -> dict[str, float]:
+    """Write ``out_dir/overlays/*.png`` and return the faithfulness metrics of ``dataset``.
+
+    Args:
+        task: a classification task in eval mode.
+        dataset: an :class:`~vision_attn.data.ImageFolderDataset` with the evaluation transform.
+        options: see :class:`ExplainOptions`.
+        out_dir: the evaluation output folder.
+    """
+    device = next(task.parameters()).device
+    names = task.class_names or []
+    metrics: dict[str, float] = {}
+    n_over = min(options.num_overlays, len(dataset))
+    if n_over > 0:
+        display_tf = build_display_transform(task.data_config)
+        written = 0
+        for images, labels, idx in _batches(dataset, list(range(n_over)), options.batch_size):
+            expl = explain_classifier(task, images.to(device), options.methods, head_fusion=options.head_fusion,
+                                      discard_ratio=options.discard_ratio)
+            probs = expl.logits.float().softmax(-1)
+            for j, i in enumerate(idx.tolist()):
+                rel, _ = dataset.samples[i]
+                display = display_tf(read_image(dataset.root / rel))
+                pred = int(expl.target[j])
+                caption = f"{names[labels[j]]} -> {names[pred]} {probs[j, pred]:.2f}"
+                panel = explanation_panel(display, expl.maps, j, caption, options.alpha)
+                save_png(out_dir / "overlays" / f"{i:05d}_{names[labels[j]]}_{Path(rel).stem}.png", panel)
+                written += 1
+        log.info("wrote %d overlays to %s", written, out_dir / "overlays")
+    if options.faithfulness:
+        n = min(options.faithfulness_images, len(dataset))
+        gen = torch.Generator().manual_seed(0)
+        sums: dict[str, float] = {}
+        methods = [*options.methods, "random"]
+        for images, _, _ in _batches(dataset, list(range(n)), options.batch_size):
+            images = images.to(device)
+            expl = explain_classifier(task, images, methods, head_fusion=options.head_fusion,
+                                      discard_ratio=options.discard_ratio, generator=gen)
+            for method, aucs in faithfulness(task, images, expl, options.steps).items():
+                for key, values in aucs.items():
+                    sums[f"{key}_{method}"] = sums.get(f"{key}_{method}", 0.0) + float(values.sum())
+        metrics = {k: v / n for k, v in sums.items()}
+        chosen = options.methods[0]
+        metrics["deletion_auc"] = metrics[f"deletion_auc_{chosen}"]
+        metrics["insertion_auc"] = metrics[f"insertion_auc_{chosen}"]
+    return dict(sorted(metrics.items()))
