@@ -135,3 +135,16 @@ def test_last_layer_attention_is_the_cls_row(tiny_encoder):
     m = last_layer_attention(attn, out.grid)
     row = attn[-1].mean(1)[:, 0, 1:].reshape(2, 4, 4)
     assert torch.allclose(m, row / row.amax(dim=(1, 2), keepdim=True), atol=1e-6)
+
+
+def test_gradient_relevance_equals_the_recursive_definition():
+    torch.manual_seed(2)
+    t = 1 + 6
+    attn = [torch.softmax(torch.randn(2, 3, t, t), -1) for _ in range(3)]
+    grads = [torch.randn(2, 3, t, t) for _ in range(3)]
+    rel = torch.eye(t).repeat(2, 1, 1)
+    for a, g in zip(attn, grads, strict=True):
+        rel = rel + (g * a).clamp(min=0).mean(1) @ rel
+    row = rel[:, 0, 1:].reshape(2, 2, 3)
+    expected = row / row.amax(dim=(1, 2), keepdim=True)
+    assert torch.allclose(gradient_relevance(attn, grads, grid=(2, 3)), expected, atol=1e-6)

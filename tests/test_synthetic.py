@@ -72,3 +72,13 @@ def test_descriptions_name_every_object():
     one = random_scene(np.random.default_rng(1), 64, 64, 1)
     one.objects[0].center = (8.0, 8.0)
     assert any("in the top left" in c for c in one.describe(np.random.default_rng(0), num=6))
+
+
+def test_data_command_writes_and_prints_root(tmp_path, capsys):
+    from vision_attn.data.__main__ import main
+
+    main(["glyphs", "--cache_dir", str(tmp_path), "--num_train", "10", "--num_val", "10"])
+    root = capsys.readouterr().out.strip()
+    assert root.startswith(str(tmp_path)) and "glyphs" in root
+    counts = {d.name: len(list(d.glob("*.png"))) for d in (tmp_path / root.split("/")[-1] / "train").iterdir()}
+    assert len(counts) == 10 and set(counts.values()) == {1}

@@ -56,10 +56,12 @@ def main() -> None:
     results = run_demo(args.output_dir, args.tasks, extra)
     print("\n== vision_attn demo ==")
     for task, r in results.items():
-        metrics = ", ".join(f"{k}={v:.4f}" for k, v in sorted(r["metrics"].items()))
+        shown = ("acc_top1", "acc_macro", "deletion_auc", "deletion_auc_random", "insertion_auc", "insertion_auc_random")
+        metrics = ", ".join(f"{k}={r['metrics'][k]:.3f}" for k in shown if k in r["metrics"])
         print(f"{task:15s} trained in {r['train_seconds']:.0f} s  {metrics}")
         print(f"{'':15s} run:     {r['dir']}  (config.yaml, checkpoints/last.ckpt, tensorboard/, csv/)")
         print(f"{'':15s} results: {r['dir']}/eval/metrics.json, {r['dir']}/eval/predictions.json")
+        print(f"{'':15s} overlays: {r['dir']}/eval/overlays/*.png (input | rollout | relevance | raw attention)")
     print(f"TensorBoard: {Path(args.output_dir)}  ->  tensorboard --logdir {args.output_dir}")
 
 

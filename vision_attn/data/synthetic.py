@@ -438,26 +438,3 @@ def ensure_glyphs_classification(config: ShapesConfig | None = None, cache_dir: 
 
     classes = [f"digit_{c}" for c in GLYPHS]
     return _ensure_imagefolder(config, cache_dir, "glyphs", classes, render, seed_base=100)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m vision_attn.data.synthetic {shapes,glyphs} [--out DIR] [...]``: write a dataset."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Write an embedded synthetic dataset (ImageFolder layout).")
-    parser.add_argument("kind", choices=["shapes", "glyphs"])
-    parser.add_argument("--cache_dir", default=None, help="parent folder (default $VISION_ATTN_DATA or ~/.cache/vision_attn)")
-    parser.add_argument("--image_size", type=int, default=32)
-    parser.add_argument("--num_train", type=int, default=None)
-    parser.add_argument("--num_val", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    n_train = args.num_train or (10000 if args.kind == "glyphs" else 4000)
-    n_val = args.num_val or (2000 if args.kind == "glyphs" else 500)
-    cfg = ShapesConfig(image_size=args.image_size, num_train=n_train, num_val=n_val, seed=args.seed)
-    fn = ensure_glyphs_classification if args.kind == "glyphs" else ensure_shapes_classification
-    print(fn(cfg, args.cache_dir))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks (ratios measured in one process, medians of repeats); not tests."""

@@ -1,0 +1,11 @@
+"""The benchmarks run (on tiny sizes); their numbers are reported, not asserted."""
+
+from __future__ import annotations
+
+from benchmarks.explain_overhead import run
+
+
+def test_explain_overhead_runs_tiny():
+    r = run("vit_tiny_patch16_224", img=32, batch=2, repeats=1, patch_size=8, depth=2, embed_dim=32, num_heads=2)
+    assert set(r["median_s"]) == {"forward", "forward_capture", "rollout"}
+    assert r["capture_over_forward"] > 0 and r["rollout_over_forward"] > 0
