@@ -72,6 +72,7 @@ def test_eval_writes_contract_outputs(trained_run, shapes_root, tmp_path):
     preds = json.loads((out / "predictions.json").read_text())
     assert len(preds) == 25
     assert set(preds[0]) == {"file", "label", "pred", "score"}
+    assert [p.name.split("_")[1] for p in overlays] == [preds[0]["label"], preds[1]["label"], preds[2]["label"]]
     assert (shapes_root / preds[0]["file"]).is_file()
     assert preds[0]["file"].split("/")[1] == preds[0]["label"]
     # acc_top1 is exactly the share of correct rows in predictions.json

@@ -39,6 +39,7 @@ def run_demo(output_dir: str, tasks: list[str], extra: list[str] | None = None) 
                 "--config", config,
                 "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"),
                 "--output_dir", str(run_dir / "eval"),
+                "--explain.overlay_selection", "spread",
             ]
         )
         results[task] = {"metrics": metrics, "train_seconds": round(seconds, 1), "dir": str(run_dir)}

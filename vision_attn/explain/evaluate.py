@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Literal
 from pathlib import Path
 
 import cv2
@@ -34,7 +35,9 @@ class ExplainOptions:
             faithfulness is reported as ``deletion_auc`` / ``insertion_auc``. Choose from
             ``rollout``, ``relevance`` (gradient-weighted, class specific), ``attention``
             (raw last layer).
-        num_overlays: overlays written for the first N images of the split (0 = none).
+        num_overlays: overlays written for N images of the split (0 = none).
+        overlay_selection: ``first`` (the first N images) or ``spread`` (N images evenly
+            spread over the split, so every class shows up in a class-sorted folder).
         faithfulness: compute deletion / insertion AUC for each method and a random baseline.
         faithfulness_images: at most this many images for the faithfulness numbers.
         steps: points of the deletion / insertion curves.
@@ -46,6 +49,7 @@ class ExplainOptions:
 
     methods: list[str] = field(default_factory=lambda: ["rollout", "relevance", "attention"])
     num_overlays: int = 16
+    overlay_selection: Literal["first", "spread"] = "first"
     faithfulness: bool = True
     faithfulness_images: int = 256
     steps: int = 16
@@ -102,11 +106,15 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path) ->
     if n_over > 0:
         display_tf = build_display_transform(task.data_config)
         written = 0
-        for images, labels, idx in _batches(dataset, list(range(n_over)), options.batch_size):
+        if options.overlay_selection == "spread":
+            chosen = sorted({round(k * (len(dataset) - 1) / max(1, n_over - 1)) for k in range(n_over)})
+        else:
+            chosen = list(range(n_over))
+        for images, labels, idx in _batches(dataset, chosen, options.batch_size):
             expl = explain_classifier(task, images.to(device), options.methods, head_fusion=options.head_fusion,
                                       discard_ratio=options.discard_ratio)
             probs = expl.logits.float().softmax(-1)
-            for j, i in enumerate(idx.tolist()):
+            for j, i in enumerate(idx.tolist()):  # dataset indices (ImageFolderDataset returns them)
                 rel, _ = dataset.samples[i]
                 display = display_tf(read_image(dataset.root / rel))
                 pred = int(expl.target[j])
