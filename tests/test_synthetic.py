@@ -82,3 +82,29 @@ def test_data_command_writes_and_prints_root(tmp_path, capsys):
     assert root.startswith(str(tmp_path)) and "glyphs" in root
     counts = {d.name: len(list(d.glob("*.png"))) for d in (tmp_path / root.split("/")[-1] / "train").iterdir()}
     assert len(counts) == 10 and set(counts.values()) == {1}
+
+
+def test_coco_layout_is_valid_for_pycocotools_style_readers(tmp_path):
+    from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
+
+    root = ensure_shapes_coco(SceneSetConfig(num_train=6, num_val=4, image_size=48), tmp_path)
+    inst = json.loads((root / "annotations" / "instances_val.json").read_text())
+    caps = json.loads((root / "annotations" / "captions_val.json").read_text())
+    assert [c["name"] for c in inst["categories"]] == list(SHAPES)
+    assert len(inst["images"]) == 4 and len(caps["annotations"]) == 4 * 5
+    ids = {im["id"] for im in inst["images"]}
+    train_ids = {im["id"] for im in json.loads((root / "annotations" / "instances_train.json").read_text())["images"]}
+    assert not ids & train_ids  # unique across splits
+    per_image = {}
+    for a in inst["annotations"]:
+        x, y, w, h = a["bbox"]
+        assert a["image_id"] in ids and w > 0 and h > 0 and x >= 0 and y >= 0 and x + w <= 48.01 and y + h <= 48.01
+        per_image[a["image_id"]] = per_image.get(a["image_id"], 0) + 1
+    assert all(1 <= n <= 4 for n in per_image.values()) and set(per_image) == ids
+    for im in inst["images"]:
+        assert (root / "val" / im["file_name"]).is_file()
+    kinds = {c["id"]: c["name"] for c in inst["categories"]}
+    for im in inst["images"]:  # every caption names each object's kind
+        names = [kinds[a["category_id"]] for a in inst["annotations"] if a["image_id"] == im["id"]]
+        for c in (c["caption"] for c in caps["annotations"] if c["image_id"] == im["id"]):
+            assert all(n in c for n in names)

@@ -33,7 +33,9 @@ __all__ = [
     "SceneObject",
     "ShapesConfig",
     "default_cache_dir",
+    "SceneSetConfig",
     "ensure_glyphs_classification",
+    "ensure_shapes_coco",
     "ensure_shapes_classification",
     "random_scene",
     "render_scene",
@@ -438,3 +440,98 @@ def ensure_glyphs_classification(config: ShapesConfig | None = None, cache_dir: 
 
     classes = [f"digit_{c}" for c in GLYPHS]
     return _ensure_imagefolder(config, cache_dir, "glyphs", classes, render, seed_base=100)
+
+
+
+@dataclass
+class SceneSetConfig:
+    """Parameters of the embedded multi-object scenes (COCO detection + captions layout).
+
+    Args:
+        image_size: side of the square images in pixels.
+        num_train: training images.
+        num_val: validation images.
+        min_objects: fewest shapes per image.
+        max_objects: most shapes per image.
+        min_size: smallest shape, fraction of the image side.
+        max_size: largest shape, fraction of the image side.
+        max_overlap: largest intersection over the smaller box between two shapes.
+        captions_per_image: reference captions written per image.
+        seed: generator seed.
+        noise: Gaussian pixel-noise standard deviation.
+        clutter: distractor line segments per image.
+    """
+
+    image_size: int = 64
+    num_train: int = 2000
+    num_val: int = 200
+    min_objects: int = 1
+    max_objects: int = 4
+    min_size: float = 0.15
+    max_size: float = 0.45
+    max_overlap: float = 0.3
+    captions_per_image: int = 5
+    seed: int = 0
+    noise: float = 6.0
+    clutter: int = 2
+
+    def key(self) -> str:
+        c = self
+        return (
+            f"shapes-coco-v{_FORMAT_VERSION}-s{c.image_size}-n{c.num_train}-{c.num_val}-obj{c.min_objects}-{c.max_objects}"
+            f"-size{c.min_size:g}-{c.max_size:g}-ov{c.max_overlap:g}-cap{c.captions_per_image}-seed{c.seed}"
+            f"-noise{c.noise:g}-clutter{c.clutter}"
+        )
+
+
+def ensure_shapes_coco(config: SceneSetConfig | None = None, cache_dir: str | Path | None = None) -> Path:
+    """Multi-object shape scenes in the COCO 2017 layouts, generated on first use.
+
+    Layout (``ROOT`` is returned)::
+
+        ROOT/{train,val}/<image id>.png
+        ROOT/annotations/instances_{train,val}.json   boxes (xywh pixels), categories = shape kinds
+        ROOT/annotations/captions_{train,val}.json    several descriptions per image
+
+    Category ids are 1..5 in the order of :data:`SHAPES`; image and annotation ids are unique
+    across splits.
+    """
+    config = config or SceneSetConfig()
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / config.key()
+    categories = [{"id": i + 1, "name": k, "supercategory": "shape"} for i, k in enumerate(SHAPES)]
+    cat_id = {k: i + 1 for i, k in enumerate(SHAPES)}
+
+    def build(tmp: Path) -> None:
+        log.info("generating shapes COCO data into %s", target)
+        (tmp / "annotations").mkdir(parents=True)
+        image_id, ann_id, cap_id = 1, 1, 1
+        for offset, (split, count) in enumerate((("train", config.num_train), ("val", config.num_val))):
+            rng = np.random.default_rng([config.seed, 200 + offset])
+            (tmp / split).mkdir()
+            images, boxes, captions = [], [], []
+            for _ in range(count):
+                n = int(rng.integers(config.min_objects, config.max_objects + 1))
+                side = config.image_size
+                scene = random_scene(rng, side, side, n, config.min_size, config.max_size, max_overlap=config.max_overlap)
+                img = render_scene(scene, rng, noise=config.noise, clutter=config.clutter)
+                name = f"{image_id:012d}.png"
+                _write_png(tmp / split / name, img)
+                images.append({"id": image_id, "file_name": name, "width": side, "height": side})
+                for obj in scene.objects:
+                    x, y, w, h = (round(v, 2) for v in obj.box_xywh)
+                    boxes.append({"id": ann_id, "image_id": image_id, "category_id": cat_id[obj.kind],
+                                  "bbox": [x, y, w, h], "area": round(w * h, 2), "iscrowd": 0})
+                    ann_id += 1
+                for text in scene.describe(rng, config.captions_per_image):
+                    captions.append({"id": cap_id, "image_id": image_id, "caption": text})
+                    cap_id += 1
+                image_id += 1
+            info = {"description": "vision_attn synthetic shapes", "config": asdict(config)}
+            instances = {"info": info, "images": images, "annotations": boxes, "categories": categories}
+            (tmp / "annotations" / f"instances_{split}.json").write_text(json.dumps(instances))
+            caps = {"info": info, "images": images, "annotations": captions}
+            (tmp / "annotations" / f"captions_{split}.json").write_text(json.dumps(caps))
+        (tmp / "manifest.json").write_text(json.dumps({"task": "coco", "config": asdict(config)}, indent=2))
+
+    return _atomic_dataset(target, build)
