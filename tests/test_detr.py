@@ -1,0 +1,62 @@
+"""DETR head: output contract, auxiliary outputs, cross-attention per query, post-processing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vision_attn import capture_attention
+from vision_attn.models.detr import DETRHead, post_process
+from vision_attn.models.encoder import EncoderOutput
+
+
+def _enc(b=2, grid=(3, 4), dim=24, prefix=1):
+    return EncoderOutput(torch.randn(b, prefix + grid[0] * grid[1], dim), prefix, grid)
+
+
+@pytest.mark.parametrize("box_refine", [False, True])
+@pytest.mark.parametrize("focal", [False, True])
+def test_output_contract(box_refine, focal):
+    torch.manual_seed(0)
+    head = DETRHead(24, num_classes=5, num_queries=7, hidden_dim=32, num_layers=3, num_heads=4,
+                    focal=focal, box_refine=box_refine)
+    head.train()
+    out = head(_enc(), need_weights=True)
+    c = 5 if focal else 6
+    assert out["pred_logits"].shape == (2, 7, c) and out["pred_boxes"].shape == (2, 7, 4)
+    assert torch.all((out["pred_boxes"] >= 0) & (out["pred_boxes"] <= 1))
+    assert len(out["aux_outputs"]) == 2
+    assert all(a["pred_boxes"].shape == (2, 7, 4) for a in out["aux_outputs"])
+    assert len(out["cross_attn"]) == 3 and out["cross_attn"][-1].shape == (2, 4, 7, 12)
+    assert torch.allclose(out["cross_attn"][-1].sum(-1), torch.ones(2, 4, 7), atol=1e-5)
+    (out["pred_boxes"].sum() + out["pred_logits"].sum()).backward()
+
+
+def test_box_refine_starts_from_the_anchor_boxes():
+    head = DETRHead(24, 3, num_queries=4, hidden_dim=32, num_layers=2, num_heads=4, box_refine=True).eval()
+    out = head(_enc(b=1))
+    assert torch.allclose(out["pred_boxes"][0], head.anchors.clamp(1e-5, 1 - 1e-5), atol=1e-5)
+
+
+def test_cross_attention_is_capturable_per_query():
+    head = DETRHead(24, 3, num_queries=5, hidden_dim=32, num_layers=2, num_heads=4).eval()
+    enc = _enc(b=1)
+    ref = head(enc, need_weights=True)["cross_attn"]
+    with capture_attention(head, names=["layers.0.cross_attn", "layers.1.cross_attn"]) as attn:
+        head(enc)
+    assert len(attn) == 2
+    assert torch.allclose(attn[1], ref[1], atol=1e-6)
+
+
+def test_post_process_gives_pixels_of_the_original_non_square_image():
+    logits = torch.full((1, 2, 4), -10.0)
+    logits[0, 0, 2] = 10.0  # query 0: class 2, sure
+    logits[0, 1, 3] = 10.0  # query 1: "no object"
+    boxes = torch.tensor([[[0.5, 0.25, 0.5, 0.5], [0.5, 0.5, 1.0, 1.0]]])
+    # Original image 200 high, 400 wide (the model saw it resized to a square).
+    det = post_process({"pred_logits": logits, "pred_boxes": boxes}, torch.tensor([[200, 400]]), top_k=3)[0]
+    assert det["labels"][0] == 2 and det["queries"][0] == 0 and det["scores"][0] > 0.99
+    assert torch.allclose(det["boxes"][0], torch.tensor([100.0, 0.0, 300.0, 100.0]))
+    assert len(det["scores"]) == 3 and torch.all(det["scores"][:-1] >= det["scores"][1:])
+    foc = post_process({"pred_logits": logits[..., :3], "pred_boxes": boxes}, torch.tensor([[200, 400]]), 2, focal=True)
+    assert foc[0]["labels"][0] == 2
