@@ -30,7 +30,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from vision_attn.errors import CheckpointError, RunExistsError, VisionAttnError
-from vision_attn.explain.evaluate import ExplainOptions, explain_eval_split
+from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.tasks.base import (
     VisionTask,
     read_task_meta,
@@ -220,11 +220,11 @@ def eval_main(args: list[str] | None = None) -> dict[str, float]:
     split = cli.config.split or dm.val_split
     loader = dm.eval_dataloader(split)
     trainer.test(model, dataloaders=loader, verbose=False)
-    metrics, predictions = model.eval_results(loader.dataset.samples)
+    metrics, predictions = model.eval_results(loader.dataset)
     if trainer.is_global_zero:
         out = Path(cli.config.output_dir)
         model.eval()
-        metrics.update(explain_eval_split(model, loader.dataset, cli.config_init.explain, out))
+        metrics.update(model.explain_eval(loader.dataset, cli.config_init.explain, out))
         write_json_atomic(out / "predictions.json", predictions)
         write_json_atomic(out / "metrics.json", metrics)
         log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)
@@ -244,6 +244,7 @@ def one_line(err: BaseException) -> str:
 def run_entry(fn) -> None:
     """Run a command entry point: errors we anticipate become one clear line, exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("faster_coco_eval").setLevel(logging.WARNING)  # its per-evaluation summary tables
     torch.set_float32_matmul_precision("high")
     ours = (VisionAttnError,)
     try:

@@ -2,5 +2,6 @@
 
 from vision_attn.tasks.base import VisionTask, load_task
 from vision_attn.tasks.classification import ClassificationTask
+from vision_attn.tasks.detection import DetectionTask
 
-__all__ = ["ClassificationTask", "VisionTask", "load_task"]
+__all__ = ["ClassificationTask", "DetectionTask", "VisionTask", "load_task"]

@@ -153,12 +153,13 @@ class ClassificationTask(VisionTask):
         unique = {r["index"]: r for r in gather_objects(self.eval_records)}
         self.eval_records = [unique[i] for i in sorted(unique)]
 
-    def eval_results(self, samples: list[tuple[str, int]]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    def eval_results(self, dataset) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """``(metrics, predictions)`` from the last test run, in the contract's formats.
 
         Args:
-            samples: the evaluated dataset's ``(relative path, label)`` list.
+            dataset: the evaluated :class:`~vision_attn.data.ImageFolderDataset`.
         """
+        samples = dataset.samples
         if not self.eval_records:
             raise RuntimeError("no evaluation records: run trainer.test(...) first")
         probs = torch.stack([r["probs"] for r in self.eval_records])
@@ -177,3 +178,9 @@ class ClassificationTask(VisionTask):
                 }
             )
         return metrics, predictions
+
+    def explain_eval(self, dataset, options, out_dir) -> dict[str, float]:
+        """Overlays of ``options.num_overlays`` images and faithfulness metrics (``eval.py``)."""
+        from vision_attn.explain.evaluate import explain_eval_split
+
+        return explain_eval_split(self, dataset, options, out_dir)

@@ -1,0 +1,223 @@
+"""DETR-style detection system: ViT encoder + DETR head + Hungarian set loss + COCO mAP."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics.detection import MeanAveragePrecision
+
+from vision_attn.boxes import box_cxcywh_to_xyxy, box_xyxy_to_xywh
+from vision_attn.errors import DataError
+from vision_attn.losses.matcher import HungarianMatcher
+from vision_attn.losses.set_criterion import SetCriterion
+from vision_attn.models.detr import DETRHead, post_process
+from vision_attn.models.encoder import ViTEncoder
+from vision_attn.tasks.base import VisionTask, gather_objects
+
+__all__ = ["DetectionTask", "mean_average_precision"]
+
+log = logging.getLogger(__name__)
+
+
+def _map_metric() -> MeanAveragePrecision:
+    try:
+        return MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="faster_coco_eval")
+    except (ModuleNotFoundError, ImportError):  # pragma: no cover - depends on the install
+        log.warning("faster_coco_eval is not installed; using the slower pycocotools backend")
+        return MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools")
+
+
+def mean_average_precision(preds: list[dict[str, Tensor]], targets: list[dict[str, Tensor]]) -> dict[str, float]:
+    """COCO ``map``, ``map_50``, ``map_75`` (and ``mar_100``) of xyxy-pixel detections."""
+    metric = _map_metric()
+    metric.update(preds, targets)
+    res = metric.compute()
+    return {k: float(res[k]) for k in ("map", "map_50", "map_75", "mar_100")}
+
+
+class DetectionTask(VisionTask):
+    """DETR-style detector on a ViT encoder.
+
+    Class names, their number and the annotation file's category ids come from the data
+    (``DetectionDataModule``) when training starts, and are saved in checkpoints.
+
+    Args:
+        encoder: the ViT encoder.
+        num_classes: ``C`` (default: from the data).
+        class_names: names in label order (default: from the data).
+        category_ids: the annotation file's category id of each label (default: from the data).
+        num_queries: object queries (most objects per image).
+        hidden_dim: decoder width.
+        num_layers: decoder layers.
+        num_heads: decoder heads.
+        mlp_ratio: decoder feed-forward ratio.
+        dropout: decoder dropout.
+        focal: sigmoid focal-loss classification (remedy) instead of softmax + no-object.
+        box_refine: anchor boxes + iterative box refinement (remedy).
+        cost_class: matcher class cost.
+        cost_bbox: matcher L1 cost.
+        cost_giou: matcher GIoU cost.
+        weight_ce: loss weight of classification.
+        weight_bbox: loss weight of L1.
+        weight_giou: loss weight of GIoU.
+        eos_coef: weight of the no-object class (softmax only).
+        top_k: detections kept per image after post-processing.
+        lr: learning rate of the head.
+        encoder_lr: learning rate of the encoder (DETR: 10x lower when pretrained).
+        weight_decay: AdamW weight decay.
+        warmup_fraction: share of steps in linear warmup.
+        min_lr_ratio: final learning rate relative to the peak.
+    """
+
+    task_name = "detection"
+    monitor = ("val/map", "max")
+
+    def __init__(
+        self,
+        encoder: ViTEncoder,
+        num_classes: int | None = None,
+        class_names: list[str] | None = None,
+        category_ids: list[int] | None = None,
+        num_queries: int = 20,
+        hidden_dim: int = 128,
+        num_layers: int = 3,
+        num_heads: int = 4,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        focal: bool = False,
+        box_refine: bool = False,
+        cost_class: float = 1.0,
+        cost_bbox: float = 5.0,
+        cost_giou: float = 2.0,
+        weight_ce: float = 1.0,
+        weight_bbox: float = 5.0,
+        weight_giou: float = 2.0,
+        eos_coef: float = 0.1,
+        top_k: int = 100,
+        lr: float = 1e-4,
+        encoder_lr: float | None = None,
+        weight_decay: float = 1e-4,
+        warmup_fraction: float = 0.0,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio)
+        self.save_hyperparameters(ignore=["encoder"])
+        self.head: DETRHead | None = None
+        self.class_names: list[str] | None = None
+        self.category_ids: list[int] | None = None
+        self.eval_records: list[dict[str, Any]] = []
+        if num_classes is not None or class_names is not None:
+            self._build(num_classes, class_names, category_ids)
+
+    def _build(self, num_classes: int | None, class_names: list[str] | None, category_ids: list[int] | None) -> None:
+        hp = self.hparams
+        if class_names is None:
+            class_names = [str(i) for i in range(int(num_classes))]
+        n = len(class_names)
+        self.class_names = list(class_names)
+        self.category_ids = list(category_ids) if category_ids is not None else list(range(1, n + 1))
+        self.head = DETRHead(self.encoder.embed_dim, n, hp.num_queries, hp.hidden_dim, hp.num_layers, hp.num_heads,
+                             hp.mlp_ratio, hp.dropout, hp.focal, hp.box_refine)
+        matcher = HungarianMatcher(hp.cost_class, hp.cost_bbox, hp.cost_giou, focal=hp.focal)
+        self.criterion = SetCriterion(n, matcher, hp.weight_ce, hp.weight_bbox, hp.weight_giou, hp.eos_coef, hp.focal)
+        self.val_map = _map_metric()
+        self.hparams.update(num_classes=n, class_names=self.class_names, category_ids=self.category_ids)
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None)
+        names = getattr(dm, "class_names", None)
+        if self.head is None:
+            if names is None:
+                raise DataError("DetectionTask has no class_names and the datamodule gives none")
+            self._build(len(names), names, getattr(dm, "category_ids", None))
+        elif names is not None and list(names) != self.class_names:
+            raise DataError(f"the model was built for classes {self.class_names} but the data has {list(names)}")
+
+    def forward(self, images: Tensor, need_weights: bool = False) -> dict:
+        """The head's outputs (``pred_logits``, ``pred_boxes``, ...) for normalised images."""
+        return self.head(self.encoder(images), need_weights=need_weights)
+
+    def detect(self, outputs: dict, orig_sizes: Tensor) -> list[dict[str, Tensor]]:
+        """Post-processed detections in original pixels (labels are contiguous 0..C-1)."""
+        return post_process(outputs, orig_sizes, self.hparams.top_k, self.hparams.focal)
+
+    @staticmethod
+    def _targets_in_pixels(targets: list[dict]) -> list[dict[str, Tensor]]:
+        out = []
+        for t in targets:
+            h, w = t["orig_size"].tolist()
+            scale = torch.tensor([w, h, w, h], dtype=torch.float32, device=t["boxes"].device)
+            out.append({"boxes": box_cxcywh_to_xyxy(t["boxes"]) * scale, "labels": t["labels"]})
+        return out
+
+    def _shared_step(self, batch, stage: str) -> Tensor:
+        images, targets = batch
+        outputs = self(images)
+        terms = self.criterion(outputs, targets)
+        loss = self.criterion.total(terms, len(outputs["aux_outputs"]))
+        bs = len(targets)
+        self.log(f"{stage}/loss", loss, prog_bar=True, on_step=stage == "train", on_epoch=True, batch_size=bs)
+        for k in ("loss_ce", "loss_bbox", "loss_giou", "cardinality_error"):
+            self.log(f"{stage}/{k}", terms[k], on_step=False, on_epoch=True, batch_size=bs)
+        if stage != "train":
+            orig = torch.stack([t["orig_size"] for t in targets])
+            dets = self.detect(outputs, orig)
+            preds = [{"boxes": d["boxes"], "scores": d["scores"], "labels": d["labels"]} for d in dets]
+            if stage == "val":
+                self.val_map.update(preds, self._targets_in_pixels(targets))
+            else:
+                for t, d in zip(targets, dets, strict=True):
+                    self.eval_records.append({"image_id": t["image_id"], "det": {k: v.cpu() for k, v in d.items()}})
+        return loss
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "train")
+
+    def validation_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        res = self.val_map.compute()
+        for k in ("map", "map_50", "map_75"):
+            self.log(f"val/{k}", res[k], prog_bar=k != "map_75")
+        self.val_map.reset()
+
+    def test_step(self, batch, batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "test")
+
+    def on_test_epoch_start(self) -> None:
+        self.eval_records = []
+
+    def on_test_epoch_end(self) -> None:
+        unique = {r["image_id"]: r for r in gather_objects(self.eval_records)}
+        self.eval_records = [unique[i] for i in sorted(unique)]
+
+    def eval_results(self, dataset) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """``(metrics, predictions)``: COCO mAP and the COCO results list (ids as in the file)."""
+        if not self.eval_records:
+            raise RuntimeError("no evaluation records: run trainer.test(...) first")
+        by_id = {r["image_id"]: r["det"] for r in self.eval_records}
+        preds, targets, results = [], [], []
+        for im in dataset.images:
+            det = by_id.get(im["id"])
+            if det is None:
+                continue
+            preds.append({"boxes": det["boxes"], "scores": det["scores"], "labels": det["labels"]})
+            anns = dataset.annotations[im["id"]]
+            targets.append({"boxes": torch.tensor([a[0] for a in anns], dtype=torch.float32).reshape(-1, 4),
+                            "labels": torch.tensor([a[1] for a in anns], dtype=torch.int64)})
+            for box, score, label in zip(box_xyxy_to_xywh(det["boxes"]).tolist(), det["scores"].tolist(),
+                                         det["labels"].tolist(), strict=True):
+                results.append({"image_id": im["id"], "category_id": self.category_ids[label],
+                                "bbox": [round(v, 2) for v in box], "score": round(score, 5)})
+        return mean_average_precision(preds, targets), results
+
+    def explain_eval(self, dataset, options, out_dir: Path) -> dict[str, float]:
+        from vision_attn.explain.detection import write_detection_overlays
+
+        write_detection_overlays(self, dataset, options, out_dir)
+        return {}
