@@ -1,0 +1,97 @@
+"""COCO detection data: sparse ids, faulty annotations dropped and counted, clear errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from PIL import Image
+
+from vision_attn.data.detection import CocoDetection, DetectionDataModule, build_detection_transform
+from vision_attn.errors import DataError
+
+PRE = {"input_size": (3, 32, 48), "mean": (0.0,) * 3, "std": (1.0,) * 3, "interpolation": "bilinear", "crop_pct": 1.0}
+
+
+def _coco(root, split="val", anns=None, images=None, cats=None):
+    (root / split).mkdir(parents=True, exist_ok=True)
+    (root / "annotations").mkdir(exist_ok=True)
+    images = images or [{"id": 7, "file_name": "a.png", "width": 80, "height": 40},
+                        {"id": 9, "file_name": "b.png", "width": 80, "height": 40}]
+    for im in images:
+        Image.new("RGB", (im["width"], im["height"])).save(root / split / im["file_name"])
+    cats = cats or [{"id": 90, "name": "toothbrush"}, {"id": 1, "name": "person"}, {"id": 18, "name": "dog"}]
+    anns = anns if anns is not None else [
+        {"id": 1, "image_id": 7, "category_id": 18, "bbox": [10, 10, 20, 10]},
+        {"id": 2, "image_id": 7, "category_id": 90, "bbox": [40, 0, 40, 40]},
+    ]
+    data = {"images": images, "annotations": anns, "categories": cats}
+    (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(data))
+    return root
+
+
+def test_sparse_category_ids_map_to_contiguous_labels_and_back(tmp_path):
+    ds = CocoDetection(_coco(tmp_path), "val", build_detection_transform(PRE, train=False))
+    assert ds.category_ids == [1, 18, 90] and ds.class_names == ["person", "dog", "toothbrush"]
+    image, target = ds[0]
+    assert image.shape == (3, 32, 48)
+    assert target["labels"].tolist() == [1, 2] and target["image_id"] == 7
+    assert target["orig_size"].tolist() == [40, 80]
+    # (10, 10, 30, 20) in an 80 x 40 image -> cx 20/80, cy 15/40, w 20/80, h 10/40 (resize keeps fractions)
+    assert torch.allclose(target["boxes"][0], torch.tensor([0.25, 0.375, 0.25, 0.25]), atol=1e-3)
+    _, empty = ds[1]  # an image with no annotations is kept
+    assert empty["labels"].numel() == 0 and empty["boxes"].shape == (0, 4)
+
+
+def test_faulty_annotations_are_dropped_and_counted(tmp_path, caplog):
+    anns = [
+        {"id": 1, "image_id": 7, "category_id": 1, "bbox": [0, 0, 0, 5]},             # zero size
+        {"id": 2, "image_id": 7, "category_id": 1, "bbox": [0, 0, -3, 5]},            # negative
+        {"id": 3, "image_id": 7, "category_id": 1, "bbox": [float("nan"), 0, 3, 3]},  # NaN
+        {"id": 4, "image_id": 7, "category_id": 1, "bbox": [200, 200, 5, 5]},         # outside
+        {"id": 5, "image_id": 12345, "category_id": 1, "bbox": [0, 0, 5, 5]},         # unknown image
+        {"id": 6, "image_id": 7, "category_id": 55, "bbox": [0, 0, 5, 5]},            # unknown category
+        {"id": 7, "image_id": 7, "category_id": 1, "bbox": [70, 30, 20, 20]},         # sticks out: clipped
+    ]
+    with caplog.at_level(logging.WARNING):
+        ds = CocoDetection(_coco(tmp_path, anns=anns), "val")
+    assert ds.annotations[7] == [([70.0, 30.0, 80.0, 40.0], 0)]
+    for reason, example in [("zero or negative size", 1), ("non-finite box", 3), ("outside the image", 4),
+                            ("unknown image id", 5), ("unknown category id", 6)]:
+        assert reason in caplog.text and f"annotation id {example}" in caplog.text
+
+
+def test_missing_file_duplicate_ids_and_malformed_json_are_clear_errors(tmp_path):
+    root = _coco(tmp_path / "a")
+    (root / "val" / "b.png").unlink()
+    with pytest.raises(DataError, match=r"image id 9 has no file .*b.png"):
+        CocoDetection(root, "val")
+    images = [{"id": 3, "file_name": "a.png", "width": 8, "height": 8}, {"id": 3, "file_name": "b.png", "width": 8, "height": 8}]
+    with pytest.raises(DataError, match="image id 3 appears twice"):
+        CocoDetection(_coco(tmp_path / "b", images=images, anns=[]), "val")
+    bad = _coco(tmp_path / "c")
+    (bad / "annotations" / "instances_val.json").write_text('{"images": [1, 2,, 3]}')
+    with pytest.raises(DataError, match=r"instances_val.json is not valid JSON: .* line 1, column"):
+        CocoDetection(bad, "val")
+
+
+def test_training_transform_keeps_boxes_valid(tmp_path):
+    torch.manual_seed(0)
+    ds = CocoDetection(_coco(tmp_path), "val", build_detection_transform(PRE, train=True, scale_jitter=(0.2, 0.5)))
+    for _ in range(20):
+        _, t = ds[0]
+        assert len(t["labels"]) == len(t["boxes"])
+        assert torch.all((t["boxes"] >= 0) & (t["boxes"] <= 1)) and torch.all(t["boxes"][:, 2:] > 0)
+
+
+def test_datamodule_on_embedded_scenes():
+    from vision_attn.data.synthetic import SceneSetConfig
+
+    dm = DetectionDataModule(synthetic=SceneSetConfig(num_train=8, num_val=4, image_size=48), batch_size=4, num_workers=0)
+    assert dm.class_names == ["circle", "square", "triangle", "star", "cross"] and dm.category_ids == [1, 2, 3, 4, 5]
+    dm.preprocess = {**PRE, "input_size": (3, 48, 48)}
+    dm.setup("fit")
+    images, targets = next(iter(dm.train_dataloader()))
+    assert images.shape == (4, 3, 48, 48) and len(targets) == 4
