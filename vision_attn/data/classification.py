@@ -18,10 +18,10 @@ from torch.utils.data import DataLoader, Dataset
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, read_image
 from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
 from vision_attn.data.transforms import (
-    DEFAULT_PREPROCESS,
     AugmentPreset,
     build_eval_transform,
     build_train_transform,
+    model_preprocess,
 )
 from vision_attn.errors import DataError
 
@@ -171,19 +171,9 @@ class ImageFolderDataModule(L.LightningDataModule):
     def num_classes(self) -> int:
         return len(self.class_names)
 
-    def _preprocess(self) -> dict[str, Any]:
-        trainer = getattr(self, "trainer", None)
-        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
-        if module is not None and getattr(module, "data_config", None):
-            return module.data_config
-        if self.preprocess is not None:
-            return self.preprocess
-        log.warning("no model preprocessing available; using the ViT default %s", DEFAULT_PREPROCESS)
-        return DEFAULT_PREPROCESS
-
     def dataset(self, split: str, train: bool = False) -> ImageFolderDataset:
         """The dataset of ``split`` with the training or the evaluation transform."""
-        pre = self._preprocess()
+        pre = model_preprocess(self)
         transform = build_train_transform(pre, self.augment, self.hflip) if train else build_eval_transform(pre)
         return ImageFolderDataset(self.root, split, self.class_names, transform, self.max_pixels)
 

@@ -29,7 +29,7 @@ from torchvision.transforms import v2 as T
 from vision_attn.boxes import box_xyxy_to_cxcywh
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
 from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
-from vision_attn.data.transforms import DEFAULT_PREPROCESS, _interp
+from vision_attn.data.transforms import _interp, model_preprocess
 from vision_attn.errors import DataError
 
 __all__ = ["CocoDetection", "DetectionDataModule", "detection_collate", "load_coco_annotations"]
@@ -223,14 +223,8 @@ class DetectionDataModule(L.LightningDataModule):
     def num_classes(self) -> int:
         return len(self.class_names)
 
-    def _preprocess(self) -> dict[str, Any]:
-        module = getattr(getattr(self, "trainer", None), "lightning_module", None)
-        if module is not None and getattr(module, "data_config", None):
-            return module.data_config
-        return self.preprocess or DEFAULT_PREPROCESS
-
     def dataset(self, split: str, train: bool = False) -> CocoDetection:
-        tf = build_detection_transform(self._preprocess(), train, self.scale_jitter)
+        tf = build_detection_transform(model_preprocess(self), train, self.scale_jitter)
         return CocoDetection(self.root, split, tf, self.categories, self.max_pixels)
 
     def setup(self, stage: str | None = None) -> None:

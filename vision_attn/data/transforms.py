@@ -16,6 +16,7 @@ Augmentation presets:
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Literal
 
@@ -29,9 +30,12 @@ __all__ = [
     "build_display_transform",
     "build_eval_transform",
     "build_train_transform",
+    "model_preprocess",
 ]
 
 AugmentPreset = Literal["none", "small", "finetune"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PREPROCESS: dict[str, Any] = {
     "input_size": (3, 224, 224),
@@ -40,6 +44,19 @@ DEFAULT_PREPROCESS: dict[str, Any] = {
     "std": (0.5, 0.5, 0.5),
     "crop_pct": 0.9,
 }
+
+
+def model_preprocess(datamodule: Any) -> dict[str, Any]:
+    """The preprocessing a DataModule must apply: the attached model's ``data_config`` when
+    Lightning runs it, else ``datamodule.preprocess`` (set by hand or by ``eval.py``), else the
+    ViT default (with a warning)."""
+    module = getattr(getattr(datamodule, "trainer", None), "lightning_module", None)
+    if module is not None and getattr(module, "data_config", None):
+        return module.data_config
+    if getattr(datamodule, "preprocess", None) is not None:
+        return datamodule.preprocess
+    log.warning("no model preprocessing available; using the ViT default %s", DEFAULT_PREPROCESS)
+    return DEFAULT_PREPROCESS
 
 
 def _interp(name: str) -> InterpolationMode:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vision_attn.checkpoint_io import CheckpointError, load_checkpoint_file
+from vision_attn.errors import DataError
 from vision_attn.models.encoder import ViTEncoder
 
 __all__ = ["VisionTask", "gather_objects", "load_task", "warmup_cosine"]
@@ -78,6 +79,31 @@ class VisionTask(L.LightningModule):
         self.weight_decay = weight_decay
         self.warmup_fraction = warmup_fraction
         self.min_lr_ratio = min_lr_ratio
+
+    # ------------------------------------------------------------------ labels from the data
+    # Set by subclasses in __init__ (``None`` until built). No class-level default for
+    # ``head``: it would shadow the registered sub-module.
+    head: nn.Module | None
+    class_names: list[str] | None
+
+    def build_from_data(self, datamodule: Any) -> None:
+        """Build the label-dependent parts (heads, losses, metrics) from the datamodule."""
+        raise NotImplementedError
+
+    def setup(self, stage: str) -> None:
+        # Class names (and their number) come from the data, never from a config: build the
+        # head when training starts, or check that a built model fits the data.
+        dm = getattr(self.trainer, "datamodule", None)
+        names = getattr(dm, "class_names", None)
+        if self.head is None:
+            if names is None:
+                raise DataError(f"{type(self).__name__} has no class names and the datamodule gives none")
+            self.build_from_data(dm)
+        elif names is not None and list(names) != self.class_names:
+            raise DataError(
+                f"the model was built for classes {self.class_names} but the data has {list(names)}; "
+                "evaluate on data with the same classes (or fine-tune a new head)"
+            )
 
     @property
     def data_config(self) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from torch import Tensor
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from vision_attn.errors import DataError
 from vision_attn.models.classifier import ClassificationHead, Pooling
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks.base import VisionTask, gather_objects
@@ -98,20 +97,8 @@ class ClassificationTask(VisionTask):
             {f"{stage}_metrics": _metric_collection(n).clone(prefix=f"{stage}/") for stage in ("train", "val", "test")}
         )
 
-    def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None)
-        names = getattr(dm, "class_names", None)
-        if self.head is None:
-            if names is None:
-                raise DataError(
-                    "ClassificationTask has no num_classes/class_names and the datamodule gives no class_names"
-                )
-            self._build_head(len(names), names)
-        elif names is not None and list(names) != self.class_names:
-            raise DataError(
-                f"the model was built for classes {self.class_names} but the data has {list(names)}; "
-                "evaluate on data with the same class folders (or fine-tune a new head)"
-            )
+    def build_from_data(self, datamodule) -> None:
+        self._build_head(len(datamodule.class_names), datamodule.class_names)
 
     def forward(self, images: Tensor) -> Tensor:
         """Logits ``[B, C]`` for normalised images ``[B, 3, H, W]``."""

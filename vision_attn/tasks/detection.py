@@ -11,7 +11,6 @@ from torch import Tensor
 from torchmetrics.detection import MeanAveragePrecision
 
 from vision_attn.boxes import box_cxcywh_to_xyxy, box_xyxy_to_xywh
-from vision_attn.errors import DataError
 from vision_attn.losses.matcher import HungarianMatcher
 from vision_attn.losses.set_criterion import SetCriterion
 from vision_attn.models.detr import DETRHead, post_process
@@ -127,15 +126,9 @@ class DetectionTask(VisionTask):
         self.val_map = _map_metric()
         self.hparams.update(num_classes=n, class_names=self.class_names, category_ids=self.category_ids)
 
-    def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None)
-        names = getattr(dm, "class_names", None)
-        if self.head is None:
-            if names is None:
-                raise DataError("DetectionTask has no class_names and the datamodule gives none")
-            self._build(len(names), names, getattr(dm, "category_ids", None))
-        elif names is not None and list(names) != self.class_names:
-            raise DataError(f"the model was built for classes {self.class_names} but the data has {list(names)}")
+    def build_from_data(self, datamodule) -> None:
+        names = datamodule.class_names
+        self._build(len(names), names, getattr(datamodule, "category_ids", None))
 
     def forward(self, images: Tensor, need_weights: bool = False) -> dict:
         """The head's outputs (``pred_logits``, ``pred_boxes``, ...) for normalised images."""
