@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torchmetrics.detection import MeanAveragePrecision
@@ -22,12 +23,21 @@ __all__ = ["DetectionTask", "mean_average_precision"]
 log = logging.getLogger(__name__)
 
 
+# COCOeval's own thresholds, in float64. torchmetrics' defaults come from float32 linspace
+# (0.55 -> 0.550000011...), which moves recall thresholds past recalls that are exact fractions
+# (few boxes per class) and changes mAP in the 4th digit.
+_COCO_IOU_THRESHOLDS = np.linspace(0.5, 0.95, 10).tolist()
+_COCO_REC_THRESHOLDS = np.linspace(0.0, 1.0, 101).tolist()
+
+
 def _map_metric() -> MeanAveragePrecision:
+    kwargs = {"box_format": "xyxy", "iou_type": "bbox", "iou_thresholds": _COCO_IOU_THRESHOLDS,
+              "rec_thresholds": _COCO_REC_THRESHOLDS}
     try:
-        return MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="faster_coco_eval")
+        return MeanAveragePrecision(backend="faster_coco_eval", **kwargs)
     except (ModuleNotFoundError, ImportError):  # pragma: no cover - depends on the install
         log.warning("faster_coco_eval is not installed; using the slower pycocotools backend")
-        return MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools")
+        return MeanAveragePrecision(backend="pycocotools", **kwargs)
 
 
 def mean_average_precision(preds: list[dict[str, Tensor]], targets: list[dict[str, Tensor]]) -> dict[str, float]:
@@ -205,8 +215,9 @@ class DetectionTask(VisionTask):
                             "labels": torch.tensor([a[1] for a in anns], dtype=torch.int64)})
             for box, score, label in zip(box_xyxy_to_xywh(det["boxes"]).tolist(), det["scores"].tolist(),
                                          det["labels"].tolist(), strict=True):
+                # unrounded, so that pycocotools scoring this file reproduces ``metrics`` exactly
                 results.append({"image_id": im["id"], "category_id": self.category_ids[label],
-                                "bbox": [round(v, 2) for v in box], "score": round(score, 5)})
+                                "bbox": box, "score": score})
         return mean_average_precision(preds, targets), results
 
     def explain_eval(self, dataset, options, out_dir: Path) -> dict[str, float]:
