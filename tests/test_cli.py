@@ -192,3 +192,25 @@ def test_folder_overlay_command_explains_and_skips_bad_files(trained_run, tmp_pa
     bad.write_bytes(b"garbage")
     with pytest.raises(SystemExit):
         main(["--ckpt_path", str(bad), "--images", str(images), "--output_dir", str(tmp_path / "o2")])
+
+
+def test_detection_train_and_eval_contract(tmp_path):
+    cfg = str(REPO / "configs" / "detection" / "shapes.yaml")
+    enc = "--model.init_args.encoder.init_args."
+    common = ["--config", cfg, "--data.init_args.synthetic.num_train", "16", "--data.init_args.synthetic.num_val", "4",
+              "--data.init_args.synthetic.image_size", "32", "--data.init_args.num_workers", "0",
+              "--data.init_args.cache_dir", str(tmp_path / "data")]
+    out = tmp_path / "det"
+    train_main([*common, f"{enc}img_size", "32", f"{enc}embed_dim", "32", f"{enc}depth", "1", f"{enc}num_heads", "2",
+                "--model.init_args.hidden_dim", "32", "--model.init_args.num_layers", "2",
+                "--model.init_args.num_heads", "2", "--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "1",
+                "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out)])
+    assert "val/map" in (out / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    metrics = eval_main([*common, "--ckpt_path", str(out / "checkpoints" / "last.ckpt"), "--output_dir", str(out / "eval"),
+                         "--explain.num_overlays", "2", "--explain.score_threshold", "0.0"])
+    saved = json.loads((out / "eval" / "metrics.json").read_text())
+    assert saved == metrics and {"map", "map_50", "map_75"} <= set(saved)
+    preds = json.loads((out / "eval" / "predictions.json").read_text())
+    assert preds and set(preds[0]) == {"image_id", "category_id", "bbox", "score"}
+    assert {p["category_id"] for p in preds} <= {1, 2, 3, 4, 5}
+    assert len(list((out / "eval" / "overlays").glob("*.png"))) == 2

@@ -60,3 +60,16 @@ def test_post_process_gives_pixels_of_the_original_non_square_image():
     assert len(det["scores"]) == 3 and torch.all(det["scores"][:-1] >= det["scores"][1:])
     foc = post_process({"pred_logits": logits[..., :3], "pred_boxes": boxes}, torch.tensor([[200, 400]]), 2, focal=True)
     assert foc[0]["labels"][0] == 2
+
+
+def test_query_attention_maps_last_and_mean():
+    from vision_attn.explain.detection import query_attention_maps
+
+    torch.manual_seed(0)
+    layers = [torch.softmax(torch.randn(1, 2, 4, 6), -1) for _ in range(3)]
+    last = query_attention_maps(layers, torch.tensor([2, 0]), (2, 3), "last")
+    row = layers[-1][0].mean(0)[2].reshape(2, 3)
+    assert last.shape == (2, 2, 3) and torch.allclose(last[0], row / row.max())
+    mean = query_attention_maps(layers, torch.tensor([2]), (2, 3), "mean")
+    row = torch.stack([a[0].mean(0)[2] for a in layers]).mean(0).reshape(2, 3)
+    assert torch.allclose(mean[0], row / row.max())

@@ -33,8 +33,7 @@ def query_attention_maps(cross_attn: list[torch.Tensor], queries: torch.Tensor, 
     return normalize_maps(fused[queries].reshape(-1, *grid))
 
 
-def write_detection_overlays(task, dataset, options, out_dir: Path, score_threshold: float = 0.3,
-                             max_objects: int = 6) -> int:
+def write_detection_overlays(task, dataset, options, out_dir: Path, max_objects: int = 6) -> int:
     """For the first ``options.num_overlays`` images: the image with every kept box, then one
     tile per detection with its query's cross-attention, box, label and score."""
     n = min(options.num_overlays, len(dataset))
@@ -48,14 +47,14 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, score_thresh
             enc = task.encoder(image.unsqueeze(0).to(device))
             out = task.head(enc, need_weights=True)
         det = task.detect(out, target["orig_size"].unsqueeze(0))[0]
-        keep = (det["scores"] >= score_threshold).nonzero().flatten()[:max_objects]
+        keep = (det["scores"] >= options.score_threshold).nonzero().flatten()[:max_objects]
         rgb = read_image(dataset.root / dataset.split / im["file_name"])
         side = max(rgb.shape[:2])
         if side < 160:  # enlarge small images so labels are readable
             f = int(np.ceil(160 / side))
             rgb = cv2.resize(rgb, (rgb.shape[1] * f, rgb.shape[0] * f), interpolation=cv2.INTER_NEAREST)
         scale = rgb.shape[1] / float(target["orig_size"][1])
-        maps = query_attention_maps(out["cross_attn"], det["queries"][keep].cpu(), enc.grid)
+        maps = query_attention_maps(out["cross_attn"], det["queries"][keep].cpu(), enc.grid, options.query_layers)
         boxed = rgb
         tiles, titles = [], []
         for j, k in enumerate(keep.tolist()):

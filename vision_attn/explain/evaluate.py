@@ -45,6 +45,9 @@ class ExplainOptions:
         discard_ratio: rollout's discard ratio.
         alpha: heat-map opacity of the overlays.
         batch_size: images per explanation batch.
+        score_threshold: detection: objects drawn need at least this score.
+        query_layers: detection: cross-attention of the ``last`` decoder layer, or the
+            ``mean`` over all layers (heads are averaged in both).
     """
 
     methods: list[str] = field(default_factory=lambda: ["rollout", "relevance", "attention"])
@@ -57,6 +60,8 @@ class ExplainOptions:
     discard_ratio: float = 0.0
     alpha: float = 0.5
     batch_size: int = 32
+    score_threshold: float = 0.3
+    query_layers: Literal["last", "mean"] = "last"
 
     def __post_init__(self) -> None:
         bad = [m for m in self.methods if m not in METHODS or m == "random"]
