@@ -71,13 +71,14 @@ class CocoDetection(Dataset):
         transform: a torchvision v2 transform taking ``(image, BoundingBoxes)``.
         categories: category list to use (default: the file's); for val, pass train's.
         max_pixels: refuse larger images.
+        annotations: the already parsed annotation file (it is read from disk otherwise).
     """
 
     def __init__(self, root: str | Path, split: str, transform: Any = None, categories: list[dict] | None = None,
-                 max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+                 max_pixels: int = DEFAULT_MAX_PIXELS, annotations: dict[str, Any] | None = None) -> None:
         self.root, self.split = Path(root), split
         self.ann_file = self.root / "annotations" / f"instances_{split}.json"
-        data = load_coco_annotations(self.ann_file)
+        data = annotations if annotations is not None else load_coco_annotations(self.ann_file)
         cats = categories if categories is not None else data.get("categories") or []
         if not cats:
             raise DataError(f"annotation file {self.ann_file} has no categories")
@@ -211,6 +212,7 @@ class DetectionDataModule(L.LightningDataModule):
         self.train_split, self.val_split = train_split, val_split
         self.batch_size, self.num_workers, self.scale_jitter, self.max_pixels = batch_size, num_workers, scale_jitter, max_pixels
         ann = load_coco_annotations(self.root / "annotations" / f"instances_{train_split}.json")
+        self._train_annotations: dict[str, Any] | None = ann  # parsed once; handed to the train dataset
         self.categories = sorted(ann.get("categories") or [], key=lambda c: c["id"])
         if not self.categories:
             raise DataError(f"{self.root / 'annotations' / f'instances_{train_split}.json'} has no categories")
@@ -225,7 +227,10 @@ class DetectionDataModule(L.LightningDataModule):
 
     def dataset(self, split: str, train: bool = False) -> CocoDetection:
         tf = build_detection_transform(model_preprocess(self), train, self.scale_jitter)
-        return CocoDetection(self.root, split, tf, self.categories, self.max_pixels)
+        parsed = None
+        if split == self.train_split and self._train_annotations is not None:
+            parsed, self._train_annotations = self._train_annotations, None  # used once, then freed
+        return CocoDetection(self.root, split, tf, self.categories, self.max_pixels, parsed)
 
     def setup(self, stage: str | None = None) -> None:
         if stage in ("fit", None):
