@@ -31,6 +31,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from vision_attn.errors import CheckpointError, RunExistsError, VisionAttnError
 from vision_attn.explain.evaluate import ExplainOptions
+from vision_attn.models.captioner import GenerationOptions
 from vision_attn.tasks.base import (
     VisionTask,
     read_task_meta,
@@ -115,7 +116,9 @@ class TrainCLI(_VisionAttnCLI):
             default=None,
             help="Resume training from this checkpoint ('last' = ROOT/checkpoints/last.ckpt).",
         )
-        parser.add_class_arguments(ExplainOptions, "explain")  # used by eval.py; accepted so one YAML serves both
+        # used by eval.py; accepted so one YAML serves both
+        parser.add_class_arguments(ExplainOptions, "explain")
+        parser.add_class_arguments(GenerationOptions, "generate")
         parser.set_defaults({"trainer.default_root_dir": None, "seed_everything": 0})
 
     def before_instantiate_classes(self) -> None:
@@ -165,6 +168,7 @@ class EvalCLI(_VisionAttnCLI):
         parser.add_argument("--overwrite", type=bool, default=False,
                             help="Replace results already in --output_dir.")
         parser.add_class_arguments(ExplainOptions, "explain")
+        parser.add_class_arguments(GenerationOptions, "generate")
         parser.set_defaults({"seed_everything": 0, "trainer.logger": False})
 
     def before_instantiate_classes(self) -> None:
@@ -216,7 +220,9 @@ def eval_main(args: list[str] | None = None) -> dict[str, float]:
     """Entry point of ``eval.py``: returns the metrics it wrote."""
     cli = EvalCLI(args=args)
     dm, model, trainer = cli.datamodule, cli.model, cli.trainer
-    dm.preprocess = model.data_config
+    model.configure_datamodule(dm)
+    if hasattr(model, "set_generation"):
+        model.set_generation(cli.config_init.generate)
     split = cli.config.split or dm.val_split
     loader = dm.eval_dataloader(split)
     trainer.test(model, dataloaders=loader, verbose=False)

@@ -23,6 +23,13 @@ log = logging.getLogger("vision_attn.demo")
 TASKS = {
     "classification": "configs/classification/shapes.yaml",  # about 2 minutes on 2 CPU cores
     "detection": "configs/detection/shapes.yaml",  # about 12 minutes on 2 CPU cores
+    "captioning": "configs/captioning/shapes.yaml",  # about 9 minutes on 2 CPU cores
+}
+
+OVERLAYS = {
+    "classification": "input | rollout | relevance | raw attention",
+    "detection": "boxes | cross-attention of each detected object's query",
+    "captioning": "the caption, then each word's cross-attention over the image",
 }
 
 
@@ -61,13 +68,12 @@ def main() -> None:
     print("\n== vision_attn demo ==")
     for task, r in results.items():
         shown = ("acc_top1", "acc_macro", "deletion_auc", "deletion_auc_random", "insertion_auc", "insertion_auc_random",
-                 "map", "map_50", "map_75")
+                 "map", "map_50", "map_75", "bleu1", "bleu4", "cider", "pointing_acc", "pointing_acc_random")
         metrics = ", ".join(f"{k}={r['metrics'][k]:.3f}" for k in shown if k in r["metrics"])
         print(f"{task:15s} trained in {r['train_seconds']:.0f} s  {metrics}")
         print(f"{'':15s} run:     {r['dir']}  (config.yaml, checkpoints/last.ckpt, tensorboard/, csv/)")
         print(f"{'':15s} results: {r['dir']}/eval/metrics.json, {r['dir']}/eval/predictions.json")
-        kind = "input | rollout | relevance | raw attention" if task == "classification" else "boxes | cross-attention of each detected object's query"
-        print(f"{'':15s} overlays: {r['dir']}/eval/overlays/*.png ({kind})")
+        print(f"{'':15s} overlays: {r['dir']}/eval/overlays/*.png ({OVERLAYS[task]})")
     print(f"TensorBoard: {Path(args.output_dir)}  ->  tensorboard --logdir {args.output_dir}")
 
 

@@ -55,6 +55,7 @@ COLOURS: dict[str, tuple[int, int, int]] = {  # RGB
 }
 _SUPERSAMPLE = 4  # draw at 4x and downsample: smooth edges at 32 px
 _FORMAT_VERSION = 1
+_COCO_FORMAT_VERSION = 2  # 2: captions list objects left to right
 
 
 @dataclass
@@ -114,7 +115,9 @@ class Scene:
         Every caption names each object's colour and kind (so they can be learned and
         checked); phrasings vary: plain lists, counts, absolute and relative positions.
         """
-        objs = self.objects
+        # Objects in reading order (left to right, then top to bottom): a caption's order must
+        # be something one can see in the image, not the order in which shapes were drawn.
+        objs = sorted(self.objects, key=lambda o: (o.center[0], o.center[1]))
         if not objs:
             return ["an empty picture"] * num
         names = [f"a {o.colour} {o.kind}" for o in objs]
@@ -478,7 +481,7 @@ class SceneSetConfig:
     def key(self) -> str:
         c = self
         return (
-            f"shapes-coco-v{_FORMAT_VERSION}-s{c.image_size}-n{c.num_train}-{c.num_val}-obj{c.min_objects}-{c.max_objects}"
+            f"shapes-coco-v{_COCO_FORMAT_VERSION}-s{c.image_size}-n{c.num_train}-{c.num_val}-obj{c.min_objects}-{c.max_objects}"
             f"-size{c.min_size:g}-{c.max_size:g}-ov{c.max_overlap:g}-cap{c.captions_per_image}-seed{c.seed}"
             f"-noise{c.noise:g}-clutter{c.clutter}"
         )
@@ -490,7 +493,8 @@ def ensure_shapes_coco(config: SceneSetConfig | None = None, cache_dir: str | Pa
     Layout (``ROOT`` is returned)::
 
         ROOT/{train,val}/<image id>.png
-        ROOT/annotations/instances_{train,val}.json   boxes (xywh pixels), categories = shape kinds
+        ROOT/annotations/instances_{train,val}.json   boxes (xywh pixels), categories = shape kinds,
+                                                      plus each object's "colour" (an extra key)
         ROOT/annotations/captions_{train,val}.json    several descriptions per image
 
     Category ids are 1..5 in the order of :data:`SHAPES`; image and annotation ids are unique
@@ -521,7 +525,8 @@ def ensure_shapes_coco(config: SceneSetConfig | None = None, cache_dir: str | Pa
                 for obj in scene.objects:
                     x, y, w, h = (round(v, 2) for v in obj.box_xywh)
                     boxes.append({"id": ann_id, "image_id": image_id, "category_id": cat_id[obj.kind],
-                                  "bbox": [x, y, w, h], "area": round(w * h, 2), "iscrowd": 0})
+                                  "bbox": [x, y, w, h], "area": round(w * h, 2), "iscrowd": 0,
+                                  "colour": obj.colour})
                     ann_id += 1
                 for text in scene.describe(rng, config.captions_per_image):
                     captions.append({"id": cap_id, "image_id": image_id, "caption": text})

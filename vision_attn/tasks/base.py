@@ -61,6 +61,7 @@ class VisionTask(L.LightningModule):
     """
 
     task_name: str = ""
+    built_from: str = "class names"  # what the data gives the head (checkpoints store it)
     monitor: tuple[str, str] = ("val/loss", "min")
 
     def __init__(
@@ -104,6 +105,12 @@ class VisionTask(L.LightningModule):
                 f"the model was built for classes {self.class_names} but the data has {list(names)}; "
                 "evaluate on data with the same classes (or fine-tune a new head)"
             )
+
+    def configure_datamodule(self, datamodule: Any) -> None:
+        """Make ``datamodule`` prepare data for this model (its preprocessing; tasks add more,
+        e.g. the caption tokenizer). ``eval.py`` calls it with the checkpoint's model."""
+        if datamodule is not None:
+            datamodule.preprocess = self.data_config
 
     @property
     def data_config(self) -> dict[str, Any]:
@@ -198,6 +205,11 @@ def restore_from_checkpoint(task: VisionTask, meta: dict[str, Any], ckpt: dict[s
     try:
         task.load_state_dict(ckpt["state_dict"])
     except RuntimeError as err:
+        if getattr(task, "head", True) is None:
+            raise CheckpointError(
+                f"{what} does not store the model's {task.built_from} (model.init_args in its "
+                f"{CHECKPOINT_KEY!r} entry), so its head cannot be rebuilt; use a checkpoint written by train.py"
+            ) from err
         raise CheckpointError(f"{what}: weights do not fit the model it describes: {err}") from err
     stored = meta.get("data_config")
     if stored:

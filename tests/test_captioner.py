@@ -1,0 +1,141 @@
+"""Caption decoder: causal teacher forcing, cached == uncached decoding, beam search against
+exhaustive search, beam 1 == greedy, batching, sequences that never end."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from vision_attn.models.captioner import CaptionDecoder
+from vision_attn.models.encoder import EncoderOutput
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+def _enc(b: int = 2, grid=(3, 3), dim: int = 16, prefix: int = 1, seed: int = 0) -> EncoderOutput:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(b, prefix + grid[0] * grid[1], dim, generator=g)
+    return EncoderOutput(tokens=tokens, num_prefix_tokens=prefix, grid=grid)
+
+
+def _decoder(vocab: int = 12, max_length: int = 12, seed: int = 0, sharpen: float = 4.0) -> CaptionDecoder:
+    torch.manual_seed(seed)
+    dec = CaptionDecoder(vocab, in_dim=16, hidden_dim=16, num_layers=2, num_heads=2, mlp_ratio=2.0, dropout=0.0,
+                         max_length=max_length).eval()
+    with torch.no_grad():  # random weights of a larger scale than the init: varied, peaky, image-dependent captions
+        for p in dec.parameters():
+            p.normal_(0.0, 0.4 if p.ndim > 1 else 1.0)
+        dec.embed.weight.normal_(0.0, 0.15)  # small tied embedding: no bias towards repeating the input token
+        dec.embed.weight[PAD].zero_()
+        dec.norm.weight.fill_(6.0 * sharpen)
+    return dec
+
+
+def test_teacher_forcing_shapes_and_causality():
+    dec = _decoder()
+    enc = _enc()
+    tokens = torch.tensor([[BOS, 5, 6, 7, 8], [BOS, 9, 4, 3, PAD]])
+    logits, weights = dec(enc, tokens, need_weights=True)
+    assert logits.shape == (2, 5, 12)
+    assert len(weights) == 2 and weights[0].shape == (2, 2, 5, 9)  # (B, heads, T, patches): prefix token dropped
+    torch.testing.assert_close(weights[0].sum(-1), torch.ones(2, 2, 5))
+    changed = tokens.clone()
+    changed[:, 3] = 10
+    logits2, _ = dec(enc, changed)
+    torch.testing.assert_close(logits2[:, :3], logits[:, :3])  # the future does not leak into the past
+    assert not torch.allclose(logits2[:, 3:], logits[:, 3:])
+
+
+def test_too_long_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="longer than the decoder's max_length 12"):
+        _decoder()(_enc(), torch.full((2, 13), 4))
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_cached_and_uncached_decoding_are_identical(beam_size):
+    dec = _decoder()
+    enc = _enc(b=3)
+    a = dec.generate(enc, BOS, EOS, beam_size=beam_size, use_cache=True, return_attention=True)
+    b = dec.generate(enc, BOS, EOS, beam_size=beam_size, use_cache=False, return_attention=True)
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.lengths, b.lengths)
+    torch.testing.assert_close(a.scores, b.scores)
+    torch.testing.assert_close(a.attention, b.attention)
+    assert a.attention.shape == (3, a.tokens.shape[1], 2, 9)
+    torch.testing.assert_close(a.attention.sum(-1), torch.ones(3, a.tokens.shape[1], 2))
+
+
+def test_beam_size_one_equals_greedy():
+    dec = _decoder(seed=3)
+    enc = _enc(b=4, seed=3)
+    greedy = dec.generate(enc, BOS, EOS, beam_size=1, return_attention=True)
+    beam = dec._search(enc, BOS, EOS, None, 1, 1.0, True, True, greedy=False)
+    assert torch.equal(greedy.tokens, beam.tokens)
+    torch.testing.assert_close(greedy.scores, beam.scores)
+    torch.testing.assert_close(greedy.attention, beam.attention)
+
+
+@torch.no_grad()
+def _sequence_logprob(dec, enc, seq: list[int]) -> float:
+    logits, _ = dec(enc, torch.tensor([[BOS, *seq[:-1]]]))
+    logp = logits[0].log_softmax(-1)
+    return float(sum(logp[t, s] for t, s in enumerate(seq)))
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
+def test_wide_beam_finds_the_exhaustive_optimum(length_penalty):
+    # Vocabulary: pad, bos, eos + 3 words; at most 3 generated tokens. A beam wide enough to keep
+    # every hypothesis must return the best of all sequences, ranked as generate() ranks them.
+    dec = _decoder(vocab=6, max_length=4, seed=1, sharpen=1.0)
+    enc = _enc(b=1, seed=1)
+    best, best_seq = -float("inf"), None
+    for length in (1, 2, 3):
+        for body in itertools.product([EOS, 3, 4, 5], repeat=length):
+            if EOS in body[:-1]:
+                continue
+            lp = _sequence_logprob(dec, enc, list(body))
+            norm = lp / length**length_penalty
+            if norm > best:
+                best, best_seq = norm, list(body)
+    out = dec.generate(enc, BOS, EOS, max_length=3, beam_size=64, length_penalty=length_penalty)
+    n = int(out.lengths[0])
+    assert out.tokens[0, :n].tolist() == best_seq
+    assert float(out.scores[0]) == pytest.approx(_sequence_logprob(dec, enc, best_seq), abs=1e-4)
+    assert (out.tokens[0, n:] == PAD).all()
+
+
+def test_batched_beam_search_equals_one_image_at_a_time():
+    dec = _decoder(seed=3)
+    enc = _enc(b=3, seed=3)  # one caption ends early, one late, one never: padding and beams of mixed state
+    together = dec.generate(enc, BOS, EOS, beam_size=4, return_attention=True)
+    for i in range(3):
+        single = EncoderOutput(tokens=enc.tokens[i : i + 1], num_prefix_tokens=1, grid=enc.grid)
+        alone = dec.generate(single, BOS, EOS, beam_size=4, return_attention=True)
+        t = alone.tokens.shape[1]
+        assert torch.equal(together.tokens[i, :t], alone.tokens[0])
+        assert (together.tokens[i, t:] == PAD).all()
+        torch.testing.assert_close(together.scores[i], alone.scores[0])
+        torch.testing.assert_close(together.attention[i, :t], alone.attention[0])
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_a_caption_that_never_ends_stops_at_max_length(beam_size):
+    dec = _decoder()
+    with torch.no_grad():
+        dec.out_bias[EOS] = -1e4  # <eos> is never chosen
+    out = dec.generate(_enc(), BOS, EOS, max_length=7, beam_size=beam_size, return_attention=True)
+    assert out.tokens.shape == (2, 7) and (out.lengths == 7).all()
+    assert (out.tokens != PAD).all() and torch.isfinite(out.scores).all()
+    assert out.attention.shape[1] == 7
+
+
+def test_scores_are_the_log_probability_of_the_returned_caption():
+    dec = _decoder(seed=4)
+    enc = _enc(b=2, seed=4)
+    out = dec.generate(enc, BOS, EOS, beam_size=3)
+    for i in range(2):
+        n = int(out.lengths[i])
+        one = EncoderOutput(tokens=enc.tokens[i : i + 1], num_prefix_tokens=1, grid=enc.grid)
+        assert float(out.scores[i]) == pytest.approx(_sequence_logprob(dec, one, out.tokens[i, :n].tolist()), abs=1e-4)

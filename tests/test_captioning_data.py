@@ -1,0 +1,130 @@
+"""COCO-captions data: layout, sampling, padding, and bad annotation files."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from vision_attn.data.captioning import (
+    CaptioningDataModule,
+    CocoCaptions,
+    caption_collate,
+    read_captions,
+)
+from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
+from vision_attn.data.tokenizer import WordTokenizer
+from vision_attn.errors import DataError
+
+PRE = {"input_size": (3, 32, 32), "interpolation": "bicubic", "mean": (0.5,) * 3, "std": (0.5,) * 3, "crop_pct": 1.0}
+
+
+@pytest.fixture(scope="module")
+def coco_root(tmp_path_factory) -> Path:
+    return ensure_shapes_coco(SceneSetConfig(image_size=32, num_train=12, num_val=6), tmp_path_factory.mktemp("cap"))
+
+
+def _copy_with(root: Path, tmp: Path, edit) -> Path:
+    import shutil
+
+    new = tmp / "data"
+    shutil.copytree(root, new)
+    path = new / "annotations" / "captions_val.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return new
+
+
+def test_synthetic_captions_name_every_object_left_to_right(coco_root):
+    inst = json.loads((coco_root / "annotations" / "instances_val.json").read_text())
+    caps = json.loads((coco_root / "annotations" / "captions_val.json").read_text())
+    kinds = {c["id"]: c["name"] for c in inst["categories"]}
+    for im in inst["images"]:
+        anns = sorted((a for a in inst["annotations"] if a["image_id"] == im["id"]), key=lambda a: a["bbox"][0] + a["bbox"][2] / 2)
+        texts = [c["caption"] for c in caps["annotations"] if c["image_id"] == im["id"]]
+        assert len(texts) == 5 and len(set(texts)) >= 4  # varied phrasings
+        plain = min(texts, key=len)  # the plain list: "a red circle, a blue star and ..."
+        positions = [plain.find(kinds[a["category_id"]]) for a in anns]
+        assert all(p >= 0 for p in positions) and positions == sorted(positions), (plain, positions)
+
+
+def test_dataset_items_and_collate(coco_root):
+    images, captions = read_captions(coco_root, "train")
+    tok = WordTokenizer.train(c for cs in captions.values() for c in cs)
+    from vision_attn.data.transforms import build_eval_transform
+
+    ds = CocoCaptions(coco_root, "train", build_eval_transform(PRE), tok, sample="random", max_length=12)
+    assert len(ds) == 12 and all(len(r) == 5 for r in ds.references)
+    image, tokens, index = ds[3]
+    assert image.shape == (3, 32, 32) and index == 3
+    assert tokens[0] == tok.bos_id and tokens[-1] == tok.eos_id and len(tokens) <= 12
+    # training samples among all references of the image
+    seen = Counter(tok.decode(ds[0][1].tolist()) for _ in range(60))
+    assert len(seen) >= 3
+    ds.sample = "first"
+    assert all(tok.decode(ds[0][1].tolist()) == tok.decode(tok.encode(ds.references[0][0], 12)) for _ in range(3))
+    imgs, toks, idx = caption_collate([ds[0], ds[1]], tok.pad_id)
+    assert imgs.shape == (2, 3, 32, 32) and idx.tolist() == [0, 1]
+    lens = [len(ds[i][1]) for i in (0, 1)]
+    assert toks.shape == (2, max(lens)) and (toks[lens.index(min(lens)), min(lens):] == tok.pad_id).all()
+
+
+def test_datamodule_trains_tokenizer_and_accepts_the_models(coco_root):
+    dm = CaptioningDataModule(root=str(coco_root), batch_size=4, num_workers=0, max_length=16)
+    dm.preprocess = PRE
+    assert {"circle", "square", "triangle", "star", "cross"} <= set(dm.tokenizer.vocab)
+    dm.setup("fit")
+    images, tokens, idx = next(iter(dm.train_dataloader()))
+    assert images.shape == (4, 3, 32, 32) and tokens.dtype == torch.int64 and tokens.shape[1] <= 16
+    other = WordTokenizer.train(["completely different words"])
+    dm.tokenizer = other  # a checkpoint's tokenizer wins, also in already built datasets
+    assert dm.datasets["train"].tokenizer is other
+
+
+def test_missing_image_ids_empty_and_non_text_captions_are_counted_warnings(coco_root, tmp_path, caplog):
+    def edit(data):
+        first = data["images"][0]["id"]
+        data["annotations"].append({"id": 9001, "image_id": 424242, "caption": "a red circle"})
+        data["annotations"].append({"id": 9002, "image_id": first, "caption": "  ... "})
+        data["annotations"].append({"id": 9003, "image_id": first, "caption": None})
+        for a in data["annotations"]:  # image 2 keeps no usable caption
+            if a["image_id"] == data["images"][1]["id"]:
+                a["caption"] = ""
+
+    root = _copy_with(coco_root, tmp_path, edit)
+    with caplog.at_level(logging.WARNING):
+        images, captions = read_captions(root, "val")
+    text = caplog.text
+    assert "dropped 1 captions (unknown image id), e.g. annotation id 9001" in text
+    assert "dropped 6 captions (empty caption)" in text  # 1 + the 5 of image 2
+    assert "dropped 1 captions (caption is not text), e.g. annotation id 9003" in text
+    assert "skipped 1 images without a usable caption" in text
+    assert len(images) == 5 and len(captions[images[0]["id"]]) == 5
+
+
+def test_unreadable_files_are_clear_errors(coco_root, tmp_path):
+    import shutil
+
+    root = tmp_path / "data"
+    shutil.copytree(coco_root, root)
+    ann = root / "annotations" / "captions_val.json"
+    ann.write_bytes(json.dumps({"images": [], "annotations": []}).encode().replace(b"[]", b'["\xff\xfe"]', 1))
+    with pytest.raises(DataError, match=f"annotation file {ann} is not UTF-8"):
+        read_captions(root, "val")
+    ann.write_text("{not json")
+    with pytest.raises(DataError, match="is not valid JSON"):
+        read_captions(root, "val")
+    shutil.copy(coco_root / "annotations" / "captions_val.json", ann)
+    victim = sorted((root / "val").iterdir())[0]
+    victim.unlink()
+    with pytest.raises(DataError, match=f"has no file {victim}"):
+        read_captions(root, "val")
+    with pytest.raises(DataError, match="captions_test.json does not exist"):
+        read_captions(root, "test")
+    with pytest.raises(DataError, match="does not exist; pass --data.root"):
+        CaptioningDataModule(root=str(tmp_path / "absent"))

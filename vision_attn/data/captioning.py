@@ -1,0 +1,246 @@
+"""COCO-captions data: ``ROOT/<split>/`` images, ``ROOT/annotations/captions_<split>.json``.
+
+- Every image has several reference captions. Training samples one of them at random each
+  time the image is drawn (so every caption is seen over the epochs); evaluation keeps all of
+  them as references.
+- Faulty annotations never crash training: captions of unknown image ids, captions that are
+  not text or are empty after normalisation are dropped, and images left without a caption
+  are skipped — each kind counted in one warning naming an example id. A file that is not
+  UTF-8 or not JSON, or an image file that is missing, is an error naming the file or id.
+- Images are never flipped: captions say "left" and "right".
+
+Items: ``(image [3, H, W], token ids [T], index)``; all references of an item are in
+``dataset.references[index]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from vision_attn.data.detection import load_coco_annotations
+from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
+from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
+from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
+from vision_attn.data.transforms import (
+    AugmentPreset,
+    build_eval_transform,
+    build_train_transform,
+    model_preprocess,
+)
+from vision_attn.errors import DataError
+
+__all__ = ["CaptioningDataModule", "CocoCaptions", "caption_collate", "read_captions"]
+
+log = logging.getLogger(__name__)
+
+
+def read_captions(root: Path, split: str) -> tuple[list[dict], dict[int, list[str]]]:
+    """``(images, captions by image id)`` of one split, cleaned as the module docstring says.
+
+    Caption strings are kept as written (normalised only where they are used).
+    """
+    ann_file = root / "annotations" / f"captions_{split}.json"
+    data = load_coco_annotations(ann_file)
+    images: list[dict] = []
+    captions: dict[int, list[str]] = {}
+    for im in data["images"]:
+        if not isinstance(im, dict) or "id" not in im or "file_name" not in im:
+            raise DataError(f"{ann_file}: image entry {str(im)[:80]} needs 'id' and 'file_name'")
+        if im["id"] in captions:
+            raise DataError(f"{ann_file}: image id {im['id']} appears twice")
+        captions[im["id"]] = []
+        images.append(im)
+    dropped: Counter = Counter()
+    example: dict[str, Any] = {}
+    for a in data["annotations"]:
+        text = a.get("caption") if isinstance(a, dict) else None
+        image_id = a.get("image_id") if isinstance(a, dict) else None
+        if image_id not in captions:
+            reason = "unknown image id"
+        elif not isinstance(text, str):
+            reason = "caption is not text"
+        elif not normalize_caption(text):
+            reason = "empty caption"
+        else:
+            captions[image_id].append(text)
+            continue
+        dropped[reason] += 1
+        example.setdefault(reason, a.get("id") if isinstance(a, dict) else a)
+    for reason, n in dropped.items():
+        log.warning("%s: dropped %d captions (%s), e.g. annotation id %s", ann_file, n, reason, example[reason])
+    without = [im["id"] for im in images if not captions[im["id"]]]
+    if without:
+        log.warning("%s: skipped %d images without a usable caption, e.g. image id %s", ann_file, len(without), without[0])
+        images = [im for im in images if captions[im["id"]]]
+        for i in without:
+            del captions[i]
+    if not images:
+        raise DataError(f"{ann_file} has no image with a usable caption")
+    for im in images:
+        path = root / split / im["file_name"]
+        if not path.is_file():
+            raise DataError(f"{ann_file}: image id {im['id']} has no file {path}")
+    return images, captions
+
+
+class CocoCaptions(Dataset):
+    """One split of a COCO-captions dataset.
+
+    Items are ``(image [3, H, W], token ids [T], index)``; the tokens are those of a random
+    reference (``sample="random"``, training) or of the first one (``"first"``, evaluation:
+    a teacher-forced loss). All references of item ``index`` are ``references[index]``.
+
+    Args:
+        root: dataset root.
+        split: image folder name (``val``, ``val2017``, ...).
+        transform: image transform (``uint8 [H, W, 3]`` numpy in, tensor out).
+        tokenizer: encodes the captions.
+        sample: ``random`` or ``first`` (see above).
+        max_length: longest token sequence (with ``<bos>``/``<eos>``).
+        max_pixels: refuse larger images.
+    """
+
+    def __init__(self, root: str | Path, split: str, transform: Any, tokenizer: WordTokenizer,
+                 sample: str = "first", max_length: int = 32, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+        self.root, self.split = Path(root), split
+        self.images, captions = read_captions(self.root, split)
+        self.references = [captions[im["id"]] for im in self.images]
+        self.transform, self.tokenizer, self.sample = transform, tokenizer, sample
+        self.max_length, self.max_pixels = max_length, max_pixels
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def image_path(self, index: int) -> Path:
+        return self.root / self.split / self.images[index]["file_name"]
+
+    def __getitem__(self, index: int):
+        image = read_image(self.image_path(index), self.max_pixels)
+        if self.transform is not None:
+            image = self.transform(image)
+        refs = self.references[index]
+        # one caption per draw (DataLoader workers are seeded by Lightning)
+        text = refs[random.randrange(len(refs))] if self.sample == "random" else refs[0]
+        return image, torch.tensor(self.tokenizer.encode(text, self.max_length), dtype=torch.int64), index
+
+
+def caption_collate(batch, pad_id: int = 0):
+    """``(images [B, 3, H, W], tokens [B, T] padded with pad_id, indices [B])``."""
+    images, seqs, indices = zip(*batch, strict=True)
+    tokens = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = s
+    return torch.stack(images), tokens, torch.tensor(indices, dtype=torch.int64)
+
+
+class _Collate:
+    """Picklable collate with the tokenizer's pad id (DataLoader workers need to pickle it)."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, batch):
+        return caption_collate(batch, self.pad_id)
+
+
+class CaptioningDataModule(L.LightningDataModule):
+    """COCO-captions data (the embedded shapes scenes when ``root`` is unset).
+
+    The tokenizer is trained from the training captions unless the model brings its own
+    (a checkpoint's vocabulary always wins: token ids must mean what they meant in training).
+
+    Args:
+        root: dataset root (``ROOT/<split>/``, ``ROOT/annotations/captions_<split>.json``).
+        synthetic: parameters of the embedded scenes when ``root`` is ``None``.
+        cache_dir: where the embedded data is generated.
+        train_split: training split name (COCO users: ``train2017``).
+        val_split: validation split name (COCO users: ``val2017``).
+        batch_size: images per batch.
+        num_workers: loader processes.
+        augment: training augmentation preset (``none``, ``small``, ``finetune``; never flips).
+        max_length: longest caption in tokens, ``<bos>`` and ``<eos>`` included.
+        min_word_freq: words seen fewer times in the training captions become ``<unk>``.
+        max_vocab: most words in the vocabulary (``None`` = all).
+        max_pixels: refuse larger images.
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        synthetic: SceneSetConfig | None = None,
+        cache_dir: str | None = None,
+        train_split: str = "train",
+        val_split: str = "val",
+        batch_size: int = 32,
+        num_workers: int = 2,
+        augment: AugmentPreset = "none",
+        max_length: int = 32,
+        min_word_freq: int = 1,
+        max_vocab: int | None = None,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+    ) -> None:
+        super().__init__()
+        if root is None:
+            root = str(ensure_shapes_coco(synthetic or SceneSetConfig(), cache_dir))
+        self.root = Path(root).expanduser()
+        if not self.root.is_dir():
+            raise DataError(f"data root {self.root} does not exist; pass --data.root with a COCO-captions folder")
+        self.train_split, self.val_split = train_split, val_split
+        self.batch_size, self.num_workers, self.augment = batch_size, num_workers, augment
+        self.max_length, self.min_word_freq, self.max_vocab, self.max_pixels = max_length, min_word_freq, max_vocab, max_pixels
+        self.preprocess: dict[str, Any] | None = None
+        self._tokenizer: WordTokenizer | None = None
+        self.datasets: dict[str, CocoCaptions] = {}
+
+    @property
+    def tokenizer(self) -> WordTokenizer:
+        """The model's tokenizer once set; else trained from the training captions (once)."""
+        if self._tokenizer is None:
+            _, captions = read_captions(self.root, self.train_split)
+            self._tokenizer = WordTokenizer.train((c for caps in captions.values() for c in caps),
+                                                  self.min_word_freq, self.max_vocab)
+            log.info("caption vocabulary: %d words from %s", len(self._tokenizer) - 4, self.train_split)
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value: WordTokenizer) -> None:
+        self._tokenizer = value
+        for ds in self.datasets.values():
+            ds.tokenizer = value
+
+    def dataset(self, split: str, train: bool = False) -> CocoCaptions:
+        pre = model_preprocess(self)
+        tf = build_train_transform(pre, self.augment, hflip=False) if train else build_eval_transform({**pre, "crop_pct": 1.0})
+        return CocoCaptions(self.root, split, tf, self.tokenizer, "random" if train else "first", self.max_length,
+                            self.max_pixels)
+
+    def setup(self, stage: str | None = None) -> None:
+        if stage in ("fit", None):
+            self.datasets["train"] = self.dataset(self.train_split, train=True)
+        if stage in ("fit", "validate", "test", None):
+            self.datasets["val"] = self.dataset(self.val_split)
+
+    def _loader(self, ds: Dataset, train: bool) -> DataLoader:
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=train, drop_last=train and len(ds) > self.batch_size,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                          collate_fn=_Collate(self.tokenizer.pad_id))
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.datasets["train"], True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.datasets["val"], False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def eval_dataloader(self, split: str) -> DataLoader:
+        return self._loader(self.dataset(split), False)

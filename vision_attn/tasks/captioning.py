@@ -1,0 +1,222 @@
+"""Captioning system: ViT encoder + caption decoder, teacher forcing, beam search, BLEU and CIDEr-D."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vision_attn.caption_metrics import caption_metrics
+from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
+from vision_attn.errors import CheckpointError, DataError
+from vision_attn.models.captioner import CaptionDecoder, Generation, GenerationOptions
+from vision_attn.models.encoder import EncoderOutput, ViTEncoder
+from vision_attn.tasks.base import VisionTask, gather_objects
+
+__all__ = ["CaptioningTask"]
+
+log = logging.getLogger(__name__)
+
+
+class CaptioningTask(VisionTask):
+    """Image captioning on a ViT encoder.
+
+    The vocabulary comes from the data (the tokenizer trained on the training captions) when
+    training starts, and is saved in checkpoints; ``eval.py`` uses the checkpoint's.
+
+    Args:
+        encoder: the ViT encoder.
+        vocab: the tokenizer's word list (default: from the data).
+        hidden_dim: decoder width.
+        num_layers: decoder layers.
+        num_heads: decoder heads.
+        mlp_ratio: decoder feed-forward ratio.
+        dropout: decoder dropout.
+        max_length: longest caption in tokens (``<bos>``, ``<eos>`` included).
+        label_smoothing: of the teacher-forced cross-entropy.
+        freeze_encoder: keep the encoder's weights fixed (and in eval mode).
+        beam_size: beam width of evaluation (1 = greedy).
+        length_penalty: beam ranking by ``log p / length ** length_penalty``.
+        val_beam_size: beam width of the captions scored during training's validation.
+        lr: learning rate of the decoder.
+        encoder_lr: learning rate of the encoder (lower when fine-tuning a pretrained one).
+        weight_decay: AdamW weight decay.
+        warmup_fraction: share of steps in linear warmup.
+        min_lr_ratio: final learning rate relative to the peak.
+    """
+
+    task_name = "captioning"
+    built_from = "tokenizer vocabulary"
+    monitor = ("val/cider", "max")
+
+    def __init__(
+        self,
+        encoder: ViTEncoder,
+        vocab: list[str] | None = None,
+        hidden_dim: int = 256,
+        num_layers: int = 3,
+        num_heads: int = 4,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.1,
+        max_length: int = 32,
+        label_smoothing: float = 0.1,
+        freeze_encoder: bool = False,
+        beam_size: int = 3,
+        length_penalty: float = 1.0,
+        val_beam_size: int = 1,
+        lr: float = 5e-4,
+        encoder_lr: float | None = None,
+        weight_decay: float = 0.05,
+        warmup_fraction: float = 0.05,
+        min_lr_ratio: float = 0.01,
+    ) -> None:
+        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio)
+        self.save_hyperparameters(ignore=["encoder"])
+        self.head: CaptionDecoder | None = None
+        self.class_names = None
+        self.tokenizer: WordTokenizer | None = None
+        self.generation = GenerationOptions(beam_size, length_penalty, max_length - 1)
+        self.eval_records: list[dict[str, Any]] = []
+        if freeze_encoder:
+            self.encoder.requires_grad_(False)
+        if vocab is not None:
+            self._build(vocab)
+
+    def _build(self, vocab: list[str]) -> None:
+        hp = self.hparams
+        self.tokenizer = WordTokenizer(vocab)
+        self.head = CaptionDecoder(len(vocab), self.encoder.embed_dim, hp.hidden_dim, hp.num_layers, hp.num_heads,
+                                   hp.mlp_ratio, hp.dropout, hp.max_length, self.tokenizer.pad_id)
+        self.hparams.update(vocab=list(vocab))
+
+    def build_from_data(self, datamodule) -> None:
+        self._build(datamodule.tokenizer.vocab)
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None)
+        if self.head is None:
+            if dm is None or not hasattr(dm, "tokenizer"):
+                raise DataError("CaptioningTask needs a captioning datamodule (it trains the tokenizer)")
+            self.build_from_data(dm)
+        else:
+            self.configure_datamodule(dm)
+
+    def configure_datamodule(self, datamodule) -> None:
+        """Make the data use this model's preprocessing and tokenizer (token ids must mean what they meant in training)."""
+        super().configure_datamodule(datamodule)
+        if datamodule is not None and hasattr(datamodule, "tokenizer"):
+            datamodule.tokenizer = self.tokenizer
+
+    def set_generation(self, options: GenerationOptions) -> None:
+        """Override beam size, length penalty or max length (``None`` fields keep the model's)."""
+        for key in ("beam_size", "length_penalty", "max_length"):
+            value = getattr(options, key)
+            if value is not None:
+                setattr(self.generation, key, value)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.hparams.freeze_encoder:
+            self.encoder.eval()  # frozen: no dropout / drop-path either
+        return self
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self.hparams.freeze_encoder:
+            self.encoder.eval()  # Lightning restores per-module modes after validation
+
+    # ------------------------------------------------------------------ model
+    def encode(self, images: Tensor) -> EncoderOutput:
+        if self.hparams.freeze_encoder:
+            with torch.no_grad():
+                return self.encoder(images)
+        return self.encoder(images)
+
+    def forward(self, images: Tensor, tokens: Tensor) -> Tensor:
+        """Teacher-forced logits ``[B, T, V]`` for ``tokens [B, T]`` (logits ``t`` predict ``t + 1``)."""
+        return self.head(self.encode(images), tokens)[0]
+
+    def generate(self, images: Tensor, beam_size: int | None = None, return_attention: bool = False,
+                 use_cache: bool = True) -> Generation:
+        """Captions of normalised images (token ids; :meth:`decode` turns them into text)."""
+        g = self.generation
+        return self.head.generate(self.encode(images), self.tokenizer.bos_id, self.tokenizer.eos_id, g.max_length,
+                                  beam_size or g.beam_size, g.length_penalty, use_cache, return_attention)
+
+    def decode(self, tokens: Tensor) -> list[str]:
+        return [self.tokenizer.decode(row.tolist()) for row in tokens]
+
+    # ------------------------------------------------------------------ steps
+    def _loss(self, images: Tensor, tokens: Tensor) -> Tensor:
+        logits = self(images, tokens[:, :-1])  # (B, T-1, V)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1),
+                               ignore_index=self.tokenizer.pad_id, label_smoothing=self.hparams.label_smoothing)
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        images, tokens, _ = batch
+        loss = self._loss(images, tokens)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(images))
+        return loss
+
+    def _eval_step(self, batch, beam_size: int) -> None:
+        images, tokens, indices = batch
+        loss = self._loss(images, tokens)
+        self.log(f"{self._stage}/loss", loss, prog_bar=True, on_epoch=True, batch_size=len(images))
+        gen = self.generate(images, beam_size=beam_size)
+        for i, text in zip(indices.tolist(), self.decode(gen.tokens), strict=True):
+            self.eval_records.append({"index": i, "caption": text})
+
+    def on_validation_epoch_start(self) -> None:
+        self._stage, self.eval_records = "val", []
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, self.hparams.val_beam_size)
+
+    def on_validation_epoch_end(self) -> None:
+        dataset = self.trainer.val_dataloaders.dataset
+        records = self._unique_records()
+        if self.trainer.sanity_checking or not records:
+            return
+        metrics = self._score(dataset, records)
+        for k, v in metrics.items():
+            self.log(f"val/{k}", v, prog_bar=k in ("bleu4", "cider"), rank_zero_only=True)
+
+    def on_test_epoch_start(self) -> None:
+        self._stage, self.eval_records = "test", []
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, self.generation.beam_size)
+
+    def on_test_epoch_end(self) -> None:
+        self.eval_records = self._unique_records()
+
+    def _unique_records(self) -> list[dict[str, Any]]:
+        unique = {r["index"]: r for r in gather_objects(self.eval_records)}  # DDP pads with repeats
+        return [unique[i] for i in sorted(unique)]
+
+    @staticmethod
+    def _score(dataset, records: list[dict[str, Any]]) -> dict[str, float]:
+        hyps = {r["index"]: r["caption"] for r in records}
+        refs = {r["index"]: [normalize_caption(c) for c in dataset.references[r["index"]]] for r in records}
+        return caption_metrics(hyps, refs)
+
+    def eval_results(self, dataset) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """``(metrics, predictions)``: BLEU-1..4 + CIDEr-D and ``[{"image_id", "caption"}]``."""
+        if not self.eval_records:
+            raise RuntimeError("no evaluation records: run trainer.test(...) first")
+        predictions = [{"image_id": dataset.images[r["index"]]["id"], "caption": r["caption"]} for r in self.eval_records]
+        return self._score(dataset, self.eval_records), predictions
+
+    def explain_eval(self, dataset, options, out_dir: Path) -> dict[str, float]:
+        from vision_attn.explain.captioning import write_caption_overlays
+
+        return write_caption_overlays(self, dataset, options, out_dir)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_meta(self) -> dict[str, Any]:
+        if self.tokenizer is None:
+            raise CheckpointError("the captioning model has no tokenizer yet; it is built when training starts")
+        return super().checkpoint_meta()
