@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
@@ -90,6 +91,24 @@ class RunConfigCallback(SaveConfigCallback):
         trainer.strategy.barrier()
 
 
+class RunCheckpoint(ModelCheckpoint):
+    """The best checkpoint by the task's validation metric, plus ``last.ckpt`` refreshed at the end
+    of every training epoch. (Lightning 2.6 refreshes ``last`` only when it also saves a new
+    best one, so without this a run whose metric stops improving resumes from a stale state.)"""
+
+    _last_saved_step: int = -1
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if (self.save_last and not trainer.sanity_checking and not trainer.fast_dev_run
+                and trainer.state.fn == "fit" and self._last_saved_step != trainer.global_step):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_saved_step = trainer.global_step
+
+
 class _VisionAttnCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("subclass_mode_model", True)
@@ -133,7 +152,7 @@ class TrainCLI(_VisionAttnCLI):
         user = config.get("callbacks") or []
         if not any(isinstance(c, ModelCheckpoint) for c in user + callbacks):
             callbacks.append(
-                ModelCheckpoint(
+                RunCheckpoint(
                     dirpath=root / "checkpoints",
                     filename="best-{epoch:03d}-{step}",
                     monitor=monitor,
@@ -206,6 +225,21 @@ class EvalCLI(_VisionAttnCLI):
         return super()._instantiate_trainer(config, callbacks)
 
 
+class _SplitData(L.LightningDataModule):
+    """One split of a task's datamodule for ``trainer.test``. The loader is built when Lightning
+    asks for it — after the processes of a distributed run have started — so that it samples
+    every image exactly once (see :mod:`vision_attn.data.loading`)."""
+
+    def __init__(self, datamodule: L.LightningDataModule, split: str) -> None:
+        super().__init__()
+        self.datamodule, self.split = datamodule, split
+        self.loader = None
+
+    def test_dataloader(self):
+        self.loader = self.datamodule.eval_dataloader(self.split)
+        return self.loader
+
+
 def train_main(args: list[str] | None = None) -> TrainCLI:
     """Entry point of ``train.py``."""
     cli = TrainCLI(args=args)
@@ -224,13 +258,13 @@ def eval_main(args: list[str] | None = None) -> dict[str, float]:
     if hasattr(model, "set_generation"):
         model.set_generation(cli.config_init.generate)
     split = cli.config.split or dm.val_split
-    loader = dm.eval_dataloader(split)
-    trainer.test(model, dataloaders=loader, verbose=False)
-    metrics, predictions = model.eval_results(loader.dataset)
+    data = _SplitData(dm, split)
+    trainer.test(model, datamodule=data, verbose=False)
+    metrics, predictions = model.eval_results(data.loader.dataset)
     if trainer.is_global_zero:
         out = Path(cli.config.output_dir)
         model.eval()
-        metrics.update(model.explain_eval(loader.dataset, cli.config_init.explain, out))
+        metrics.update(model.explain_eval(data.loader.dataset, cli.config_init.explain, out))
         write_json_atomic(out / "predictions.json", predictions)
         write_json_atomic(out / "metrics.json", metrics)
         log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vision_attn.data.detection import load_coco_annotations
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
+from vision_attn.data.loading import make_loader
 from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 from vision_attn.data.transforms import (
@@ -229,9 +230,7 @@ class CaptioningDataModule(L.LightningDataModule):
             self.datasets["val"] = self.dataset(self.val_split)
 
     def _loader(self, ds: Dataset, train: bool) -> DataLoader:
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=train, drop_last=train and len(ds) > self.batch_size,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                          collate_fn=_Collate(self.tokenizer.pad_id))
+        return make_loader(ds, self.batch_size, train, self.num_workers, _Collate(self.tokenizer.pad_id))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.datasets["train"], True)

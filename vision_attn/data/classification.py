@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, read_image
+from vision_attn.data.loading import make_loader
 from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
 from vision_attn.data.transforms import (
     AugmentPreset,
@@ -186,15 +187,7 @@ class ImageFolderDataModule(L.LightningDataModule):
             self.datasets["test"] = self.dataset(self.test_split)
 
     def _loader(self, ds: Dataset, train: bool) -> DataLoader:
-        return DataLoader(
-            ds,
-            batch_size=self.batch_size if train else self.eval_batch_size,
-            shuffle=train,
-            drop_last=train and len(ds) > self.batch_size,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
+        return make_loader(ds, self.batch_size if train else self.eval_batch_size, train, self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.datasets["train"], train=True)

@@ -28,6 +28,7 @@ from torchvision.transforms import v2 as T
 
 from vision_attn.boxes import box_xyxy_to_cxcywh
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
+from vision_attn.data.loading import make_loader
 from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
 from vision_attn.data.transforms import _interp, model_preprocess
 from vision_attn.errors import DataError
@@ -239,9 +240,7 @@ class DetectionDataModule(L.LightningDataModule):
             self.datasets["val"] = self.dataset(self.val_split)
 
     def _loader(self, ds: Dataset, train: bool) -> DataLoader:
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=train, drop_last=train and len(ds) > self.batch_size,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                          collate_fn=detection_collate)
+        return make_loader(ds, self.batch_size, train, self.num_workers, detection_collate)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.datasets["train"], True)

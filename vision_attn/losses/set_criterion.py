@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vision_attn.boxes import box_cxcywh_to_xyxy, generalized_box_iou
+from vision_attn.distributed import mean_across_processes
 from vision_attn.losses.matcher import HungarianMatcher
 
 __all__ = ["SetCriterion", "sigmoid_focal_loss"]
@@ -29,12 +30,11 @@ def sigmoid_focal_loss(logits: Tensor, targets: Tensor, alpha: float = 0.25, gam
     return loss
 
 
-def _num_boxes(targets: list[dict[str, Tensor]], device: torch.device) -> float:
-    """Average number of target boxes per process, at least 1 (reduced across processes)."""
+def _num_boxes(targets: list[dict[str, Tensor]], device: torch.device, across_processes: bool) -> float:
+    """Number of target boxes (averaged over processes when ``across_processes``), at least 1."""
     n = torch.tensor(float(sum(len(t["labels"]) for t in targets)), device=device)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(n)
-        n = n / torch.distributed.get_world_size()
+    if across_processes:
+        n = mean_across_processes(n)
     return max(float(n), 1.0)
 
 
@@ -114,15 +114,18 @@ class SetCriterion(nn.Module):
             card = (n_pred.float() - n_true.float()).abs().mean()
         return {"loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou, "cardinality_error": card}
 
-    def forward(self, outputs: dict, targets: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    def forward(self, outputs: dict, targets: list[dict[str, Tensor]], across_processes: bool = True) -> dict[str, Tensor]:
         """Loss terms of the final layer and of every ``outputs["aux_outputs"]`` layer.
 
         Args:
             outputs: ``pred_logits [B, Q, C(+1)]``, ``pred_boxes [B, Q, 4]`` (cxcywh in [0, 1]) and
                 optionally ``aux_outputs``: a list of such dicts, one per earlier decoder layer.
             targets: per image ``labels [G]`` (0..C-1) and ``boxes [G, 4]`` (cxcywh in [0, 1]).
+            across_processes: normalise by the box count averaged over processes (training
+                under DDP: the gradient of the global batch); ``False`` in evaluation, whose
+                steps must not synchronise per batch.
         """
-        num_boxes = _num_boxes(targets, outputs["pred_logits"].device)
+        num_boxes = _num_boxes(targets, outputs["pred_logits"].device, across_processes)
         terms = self._terms(outputs["pred_logits"], outputs["pred_boxes"], targets, num_boxes)
         for i, aux in enumerate(outputs.get("aux_outputs", [])):
             aux_terms = self._terms(aux["pred_logits"], aux["pred_boxes"], targets, num_boxes)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vision_attn.checkpoint_io import CheckpointError, load_checkpoint_file
+from vision_attn.distributed import gather_objects
 from vision_attn.errors import DataError
 from vision_attn.models.encoder import ViTEncoder
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "vision_attn"
 CHECKPOINT_FORMAT = 1
+RUNTIME_ARGS = ("compile",)  # constructor switches that describe the run, not the model
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -36,15 +38,6 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def gather_objects(items: list[Any]) -> list[Any]:
-    """Concatenate a picklable list from every process (the list itself when not distributed)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return list(items)
-    gathered: list[list[Any]] = [None] * torch.distributed.get_world_size()  # type: ignore[list-item]
-    torch.distributed.all_gather_object(gathered, list(items))
-    return [x for part in gathered for x in part]
 
 
 class VisionTask(L.LightningModule):
@@ -58,6 +51,8 @@ class VisionTask(L.LightningModule):
             embeddings).
         warmup_fraction: fraction of the training steps spent in linear warmup.
         min_lr_ratio: final learning rate as a fraction of the peak.
+        compile: ``torch.compile`` the encoder (in place: parameter names and checkpoints are
+            unchanged) when training or evaluation starts.
     """
 
     task_name: str = ""
@@ -72,6 +67,7 @@ class VisionTask(L.LightningModule):
         weight_decay: float = 0.05,
         warmup_fraction: float = 0.05,
         min_lr_ratio: float = 0.01,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.encoder = encoder
@@ -80,6 +76,12 @@ class VisionTask(L.LightningModule):
         self.weight_decay = weight_decay
         self.warmup_fraction = warmup_fraction
         self.min_lr_ratio = min_lr_ratio
+        self.compile_encoder = compile
+
+    def configure_model(self) -> None:
+        if self.compile_encoder and getattr(self.encoder, "_compiled_call_impl", None) is None:
+            log.info("compiling the encoder with torch.compile")
+            self.encoder.compile()
 
     # ------------------------------------------------------------------ labels from the data
     # Set by subclasses in __init__ (``None`` until built). No class-level default for
@@ -148,8 +150,9 @@ class VisionTask(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def task_init_args(self) -> dict[str, Any]:
-        """Constructor arguments other than the encoder (from ``hparams``)."""
-        return {k: v for k, v in dict(self.hparams).items() if not k.startswith("_")}
+        """Constructor arguments other than the encoder (from ``hparams``); run-time switches
+        such as ``compile`` are left out."""
+        return {k: v for k, v in dict(self.hparams).items() if not k.startswith("_") and k not in RUNTIME_ARGS}
 
     def checkpoint_meta(self) -> dict[str, Any]:
         cls = type(self)

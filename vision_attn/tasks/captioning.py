@@ -12,6 +12,7 @@ from torch import Tensor
 
 from vision_attn.caption_metrics import caption_metrics
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
+from vision_attn.distributed import mean_across_processes
 from vision_attn.errors import CheckpointError, DataError
 from vision_attn.models.captioner import CaptionDecoder, Generation, GenerationOptions
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
@@ -47,6 +48,8 @@ class CaptioningTask(VisionTask):
         weight_decay: AdamW weight decay.
         warmup_fraction: share of steps in linear warmup.
         min_lr_ratio: final learning rate relative to the peak.
+        compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
+            choice: not stored in checkpoints).
     """
 
     task_name = "captioning"
@@ -73,8 +76,9 @@ class CaptioningTask(VisionTask):
         weight_decay: float = 0.05,
         warmup_fraction: float = 0.05,
         min_lr_ratio: float = 0.01,
+        compile: bool = False,
     ) -> None:
-        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio)
+        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio, compile)
         self.save_hyperparameters(ignore=["encoder"])
         self.head: CaptionDecoder | None = None
         self.class_names = None
@@ -150,21 +154,29 @@ class CaptioningTask(VisionTask):
         return [self.tokenizer.decode(row.tolist()) for row in tokens]
 
     # ------------------------------------------------------------------ steps
-    def _loss(self, images: Tensor, tokens: Tensor) -> Tensor:
+    def _loss(self, images: Tensor, tokens: Tensor, across_processes: bool = False) -> Tensor:
+        """Mean cross-entropy per target token. With ``across_processes`` (training under DDP) the
+        token count is averaged over processes, so DDP's gradient averaging yields the gradient
+        of the mean over the global batch's tokens."""
         logits = self(images, tokens[:, :-1])  # (B, T-1, V)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1),
-                               ignore_index=self.tokenizer.pad_id, label_smoothing=self.hparams.label_smoothing)
+        targets = tokens[:, 1:].reshape(-1)
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=self.tokenizer.pad_id,
+                                label_smoothing=self.hparams.label_smoothing, reduction="sum")
+        count = (targets != self.tokenizer.pad_id).sum().float()
+        if across_processes:
+            count = mean_across_processes(count)
+        return total / count.clamp(min=1.0)
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         images, tokens, _ = batch
-        loss = self._loss(images, tokens)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(images))
+        loss = self._loss(images, tokens, across_processes=True)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(images), sync_dist=True)
         return loss
 
     def _eval_step(self, batch, beam_size: int) -> None:
         images, tokens, indices = batch
         loss = self._loss(images, tokens)
-        self.log(f"{self._stage}/loss", loss, prog_bar=True, on_epoch=True, batch_size=len(images))
+        self.log(f"{self._stage}/loss", loss, prog_bar=True, on_epoch=True, batch_size=len(images), sync_dist=True)
         gen = self.generate(images, beam_size=beam_size)
         for i, text in zip(indices.tolist(), self.decode(gen.tokens), strict=True):
             self.eval_records.append({"index": i, "caption": text})
@@ -182,7 +194,7 @@ class CaptioningTask(VisionTask):
             return
         metrics = self._score(dataset, records)
         for k, v in metrics.items():
-            self.log(f"val/{k}", v, prog_bar=k in ("bleu4", "cider"), rank_zero_only=True)
+            self.log(f"val/{k}", v, prog_bar=k in ("bleu4", "cider"))  # the same on every process (gathered records)
 
     def on_test_epoch_start(self) -> None:
         self._stage, self.eval_records = "test", []

@@ -52,6 +52,8 @@ class ClassificationTask(VisionTask):
         weight_decay: AdamW weight decay.
         warmup_fraction: share of steps in linear warmup.
         min_lr_ratio: final learning rate relative to the peak.
+        compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
+            choice: not stored in checkpoints).
     """
 
     task_name = "classification"
@@ -70,8 +72,9 @@ class ClassificationTask(VisionTask):
         weight_decay: float = 0.05,
         warmup_fraction: float = 0.05,
         min_lr_ratio: float = 0.01,
+        compile: bool = False,
     ) -> None:
-        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio)
+        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio, compile)
         self.save_hyperparameters(ignore=["encoder"])
         self.pooling = pooling
         self.head_dropout = head_dropout
@@ -114,7 +117,8 @@ class ClassificationTask(VisionTask):
         metrics = self.metrics[f"{stage}_metrics"]
         metrics.update(logits.detach(), labels)
         on_step = stage == "train"
-        self.log(f"{stage}/loss", loss, prog_bar=True, on_step=on_step, on_epoch=True, batch_size=len(labels))
+        self.log(f"{stage}/loss", loss, prog_bar=True, on_step=on_step, on_epoch=True, batch_size=len(labels),
+                 sync_dist=True)
         self.log_dict(metrics, prog_bar=stage != "train", on_step=False, on_epoch=True)
         if stage == "test":
             probs = logits.detach().float().softmax(-1).cpu()

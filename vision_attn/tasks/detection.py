@@ -80,6 +80,8 @@ class DetectionTask(VisionTask):
         weight_decay: AdamW weight decay.
         warmup_fraction: share of steps in linear warmup.
         min_lr_ratio: final learning rate relative to the peak.
+        compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
+            choice: not stored in checkpoints).
     """
 
     task_name = "detection"
@@ -112,8 +114,9 @@ class DetectionTask(VisionTask):
         weight_decay: float = 1e-4,
         warmup_fraction: float = 0.0,
         min_lr_ratio: float = 0.1,
+        compile: bool = False,
     ) -> None:
-        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio)
+        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio, compile)
         self.save_hyperparameters(ignore=["encoder"])
         self.head: DETRHead | None = None
         self.class_names: list[str] | None = None
@@ -133,7 +136,7 @@ class DetectionTask(VisionTask):
                              hp.mlp_ratio, hp.dropout, hp.focal, hp.box_refine)
         matcher = HungarianMatcher(hp.cost_class, hp.cost_bbox, hp.cost_giou, focal=hp.focal)
         self.criterion = SetCriterion(n, matcher, hp.weight_ce, hp.weight_bbox, hp.weight_giou, hp.eos_coef, hp.focal)
-        self.val_map = _map_metric()
+        self.val_pairs: list[tuple[dict, dict]] = []  # (prediction, target) per validation image
         self.hparams.update(num_classes=n, class_names=self.class_names, category_ids=self.category_ids)
 
     def build_from_data(self, datamodule) -> None:
@@ -160,18 +163,20 @@ class DetectionTask(VisionTask):
     def _shared_step(self, batch, stage: str) -> Tensor:
         images, targets = batch
         outputs = self(images)
-        terms = self.criterion(outputs, targets)
+        terms = self.criterion(outputs, targets, across_processes=stage == "train")
         loss = self.criterion.total(terms, len(outputs["aux_outputs"]))
         bs = len(targets)
-        self.log(f"{stage}/loss", loss, prog_bar=True, on_step=stage == "train", on_epoch=True, batch_size=bs)
+        self.log(f"{stage}/loss", loss, prog_bar=True, on_step=stage == "train", on_epoch=True, batch_size=bs,
+                 sync_dist=True)
         for k in ("loss_ce", "loss_bbox", "loss_giou", "cardinality_error"):
-            self.log(f"{stage}/{k}", terms[k], on_step=False, on_epoch=True, batch_size=bs)
+            self.log(f"{stage}/{k}", terms[k], on_step=False, on_epoch=True, batch_size=bs, sync_dist=True)
         if stage != "train":
             orig = torch.stack([t["orig_size"] for t in targets])
             dets = self.detect(outputs, orig)
             preds = [{"boxes": d["boxes"], "scores": d["scores"], "labels": d["labels"]} for d in dets]
             if stage == "val":
-                self.val_map.update(preds, self._targets_in_pixels(targets))
+                for p, t in zip(preds, self._targets_in_pixels(targets), strict=True):
+                    self.val_pairs.append(({k: v.cpu() for k, v in p.items()}, {k: v.cpu() for k, v in t.items()}))
             else:
                 for t, d in zip(targets, dets, strict=True):
                     self.eval_records.append({"image_id": t["image_id"], "det": {k: v.cpu() for k, v in d.items()}})
@@ -183,11 +188,20 @@ class DetectionTask(VisionTask):
     def validation_step(self, batch, batch_idx: int) -> Tensor:
         return self._shared_step(batch, "val")
 
+    def on_validation_epoch_start(self) -> None:
+        self.val_pairs = []
+
     def on_validation_epoch_end(self) -> None:
-        res = self.val_map.compute()
+        # Gathered as objects, not through torchmetrics' sync: that issues one collective per
+        # image and so needs the same image count on every process, which an unpadded
+        # evaluation sampler does not give (see vision_attn.data.loading).
+        pairs = gather_objects(self.val_pairs)
+        self.val_pairs = []
+        if not pairs:
+            return
+        res = mean_average_precision([p for p, _ in pairs], [t for _, t in pairs])
         for k in ("map", "map_50", "map_75"):
-            self.log(f"val/{k}", res[k], prog_bar=k != "map_75")
-        self.val_map.reset()
+            self.log(f"val/{k}", res[k], prog_bar=k != "map_75")  # the same on every process
 
     def test_step(self, batch, batch_idx: int) -> Tensor:
         return self._shared_step(batch, "test")

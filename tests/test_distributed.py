@@ -1,0 +1,154 @@
+"""Distributed runs on CPU (2 processes, gloo) give the answers of one process.
+
+Each task: a 2-process DDP ``train.py`` run (tiny settings), then ``eval.py`` of its checkpoint
+on 1 and on 2 processes over a validation split whose size is odd (not divisible by the
+process count): metrics equal, predictions equal, and equal to the validation metrics the
+2-process training logged; outputs written once, by rank 0; resuming continues the step count.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from vision_attn.data.loading import UnpaddedDistributedSampler
+
+from .conftest import REPO
+
+DDP = ["--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.enable_progress_bar", "false"]
+ENC = "--model.init_args.encoder.init_args."
+
+
+@pytest.mark.parametrize(("size", "world"), [(5, 2), (6, 2), (7, 3), (1, 2)])
+def test_unpadded_sampler_gives_every_index_once(size, world):
+    parts = [list(UnpaddedDistributedSampler(range(size), num_replicas=world, rank=r)) for r in range(world)]
+    assert sorted(i for p in parts for i in p) == list(range(size))
+    assert [len(UnpaddedDistributedSampler(range(size), num_replicas=world, rank=r)) for r in range(world)] == [len(p) for p in parts]
+
+
+def _collectives(rank: int, world: int, init: str, out: str) -> None:
+    from vision_attn.data.loading import make_loader
+    from vision_attn.distributed import gather_objects, mean_across_processes
+
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        mean = float(mean_across_processes(torch.tensor(float(rank + 1))))
+        gathered = gather_objects([f"r{rank}"])
+        loader = make_loader(list(range(5)), batch_size=2, train=False, num_workers=0)
+        seen = gather_objects([int(i) for b in loader for i in b])
+        Path(out, f"{rank}.json").write_text(json.dumps({"mean": mean, "gathered": gathered, "seen": seen}))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_collectives_and_eval_loader_under_two_processes(tmp_path):
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(_collectives, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert r["mean"] == 1.5 and r["gathered"] == ["r0", "r1"]
+        assert sorted(r["seen"]) == [0, 1, 2, 3, 4]  # every image once, none repeated
+
+
+def _run(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def _last_val(run: Path, key: str) -> float:
+    rows = [r for r in csv.DictReader((run / "csv" / "version_0" / "metrics.csv").open()) if r.get(key)]
+    return float(rows[-1][key])
+
+
+def _step(ckpt: Path) -> int:
+    return int(torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"])
+
+
+def _task_args(task: str, data: Path) -> tuple[str, list[str], list[str]]:
+    """(config, data + model overrides for tiny runs, eval-only overrides)."""
+    if task == "classification":
+        from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
+
+        root = ensure_shapes_classification(ShapesConfig(image_size=32, num_train=48, num_val=25, seed=5), data)
+        common = ["--data.init_args.root", str(root), "--data.init_args.batch_size", "8"]
+        model = [f"{ENC}embed_dim", "32", f"{ENC}depth", "1", f"{ENC}num_heads", "2", f"{ENC}patch_size", "8"]
+        return "classification/shapes.yaml", [*common, *model], ["--explain.faithfulness_images", "6"]
+    synth = ["--data.init_args.synthetic.num_train", "24", "--data.init_args.synthetic.num_val", "5",
+             "--data.init_args.synthetic.image_size", "32", "--data.init_args.cache_dir", str(data),
+             "--data.init_args.batch_size", "4"]
+    model = [f"{ENC}img_size", "32", f"{ENC}embed_dim", "32", f"{ENC}depth", "1", f"{ENC}num_heads", "2",
+             "--model.init_args.hidden_dim", "32", "--model.init_args.num_layers", "1", "--model.init_args.num_heads", "2"]
+    if task == "detection":
+        return "detection/shapes.yaml", [*synth, *model], ["--explain.score_threshold", "0.0"]
+    return "captioning/shapes.yaml", [*synth, *model], ["--generate.beam_size", "1"]
+
+
+# the validation metric that training logs, and the eval.py metric it must equal
+VAL_KEY = {"classification": ("val/acc_top1", "acc_top1"), "detection": ("val/map", "map"),
+           "captioning": ("val/cider", "cider")}
+
+
+@pytest.mark.parametrize("task", ["classification", "detection", "captioning"])
+def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
+    config, tiny, eval_only = _task_args(task, tmp_path / "data")
+    common = ["--config", str(REPO / "configs" / config), "--data.init_args.num_workers", "0", *tiny]
+    run = tmp_path / "run"
+    _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "2", "--trainer.max_epochs", "2",
+          "--trainer.check_val_every_n_epoch", "1", "--trainer.default_root_dir", str(run)], tmp_path)
+
+    # rank 0 alone wrote the run: one config, one log version, one last checkpoint
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "csv", "tensorboard"]
+    assert [p.name for p in (run / "csv").iterdir()] == ["version_0"]
+    assert [p.name for p in (run / "tensorboard").iterdir()] == ["version_0"]
+    ckpt = run / "checkpoints" / "last.ckpt"
+    steps = _step(ckpt)
+    logged = [int(r["step"]) for r in csv.DictReader((run / "csv" / "version_0" / "metrics.csv").open())]
+    assert steps > 0 and steps == max(logged) + 1  # last.ckpt is the final state, not the best epoch's
+
+    results = {}
+    for n in (1, 2):
+        out = tmp_path / f"eval{n}"
+        _run([str(REPO / "eval.py"), *common, *DDP, "--trainer.devices", str(n), "--ckpt_path", str(ckpt),
+              "--output_dir", str(out), "--explain.num_overlays", "3", *eval_only], tmp_path)
+        files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+        assert [f for f in files if not f.startswith("overlays/")] == ["metrics.json", "predictions.json"]
+        assert len([f for f in files if f.startswith("overlays/")]) == 3  # written once, by rank 0
+        results[n] = (json.loads((out / "metrics.json").read_text()), json.loads((out / "predictions.json").read_text()))
+
+    (m1, p1), (m2, p2) = results[1], results[2]
+    assert m1.keys() == m2.keys()
+    exact = task != "captioning"
+    for k in m1:
+        assert m2[k] == (m1[k] if exact else pytest.approx(m1[k], abs=1e-6)), k
+    if task == "classification":  # labels equal; scores up to float32 batch-composition noise
+        assert [(p["file"], p["pred"]) for p in p1] == [(p["file"], p["pred"]) for p in p2]
+        assert [p["score"] for p in p1] == pytest.approx([p["score"] for p in p2], abs=1e-5)
+    elif task == "captioning":
+        assert p1 == p2
+    else:
+        assert len(p1) == len(p2) and {p["image_id"] for p in p1} == {p["image_id"] for p in p2}
+    val_key, eval_key = VAL_KEY[task]
+    assert _last_val(run, val_key) == pytest.approx(m1[eval_key], abs=1e-6)  # validation under DDP == 1 process
+
+    # resume: on 2 processes, then on 1; the step count, optimizer and schedule continue
+    _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "2", "--trainer.max_epochs", "3",
+          "--trainer.default_root_dir", str(run), "--ckpt_path", "last"], tmp_path)
+    assert _step(ckpt) == steps * 3 // 2
+    if task == "classification":
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        assert state["lr_schedulers"][0]["last_epoch"] == steps * 3 // 2
+        assert state["optimizer_states"][0]["state"]  # Adam moments carried over
+        _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "1", "--trainer.max_epochs", "4",
+              "--trainer.default_root_dir", str(run), "--ckpt_path", "last"], tmp_path)
+        assert _step(ckpt) > steps * 3 // 2  # one process: twice the steps per epoch from here on
+    assert (run / "config.resume-1.yaml").is_file()
