@@ -107,3 +107,30 @@ def test_foreign_checkpoint_is_refused(tmp_path):
     torch.save({"state_dict": {"w": torch.zeros(1)}}, path)
     with pytest.raises(CheckpointError, match="not written by a vision_attn task"):
         load_task(path)
+
+
+def test_compile_switch_compiles_the_encoder_in_place(tmp_path):
+    """``--model.compile true``: same parameter names, same outputs, not stored in the checkpoint."""
+    import lightning as L
+
+    from vision_attn import create_encoder, load_task
+    from vision_attn.tasks import ClassificationTask
+
+    torch.manual_seed(0)
+    enc = create_encoder("vit_tiny_patch16_224", img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2)
+    task = ClassificationTask(enc, num_classes=3, compile=True).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        eager = task(x)
+    names = list(task.state_dict())
+    task.configure_model()
+    assert task.encoder._compiled_call_impl is not None
+    assert list(task.state_dict()) == names
+    with torch.no_grad():
+        torch.testing.assert_close(task(x), eager, atol=1e-5, rtol=1e-4)
+    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(task)
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    ckpt = torch.load(tmp_path / "c.ckpt", weights_only=False)
+    assert "compile" not in ckpt["vision_attn"]["model"]["init_args"]
+    assert load_task(tmp_path / "c.ckpt").encoder._compiled_call_impl is None
