@@ -142,23 +142,30 @@ def test_every_config_parses(config):
     assert parsed.data.class_path.startswith("vision_attn.")
 
 
-def test_corrupt_image_and_empty_class_folder_give_one_clear_error(tmp_path, shapes_root):
+def test_corrupt_image_skipped_in_training_fatal_in_evaluation_and_empty_class_folder(tmp_path, shapes_root):
     import shutil
 
     root = tmp_path / "data"
     shutil.copytree(shapes_root, root)
     bad = root / "train" / "circle" / "broken.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    args = [str(REPO / "train.py"), *_tiny(root), "--data.init_args.num_workers", "1",
-            "--trainer.default_root_dir", str(tmp_path / "out")]
-    res = _run(args, tmp_path)
+    args = [str(REPO / "train.py"), *_tiny(root), "--data.init_args.num_workers", "1", "--trainer.max_epochs", "1"]
+    res = _run([*args, "--trainer.default_root_dir", str(tmp_path / "out")], tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]  # training skips it, with a warning naming it
+    assert f"skipping unreadable training image {bad}" in res.stderr
+    # evaluation fails fast: a silently dropped image would change the metrics
+    bad_val = root / "val" / "square" / "broken.png"
+    shutil.copy(bad, bad_val)
+    res = _run([str(REPO / "eval.py"), *_tiny(root), "--data.init_args.num_workers", "1",
+                "--ckpt_path", str(tmp_path / "out" / "checkpoints" / "last.ckpt"), "--output_dir", str(tmp_path / "ev")], tmp_path)
     assert res.returncode == 2, res.stderr[-2000:]
     last = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
-    assert len(last) == 1 and str(bad) in last[0] and "cannot read image" in last[0]
+    assert len(last) == 1 and str(bad_val) in last[0] and "cannot read image" in last[0]
+    assert not (tmp_path / "ev" / "metrics.json").exists()
     bad.unlink()
     for f in (root / "val" / "star").iterdir():
         f.unlink()
-    res = _run(args, tmp_path)
+    res = _run([*args, "--trainer.default_root_dir", str(tmp_path / "out2")], tmp_path)
     assert res.returncode == 2
     assert f"class folder {root / 'val' / 'star'} contains no images" in res.stderr
 

@@ -29,8 +29,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from vision_attn.errors import CheckpointError, RunExistsError, VisionAttnError
+from vision_attn.errors import CheckpointError, ConfigError, RunExistsError, VisionAttnError
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.models.captioner import GenerationOptions
 from vision_attn.tasks.base import (
@@ -56,6 +57,16 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _check_writable(folder: Path) -> None:
+    """Fail before any work when results could not be written into ``folder``."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise VisionAttnError(f"cannot write results into {folder}: {err.strerror or err}; pass a writable --output_dir") from err
 
 
 class RunConfigCallback(SaveConfigCallback):
@@ -108,8 +119,86 @@ class RunCheckpoint(ModelCheckpoint):
         super()._save_last_checkpoint(trainer, monitor_candidates)
         self._last_saved_step = trainer.global_step
 
+    def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
+        """An interruption (SIGTERM, Ctrl-C) saves ``last.ckpt`` so ``--ckpt_path last`` continues
+        from there; any other failure (a diverged loss, a data error) keeps the last good one."""
+        if not isinstance(exception, (SIGTERMException, KeyboardInterrupt)):
+            return
+        if (self.save_last and not trainer.sanity_checking and trainer.state.fn == "fit"
+                and self._last_saved_step != trainer.global_step):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            log.warning("interrupted at step %d: saved %s; continue with --ckpt_path last",
+                        trainer.global_step, self.last_model_path)
+
+
+ALLOWED_CLASS_MODULES = ("vision_attn", "torch", "lightning", "pytorch_lightning")
+# keys whose value is a class (given as a class_path or as a plain string)
+_CLASS_KEYS = {"model", "data", "optimizer", "lr_scheduler", "strategy", "logger", "callbacks", "plugins", "profiler",
+               "accelerator", "class_path"}
+
+
+def _class_refs(obj: Any, where: str):
+    """``(key, value)`` of every class reference in a parsed config value."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            key = f"{where}.{k}" if where else str(k)
+            if k in _CLASS_KEYS and isinstance(v, str):
+                yield key, v
+            else:
+                yield from _class_refs(v, key)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from (_class_refs(v, f"{where}[{i}]") if not isinstance(v, str) or where.split(".")[-1] not in _CLASS_KEYS
+                        else [(f"{where}[{i}]", v)])
+
+
+def check_class_paths(args: list[str]) -> None:
+    """Refuse, before anything is imported or built, any class outside vision_attn, torch and
+    Lightning named in the command line or in a ``--config`` file (importing a module runs its code)."""
+    import yaml
+
+    refs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key, value = (arg.split("=", 1) + [None])[:2] if arg.startswith("--") else (None, None)
+        if key is not None and value is None and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value = args[i + 1]
+            i += 1
+        i += 1
+        if key is None or value is None:
+            continue
+        name = key.lstrip("-").rstrip("+")
+        if name == "config":
+            path = Path(value)
+            if path.is_file():
+                try:
+                    refs += list(_class_refs(yaml.safe_load(path.read_text()), ""))
+                except yaml.YAMLError as err:
+                    raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+            continue
+        last = name.split(".")[-1]
+        if "class_path" in value or value.lstrip().startswith(("{", "[")):
+            try:
+                refs += list(_class_refs(yaml.safe_load(value), name))
+            except yaml.YAMLError:
+                pass
+        elif last in _CLASS_KEYS:
+            refs.append((name, value))
+    for where, value in refs:
+        module = value.split(".")[0]
+        if "." in value and module not in ALLOWED_CLASS_MODULES:
+            raise ConfigError(
+                f"config key {where}: {value!r} is not a class of vision_attn, torch or Lightning; refusing to "
+                "import it (a module's code runs when it is imported). Use one of the suite's classes."
+            )
+
 
 class _VisionAttnCLI(LightningCLI):
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        check_class_paths(list(sys.argv[1:] if args is None else args))
+        super().parse_arguments(parser, args)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
@@ -197,6 +286,7 @@ class EvalCLI(_VisionAttnCLI):
         self.ckpt_meta, self.ckpt = read_task_meta(ckpt)
         self.ckpt_file = ckpt
         out = Path(self.config.output_dir)
+        _check_writable(out)
         existing = [p.name for p in (out / "metrics.json", out / "predictions.json") if p.exists()]
         if existing and not self.config.overwrite:
             raise RunExistsError(
@@ -289,6 +379,9 @@ def run_entry(fn) -> None:
     ours = (VisionAttnError,)
     try:
         fn()
+    except SIGTERMException:
+        sys.stderr.write("interrupted by SIGTERM: last.ckpt holds the state; continue with --ckpt_path last\n")
+        raise SystemExit(143) from None
     except (*ours, ValueError, RuntimeError, TypeError) as err:
         if os.environ.get("VISION_ATTN_DEBUG"):
             raise

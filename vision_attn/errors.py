@@ -6,7 +6,15 @@ else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "DataError", "EncoderError", "RunExistsError", "VisionAttnError"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "EncoderError",
+    "RunExistsError",
+    "TrainingDivergedError",
+    "VisionAttnError",
+]
 
 
 class VisionAttnError(Exception):
@@ -27,3 +35,11 @@ class EncoderError(VisionAttnError, ValueError):
 
 class RunExistsError(VisionAttnError, FileExistsError):
     """An output folder that already holds results which would be overwritten."""
+
+
+class TrainingDivergedError(VisionAttnError, ArithmeticError):
+    """A loss became NaN or infinite; the run stops and keeps its last good checkpoint."""
+
+
+class ConfigError(VisionAttnError, ValueError):
+    """A config that must not be used (e.g. a class from outside the suite, torch and Lightning)."""

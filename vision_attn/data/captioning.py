@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vision_attn.data.detection import load_coco_annotations
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
-from vision_attn.data.loading import make_loader
+from vision_attn.data.loading import SkipUnreadable, make_loader
 from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 from vision_attn.data.transforms import (
@@ -92,7 +92,7 @@ def read_captions(root: Path, split: str) -> tuple[list[dict], dict[int, list[st
     return images, captions
 
 
-class CocoCaptions(Dataset):
+class CocoCaptions(SkipUnreadable, Dataset):
     """One split of a COCO-captions dataset.
 
     Items are ``(image [3, H, W], token ids [T], index)``; the tokens are those of a random
@@ -123,7 +123,7 @@ class CocoCaptions(Dataset):
     def image_path(self, index: int) -> Path:
         return self.root / self.split / self.images[index]["file_name"]
 
-    def __getitem__(self, index: int):
+    def _load(self, index: int):
         image = read_image(self.image_path(index), self.max_pixels)
         if self.transform is not None:
             image = self.transform(image)
@@ -220,8 +220,10 @@ class CaptioningDataModule(L.LightningDataModule):
     def dataset(self, split: str, train: bool = False) -> CocoCaptions:
         pre = model_preprocess(self)
         tf = build_train_transform(pre, self.augment, hflip=False) if train else build_eval_transform({**pre, "crop_pct": 1.0})
-        return CocoCaptions(self.root, split, tf, self.tokenizer, "random" if train else "first", self.max_length,
-                            self.max_pixels)
+        ds = CocoCaptions(self.root, split, tf, self.tokenizer, "random" if train else "first", self.max_length,
+                          self.max_pixels)
+        ds.skip_unreadable = train  # training skips unreadable files; evaluation stops at the first
+        return ds
 
     def setup(self, stage: str | None = None) -> None:
         if stage in ("fit", None):

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, read_image
-from vision_attn.data.loading import make_loader
+from vision_attn.data.loading import SkipUnreadable, make_loader
 from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
 from vision_attn.data.transforms import (
     AugmentPreset,
@@ -50,7 +50,7 @@ def _list_images(folder: Path) -> list[Path]:
     )
 
 
-class ImageFolderDataset(Dataset):
+class ImageFolderDataset(SkipUnreadable, Dataset):
     """Images of one split with integer labels.
 
     Items are ``(image, label, index)``; ``samples[index]`` is ``(path relative to root,
@@ -100,7 +100,7 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+    def _load(self, index: int) -> tuple[torch.Tensor, int, int]:
         rel, label = self.samples[index]
         img = read_image(self.root / rel, max_pixels=self.max_pixels)
         if self.transform is not None:
@@ -176,7 +176,9 @@ class ImageFolderDataModule(L.LightningDataModule):
         """The dataset of ``split`` with the training or the evaluation transform."""
         pre = model_preprocess(self)
         transform = build_train_transform(pre, self.augment, self.hflip) if train else build_eval_transform(pre)
-        return ImageFolderDataset(self.root, split, self.class_names, transform, self.max_pixels)
+        ds = ImageFolderDataset(self.root, split, self.class_names, transform, self.max_pixels)
+        ds.skip_unreadable = train  # training skips unreadable files; evaluation stops at the first
+        return ds
 
     def setup(self, stage: str | None = None) -> None:
         if stage in ("fit", None):

@@ -28,7 +28,7 @@ from torchvision.transforms import v2 as T
 
 from vision_attn.boxes import box_xyxy_to_cxcywh
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
-from vision_attn.data.loading import make_loader
+from vision_attn.data.loading import SkipUnreadable, make_loader
 from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
 from vision_attn.data.transforms import _interp, model_preprocess
 from vision_attn.errors import DataError
@@ -61,7 +61,7 @@ def _to_target(boxes_xyxy: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tens
     return box_xyxy_to_cxcywh(boxes_xyxy.float() / scale).clamp(0, 1)
 
 
-class CocoDetection(Dataset):
+class CocoDetection(SkipUnreadable, Dataset):
     """One split of a COCO-format detection dataset.
 
     Items are ``(image [3, H, W], target dict)``.
@@ -138,7 +138,7 @@ class CocoDetection(Dataset):
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, index: int):
+    def _load(self, index: int):
         im = self.images[index]
         rgb = read_image(self.root / self.split / im["file_name"], self.max_pixels)
         h, w = rgb.shape[:2]
@@ -231,7 +231,9 @@ class DetectionDataModule(L.LightningDataModule):
         parsed = None
         if split == self.train_split and self._train_annotations is not None:
             parsed, self._train_annotations = self._train_annotations, None  # used once, then freed
-        return CocoDetection(self.root, split, tf, self.categories, self.max_pixels, parsed)
+        ds = CocoDetection(self.root, split, tf, self.categories, self.max_pixels, parsed)
+        ds.skip_unreadable = train  # training skips unreadable files; evaluation stops at the first
+        return ds
 
     def setup(self, stage: str | None = None) -> None:
         if stage in ("fit", None):

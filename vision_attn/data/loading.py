@@ -1,4 +1,11 @@
-"""Data loaders of every task, and evaluation sampling across processes: every image exactly once.
+"""Data loaders of every task: unreadable training images skipped, evaluation sampling across
+processes that sees every image exactly once.
+
+Unreadable files. Training skips an image that cannot be decoded, with a warning naming the
+file (and how many were skipped so far in that process), and stops with an error after
+:data:`MAX_UNREADABLE_IN_A_ROW` unreadable images in a row (a wrong folder, not a bad file).
+Evaluation never skips: a silently dropped image would change the metrics, so the first
+unreadable file stops it with an error naming the file.
 
 Lightning's default ``DistributedSampler`` pads the dataset with repeated samples so that every
 process gets the same number; metrics then count those images twice, and a 2-process
@@ -10,12 +17,55 @@ metrics synchronise once, at the end of the epoch).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-__all__ = ["UnpaddedDistributedSampler", "eval_sampler", "make_loader"]
+from vision_attn.data.imageio import ImageReadError
+from vision_attn.errors import DataError
+
+__all__ = ["MAX_UNREADABLE_IN_A_ROW", "SkipUnreadable", "UnpaddedDistributedSampler", "eval_sampler", "make_loader"]
+
+log = logging.getLogger(__name__)
+
+MAX_UNREADABLE_IN_A_ROW = 20
+
+
+class SkipUnreadable:
+    """Dataset mixin: ``__getitem__`` loads through :meth:`_load`; with ``skip_unreadable`` set
+    (training), an unreadable image is replaced by the next readable one (see the module docstring)."""
+
+    skip_unreadable: bool = False
+    _skipped: set[str] | None = None
+
+    def _load(self, index: int):
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int):
+        if not self.skip_unreadable:
+            return self._load(index)
+        n = len(self)
+        last: ImageReadError | None = None
+        for attempt in range(min(n, MAX_UNREADABLE_IN_A_ROW)):
+            try:
+                return self._load((index + attempt) % n)
+            except ImageReadError as err:
+                last = err
+                if self._skipped is None:
+                    self._skipped = set()
+                if err.path not in self._skipped:
+                    self._skipped.add(err.path)
+                    log.warning("skipping unreadable training image %s (%s); %d skipped so far in this process",
+                                err.path, err.reason, len(self._skipped))
+        raise DataError(
+            f"{min(n, MAX_UNREADABLE_IN_A_ROW)} unreadable images in a row, the last {last.path} ({last.reason}); "
+            "is --data.root the right folder?"
+        )
 
 
 class UnpaddedDistributedSampler(DistributedSampler):

@@ -20,7 +20,7 @@ from torch import nn
 
 from vision_attn.checkpoint_io import CheckpointError, load_checkpoint_file
 from vision_attn.distributed import gather_objects
-from vision_attn.errors import DataError
+from vision_attn.errors import DataError, TrainingDivergedError
 from vision_attn.models.encoder import ViTEncoder
 
 __all__ = ["VisionTask", "gather_objects", "load_task", "warmup_cosine"]
@@ -107,6 +107,19 @@ class VisionTask(L.LightningModule):
                 f"the model was built for classes {self.class_names} but the data has {list(names)}; "
                 "evaluate on data with the same classes (or fine-tune a new head)"
             )
+
+    def check_finite(self, loss: torch.Tensor, terms: dict[str, torch.Tensor] | None = None) -> None:
+        """Stop training when the loss is NaN or infinite, naming the loss terms that are."""
+        if bool(torch.isfinite(loss).all()):
+            return
+        terms = terms or {"loss": loss}
+        bad = {k: float(v.detach().float().mean()) for k, v in terms.items() if not bool(torch.isfinite(v).all())}
+        raise TrainingDivergedError(
+            f"the training loss became non-finite at step {self.global_step}: "
+            + ", ".join(f"{k}={v}" for k, v in (bad or {"loss": float(loss)}).items())
+            + ". The last good checkpoint is kept; lower --model.lr, raise --trainer.gradient_clip_val "
+            "or check the data, then resume with --ckpt_path last."
+        )
 
     def configure_datamodule(self, datamodule: Any) -> None:
         """Make ``datamodule`` prepare data for this model (its preprocessing; tasks add more,

@@ -170,6 +170,7 @@ class CaptioningTask(VisionTask):
     def training_step(self, batch, batch_idx: int) -> Tensor:
         images, tokens, _ = batch
         loss = self._loss(images, tokens, across_processes=True)
+        self.check_finite(loss, {"cross_entropy": loss})
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(images), sync_dist=True)
         return loss
 

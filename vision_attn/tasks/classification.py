@@ -114,6 +114,8 @@ class ClassificationTask(VisionTask):
         logits = self(images)
         smoothing = self.label_smoothing if stage == "train" else 0.0
         loss = F.cross_entropy(logits, labels, label_smoothing=smoothing)
+        if stage == "train":
+            self.check_finite(loss, {"cross_entropy": loss})
         metrics = self.metrics[f"{stage}_metrics"]
         metrics.update(logits.detach(), labels)
         on_step = stage == "train"

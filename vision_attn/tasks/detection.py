@@ -165,6 +165,8 @@ class DetectionTask(VisionTask):
         outputs = self(images)
         terms = self.criterion(outputs, targets, across_processes=stage == "train")
         loss = self.criterion.total(terms, len(outputs["aux_outputs"]))
+        if stage == "train":
+            self.check_finite(loss, terms)
         bs = len(targets)
         self.log(f"{stage}/loss", loss, prog_bar=True, on_step=stage == "train", on_epoch=True, batch_size=bs,
                  sync_dist=True)
@@ -218,6 +220,12 @@ class DetectionTask(VisionTask):
         if not self.eval_records:
             raise RuntimeError("no evaluation records: run trainer.test(...) first")
         by_id = {r["image_id"]: r["det"] for r in self.eval_records}
+        known = {im["id"] for im in dataset.images}
+        unknown = [i for i in by_id if i not in known]
+        if unknown:
+            log.warning("ignored predictions for %d image ids that the split does not have, e.g. %s", len(unknown), unknown[0])
+        if not any(len(d["scores"]) for i, d in by_id.items() if i in known):
+            log.warning("the model made no detection on %d images: every metric is 0", len(known))
         preds, targets, results = [], [], []
         for im in dataset.images:
             det = by_id.get(im["id"])

@@ -1,0 +1,230 @@
+"""Reliability: interrupted and diverging runs, atomic checkpoints, refused configs, exports,
+evaluation outputs. (Images, annotations and weights files: test_imageio, test_data,
+test_detection_data, test_captioning_data, test_encoder, test_checkpoint cases below.)"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from vision_attn import create_encoder, load_task
+from vision_attn.cli import RunCheckpoint, TrainCLI, check_class_paths, eval_main
+from vision_attn.data import ImageFolderDataModule
+from vision_attn.errors import (
+    CheckpointError,
+    ConfigError,
+    RunExistsError,
+    TrainingDivergedError,
+    VisionAttnError,
+)
+from vision_attn.tasks import ClassificationTask
+
+from .conftest import REPO, TINY_VIT
+
+CONFIG = str(REPO / "configs" / "classification" / "shapes.yaml")
+ENC = "--model.init_args.encoder.init_args."
+
+
+def _tiny_args(root: Path) -> list[str]:
+    return ["--config", CONFIG, "--data.init_args.root", str(root), "--data.init_args.num_workers", "0",
+            "--data.init_args.batch_size", "16", f"{ENC}embed_dim", "32", f"{ENC}depth", "1", f"{ENC}num_heads", "2",
+            f"{ENC}patch_size", "8", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+def _task() -> ClassificationTask:
+    torch.manual_seed(0)
+    return ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT))
+
+
+def _trainer(tmp_path, **kw) -> L.Trainer:
+    ckpt = RunCheckpoint(dirpath=tmp_path / "checkpoints", monitor="val/acc_top1", mode="max", save_last=True,
+                         filename="best-{epoch}")
+    return L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt],
+                     default_root_dir=tmp_path, accelerator="cpu", **kw)
+
+
+class _PoisonAfterFirstEpoch(L.Callback):
+    """Makes the logits NaN from the second epoch on (a diverging run)."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.head.register_forward_hook(lambda m, i, out: out * float("nan"))
+
+
+def test_non_finite_loss_stops_naming_the_term_and_keeps_the_last_good_checkpoint(shapes_root, tmp_path):
+    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    trainer = _trainer(tmp_path, max_epochs=3)
+    trainer.callbacks.append(_PoisonAfterFirstEpoch())
+    with pytest.raises(TrainingDivergedError, match=r"non-finite at step \d+: cross_entropy=nan.*last good checkpoint"):
+        trainer.fit(_task(), datamodule=dm)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    state = torch.load(last, map_location="cpu", weights_only=False)
+    assert state["epoch"] == 0  # the end of the good epoch, not the diverged state
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())
+    assert load_task(last) is not None
+
+
+def test_check_finite_names_every_bad_term():
+    task = _task()
+    terms = {"loss_ce": torch.tensor(0.5), "loss_bbox": torch.tensor(float("inf")), "loss_giou": torch.tensor(float("nan"))}
+    with pytest.raises(TrainingDivergedError) as err:
+        task.check_finite(torch.tensor(float("nan")), terms)
+    assert "loss_bbox=inf" in str(err.value) and "loss_giou=nan" in str(err.value) and "loss_ce" not in str(err.value)
+    task.check_finite(torch.tensor(1.0), terms)  # finite total: nothing raised
+
+
+def test_checkpoint_written_atomically_survives_a_crash_while_saving(shapes_root, tmp_path, monkeypatch):
+    from fsspec.implementations.local import LocalFileOpener
+
+    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(_task(), datamodule=dm)
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    before = path.read_bytes()
+    real_write = LocalFileOpener.write
+
+    def half_then_crash(self, data):  # the disk fills up half-way through the write
+        real_write(self, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LocalFileOpener, "write", half_then_crash)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.save_checkpoint(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before  # the previous checkpoint is intact
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted(["last.ckpt", *[p.name for p in path.parent.glob("best-*")]])
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_continues(shapes_root, tmp_path):
+    run = tmp_path / "run"
+    args = [sys.executable, str(REPO / "train.py"), *_tiny_args(shapes_root), "--trainer.default_root_dir", str(run)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([*args, "--trainer.max_epochs", "500"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    last = run / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 180
+    while not last.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)  # somewhere inside a later epoch
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "continue with --ckpt_path last" in err
+    state = torch.load(last, map_location="cpu", weights_only=False)
+    step, epoch = state["global_step"], state["epoch"]
+    assert step > 0
+    res = subprocess.run([*args, "--trainer.max_epochs", str(epoch + 2), "--ckpt_path", "last"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    steps_per_epoch = 60 // 16  # 60 training images, batches of 16, the last partial one dropped
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == (epoch + 2) * steps_per_epoch
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--trainer.callbacks+=os.system"],
+        ["--model.class_path", "subprocess.Popen"],
+        ['--trainer.logger={"class_path": "evil.Logger"}'],
+        ["--trainer.strategy", "somepkg.Strategy"],
+    ],
+)
+def test_classes_outside_the_suite_torch_and_lightning_are_refused(args):
+    with pytest.raises(ConfigError, match=r"config key .*is not a class of vision_attn, torch or Lightning"):
+        check_class_paths(["--config", CONFIG, *args])
+
+
+def test_class_paths_in_config_files_are_checked(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  callbacks:\n    - class_path: mypkg.Callback\n")
+    with pytest.raises(ConfigError, match=r"trainer.callbacks\[0\].class_path: 'mypkg.Callback'"):
+        check_class_paths(["--config", CONFIG, "--config", str(bad)])
+    check_class_paths(["--config", CONFIG, "--config", str(REPO / "configs" / "trainer" / "fsdp.yaml"),
+                       "--trainer.callbacks+=LearningRateMonitor", "--model.encoder.name", "vit_small_patch16_224.augreg_in21k"])
+
+
+@pytest.mark.parametrize(("arg", "message"), [(["--model.init_args.lr", "abc"], 'Parser key "lr"'),
+                                               (["--model.init_args.no_such_key", "3"], "no_such_key"),
+                                               (["--trainer.max_epochs", "many"], "max_epochs")])
+def test_unknown_keys_and_wrong_types_are_rejected_before_anything_is_created(arg, message, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        TrainCLI(args=["--config", CONFIG, *arg, "--trainer.default_root_dir", str(tmp_path / "out")])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_checkpoint_is_a_clear_error(shapes_root, tmp_path):
+    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(_task(), datamodule=dm)
+    data = (tmp_path / "checkpoints" / "last.ckpt").read_bytes()
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=str(cut)):
+        load_task(cut)
+
+
+def test_export_safetensors_round_trip_and_no_overwrite(shapes_root, tmp_path):
+    from safetensors import safe_open
+
+    from vision_attn.export import export_safetensors, main
+
+    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    trainer = _trainer(tmp_path, max_epochs=1)
+    task = _task()
+    trainer.fit(task, datamodule=dm)
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    out = export_safetensors(ckpt, tmp_path / "enc.safetensors")
+    loaded = load_task(ckpt)
+    fresh = create_encoder("vit_tiny_patch16_224", weights_file=str(out), **TINY_VIT).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x).tokens, loaded.encoder(x).tokens)
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+    assert meta["task"] == "classification" and json.loads(meta["model"])["init_args"]["class_names"] == task.class_names
+    with pytest.raises(RunExistsError, match="refusing to overwrite"):
+        export_safetensors(ckpt, out)
+    with pytest.raises(SystemExit):
+        main(["--ckpt_path", str(ckpt), "--output", str(out)])
+    whole = export_safetensors(ckpt, tmp_path / "model.safetensors", part="model")
+    with safe_open(str(whole), "pt") as f:
+        assert set(f.keys()) == set(loaded.state_dict())
+
+
+def test_eval_output_folder_that_cannot_be_written_fails_before_evaluating(shapes_root, tmp_path):
+    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    _trainer(tmp_path, max_epochs=1).fit(_task(), datamodule=dm)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(VisionAttnError, match=f"cannot write results into {blocker / 'eval'}"):
+        eval_main([*_tiny_args(shapes_root), "--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt"),
+                   "--output_dir", str(blocker / "eval")])
+
+
+def test_detection_zero_predictions_and_unknown_image_ids_are_counted_warnings(tmp_path, caplog):
+    from vision_attn.data.detection import CocoDetection
+    from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
+    from vision_attn.tasks import DetectionTask
+
+    root = ensure_shapes_coco(SceneSetConfig(num_train=2, num_val=3, image_size=32), tmp_path)
+    ds = CocoDetection(root, "val")
+    task = DetectionTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=ds.class_names)
+    empty = {"boxes": torch.zeros(0, 4), "scores": torch.zeros(0), "labels": torch.zeros(0, dtype=torch.int64)}
+    task.eval_records = [{"image_id": im["id"], "det": dict(empty)} for im in ds.images]
+    task.eval_records.append({"image_id": 999999, "det": dict(empty)})
+    with caplog.at_level(logging.WARNING):
+        metrics, predictions = task.eval_results(ds)
+    assert predictions == [] and metrics["map"] <= 0.0
+    assert "ignored predictions for 1 image ids that the split does not have, e.g. 999999" in caplog.text
+    assert "the model made no detection on 3 images" in caplog.text

@@ -1,0 +1,73 @@
+"""Export a trained checkpoint's weights as ``.safetensors`` (plain tensors, no pickled code):
+
+    python -m vision_attn.export --ckpt_path runs/x/checkpoints/last.ckpt --output encoder.safetensors
+    python -m vision_attn.export --ckpt_path ... --output model.safetensors --part model
+
+``--part encoder`` (default) writes the timm ViT's state dict — keys exactly as timm names
+them, so ``create_encoder(NAME, weights_file=...)`` or timm itself can load it; ``--part model``
+writes the whole task (encoder and head, keys as in the checkpoint's ``state_dict``). The
+architecture, preprocessing and labels go into the file's metadata as JSON. An existing file is
+never overwritten; the file is written through a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from vision_attn.errors import RunExistsError, VisionAttnError
+from vision_attn.tasks.base import load_task
+
+__all__ = ["export_safetensors", "main"]
+
+log = logging.getLogger(__name__)
+
+
+def export_safetensors(ckpt_path: str | Path, output: str | Path, part: str = "encoder") -> Path:
+    """Write the weights of ``ckpt_path`` to ``output`` (see the module docstring); returns the path."""
+    from safetensors.torch import save_file
+
+    output = Path(output)
+    if output.exists():
+        raise RunExistsError(f"{output} already exists; refusing to overwrite it (choose another --output)")
+    if part not in ("encoder", "model"):
+        raise ValueError(f"--part must be 'encoder' or 'model', got {part!r}")
+    task = load_task(ckpt_path)
+    module = task.encoder.model if part == "encoder" else task
+    tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+    meta = task.checkpoint_meta()
+    metadata = {"format": "vision_attn", "part": part, "task": str(meta.get("task")),
+                "model": json.dumps(meta["model"]), "data_config": json.dumps(meta.get("data_config"))}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=output.name + ".", suffix=".tmp", dir=output.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, output)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    log.info("wrote %d tensors (%s) to %s", len(tensors), part, output)
+    return output
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m vision_attn.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt_path", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--part", choices=["encoder", "model"], default="encoder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        print(export_safetensors(args.ckpt_path, args.output, args.part))
+    except (VisionAttnError, ValueError) as err:
+        parser.exit(2, f"error: {err}\n")
+
+
+if __name__ == "__main__":
+    main()
