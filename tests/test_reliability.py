@@ -20,9 +20,11 @@ import torch
 from vision_attn import create_encoder, load_task
 from vision_attn.cli import RunCheckpoint, TrainCLI, check_class_paths, eval_main
 from vision_attn.data import ImageFolderDataModule
+from vision_attn.data.imageio import ImageReadError
 from vision_attn.errors import (
     CheckpointError,
     ConfigError,
+    DataError,
     RunExistsError,
     TrainingDivergedError,
     VisionAttnError,
@@ -228,3 +230,59 @@ def test_detection_zero_predictions_and_unknown_image_ids_are_counted_warnings(t
     assert predictions == [] and metrics["map"] <= 0.0
     assert "ignored predictions for 1 image ids that the split does not have, e.g. 999999" in caplog.text
     assert "the model made no detection on 3 images" in caplog.text
+
+
+@pytest.mark.parametrize("declared", ["stored", "rotated"])
+def test_exif_rotated_detection_image_keeps_boxes_aligned(tmp_path, declared):
+    """A JPEG stored 40 wide x 20 high with EXIF 'rotate 90': if the annotation file declares the
+    stored size its box refers to the stored pixels; if it declares the rotated size, to the
+    upright image. Either way the box must cover the white square."""
+    import numpy as np
+    from PIL import Image
+
+    from vision_attn.data.detection import CocoDetection
+
+    (tmp_path / "val").mkdir()
+    (tmp_path / "annotations").mkdir()
+    stored = np.zeros((20, 40, 3), np.uint8)
+    stored[2:10, 28:36] = 255  # white square, stored pixels x 28..36, y 2..10
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 clockwise to display
+    Image.fromarray(stored).save(tmp_path / "val" / "a.jpg", exif=exif, quality=100)
+    if declared == "stored":
+        size, box = (40, 20), [28, 2, 8, 8]
+    else:  # upright: 20 wide, 40 high; the square at x 10..18, y 28..36
+        size, box = (20, 40), [10, 28, 8, 8]
+    ann = {"images": [{"id": 1, "file_name": "a.jpg", "width": size[0], "height": size[1]}],
+           "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": box, "area": 64, "iscrowd": 0}],
+           "categories": [{"id": 1, "name": "square"}]}
+    (tmp_path / "annotations" / "instances_val.json").write_text(json.dumps(ann))
+    image, target = CocoDetection(tmp_path, "val")[0]
+    h, w = image.shape[-2:]
+    assert (w, h) == size
+    cx, cy, bw, bh = (target["boxes"][0] * torch.tensor([w, h, w, h])).tolist()
+    crop = image[:, int(cy - bh / 2) + 1 : int(cy + bh / 2) - 1, int(cx - bw / 2) + 1 : int(cx + bw / 2) - 1]
+    assert crop.float().mean() > 200  # the box sits on the white square
+
+
+def test_training_skips_unreadable_images_and_stops_after_too_many_in_a_row(tmp_path, caplog):
+    from PIL import Image
+
+    from vision_attn.data.classification import ImageFolderDataset
+    from vision_attn.data.loading import MAX_UNREADABLE_IN_A_ROW
+
+    folder = tmp_path / "train" / "a"
+    folder.mkdir(parents=True)
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(folder / "000_good.png")
+    for i in range(MAX_UNREADABLE_IN_A_ROW + 2):
+        (folder / f"{i + 1:03d}_bad.png").write_bytes(b"garbage")
+    ds = ImageFolderDataset(tmp_path, "train", ["a"])
+    ds.skip_unreadable = True
+    with caplog.at_level(logging.WARNING):
+        image, label, index = ds[len(ds) - 1]  # the last bad file: wraps around to the good one
+    assert index == 0 and f"skipping unreadable training image {folder / '022_bad.png'}" in caplog.text
+    with pytest.raises(DataError, match=f"{MAX_UNREADABLE_IN_A_ROW} unreadable images in a row"):
+        ds[1]
+    ds.skip_unreadable = False  # evaluation: the first unreadable file stops it
+    with pytest.raises(ImageReadError, match="001_bad.png"):
+        ds[1]

@@ -89,6 +89,7 @@ class CocoDetection(SkipUnreadable, Dataset):
         label_of = {cid: i for i, cid in enumerate(self.category_ids)}
         self.transform = transform
         self.max_pixels = max_pixels
+        self._raw_orientation: set[int] = set()
         self.images: list[dict] = []
         seen: set[int] = set()
         for im in data["images"]:
@@ -140,8 +141,18 @@ class CocoDetection(SkipUnreadable, Dataset):
 
     def _load(self, index: int):
         im = self.images[index]
-        rgb = read_image(self.root / self.split / im["file_name"], self.max_pixels)
+        path = self.root / self.split / im["file_name"]
+        rgb = read_image(path, self.max_pixels)
         h, w = rgb.shape[:2]
+        if (im.get("width"), im.get("height")) == (h, w) and h != w:
+            # The file's EXIF rotation swaps the sides the annotation file declares: its boxes
+            # were drawn on the stored pixels, so read those (boxes and overlays stay aligned).
+            if im["id"] not in self._raw_orientation:
+                self._raw_orientation.add(im["id"])
+                log.warning("%s: image id %s is %dx%d as stored but %dx%d after its EXIF rotation; using the stored "
+                            "orientation the annotations describe", self.ann_file, im["id"], w, h, h, w)
+            rgb = read_image(path, self.max_pixels, apply_exif=False)
+            h, w = rgb.shape[:2]
         anns = self.annotations[im["id"]]
         xyxy = torch.tensor([a[0] for a in anns], dtype=torch.float32).reshape(-1, 4)
         labels = torch.tensor([a[1] for a in anns], dtype=torch.int64)

@@ -62,8 +62,10 @@ def to_rgb_array(img: Image.Image) -> np.ndarray:
     return np.asarray(img, dtype=np.uint8).copy()
 
 
-def read_image(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+def read_image(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS, apply_exif: bool = True) -> np.ndarray:
     """Decode ``path`` to an upright RGB ``uint8`` array ``[H, W, 3]``.
+
+    ``apply_exif=False`` keeps the stored pixel order (for annotations made on it).
 
     Raises:
         ImageReadError: missing, empty, truncated or non-image file, or more than
@@ -82,7 +84,8 @@ def read_image(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.nda
                 if w * h > max_pixels:
                     raise ImageReadError(path, f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}")
                 img.load()
-                img = ImageOps.exif_transpose(img)
+                if apply_exif:
+                    img = ImageOps.exif_transpose(img)
                 return to_rgb_array(img)
     except ImageReadError:
         raise
