@@ -286,3 +286,30 @@ def test_training_skips_unreadable_images_and_stops_after_too_many_in_a_row(tmp_
     ds.skip_unreadable = False  # evaluation: the first unreadable file stops it
     with pytest.raises(ImageReadError, match="001_bad.png"):
         ds[1]
+
+
+def test_checkpoint_with_pickled_code_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    bad = tmp_path / "evil.ckpt"
+    torch.save({"vision_attn": {}, "state_dict": {}, "payload": Payload()}, bad)
+    with pytest.raises(CheckpointError, match="pickled"):
+        load_task(bad)
+    assert not marker.exists()
+
+
+def test_opencv_failing_to_write_an_overlay_names_the_file(tmp_path):
+    import numpy as np
+
+    from vision_attn.explain.overlay import save_png
+
+    (tmp_path / "file").write_text("x")
+    target = tmp_path / "file" / "overlay.png"  # its folder is a file: cannot be created or written
+    with pytest.raises(OSError, match="overlay.png"):
+        save_png(target, np.zeros((4, 4, 3), np.uint8))
+    with pytest.raises(OSError, match=r"bad\.nosuchformat"):  # OpenCV has no writer for the extension
+        save_png(tmp_path / "bad.nosuchformat", np.zeros((4, 4, 3), np.uint8))

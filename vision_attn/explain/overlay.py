@@ -118,7 +118,10 @@ def image_grid(images: Sequence[np.ndarray], titles: Sequence[str] | None = None
 def save_png(path: str | Path, image_rgb: np.ndarray) -> Path:
     """Write an RGB ``uint8`` image as PNG; raises ``OSError`` naming the file if OpenCV cannot."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(f"cannot create the folder of {path}: {err.strerror or err}") from err
     try:
         ok = cv2.imwrite(str(path), cv2.cvtColor(_as_uint8_rgb(image_rgb), cv2.COLOR_RGB2BGR))
     except cv2.error:
