@@ -6,7 +6,7 @@ STAMP   = $(VENV)/.installed
 DEMO_DIR ?= runs/demo
 export VISION_ATTN_DATA ?= $(CURDIR)/.data
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.suite --json benchmarks/results/latest.json
 
 lint: $(STAMP)
 	$(PY) -m ruff check vision_attn tests train.py eval.py

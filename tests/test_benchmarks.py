@@ -16,3 +16,13 @@ def test_caption_kv_cache_runs_tiny():
 
     r = run_cache(tokens=6, batch=2, beam=2, hidden=16, layers=1, heads=2, vocab=20, grid=2, in_dim=8, repeats=1)
     assert r["same_tokens"] and r["speedup"] > 0 and set(r["median_s"]) == {"cached", "uncached"}
+
+
+def test_benchmark_suite_runs_tiny_and_reports_every_pair():
+    from benchmarks.suite import format_table, run_all
+
+    result = run_all(quick=True)
+    pairs = [r["pair"] for r in result["rows"]]
+    assert len(pairs) == 10 and len(set(pairs)) == 10
+    assert all(r["ratio"] > 0 and isinstance(r["met"], bool) for r in result["rows"])
+    assert format_table(result).count("\n") == 11

@@ -112,3 +112,20 @@ def test_names_filter(tiny_encoder):
     with torch.no_grad(), capture_attention(tiny_encoder, names=["model.blocks.1"]) as attn:
         tiny_encoder(torch.randn(1, 3, 32, 32))
     assert len(attn) == 1
+
+
+def test_extract_attention_equals_capture_and_stops_early(tiny_encoder):
+    from vision_attn.explain import extract_attention
+
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad(), capture_attention(tiny_encoder) as full:
+        tiny_encoder(x)
+    calls = []
+    handle = tiny_encoder.model.norm.register_forward_hook(lambda *a: calls.append(1))  # after the last block
+    try:
+        maps = extract_attention(tiny_encoder, x)
+    finally:
+        handle.remove()
+    assert len(maps) == len(full) and all(torch.equal(a, b) for a, b in zip(maps, full, strict=True))
+    assert not calls  # the pass stopped after the last attention: the final norm never ran
+    assert all(m.fused_attn for m in tiny_encoder.modules() if hasattr(m, "fused_attn"))  # flags restored

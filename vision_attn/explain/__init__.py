@@ -1,6 +1,11 @@
 """Explanations: capture attention, turn it into maps, draw them, measure their faithfulness."""
 
-from vision_attn.explain.capture import AttentionCaptureError, attention_modules, capture_attention
+from vision_attn.explain.capture import (
+    AttentionCaptureError,
+    attention_modules,
+    capture_attention,
+    extract_attention,
+)
 from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
 from vision_attn.explain.methods import METHODS, Explanation, explain_classifier, faithfulness
 from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
@@ -16,6 +21,7 @@ __all__ = [
     "capture_attention",
     "deletion_insertion_curve",
     "explain_classifier",
+    "extract_attention",
     "faithfulness",
     "gradient_relevance",
     "image_grid",

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 from torch import Tensor, nn
 
-__all__ = ["AttentionCaptureError", "attention_modules", "capture_attention"]
+__all__ = ["AttentionCaptureError", "attention_modules", "capture_attention", "extract_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -103,3 +103,39 @@ def capture_attention(
             handle.remove()
         for m, flag in saved_flags:
             m.fused_attn = flag
+
+
+class _LastAttentionDone(Exception):
+    """Raised inside the forward pass once the last attention map is recorded."""
+
+
+def extract_attention(model: nn.Module, *inputs, names: list[str] | None = None) -> list[Tensor]:
+    """Attention maps of every block for ``model(*inputs)``, without finishing the forward pass.
+
+    The pass stops right after the last attention module's softmax — the model's output is
+    not computed (what timm's ``AttentionExtract`` returns, at the same cost). For maps *and*
+    outputs use :func:`capture_attention`. Runs without gradients.
+
+    Returns:
+        One ``[B, heads, Tq, Tk]`` tensor per attention call, first block first.
+    """
+    import torch
+
+    modules = attention_modules(model)
+    if names is not None:
+        modules = [(n, m) for n, m in modules if any(n.startswith(p) for p in names)]
+    if not modules:
+        raise AttentionCaptureError(f"{type(model).__name__} has no attention module that can be captured")
+
+    def stop(_module: nn.Module, _inputs, _output) -> None:
+        raise _LastAttentionDone
+
+    with torch.no_grad(), capture_attention(model, names=names) as attn:
+        handle = modules[-1][1].attn_drop.register_forward_hook(stop)
+        try:
+            model(*inputs)
+        except _LastAttentionDone:
+            pass
+        finally:
+            handle.remove()
+    return list(attn)

@@ -1,0 +1,75 @@
+"""``make bench``: every side-by-side pair, one table of ratios, written as JSON.
+
+    python -m benchmarks.suite [--json benchmarks/results/latest.json] [--repeats 7]
+
+Each pair runs in this process, interleaved (A, B, A, B, ...), as medians of several repeats;
+the table says for each the measured ratio, the goal and whether it is met. A few minutes on
+2 CPU cores. Nothing here is a test: the tests only check that each benchmark runs on tiny sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+import warnings
+
+import torch
+
+from benchmarks.caption_kv_cache import run as kv_cache
+from benchmarks.common import machine, write_result
+from benchmarks.reference_pairs import attention_paths, capture_memory, encoder_pairs, map_backends
+from benchmarks.training_loop import training_pairs
+
+
+def run_all(repeats: int = 7, quick: bool = False) -> dict:
+    """All rows; ``quick`` shrinks every size (for the tests)."""
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    if quick:
+        tiny = dict(patch_size=8, depth=2, embed_dim=32, num_heads=2)
+        rows += encoder_pairs(img=32, batch=2, repeats=1, **tiny)
+        rows.append(attention_paths(tokens=17, dim=16, heads=2, batch=2, repeats=1))
+        rows.append(capture_memory(img=32, batch=2, **tiny))
+        kv = kv_cache(tokens=6, batch=2, beam=3, hidden=16, layers=1, heads=2, vocab=20, grid=2, in_dim=8, repeats=1)
+        rows.append(map_backends(images=10, repeats=1))
+        rows += training_pairs(repeats=1, steps=7, batch=8)
+    else:
+        rows += encoder_pairs(repeats=repeats)
+        rows.append(attention_paths(repeats=2 * repeats))
+        rows.append(capture_memory())
+        kv = kv_cache(tokens=30, batch=8, beam=3, repeats=repeats)
+        rows.append(map_backends(images=500, repeats=3))
+        rows += training_pairs(repeats=5, steps=40)
+    rows.insert(5, {"pair": "caption generation, KV cache vs recomputing the prefix (30 tokens, beam 3)",
+                    "ours": kv["median_s"]["cached"], "reference": kv["median_s"]["uncached"], "ratio": kv["speedup"],
+                    "goal": ">= 3x faster", "met": kv["speedup"] >= 3.0 and kv["same_tokens"],
+                    "detail": f"batch {kv['batch']}, width {kv['hidden']}, {kv['patches']} patches; same tokens: {kv['same_tokens']}"})
+    return {"rows": rows, "machine": machine(), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def format_table(result: dict) -> str:
+    lines = ["| pair | ratio | goal | met | detail |", "| --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['pair']} | {r['ratio']:.3f} | {r['goal']} | {'yes' if r['met'] else 'no'} | {r['detail']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", default="benchmarks/results/latest.json")
+    p.add_argument("--repeats", type=int, default=7)
+    a = p.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    result = run_all(a.repeats)
+    print(format_table(result))
+    m = result["machine"]
+    print(f"\n{m['cpu']}, {m['threads']} threads, torch {m['torch']}, CUDA: {m['cuda']}; {result['seconds']} s")
+    write_result(a.json, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The Lightning task's training step vs a plain PyTorch loop, and the data pipeline vs both.
+
+Same model (the demo classifier: conv-stem ViT, 32 px, dim 96, depth 4), same batches, same
+AdamW; the Lightning side is ``ClassificationTask`` run by ``Trainer.fit`` (metrics, logging and
+the schedule included), the plain side is forward, loss, backward, step. Throughput is images
+per second over the steps after a warm-up, medians of interleaved repeats. The data side
+decodes and transforms the embedded shapes images with 2 loader workers, as the demo does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from vision_attn import create_encoder
+from vision_attn.tasks import ClassificationTask
+
+DEMO_ENCODER = dict(img_size=32, patch_size=4, embed_dim=96, depth=4, num_heads=3, mlp_ratio=2.0, stem="conv",
+                    preprocess={"crop_pct": 1.0})
+
+
+class _StepClock(L.Callback):
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.start, self.end, self.images = warmup, None, None, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.warmup:
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx >= self.warmup:
+            self.images += len(batch[0])
+            self.end = time.perf_counter()
+
+
+def _task(classes: int) -> ClassificationTask:
+    torch.manual_seed(0)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **DEMO_ENCODER))
+    task._build_head(classes, [str(i) for i in range(classes)])
+    return task
+
+
+def _batches(steps: int, batch: int, classes: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * batch, 3, 32, 32, generator=g)
+    y = torch.randint(0, classes, (steps * batch,), generator=g)
+    return TensorDataset(x, y, torch.arange(len(y)))
+
+
+def lightning_throughput(steps: int = 30, warmup: int = 5, batch: int = 128, classes: int = 5) -> float:
+    task = _task(classes)
+    clock = _StepClock(warmup)
+    loader = DataLoader(_batches(steps, batch, classes), batch_size=batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, accelerator="cpu", callbacks=[clock], default_root_dir=tmp,
+                            limit_val_batches=0)
+        trainer.fit(task, train_dataloaders=loader)
+    return clock.images / (clock.end - clock.start)
+
+
+def plain_throughput(steps: int = 30, warmup: int = 5, batch: int = 128, classes: int = 5) -> float:
+    task = _task(classes).train()
+    model = torch.nn.ModuleDict({"encoder": task.encoder, "head": task.head})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    start, images = None, 0
+    for i, (x, y, _) in enumerate(DataLoader(_batches(steps, batch, classes), batch_size=batch)):
+        if i == warmup:
+            start = time.perf_counter()
+        loss = F.cross_entropy(model["head"](model["encoder"](x)), y, label_smoothing=0.1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if i >= warmup:
+            images += len(y)
+    return images / (time.perf_counter() - start)
+
+
+def data_throughput(batches: int = 20, batch: int = 128, workers: int = 2) -> float:
+    """Images per second the demo's training loader delivers (decode + transforms)."""
+    from vision_attn.data import ImageFolderDataModule, ShapesConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dm = ImageFolderDataModule(synthetic=ShapesConfig(image_size=32, num_train=(batches + 2) * batch, num_val=10),
+                                   cache_dir=tmp, batch_size=batch, num_workers=workers)
+        dm.preprocess = _task(5).data_config
+        dm.setup("fit")
+        it = iter(dm.train_dataloader())
+        next(it)  # workers started
+        t0, n = time.perf_counter(), 0
+        for _ in range(batches):
+            n += len(next(it)[0])
+        return n / (time.perf_counter() - t0)
+
+
+def training_pairs(repeats: int = 3, steps: int = 30, batch: int = 128) -> list[dict]:
+    lightning, plain = [], []
+    for _ in range(repeats):  # interleaved
+        lightning.append(lightning_throughput(steps, batch=batch))
+        plain.append(plain_throughput(steps, batch=batch))
+    lt, pt = statistics.median(lightning), statistics.median(plain)
+    data = data_throughput(batch=batch)
+    return [
+        {"pair": "Lightning task training step vs plain PyTorch loop", "ours": lt, "reference": pt, "ratio": lt / pt,
+         "goal": ">= 0.95 of its throughput", "met": lt / pt >= 0.95,
+         "detail": f"images/s, demo classifier, batch {batch}: {lt:.0f} vs {pt:.0f}"},
+        {"pair": "data pipeline (2 workers) vs training consumption", "ours": data, "reference": lt, "ratio": data / lt,
+         "goal": "> 1 (data never the bottleneck)", "met": data / lt > 1.0,
+         "detail": f"images/s: loader {data:.0f} vs training {lt:.0f}"},
+    ]
