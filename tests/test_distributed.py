@@ -152,3 +152,20 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
               "--trainer.default_root_dir", str(run), "--ckpt_path", "last"], tmp_path)
         assert _step(ckpt) > steps * 3 // 2  # one process: twice the steps per epoch from here on
     assert (run / "config.resume-1.yaml").is_file()
+
+
+def test_bf16_trainer_config_composes_and_trains(tmp_path):
+    """``--config configs/trainer/bf16.yaml`` on top of a task config (CPU autocast here)."""
+    from vision_attn.cli import train_main
+    from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
+
+    root = ensure_shapes_classification(ShapesConfig(image_size=32, num_train=32, num_val=8, seed=5), tmp_path / "data")
+    cli = train_main(["--config", str(REPO / "configs" / "classification" / "shapes.yaml"),
+                      "--config", str(REPO / "configs" / "trainer" / "bf16.yaml"),
+                      "--data.init_args.root", str(root), "--data.init_args.num_workers", "0",
+                      "--data.init_args.batch_size", "16", f"{ENC}embed_dim", "32", f"{ENC}depth", "1",
+                      f"{ENC}num_heads", "2", f"{ENC}patch_size", "8", "--trainer.max_epochs", "1",
+                      "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+                      "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert cli.trainer.precision == "bf16-mixed"
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
