@@ -1,7 +1,15 @@
-"""Export a trained checkpoint's weights as ``.safetensors`` (plain tensors, no pickled code):
+"""Export a trained checkpoint: weights as ``.safetensors`` (plain tensors, no pickled code) or
+the model as ONNX.
 
     python -m vision_attn.export --ckpt_path runs/x/checkpoints/last.ckpt --output encoder.safetensors
     python -m vision_attn.export --ckpt_path ... --output model.safetensors --part model
+    python -m vision_attn.export --ckpt_path ... --output model.onnx
+
+ONNX (chosen by the ``.onnx`` suffix): input ``images`` ``[batch, 3, H, W]`` normalised as the
+model's preprocessing says (stored in the file's metadata with the labels or vocabulary), any
+batch size. Outputs: classification ``logits [B, C]``; detection ``pred_logits [B, Q, C(+1)]``
+and ``pred_boxes [B, Q, 4]`` (cxcywh in [0, 1]); captioning the encoder's ``tokens [B, T, D]``
+(beam search stays in PyTorch).
 
 ``--part encoder`` (default) writes the timm ViT's state dict — keys exactly as timm names
 them, so ``create_encoder(NAME, weights_file=...)`` or timm itself can load it; ``--part model``
@@ -19,10 +27,12 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
+
 from vision_attn.errors import RunExistsError, VisionAttnError
 from vision_attn.tasks.base import load_task
 
-__all__ = ["export_safetensors", "main"]
+__all__ = ["export_onnx", "export_safetensors", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +65,57 @@ def export_safetensors(ckpt_path: str | Path, output: str | Path, part: str = "e
     return output
 
 
+class _OnnxGraph(torch.nn.Module):
+    """The tensors-in, tensors-out part of a task that ONNX holds."""
+
+    def __init__(self, task) -> None:
+        super().__init__()
+        self.task = task
+
+    def forward(self, images: torch.Tensor):
+        kind = self.task.task_name
+        if kind == "classification":
+            return self.task(images)
+        if kind == "detection":
+            out = self.task(images)
+            return out["pred_logits"], out["pred_boxes"]
+        return self.task.encoder(images).tokens
+
+
+ONNX_OUTPUTS = {"classification": ["logits"], "detection": ["pred_logits", "pred_boxes"], "captioning": ["tokens"]}
+
+
+def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18) -> Path:
+    """Write the model of ``ckpt_path`` as ONNX (see the module docstring); returns the path."""
+    import onnx
+
+    output = Path(output)
+    if output.exists():
+        raise RunExistsError(f"{output} already exists; refusing to overwrite it (choose another --output)")
+    task = load_task(ckpt_path).eval()
+    _, h, w = task.data_config["input_size"]
+    example = torch.zeros(2, 3, int(h), int(w))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=output.name + ".", suffix=".tmp.onnx", dir=output.parent)
+    os.close(fd)
+    try:
+        torch.onnx.export(_OnnxGraph(task), (example,), tmp, input_names=["images"],
+                          output_names=ONNX_OUTPUTS[task.task_name], dynamic_shapes=({0: torch.export.Dim("batch")},),
+                          dynamo=True, opset_version=opset, verbose=False)
+        model = onnx.load(tmp)
+        meta = task.checkpoint_meta()
+        for key, value in {"format": "vision_attn", "task": str(meta.get("task")), "model": json.dumps(meta["model"]),
+                           "data_config": json.dumps(meta.get("data_config"))}.items():
+            model.metadata_props.add(key=key, value=value)
+        onnx.save(model, tmp)
+        os.replace(tmp, output)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    log.info("wrote the %s model as ONNX to %s", task.task_name, output)
+    return output
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vision_attn.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,7 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        print(export_safetensors(args.ckpt_path, args.output, args.part))
+        if args.output.endswith(".onnx"):
+            print(export_onnx(args.ckpt_path, args.output))
+        else:
+            print(export_safetensors(args.ckpt_path, args.output, args.part))
     except (VisionAttnError, ValueError) as err:
         parser.exit(2, f"error: {err}\n")
 
