@@ -107,6 +107,8 @@ def test_train_and_eval_contract(tmp_path):
     assert [p["image_id"] for p in preds] == [im["id"] for im in val["images"]]
     assert all(set(p) == {"image_id", "caption"} and isinstance(p["caption"], str) for p in preds)
     assert len(list((out / "eval" / "overlays").glob("*.png"))) == 2
+    page = (out / "eval" / "report.html").read_text()
+    assert '"kind": "words"' in page  # per-word interactive views
     # greedy instead of the config's beam search, into another folder
     greedy = eval_main([*common, "--ckpt_path", ckpt, "--output_dir", str(out / "greedy"), "--generate.beam_size", "1",
                         "--explain.num_overlays", "0"])

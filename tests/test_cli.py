@@ -221,3 +221,4 @@ def test_detection_train_and_eval_contract(tmp_path):
     assert preds and set(preds[0]) == {"image_id", "category_id", "bbox", "score"}
     assert {p["category_id"] for p in preds} <= {1, 2, 3, 4, 5}
     assert len(list((out / "eval" / "overlays").glob("*.png"))) == 2
+    assert '"kind": "boxes"' in (out / "eval" / "report.html").read_text()

@@ -43,6 +43,7 @@ def test_predict_from_a_checkpoint_writes_predictions_and_overlays(kind, folder,
         assert 0 <= x <= 56 and 0 <= y <= 40 and w >= 0 and h >= 0  # pixels of the original image
     assert json.loads((out / "predictions.json").read_text()) == res["predictions"]
     assert sorted(str(p.relative_to(out / "overlays")) for p in (out / "overlays").rglob("*.png")) == ["a.png", "sub/b.png"]
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 2
     with pytest.raises(SystemExit):  # results already there: refused, nothing overwritten
         main(["--model", str(ckpt), "--images", str(folder), "--output_dir", str(out)])
 

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vision_attn.errors import CheckpointError, ConfigError, RunExistsError, VisionAttnError
 from vision_attn.explain.evaluate import ExplainOptions
+from vision_attn.explain.report import Report, write_report
 from vision_attn.models.captioner import GenerationOptions
 from vision_attn.tasks.base import (
     VisionTask,
@@ -354,9 +355,16 @@ def eval_main(args: list[str] | None = None) -> dict[str, float]:
     if trainer.is_global_zero:
         out = Path(cli.config.output_dir)
         model.eval()
-        metrics.update(model.explain_eval(data.loader.dataset, cli.config_init.explain, out))
+        options = cli.config_init.explain
+        report = Report() if options.report else None
+        metrics.update(model.explain_eval(data.loader.dataset, options, out, report=report))
         write_json_atomic(out / "predictions.json", predictions)
         write_json_atomic(out / "metrics.json", metrics)
+        if report is not None:
+            summary = {"checkpoint": str(cli.ckpt_file), "split": split, "model": cli.ckpt_meta["model"],
+                       "preprocessing": cli.ckpt_meta.get("data_config"), "data": cli.config.data.as_dict()}
+            write_report(out / "report.html", f"vision_attn {model.task_name} evaluation", metrics, summary,
+                         report.items, report.curves)
         log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)
     return metrics
 

@@ -13,7 +13,8 @@ in ``skipped.json`` and never abort the run. Writes into ``--output_dir``:
   captioning ``[{"file", "caption"}]`` (``file`` relative to ``--images``);
 - ``overlays/<file>.png`` (checkpoints): the explanation maps, each detected object's query
   cross-attention, or the caption's per-word strip;
-- ``skipped.json``: ``[{"file", "reason"}]``.
+- ``skipped.json``: ``[{"file", "reason"}]``;
+- ``report.html``: the predictions and overlays of the first 50 images in one self-contained page.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vision_attn.data.imageio import IMAGE_EXTENSIONS, ImageReadError, read_imag
 from vision_attn.data.transforms import build_display_transform, build_eval_transform
 from vision_attn.errors import CheckpointError, RunExistsError, VisionAttnError
 from vision_attn.explain.overlay import draw_box, image_grid, overlay_saliency, save_png
+from vision_attn.explain.report import Report, png_data_uri, write_report
 from vision_attn.models.detr import post_process
 
 __all__ = ["main", "predict_folder"]
@@ -168,6 +170,7 @@ def predict_folder(
     overwrite: bool = False,
     progress: bool = True,
     expected_task: str | None = None,
+    report_images: int = 50,
 ) -> dict[str, list]:
     """Predictions (and overlays) for every image under ``images``; returns
     ``{"predictions": [...], "skipped": [{"file", "reason"}]}`` as written."""
@@ -190,6 +193,7 @@ def predict_folder(
     tf = build_eval_transform(pre)
     predictions: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
+    report = Report()
 
     def flush(batch: list[tuple[Path, np.ndarray]]) -> None:
         x = torch.stack([tf(img) for _, img in batch]).to(device)
@@ -205,6 +209,9 @@ def predict_folder(
             predictions.append({"file": str(rel), **record})
             if panel is not None:
                 save_png(out / "overlays" / rel.with_suffix(".png"), panel)
+            if len(report.items) < report_images:
+                text = json.dumps(record)[:300]
+                report.items.append({"name": str(rel), "text": text, "panels": [png_data_uri(panel)] if panel is not None else []})
 
     files = list_images(images)
     with Progress(disable=not progress, transient=True) as bar:
@@ -224,6 +231,8 @@ def predict_folder(
             flush(batch)
     write_json_atomic(out / "predictions.json", predictions)
     write_json_atomic(out / "skipped.json", skipped)
+    write_report(out / "report.html", f"vision_attn {kind} predictions", {"images": float(len(predictions)),
+                 "skipped": float(len(skipped))}, {"model": str(model_path), "images": str(images)}, report.items)
     log.info("%s: %d images into %s (%d skipped)", kind, len(predictions), out, len(skipped))
     return {"predictions": predictions, "skipped": skipped}
 

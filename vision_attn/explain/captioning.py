@@ -92,7 +92,7 @@ def pointing_game(words: list[str], maps: torch.Tensor, boxes: list[tuple[set[st
     return hits, total, chance
 
 
-def write_caption_overlays(task, dataset, options, out_dir: Path) -> dict[str, float]:
+def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
     """Write a per-word strip for ``options.num_overlays`` images into ``out_dir/overlays`` and,
     when the split has boxes and ``options.faithfulness`` is on, return the pointing metrics of
     up to ``options.faithfulness_images`` images."""
@@ -119,9 +119,17 @@ def write_caption_overlays(task, dataset, options, out_dir: Path) -> dict[str, f
             maps = word_attention_maps(gen.attention[j].cpu(), len(words), grid, options.query_layers)
             image_id = dataset.images[i]["id"]
             if i in chosen:
-                strip = caption_strip(read_image(dataset.image_path(i)), words, maps, options.alpha)
+                rgb = read_image(dataset.image_path(i))
+                strip = caption_strip(rgb, words, maps, options.alpha)
                 save_png(out_dir / "overlays" / f"{i:05d}_{image_id}.png", strip)
                 written += 1
+                if report is not None:
+                    from vision_attn.explain.report import Report, png_data_uri, quantise
+
+                    report.items.append({
+                        "name": f"image id {image_id}", "text": " ".join(words), "image": Report.display_image(rgb),
+                        "panels": [png_data_uri(strip)], "kind": "words", "grid": list(grid), "words": words,
+                        "maps": quantise(maps.flatten(1)) if words else ""})
             if boxes is not None and i in pointed:
                 h, t, c = pointing_game(words, maps, boxes.get(image_id, []))
                 hits, total, chance = hits + h, total + t, chance + c

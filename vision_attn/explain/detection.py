@@ -33,7 +33,7 @@ def query_attention_maps(cross_attn: list[torch.Tensor], queries: torch.Tensor, 
     return normalize_maps(fused[queries].reshape(-1, *grid))
 
 
-def write_detection_overlays(task, dataset, options, out_dir: Path, max_objects: int = 6) -> int:
+def write_detection_overlays(task, dataset, options, out_dir: Path, max_objects: int = 6, report=None) -> int:
     """For the first ``options.num_overlays`` images: the image with every kept box, then one
     tile per detection with its query's cross-attention, box, label and score."""
     n = min(options.num_overlays, len(dataset))
@@ -65,6 +65,17 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, max_objects:
             titles.append(f"query {int(det['queries'][k])}")
         panel = image_grid([boxed, *tiles], ["detections", *titles])
         save_png(out_dir / "overlays" / f"{i:05d}_{im['id']}.png", panel)
+        if report is not None:
+            from vision_attn.explain.report import Report, png_data_uri, quantise
+
+            h0, w0 = (float(v) for v in target["orig_size"])
+            frac = torch.tensor([w0, h0, w0, h0])
+            report.items.append({
+                "name": f"image id {im['id']}", "text": ", ".join(titles) or "no detection above the threshold",
+                "image": Report.display_image(rgb), "panels": [png_data_uri(panel)], "kind": "boxes",
+                "grid": list(enc.grid), "maps": quantise(maps.flatten(1)) if len(keep) else "",
+                "boxes": [(det["boxes"][k] / frac).tolist() for k in keep.tolist()],
+                "labels": [f"{names[det['labels'][k]]} {det['scores'][k]:.2f}" for k in keep.tolist()]})
         written += 1
     log.info("wrote %d detection overlays to %s", written, out_dir / "overlays")
     return written

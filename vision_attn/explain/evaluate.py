@@ -48,6 +48,7 @@ class ExplainOptions:
         score_threshold: detection: objects drawn need at least this score.
         query_layers: detection: cross-attention of the ``last`` decoder layer, or the
             ``mean`` over all layers (heads are averaged in both).
+        report: also write ``report.html`` (self-contained, interactive) with the overlays.
     """
 
     methods: list[str] = field(default_factory=lambda: ["rollout", "relevance", "attention"])
@@ -62,6 +63,7 @@ class ExplainOptions:
     batch_size: int = 32
     score_threshold: float = 0.3
     query_layers: Literal["last", "mean"] = "last"
+    report: bool = True
 
     def __post_init__(self) -> None:
         bad = [m for m in self.methods if m not in METHODS or m == "random"]
@@ -91,11 +93,41 @@ def explanation_panel(
     return image_grid(tiles, titles)
 
 
+def _report_item(task, image: torch.Tensor, display: np.ndarray, name: str, caption: str, panel: np.ndarray) -> dict:
+    """One classification image for report.html: every patch's attention row, per layer and head."""
+    from vision_attn.explain.capture import capture_attention
+    from vision_attn.explain.report import Report, png_data_uri, quantise
+
+    with torch.no_grad(), capture_attention(task.encoder) as attn:
+        out = task.encoder(image)
+    p = out.num_prefix_tokens
+    rows = torch.stack([a[0, :, p:, p:] for a in attn])  # (L, H, N, N): patch -> patch
+    return {"name": str(name), "text": caption, "image": Report.display_image(display), "panels": [png_data_uri(panel)],
+            "kind": "patches", "grid": list(out.grid), "layers": rows.shape[0], "heads": rows.shape[1],
+            "maps": quantise(rows)}
+
+
+def _add_deletion_curves(task, images: torch.Tensor, expl, steps: int, report, total: int) -> None:
+    """Accumulate the mean deletion curve of each method (and a random baseline) over ``total`` images."""
+    from vision_attn.explain.faithfulness import deletion_insertion_curve
+
+    def proba(x):
+        with torch.no_grad():
+            return task(x).float().softmax(-1)
+
+    maps = {**expl.maps, "random": torch.rand(images.shape[0], *expl.grid, generator=torch.Generator().manual_seed(0))}
+    report.curves = report.curves or {}
+    for method, sal in maps.items():
+        curve = deletion_insertion_curve(proba, images, sal.to(images.device), expl.target, "deletion", steps).sum(0) / total
+        prev = report.curves.get(method, [0.0] * len(curve))
+        report.curves[method] = [a + float(b) for a, b in zip(prev, curve, strict=True)]
+
+
 def _batches(dataset, indices: list[int], batch_size: int) -> DataLoader:
     return DataLoader(Subset(dataset, indices), batch_size=batch_size, shuffle=False, num_workers=0)
 
 
-def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path) -> dict[str, float]:
+def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, report=None) -> dict[str, float]:
     """Write ``out_dir/overlays/*.png`` and return the faithfulness metrics of ``dataset``.
 
     Args:
@@ -103,6 +135,8 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path) ->
         dataset: an :class:`~vision_attn.data.ImageFolderDataset` with the evaluation transform.
         options: see :class:`ExplainOptions`.
         out_dir: the evaluation output folder.
+        report: a :class:`~vision_attn.explain.report.Report` to fill (interactive attention
+            rows of every patch, the panels, the images' mean deletion curves), or ``None``.
     """
     device = next(task.parameters()).device
     names = task.class_names or []
@@ -127,6 +161,10 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path) ->
                 panel = explanation_panel(display, expl.maps, j, caption, options.alpha)
                 save_png(out_dir / "overlays" / f"{i:05d}_{names[labels[j]]}_{Path(rel).stem}.png", panel)
                 written += 1
+                if report is not None:
+                    report.items.append(_report_item(task, images[j : j + 1].to(device), display, rel, caption, panel))
+            if report is not None:
+                _add_deletion_curves(task, images.to(device), expl, options.steps, report, len(chosen))
         log.info("wrote %d overlays to %s", written, out_dir / "overlays")
     if options.faithfulness:
         n = min(options.faithfulness_images, len(dataset))

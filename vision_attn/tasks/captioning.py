@@ -223,10 +223,10 @@ class CaptioningTask(VisionTask):
         predictions = [{"image_id": dataset.images[r["index"]]["id"], "caption": r["caption"]} for r in self.eval_records]
         return self._score(dataset, self.eval_records), predictions
 
-    def explain_eval(self, dataset, options, out_dir: Path) -> dict[str, float]:
+    def explain_eval(self, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
         from vision_attn.explain.captioning import write_caption_overlays
 
-        return write_caption_overlays(self, dataset, options, out_dir)
+        return write_caption_overlays(self, dataset, options, out_dir, report)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_meta(self) -> dict[str, Any]:

@@ -172,8 +172,8 @@ class ClassificationTask(VisionTask):
             )
         return metrics, predictions
 
-    def explain_eval(self, dataset, options, out_dir) -> dict[str, float]:
+    def explain_eval(self, dataset, options, out_dir, report=None) -> dict[str, float]:
         """Overlays of ``options.num_overlays`` images and faithfulness metrics (``eval.py``)."""
         from vision_attn.explain.evaluate import explain_eval_split
 
-        return explain_eval_split(self, dataset, options, out_dir)
+        return explain_eval_split(self, dataset, options, out_dir, report)

@@ -242,8 +242,8 @@ class DetectionTask(VisionTask):
                                 "bbox": box, "score": score})
         return mean_average_precision(preds, targets), results
 
-    def explain_eval(self, dataset, options, out_dir: Path) -> dict[str, float]:
+    def explain_eval(self, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
         from vision_attn.explain.detection import write_detection_overlays
 
-        write_detection_overlays(self, dataset, options, out_dir)
+        write_detection_overlays(self, dataset, options, out_dir, report=report)
         return {}
