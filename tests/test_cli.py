@@ -68,6 +68,8 @@ def test_eval_writes_contract_outputs(trained_run, shapes_root, tmp_path):
     assert saved["deletion_auc"] == saved["deletion_auc_rollout"]  # the first method is "the" method
     overlays = sorted((out / "overlays").glob("*.png"))
     assert len(overlays) == 3 and overlays[0].name.startswith("00000_")
+    page = (out / "report.html").read_text()
+    assert page.count('"kind": "patches"') == 3 and '<svg id="deletion"' in page
     assert all(isinstance(v, float) and 0.0 <= v <= 1.0 + 1e-6 for v in saved.values())
     preds = json.loads((out / "predictions.json").read_text())
     assert len(preds) == 25
