@@ -121,7 +121,7 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
         _run([str(REPO / "eval.py"), *common, *DDP, "--trainer.devices", str(n), "--ckpt_path", str(ckpt),
               "--output_dir", str(out), "--explain.num_overlays", "3", *eval_only], tmp_path)
         files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-        assert [f for f in files if not f.startswith("overlays/")] == ["metrics.json", "predictions.json"]
+        assert [f for f in files if not f.startswith("overlays/")] == ["metrics.json", "predictions.json", "report.html"]
         assert len([f for f in files if f.startswith("overlays/")]) == 3  # written once, by rank 0
         results[n] = (json.loads((out / "metrics.json").read_text()), json.loads((out / "predictions.json").read_text()))
 
