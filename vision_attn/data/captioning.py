@@ -21,13 +21,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from vision_attn.data.detection import load_coco_annotations
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
-from vision_attn.data.loading import SkipUnreadable, make_loader
+from vision_attn.data.loading import SkipUnreadable, SplitDataModule
 from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 from vision_attn.data.transforms import (
@@ -107,12 +106,14 @@ class CocoCaptions(SkipUnreadable, Dataset):
         sample: ``random`` or ``first`` (see above).
         max_length: longest token sequence (with ``<bos>``/``<eos>``).
         max_pixels: refuse larger images.
+        parsed: the split's ``read_captions`` result when already read (it is read otherwise).
     """
 
     def __init__(self, root: str | Path, split: str, transform: Any, tokenizer: WordTokenizer,
-                 sample: str = "first", max_length: int = 32, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+                 sample: str = "first", max_length: int = 32, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 parsed: tuple[list[dict], dict[int, list[str]]] | None = None) -> None:
         self.root, self.split = Path(root), split
-        self.images, captions = read_captions(self.root, split)
+        self.images, captions = parsed if parsed is not None else read_captions(self.root, split)
         self.references = [captions[im["id"]] for im in self.images]
         self.transform, self.tokenizer, self.sample = transform, tokenizer, sample
         self.max_length, self.max_pixels = max_length, max_pixels
@@ -152,7 +153,7 @@ class _Collate:
         return caption_collate(batch, self.pad_id)
 
 
-class CaptioningDataModule(L.LightningDataModule):
+class CaptioningDataModule(SplitDataModule):
     """COCO-captions data (the embedded shapes scenes when ``root`` is unset).
 
     The tokenizer is trained from the training captions unless the model brings its own
@@ -199,13 +200,15 @@ class CaptioningDataModule(L.LightningDataModule):
         self.max_length, self.min_word_freq, self.max_vocab, self.max_pixels = max_length, min_word_freq, max_vocab, max_pixels
         self.preprocess: dict[str, Any] | None = None
         self._tokenizer: WordTokenizer | None = None
+        self._train_captions: tuple[list[dict], dict[int, list[str]]] | None = None
         self.datasets: dict[str, CocoCaptions] = {}
 
     @property
     def tokenizer(self) -> WordTokenizer:
         """The model's tokenizer once set; else trained from the training captions (once)."""
         if self._tokenizer is None:
-            _, captions = read_captions(self.root, self.train_split)
+            self._train_captions = self._train_captions or read_captions(self.root, self.train_split)
+            _, captions = self._train_captions
             self._tokenizer = WordTokenizer.train((c for caps in captions.values() for c in caps),
                                                   self.min_word_freq, self.max_vocab)
             log.info("caption vocabulary: %d words from %s", len(self._tokenizer) - 4, self.train_split)
@@ -220,28 +223,13 @@ class CaptioningDataModule(L.LightningDataModule):
     def dataset(self, split: str, train: bool = False) -> CocoCaptions:
         pre = model_preprocess(self)
         tf = build_train_transform(pre, self.augment, hflip=False) if train else build_eval_transform({**pre, "crop_pct": 1.0})
-        ds = CocoCaptions(self.root, split, tf, self.tokenizer, "random" if train else "first", self.max_length,
-                          self.max_pixels)
+        tokenizer, parsed = self.tokenizer, None
+        if split == self.train_split:  # read once for the tokenizer; handed over, then freed
+            parsed, self._train_captions = self._train_captions, None
+        ds = CocoCaptions(self.root, split, tf, tokenizer, "random" if train else "first", self.max_length,
+                          self.max_pixels, parsed)
         ds.skip_unreadable = train  # training skips unreadable files; evaluation stops at the first
         return ds
 
-    def setup(self, stage: str | None = None) -> None:
-        if stage in ("fit", None):
-            self.datasets["train"] = self.dataset(self.train_split, train=True)
-        if stage in ("fit", "validate", "test", None):
-            self.datasets["val"] = self.dataset(self.val_split)
-
-    def _loader(self, ds: Dataset, train: bool) -> DataLoader:
-        return make_loader(ds, self.batch_size, train, self.num_workers, _Collate(self.tokenizer.pad_id))
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.datasets["train"], True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.datasets["val"], False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
-
-    def eval_dataloader(self, split: str) -> DataLoader:
-        return self._loader(self.dataset(split), False)
+    def collate_fn(self):
+        return _Collate(self.tokenizer.pad_id)

@@ -11,12 +11,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, read_image
-from vision_attn.data.loading import SkipUnreadable, make_loader
+from vision_attn.data.loading import SkipUnreadable, SplitDataModule
 from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
 from vision_attn.data.transforms import (
     AugmentPreset,
@@ -108,7 +107,7 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
         return img, label, index
 
 
-class ImageFolderDataModule(L.LightningDataModule):
+class ImageFolderDataModule(SplitDataModule):
     """ImageFolder data for classification.
 
     Preprocessing (size, mean, std, interpolation, crop) is the model's: when trained or
@@ -188,20 +187,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         if stage in ("test", None) and (self.root / self.test_split).is_dir():
             self.datasets["test"] = self.dataset(self.test_split)
 
-    def _loader(self, ds: Dataset, train: bool) -> DataLoader:
-        return make_loader(ds, self.batch_size if train else self.eval_batch_size, train, self.num_workers)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.datasets["train"], train=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.datasets["val"], train=False)
-
     def test_dataloader(self) -> DataLoader:
         if "test" not in self.datasets:
             raise DataError(f"no test split: {self.root / self.test_split} does not exist")
         return self._loader(self.datasets["test"], train=False)
-
-    def eval_dataloader(self, split: str) -> DataLoader:
-        """Loader over any split folder with the evaluation transform (used by ``eval.py``)."""
-        return self._loader(self.dataset(split), train=False)

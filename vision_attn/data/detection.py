@@ -20,15 +20,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2 as T
 
 from vision_attn.boxes import box_xyxy_to_cxcywh
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
-from vision_attn.data.loading import SkipUnreadable, make_loader
+from vision_attn.data.loading import SkipUnreadable, SplitDataModule
 from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
 from vision_attn.data.transforms import _interp, model_preprocess
 from vision_attn.errors import DataError
@@ -188,7 +187,7 @@ def build_detection_transform(pre: dict[str, Any], train: bool, scale_jitter: tu
     return T.Compose(ops)
 
 
-class DetectionDataModule(L.LightningDataModule):
+class DetectionDataModule(SplitDataModule):
     """COCO-layout detection data (the embedded shapes scenes when ``root`` is unset).
 
     Args:
@@ -246,23 +245,5 @@ class DetectionDataModule(L.LightningDataModule):
         ds.skip_unreadable = train  # training skips unreadable files; evaluation stops at the first
         return ds
 
-    def setup(self, stage: str | None = None) -> None:
-        if stage in ("fit", None):
-            self.datasets["train"] = self.dataset(self.train_split, train=True)
-        if stage in ("fit", "validate", "test", None):
-            self.datasets["val"] = self.dataset(self.val_split)
-
-    def _loader(self, ds: Dataset, train: bool) -> DataLoader:
-        return make_loader(ds, self.batch_size, train, self.num_workers, detection_collate)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.datasets["train"], True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.datasets["val"], False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
-
-    def eval_dataloader(self, split: str) -> DataLoader:
-        return self._loader(self.dataset(split), False)
+    def collate_fn(self):
+        return detection_collate

@@ -20,13 +20,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from vision_attn.data.imageio import ImageReadError
 from vision_attn.errors import DataError
 
-__all__ = ["MAX_UNREADABLE_IN_A_ROW", "SkipUnreadable", "UnpaddedDistributedSampler", "eval_sampler", "make_loader"]
+__all__ = [
+    "MAX_UNREADABLE_IN_A_ROW",
+    "SkipUnreadable",
+    "SplitDataModule",
+    "UnpaddedDistributedSampler",
+    "eval_sampler",
+    "make_loader",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,3 +110,41 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
                       drop_last=train and len(dataset) > batch_size, num_workers=num_workers,
                       persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
                       collate_fn=collate_fn)
+
+
+class SplitDataModule(L.LightningDataModule):
+    """What every task's DataModule shares: one dataset per split from :meth:`dataset`, the
+    loaders (:func:`make_loader` with the task's :meth:`collate_fn`), and ``eval_dataloader(split)``
+    for ``eval.py``. Subclasses set ``root``, ``train_split``, ``val_split``, ``batch_size``,
+    ``num_workers``, ``datasets = {}`` and implement :meth:`dataset`."""
+
+    eval_batch_size: int | None = None
+
+    def dataset(self, split: str, train: bool = False) -> Dataset:
+        raise NotImplementedError
+
+    def collate_fn(self) -> Callable | None:
+        return None
+
+    def setup(self, stage: str | None = None) -> None:
+        if stage in ("fit", None):
+            self.datasets["train"] = self.dataset(self.train_split, train=True)
+        if stage in ("fit", "validate", "test", None):
+            self.datasets["val"] = self.dataset(self.val_split)
+
+    def _loader(self, ds: Dataset, train: bool) -> DataLoader:
+        batch = self.batch_size if train else (self.eval_batch_size or self.batch_size)
+        return make_loader(ds, batch, train, self.num_workers, self.collate_fn())
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.datasets["train"], True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.datasets["val"], False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def eval_dataloader(self, split: str) -> DataLoader:
+        """Loader over any split with the evaluation transform (used by ``eval.py``)."""
+        return self._loader(self.dataset(split), False)
