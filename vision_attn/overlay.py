@@ -13,15 +13,10 @@ writes, under ``OUT``:
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 from pathlib import Path
 
-import torch
-
-from vision_attn.errors import VisionAttnError
-from vision_attn.predict import predict_folder
+from vision_attn.predict import predict_folder, run_cli
 
 __all__ = ["explain_folder", "main"]
 
@@ -49,26 +44,7 @@ def explain_folder(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m vision_attn.overlay", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt_path", required=True, help="classification checkpoint from train.py")
-    parser.add_argument("--images", required=True, help="folder of images (searched recursively)")
-    parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--methods", nargs="+", default=["rollout", "relevance"],
-                        choices=["rollout", "relevance", "attention"])
-    parser.add_argument("--batch_size", type=int, default=16)
-    parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--overwrite", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        result = explain_folder(args.ckpt_path, args.images, args.output_dir, tuple(args.methods),
-                                args.batch_size, args.alpha, args.device, args.overwrite)
-    except VisionAttnError as err:
-        sys.stderr.write(f"error: {err}\n")
-        raise SystemExit(2) from None
-    print(f"{len(result['predictions'])} images explained, {len(result['skipped'])} skipped -> {args.output_dir}")
+    run_cli(argv, "python -m vision_attn.overlay", __doc__, model_flag="--ckpt_path", expected_task="classification")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from vision_attn.explain.overlay import draw_box, image_grid, overlay_saliency, 
 from vision_attn.explain.report import Report, png_data_uri, write_report
 from vision_attn.models.detr import post_process
 
-__all__ = ["main", "predict_folder"]
+__all__ = ["main", "predict_folder", "run_cli"]
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +144,8 @@ def _caption(model, x, originals, alpha, want_overlays):
     from vision_attn.explain.captioning import caption_strip, word_attention_maps
 
     with torch.no_grad():
-        grid = model.encoder(x[:1]).grid
         gen = model.generate(x, return_attention=want_overlays)
+    grid = model.encoder.grid_for(*x.shape[-2:])
     results = []
     for j, img in enumerate(originals):
         words = model.tokenizer.decode_words(gen.tokens[j].tolist())
@@ -237,10 +237,12 @@ def predict_folder(
     return {"predictions": predictions, "skipped": skipped}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m vision_attn.predict", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a .ckpt from train.py or a .onnx from vision_attn.export")
+def run_cli(argv: list[str] | None, prog: str, description: str, model_flag: str = "--model",
+            expected_task: str | None = None) -> None:
+    """The command line of :func:`predict_folder` (shared by ``vision_attn.predict`` and ``vision_attn.overlay``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(model_flag, dest="model", required=True,
+                        help="a .ckpt from train.py" + ("" if expected_task else " or a .onnx from vision_attn.export"))
     parser.add_argument("--images", required=True, help="folder of images (searched recursively)")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--batch_size", type=int, default=16)
@@ -255,11 +257,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         result = predict_folder(args.model, args.images, args.output_dir, args.batch_size, not args.no_overlays,
-                                tuple(args.methods), args.score_threshold, args.alpha, args.device, args.overwrite)
+                                tuple(args.methods), args.score_threshold, args.alpha, args.device, args.overwrite,
+                                expected_task=expected_task)
     except VisionAttnError as err:
         sys.stderr.write(f"error: {err}\n")
         raise SystemExit(2) from None
     print(f"{len(result['predictions'])} images, {len(result['skipped'])} skipped -> {args.output_dir}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(argv, "python -m vision_attn.predict", __doc__)
 
 
 if __name__ == "__main__":

@@ -112,8 +112,8 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
         idx = todo[start : start + options.batch_size]
         images = torch.stack([dataset[i][0] for i in idx]).to(device)
         with torch.no_grad():
-            grid = task.encoder(images[:1]).grid
             gen = task.generate(images, return_attention=True)
+        grid = task.encoder.grid_for(*images.shape[-2:])
         for j, i in enumerate(idx):
             words = task.tokenizer.decode_words(gen.tokens[j].tolist())
             maps = word_attention_maps(gen.attention[j].cpu(), len(words), grid, options.query_layers)

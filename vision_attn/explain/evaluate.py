@@ -93,17 +93,14 @@ def explanation_panel(
     return image_grid(tiles, titles)
 
 
-def _report_item(task, image: torch.Tensor, display: np.ndarray, name: str, caption: str, panel: np.ndarray) -> dict:
-    """One classification image for report.html: every patch's attention row, per layer and head."""
-    from vision_attn.explain.capture import capture_attention
+def _report_item(expl, j: int, display: np.ndarray, name: str, caption: str, panel: np.ndarray) -> dict:
+    """Image ``j`` of an explained batch for report.html: every patch's attention row, per layer and head."""
     from vision_attn.explain.report import Report, png_data_uri, quantise
 
-    with torch.no_grad(), capture_attention(task.encoder) as attn:
-        out = task.encoder(image)
-    p = out.num_prefix_tokens
-    rows = torch.stack([a[0, :, p:, p:] for a in attn])  # (L, H, N, N): patch -> patch
+    p = expl.num_prefix_tokens
+    rows = torch.stack([a[j, :, p:, p:] for a in expl.attentions])  # (L, H, N, N): patch -> patch
     return {"name": str(name), "text": caption, "image": Report.display_image(display), "panels": [png_data_uri(panel)],
-            "kind": "patches", "grid": list(out.grid), "layers": rows.shape[0], "heads": rows.shape[1],
+            "kind": "patches", "grid": list(expl.grid), "layers": rows.shape[0], "heads": rows.shape[1],
             "maps": quantise(rows)}
 
 
@@ -162,7 +159,7 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
                 save_png(out_dir / "overlays" / f"{i:05d}_{names[labels[j]]}_{Path(rel).stem}.png", panel)
                 written += 1
                 if report is not None:
-                    report.items.append(_report_item(task, images[j : j + 1].to(device), display, rel, caption, panel))
+                    report.items.append(_report_item(expl, j, display, rel, caption, panel))
             if report is not None:
                 _add_deletion_curves(task, images.to(device), expl, options.steps, report, len(chosen))
         log.info("wrote %d overlays to %s", written, out_dir / "overlays")

@@ -30,12 +30,16 @@ METHODS: tuple[str, ...] = ("rollout", "relevance", "attention", "random")
 
 @dataclass
 class Explanation:
-    """Saliency maps of a batch. ``maps[method]`` is ``[B, h, w]`` in ``[0, 1]``."""
+    """Saliency maps of a batch. ``maps[method]`` is ``[B, h, w]`` in ``[0, 1]``; ``attentions``
+    the captured attention of every block ``[B, heads, T, T]`` (detached), ``num_prefix_tokens``
+    how many of the ``T`` tokens are not patches."""
 
     logits: Tensor
     target: Tensor
     grid: tuple[int, int]
     maps: dict[str, Tensor] = field(default_factory=dict)
+    attentions: list[Tensor] = field(default_factory=list)
+    num_prefix_tokens: int = 0
 
 
 def explain_classifier(
@@ -73,7 +77,8 @@ def explain_classifier(
     if target is None:
         target = logits.detach().argmax(dim=1)
     p = out.num_prefix_tokens
-    result = Explanation(logits=logits.detach(), target=target, grid=out.grid)
+    result = Explanation(logits=logits.detach(), target=target, grid=out.grid,
+                         attentions=[a.detach() for a in attn], num_prefix_tokens=p)
     if need_grad:
         score = logits.gather(1, target.view(-1, 1)).sum()
         grads = torch.autograd.grad(score, attn)
