@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from vision_attn.data.detection import load_coco_annotations
+from vision_attn.data.detection import coco_root, load_coco_annotations
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
 from vision_attn.data.loading import SkipUnreadable, SplitDataModule
-from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
+from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 from vision_attn.data.transforms import (
     AugmentPreset,
@@ -190,11 +190,7 @@ class CaptioningDataModule(SplitDataModule):
         max_pixels: int = DEFAULT_MAX_PIXELS,
     ) -> None:
         super().__init__()
-        if root is None:
-            root = str(ensure_shapes_coco(synthetic or SceneSetConfig(), cache_dir))
-        self.root = Path(root).expanduser()
-        if not self.root.is_dir():
-            raise DataError(f"data root {self.root} does not exist; pass --data.root with a COCO-captions folder")
+        self.root = coco_root(root, synthetic, cache_dir, "a COCO-captions folder")
         self.train_split, self.val_split = train_split, val_split
         self.batch_size, self.num_workers, self.augment = batch_size, num_workers, augment
         self.max_length, self.min_word_freq, self.max_vocab, self.max_pixels = max_length, min_word_freq, max_vocab, max_pixels

@@ -32,7 +32,7 @@ from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
 from vision_attn.data.transforms import _interp, model_preprocess
 from vision_attn.errors import DataError
 
-__all__ = ["CocoDetection", "DetectionDataModule", "detection_collate", "load_coco_annotations"]
+__all__ = ["CocoDetection", "DetectionDataModule", "coco_root", "detection_collate", "load_coco_annotations"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,16 @@ def load_coco_annotations(path: Path) -> dict[str, Any]:
         if not isinstance(data.get(key), list):
             raise DataError(f"annotation file {path} has no {key!r} list (is it COCO format?)")
     return data
+
+
+def coco_root(root: str | None, synthetic: SceneSetConfig | None, cache_dir: str | None, what: str) -> Path:
+    """The data root: ``root``, or the embedded shape scenes (generated on first use) when unset."""
+    if root is None:
+        root = str(ensure_shapes_coco(synthetic or SceneSetConfig(), cache_dir))
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        raise DataError(f"data root {path} does not exist; pass --data.root with {what}")
+    return path
 
 
 def _to_target(boxes_xyxy: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
@@ -215,11 +225,7 @@ class DetectionDataModule(SplitDataModule):
         max_pixels: int = DEFAULT_MAX_PIXELS,
     ) -> None:
         super().__init__()
-        if root is None:
-            root = str(ensure_shapes_coco(synthetic or SceneSetConfig(), cache_dir))
-        self.root = Path(root).expanduser()
-        if not self.root.is_dir():
-            raise DataError(f"data root {self.root} does not exist; pass --data.root with a COCO-layout folder")
+        self.root = coco_root(root, synthetic, cache_dir, "a COCO-layout folder")
         self.train_split, self.val_split = train_split, val_split
         self.batch_size, self.num_workers, self.scale_jitter, self.max_pixels = batch_size, num_workers, scale_jitter, max_pixels
         ann = load_coco_annotations(self.root / "annotations" / f"instances_{train_split}.json")
