@@ -99,3 +99,159 @@ def test_train_test_predictions_json_accepted_by_pycocotools(tmp_path):
     task.eval()
     with torch.no_grad():
         assert torch.allclose(loaded(x)["pred_boxes"], task(x)["pred_boxes"])
+
+
+# --- crowd regions, validation == evaluation, overlays of EXIF-rotated images ----------------------
+
+
+def _crowd_and_tiny_split(root, n_images=4, seed=0):
+    """A 64 x 64 split with ordinary boxes, crowd regions and objects of 1.5 px (0.75 px after
+    resizing to a 32 px input: dropped by SanitizeBoundingBoxes(min_size=1)); plus crafted
+    detections in pixels (jittered true boxes, some on crowd regions, false positives)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    (root / "val").mkdir(parents=True)
+    (root / "annotations").mkdir()
+    images, anns, dets = [], [], {}
+    for i in range(1, n_images + 1):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(root / "val" / f"{i}.png")
+        images.append({"id": i, "file_name": f"{i}.png", "width": 64, "height": 64})
+        boxes, scores, labels = [], [], []
+
+        def add(box, label, crowd, _i=i):
+            anns.append({"id": len(anns) + 1, "image_id": _i, "category_id": [3, 7][label], "bbox": box,
+                         "area": box[2] * box[3], "iscrowd": crowd})
+
+        for _ in range(2):  # ordinary objects, detected with jitter (some with the wrong class)
+            x, y = rng.uniform(0, 40, 2)
+            box, label = [float(x), float(y), float(rng.uniform(8, 20)), float(rng.uniform(8, 20))], int(rng.integers(2))
+            add(box, label, 0)
+            j = rng.normal(0, 1.5, 4)
+            boxes.append([box[0] + j[0], box[1] + j[1], box[0] + box[2] + j[2], box[1] + box[3] + j[3]])
+            labels.append(label if rng.random() > 0.2 else 1 - label)
+            scores.append(float(rng.uniform(0.3, 1.0)))
+        x, y = rng.uniform(2, 60, 2)  # a tiny object, detected well
+        add([float(x), float(y), 1.5, 1.5], i % 2, 0)
+        boxes.append([x - 0.1, y, x + 1.5, y + 1.6])
+        labels.append(i % 2)
+        scores.append(float(rng.uniform(0.5, 1.0)))
+        crowd = [30.0, 30.0, 30.0, 30.0]  # a crowd region, with two detections inside it
+        add(crowd, 0, 1)
+        for k in range(2):
+            boxes.append([32.0 + 8 * k, 34.0, 44.0 + 8 * k, 50.0])
+            labels.append(0)
+            scores.append(float(rng.uniform(0.6, 0.95)))
+        for _ in range(2):  # false positives
+            x, y = rng.uniform(0, 40, 2)
+            boxes.append([x, y, x + rng.uniform(5, 20), y + rng.uniform(5, 20)])
+            labels.append(int(rng.integers(2)))
+            scores.append(float(rng.uniform(0.0, 0.7)))
+        order = np.argsort(scores)[::-1].copy()
+        dets[i] = {"boxes": torch.tensor(boxes, dtype=torch.float32)[order].clamp(0, 64),
+                   "scores": torch.tensor(scores, dtype=torch.float32)[order],
+                   "labels": torch.tensor(labels)[order], "queries": torch.arange(len(scores))}
+    cats = [{"id": 3, "name": "a"}, {"id": 7, "name": "b"}]
+    (root / "annotations" / "instances_val.json").write_text(
+        json.dumps({"images": images, "annotations": anns, "categories": cats}))
+    return dets
+
+
+def _tiny_task(tiny_encoder, num_classes=2, category_ids=(3, 7)):
+    return DetectionTask(tiny_encoder, num_classes=num_classes, category_ids=list(category_ids), num_queries=4,
+                         hidden_dim=32, num_layers=1, num_heads=2)
+
+
+def test_crowd_regions_are_scored_as_pycocotools_scores_them(tmp_path, tiny_encoder):
+    """Detections on crowd regions are ignored (not false positives): metrics.json's map,
+    map_50, map_75 equal COCOeval of the written predictions.json."""
+    from vision_attn.data.detection import CocoDetection
+
+    dets = _crowd_and_tiny_split(tmp_path)
+    ds = CocoDetection(tmp_path, "val")
+    assert all(len(ds.annotations[i]) == 3 for i in dets)  # crowd regions are no training targets
+    task = _tiny_task(tiny_encoder)
+    task.eval_records = [{"image_id": i, "det": d} for i, d in dets.items()]
+    metrics, results = task.eval_results(ds)
+    (tmp_path / "predictions.json").write_text(json.dumps(results))
+    stats = _coco_eval(ds.ann_file, json.loads((tmp_path / "predictions.json").read_text()))
+    assert 0.1 < metrics["map"] < 0.95
+    for k, s in zip(("map", "map_50", "map_75"), stats[:3], strict=True):
+        assert metrics[k] == pytest.approx(s, abs=1e-6), k
+    assert all(int(ds.scoring_target(i)["iscrowd"].sum()) == 1 for i in dets)  # but scored as crowd
+    # The case is sensitive: counting the crowd detections as false positives changes map.
+    without = [{k: v[t["iscrowd"] == 0] for k, v in t.items()} for t in map(ds.scoring_target, dets)]
+    preds = [{k: d[k] for k in ("boxes", "scores", "labels")} for d in dets.values()]
+    assert abs(mean_average_precision(preds, without)["map"] - stats[0]) > 1e-3
+
+
+def test_validation_and_evaluation_score_the_same_ground_truth(tmp_path, tiny_encoder):
+    """Objects of 0.75 input pixels and crowd regions: val/map == eval map == pycocotools."""
+    dets = _crowd_and_tiny_split(tmp_path)
+    dm = DetectionDataModule(root=str(tmp_path), train_split="val", val_split="val", batch_size=3, num_workers=0)
+    task = _tiny_task(tiny_encoder)
+    dm.preprocess = task.data_config
+    assert task.data_config["input_size"][1:] == (32, 32)
+    queue = []
+
+    def crafted(outputs, orig_sizes):  # the same detections, in loader order, for both runs
+        return [queue.pop(0) for _ in range(len(orig_sizes))]
+
+    task.detect = crafted
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    queue[:] = [dets[i] for i in sorted(dets)]
+    val_map = trainer.validate(task, dataloaders=dm.eval_dataloader("val"), verbose=False)[0]["val/map"]
+    queue[:] = [dets[i] for i in sorted(dets)]
+    loader = dm.eval_dataloader("val")
+    trainer.test(task, dataloaders=loader, verbose=False)
+    metrics, results = task.eval_results(loader.dataset)
+    stats = _coco_eval(loader.dataset.ann_file, results)
+    assert 0.1 < metrics["map"] < 0.95
+    assert val_map == pytest.approx(metrics["map"], abs=1e-6)
+    assert metrics["map"] == pytest.approx(stats[0], abs=1e-6)
+
+
+def test_detection_overlay_of_an_exif_rotated_image_draws_the_box_on_the_object(tmp_path, tiny_encoder,
+                                                                                   monkeypatch):
+    """A JPEG stored 40 x 20 with EXIF 'rotate 90' whose annotation file declares the stored
+    size: the detected box (on the white square in stored pixels) is drawn on the square."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    import vision_attn.explain.detection as explain_detection
+    from vision_attn.data.detection import CocoDetection, build_detection_transform
+
+    (tmp_path / "val").mkdir()
+    (tmp_path / "annotations").mkdir()
+    stored = np.zeros((20, 40, 3), np.uint8)
+    stored[2:10, 28:36] = 255  # white square, stored pixels x 28..36, y 2..10
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 clockwise to display
+    Image.fromarray(stored).save(tmp_path / "val" / "a.jpg", exif=exif, quality=100)
+    ann = {"images": [{"id": 1, "file_name": "a.jpg", "width": 40, "height": 20}],
+           "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [28, 2, 8, 8], "area": 64,
+                            "iscrowd": 0}],
+           "categories": [{"id": 1, "name": "square"}]}
+    (tmp_path / "annotations" / "instances_val.json").write_text(json.dumps(ann))
+    task = _tiny_task(tiny_encoder, num_classes=1, category_ids=(1,)).eval()
+    ds = CocoDetection(tmp_path, "val", build_detection_transform(task.data_config, train=False))
+    task.detect = lambda outputs, sizes: [{"boxes": torch.tensor([[28.0, 2.0, 36.0, 10.0]]),
+                                           "scores": torch.tensor([0.9]), "labels": torch.tensor([0]),
+                                           "queries": torch.tensor([0])}]
+    drawn = []
+    real_draw_box = explain_detection.draw_box
+
+    def recording_draw_box(image, box, *args, **kwargs):
+        drawn.append((image.copy(), list(box)))
+        return real_draw_box(image, box, *args, **kwargs)
+
+    monkeypatch.setattr(explain_detection, "draw_box", recording_draw_box)
+    options = SimpleNamespace(num_overlays=1, score_threshold=0.3, query_layers="last", alpha=0.5)
+    assert explain_detection.write_detection_overlays(task, ds, options, tmp_path / "out") == 1
+    image, box = drawn[0]  # the "detections" picture, before drawing
+    assert image.shape[1] > image.shape[0]  # the stored orientation (wider than high), as the boxes
+    x0, y0, x1, y1 = (round(v) for v in box)
+    inner = image[y0 + 2 : y1 - 2, x0 + 2 : x1 - 2]
+    assert inner.size and inner.mean() > 200  # the box lies on the white square

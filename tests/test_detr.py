@@ -57,9 +57,36 @@ def test_post_process_gives_pixels_of_the_original_non_square_image():
     det = post_process({"pred_logits": logits, "pred_boxes": boxes}, torch.tensor([[200, 400]]), top_k=3)[0]
     assert det["labels"][0] == 2 and det["queries"][0] == 0 and det["scores"][0] > 0.99
     assert torch.allclose(det["boxes"][0], torch.tensor([100.0, 0.0, 300.0, 100.0]))
-    assert len(det["scores"]) == 3 and torch.all(det["scores"][:-1] >= det["scores"][1:])
+    # DETR protocol: one detection per query, so 2 (not top_k=3) for 2 queries
+    assert len(det["scores"]) == 2 and torch.all(det["scores"][:-1] >= det["scores"][1:])
     foc = post_process({"pred_logits": logits[..., :3], "pred_boxes": boxes}, torch.tensor([[200, 400]]), 2, focal=True)
     assert foc[0]["labels"][0] == 2
+
+
+def test_post_process_protocols_softmax_one_class_per_query_focal_top_pairs():
+    """Hand-computed: softmax (DETR) keeps each query's argmax real class; focal (Deformable
+    DETR) keeps the top-k (query, class) pairs, so one query may appear twice."""
+    import math
+
+    boxes = torch.tensor([[[0.5, 0.5, 0.2, 0.2], [0.25, 0.25, 0.1, 0.1], [0.75, 0.75, 0.5, 0.5]]])
+    size = torch.tensor([[100, 100]])
+    # softmax probabilities (class 0, class 1, no object) per query
+    probs = torch.tensor([[[0.5, 0.4, 0.1], [0.3, 0.1, 0.6], [0.05, 0.15, 0.8]]])
+    det = post_process({"pred_logits": probs.log(), "pred_boxes": boxes}, size, top_k=2)[0]
+    # pairs would give (q0, c0, .5), (q0, c1, .4); DETR gives (q0, c0, .5), (q1, c0, .3)
+    assert det["queries"].tolist() == [0, 1] and det["labels"].tolist() == [0, 0]
+    assert torch.allclose(det["scores"], torch.tensor([0.5, 0.3]))
+    assert torch.allclose(det["boxes"], torch.tensor([[40.0, 40.0, 60.0, 60.0], [20.0, 20.0, 30.0, 30.0]]))
+    every = post_process({"pred_logits": probs.log(), "pred_boxes": boxes}, size, top_k=100)[0]
+    assert every["queries"].tolist() == [0, 1, 2] and every["labels"].tolist() == [0, 0, 1]
+    assert torch.allclose(every["scores"], torch.tensor([0.5, 0.3, 0.15]))
+    # focal: sigmoid probabilities (class 0, class 1) per query
+    sig = torch.tensor([[[0.9, 0.8], [0.7, 0.1], [0.2, 0.3]]])
+    logits = torch.log(sig / (1 - sig))
+    foc = post_process({"pred_logits": logits, "pred_boxes": boxes}, size, top_k=3, focal=True)[0]
+    assert foc["queries"].tolist() == [0, 0, 1] and foc["labels"].tolist() == [0, 1, 0]
+    assert torch.allclose(foc["scores"], torch.tensor([0.9, 0.8, 0.7]))
+    assert math.isclose(float(foc["boxes"][1, 0]), 40.0, abs_tol=1e-4)
 
 
 def test_query_attention_maps_last_and_mean():

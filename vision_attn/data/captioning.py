@@ -7,6 +7,9 @@
   not text or are empty after normalisation are dropped, and images left without a caption
   are skipped — each kind counted in one warning naming an example id. A file that is not
   UTF-8 or not JSON, or an image file that is missing, is an error naming the file or id.
+- Image ids must be integers (as in COCO: they end up in output file names) and ``file_name``
+  must stay inside the split folder (see :func:`vision_attn.data.loading.image_path_inside`):
+  a refused path is a counted warning in training, an error in evaluation.
 - Images are never flipped: captions say "left" and "right".
 
 Items: ``(image [3, H, W], token ids [T], index)``; all references of an item are in
@@ -24,9 +27,14 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from vision_attn.data.detection import coco_root, load_coco_annotations
+from vision_attn.data.detection import coco_root, load_coco_annotations, validate_image_entry
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
-from vision_attn.data.loading import SkipUnreadable, SplitDataModule
+from vision_attn.data.loading import (
+    PathRefusals,
+    SkipUnreadable,
+    SplitDataModule,
+    image_path_inside,
+)
 from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 from vision_attn.data.transforms import (
@@ -42,28 +50,45 @@ __all__ = ["CaptioningDataModule", "CocoCaptions", "caption_collate", "read_capt
 log = logging.getLogger(__name__)
 
 
-def read_captions(root: Path, split: str) -> tuple[list[dict], dict[int, list[str]]]:
+def read_captions(root: Path, split: str, follow_symlinks: bool = False,
+                  skip_refused: bool = False) -> tuple[list[dict], dict[int, list[str]]]:
     """``(images, captions by image id)`` of one split, cleaned as the module docstring says.
 
-    Caption strings are kept as written (normalised only where they are used).
+    Caption strings are kept as written (normalised only where they are used). Each image
+    entry gains ``"path"``: its checked file path inside the split folder.
+
+    Args:
+        root: dataset root.
+        split: split name.
+        follow_symlinks: follow symbolic links inside the split folder that lead outside it.
+        skip_refused: training: skip images whose path is refused (one counted warning);
+            otherwise a refused path is an error.
     """
     ann_file = root / "annotations" / f"captions_{split}.json"
     data = load_coco_annotations(ann_file)
+    split_dir = (root / split).resolve()
+    refusals = PathRefusals(ann_file, skip=skip_refused)
     images: list[dict] = []
     captions: dict[int, list[str]] = {}
+    seen: set[int] = set()
     for im in data["images"]:
-        if not isinstance(im, dict) or "id" not in im or "file_name" not in im:
-            raise DataError(f"{ann_file}: image entry {str(im)[:80]} needs 'id' and 'file_name'")
-        if im["id"] in captions:
+        validate_image_entry(im, ann_file)
+        if im["id"] in seen:
             raise DataError(f"{ann_file}: image id {im['id']} appears twice")
+        seen.add(im["id"])
+        path, why = image_path_inside(split_dir, im["file_name"], follow_symlinks)
+        if why is not None:
+            refusals.refuse(f"image id {im['id']}", root / split / im["file_name"], why)
+            continue
         captions[im["id"]] = []
-        images.append(im)
+        images.append({**im, "path": path})
+    refusals.report()
     dropped: Counter = Counter()
     example: dict[str, Any] = {}
     for a in data["annotations"]:
         text = a.get("caption") if isinstance(a, dict) else None
         image_id = a.get("image_id") if isinstance(a, dict) else None
-        if image_id not in captions:
+        if not isinstance(image_id, int) or image_id not in captions:
             reason = "unknown image id"
         elif not isinstance(text, str):
             reason = "caption is not text"
@@ -73,7 +98,7 @@ def read_captions(root: Path, split: str) -> tuple[list[dict], dict[int, list[st
             captions[image_id].append(text)
             continue
         dropped[reason] += 1
-        example.setdefault(reason, a.get("id") if isinstance(a, dict) else a)
+        example.setdefault(reason, a.get("id") if isinstance(a, dict) else str(a)[:40])
     for reason, n in dropped.items():
         log.warning("%s: dropped %d captions (%s), e.g. annotation id %s", ann_file, n, reason, example[reason])
     without = [im["id"] for im in images if not captions[im["id"]]]
@@ -85,9 +110,8 @@ def read_captions(root: Path, split: str) -> tuple[list[dict], dict[int, list[st
     if not images:
         raise DataError(f"{ann_file} has no image with a usable caption")
     for im in images:
-        path = root / split / im["file_name"]
-        if not path.is_file():
-            raise DataError(f"{ann_file}: image id {im['id']} has no file {path}")
+        if not im["path"].is_file():
+            raise DataError(f"{ann_file}: image id {im['id']} has no file {root / split / im['file_name']}")
     return images, captions
 
 
@@ -107,13 +131,19 @@ class CocoCaptions(SkipUnreadable, Dataset):
         max_length: longest token sequence (with ``<bos>``/``<eos>``).
         max_pixels: refuse larger images.
         parsed: the split's ``read_captions`` result when already read (it is read otherwise).
+        follow_symlinks: follow symbolic links inside the split folder that lead outside it.
+        skip_unreadable: training: skip unreadable images and refused paths (counted
+            warnings); evaluation (``False``): stop with an error.
     """
 
     def __init__(self, root: str | Path, split: str, transform: Any, tokenizer: WordTokenizer,
                  sample: str = "first", max_length: int = 32, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 parsed: tuple[list[dict], dict[int, list[str]]] | None = None) -> None:
+                 parsed: tuple[list[dict], dict[int, list[str]]] | None = None, follow_symlinks: bool = False,
+                 skip_unreadable: bool = False) -> None:
         self.root, self.split = Path(root), split
-        self.images, captions = parsed if parsed is not None else read_captions(self.root, split)
+        self.skip_unreadable = skip_unreadable
+        self.images, captions = parsed if parsed is not None else read_captions(self.root, split, follow_symlinks,
+                                                                                skip_unreadable)
         self.references = [captions[im["id"]] for im in self.images]
         self.transform, self.tokenizer, self.sample = transform, tokenizer, sample
         self.max_length, self.max_pixels = max_length, max_pixels
@@ -122,7 +152,8 @@ class CocoCaptions(SkipUnreadable, Dataset):
         return len(self.images)
 
     def image_path(self, index: int) -> Path:
-        return self.root / self.split / self.images[index]["file_name"]
+        """The checked path of image ``index`` (inside the split folder, see :func:`read_captions`)."""
+        return self.images[index]["path"]
 
     def _load(self, index: int):
         image = read_image(self.image_path(index), self.max_pixels)
@@ -172,6 +203,8 @@ class CaptioningDataModule(SplitDataModule):
         min_word_freq: words seen fewer times in the training captions become ``<unk>``.
         max_vocab: most words in the vocabulary (``None`` = all).
         max_pixels: refuse larger images.
+        follow_symlinks: follow symbolic links inside a split folder that lead outside it
+            (refused by default: training skips such images, evaluation stops).
     """
 
     def __init__(
@@ -188,9 +221,11 @@ class CaptioningDataModule(SplitDataModule):
         min_word_freq: int = 1,
         max_vocab: int | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
+        follow_symlinks: bool = False,
     ) -> None:
         super().__init__()
         self.root = coco_root(root, synthetic, cache_dir, "a COCO-captions folder")
+        self.follow_symlinks = follow_symlinks
         self.train_split, self.val_split = train_split, val_split
         self.batch_size, self.num_workers, self.augment = batch_size, num_workers, augment
         self.max_length, self.min_word_freq, self.max_vocab, self.max_pixels = max_length, min_word_freq, max_vocab, max_pixels
@@ -203,7 +238,8 @@ class CaptioningDataModule(SplitDataModule):
     def tokenizer(self) -> WordTokenizer:
         """The model's tokenizer once set; else trained from the training captions (once)."""
         if self._tokenizer is None:
-            self._train_captions = self._train_captions or read_captions(self.root, self.train_split)
+            self._train_captions = self._train_captions or read_captions(
+                self.root, self.train_split, self.follow_symlinks, skip_refused=True)
             _, captions = self._train_captions
             self._tokenizer = WordTokenizer.train((c for caps in captions.values() for c in caps),
                                                   self.min_word_freq, self.max_vocab)
@@ -222,10 +258,9 @@ class CaptioningDataModule(SplitDataModule):
         tokenizer, parsed = self.tokenizer, None
         if split == self.train_split:  # read once for the tokenizer; handed over, then freed
             parsed, self._train_captions = self._train_captions, None
-        ds = CocoCaptions(self.root, split, tf, tokenizer, "random" if train else "first", self.max_length,
-                          self.max_pixels, parsed)
-        ds.skip_unreadable = train  # training skips unreadable files; evaluation stops at the first
-        return ds
+        # training skips unreadable or refused files; evaluation stops at the first
+        return CocoCaptions(self.root, split, tf, tokenizer, "random" if train else "first", self.max_length,
+                            self.max_pixels, parsed, self.follow_symlinks, skip_unreadable=train)
 
     def collate_fn(self):
         return _Collate(self.tokenizer.pad_id)

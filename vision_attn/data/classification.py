@@ -3,6 +3,11 @@
 Class names and their number come from the folder names of the training split (sorted), never
 from a config. Any image mode is accepted (see :mod:`vision_attn.data.imageio`). With no
 ``root`` the embedded synthetic shapes dataset is generated on first use and used.
+
+Symbolic links inside a split folder (a file, or a class folder) that lead outside it are
+refused unless ``follow_symlinks`` (``--data.follow_symlinks true``): training skips them with
+one counted warning, evaluation stops with an error naming one. The split folder itself may be
+a symlink (it is resolved first).
 """
 
 from __future__ import annotations
@@ -15,7 +20,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, read_image
-from vision_attn.data.loading import SkipUnreadable, SplitDataModule
+from vision_attn.data.loading import (
+    PathRefusals,
+    SkipUnreadable,
+    SplitDataModule,
+    image_path_inside,
+)
 from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
 from vision_attn.data.transforms import (
     AugmentPreset,
@@ -62,6 +72,9 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
             that is not in it is an error.
         transform: callable on an RGB ``uint8`` array.
         max_pixels: refuse images larger than this (decompression bombs).
+        follow_symlinks: follow symbolic links inside the split folder that lead outside it.
+        skip_unreadable: training: skip unreadable images and refused links (counted
+            warnings); evaluation (``False``): stop with an error.
     """
 
     def __init__(
@@ -71,9 +84,12 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
         class_names: list[str],
         transform: Any = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
+        follow_symlinks: bool = False,
+        skip_unreadable: bool = False,
     ) -> None:
         self.root = Path(root)
         self.split = split
+        self.skip_unreadable = skip_unreadable
         self.class_names = list(class_names)
         self.transform = transform
         self.max_pixels = max_pixels
@@ -86,6 +102,8 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
                 f"the classes are {self.class_names}. Add them to train/ or remove them here."
             )
         index = {c: i for i, c in enumerate(self.class_names)}
+        real_split = split_dir.resolve()
+        refusals = PathRefusals(split_dir, skip=skip_unreadable)
         self.samples: list[tuple[str, int]] = []
         for cls in present:
             files = _list_images(split_dir / cls)
@@ -94,7 +112,18 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
                     f"class folder {split_dir / cls} contains no images ({', '.join(IMAGE_EXTENSIONS)}); "
                     "add images or remove the folder"
                 )
-            self.samples += [(str(f.relative_to(self.root)), index[cls]) for f in files]
+            # rglob does not descend into linked folders: only a linked class folder or a linked
+            # file can lead outside (checked without resolving every file of large datasets).
+            cls_inside = (split_dir / cls).resolve().is_relative_to(real_split)
+            for f in files:
+                why = None
+                if not cls_inside or f.is_symlink():
+                    _, why = image_path_inside(real_split, str(f.relative_to(split_dir)), follow_symlinks)
+                if why is not None:
+                    refusals.refuse(f"class {cls}", f, why)
+                    continue
+                self.samples.append((str(f.relative_to(self.root)), index[cls]))
+        refusals.report()
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -130,6 +159,8 @@ class ImageFolderDataModule(SplitDataModule):
             images) or ``finetune`` (pretrained models at 224 px).
         hflip: random horizontal flips in training (turn off for text and digits).
         max_pixels: images declaring more pixels are refused.
+        follow_symlinks: follow symbolic links inside a split folder that lead outside it
+            (refused by default: training skips such images, evaluation stops).
     """
 
     def __init__(
@@ -146,8 +177,10 @@ class ImageFolderDataModule(SplitDataModule):
         augment: AugmentPreset = "small",
         hflip: bool = True,
         max_pixels: int = DEFAULT_MAX_PIXELS,
+        follow_symlinks: bool = False,
     ) -> None:
         super().__init__()
+        self.follow_symlinks = follow_symlinks
         if root is None:
             root = str(ensure_shapes_classification(synthetic or ShapesConfig(), cache_dir))
         self.root = Path(root).expanduser()
@@ -175,9 +208,9 @@ class ImageFolderDataModule(SplitDataModule):
         """The dataset of ``split`` with the training or the evaluation transform."""
         pre = model_preprocess(self)
         transform = build_train_transform(pre, self.augment, self.hflip) if train else build_eval_transform(pre)
-        ds = ImageFolderDataset(self.root, split, self.class_names, transform, self.max_pixels)
-        ds.skip_unreadable = train  # training skips unreadable files; evaluation stops at the first
-        return ds
+        # training skips unreadable or refused files; evaluation stops at the first
+        return ImageFolderDataset(self.root, split, self.class_names, transform, self.max_pixels,
+                                  self.follow_symlinks, skip_unreadable=train)
 
     def setup(self, stage: str | None = None) -> None:
         if stage in ("fit", None):

@@ -2,13 +2,26 @@
 
 - Category ids may be sparse (COCO's 1..90): they are mapped to contiguous labels
   ``0..C-1`` in id order (``category_ids[label]`` maps back); names come from the file.
-- Faulty annotations never crash training: boxes with non-finite values, zero or negative size,
-  or entirely outside the image are dropped, boxes sticking out are clipped, annotations of
-  unknown images or categories are dropped — each kind counted in one warning that names an
-  example id. Images with zero annotations are kept (they teach "no object").
-- A missing image file is an error naming the image id and the path.
+- Faulty annotations never crash training: boxes with non-finite values or zero or negative
+  size, annotations of unknown images or categories and malformed entries are dropped; boxes
+  entirely outside the image are dropped from the training targets and boxes sticking out are
+  clipped — each kind counted in one warning that names an example id. Images with zero
+  annotations are kept (they teach "no object").
+- Crowd regions (``iscrowd: 1``) are not training targets, but they are scored as pycocotools
+  scores them (a detection on a crowd region is ignored, not a false positive):
+  :meth:`CocoDetection.scoring_target` gives the ground truth that validation and evaluation
+  both score, in pixels of the original image, boxes as written in the file (not clipped, not
+  resized: objects smaller than an input pixel are scored too), crowd regions flagged.
+- A missing image file is an error naming the image id and the path. Image ids must be integers
+  (as in COCO) and ``file_name`` must stay inside the split folder (see
+  :func:`vision_attn.data.loading.image_path_inside`): refused with a counted warning in
+  training, an error in evaluation.
 - Targets: ``labels [G]``, ``boxes [G, 4]`` as ``(cx, cy, w, h)`` fractions of the model
-  input (normalised in one place, :func:`_to_target`), ``image_id``, ``orig_size (h, w)``.
+  input (normalised in one place, :func:`_to_target`), ``image_id``, ``orig_size (h, w)``, and
+  ``scored`` (the :meth:`~CocoDetection.scoring_target` dict).
+- EXIF: when the annotation file declares the stored (un-rotated) size of an image whose EXIF
+  rotation swaps its sides, its boxes were drawn on the stored pixels, which are then read
+  (:meth:`CocoDetection.read_rgb`, also used for overlays, so boxes and pictures agree).
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 from torchvision import tv_tensors
@@ -27,18 +41,33 @@ from torchvision.transforms import v2 as T
 
 from vision_attn.boxes import box_xyxy_to_cxcywh
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
-from vision_attn.data.loading import SkipUnreadable, SplitDataModule
+from vision_attn.data.loading import (
+    PathRefusals,
+    SkipUnreadable,
+    SplitDataModule,
+    image_path_inside,
+)
 from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
 from vision_attn.data.transforms import _interp, model_preprocess
 from vision_attn.errors import DataError
 
-__all__ = ["CocoDetection", "DetectionDataModule", "coco_root", "detection_collate", "load_coco_annotations"]
+__all__ = ["CocoDetection", "DetectionDataModule", "coco_root", "detection_collate", "load_coco_annotations",
+           "validate_image_entry"]
 
 log = logging.getLogger(__name__)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def load_coco_annotations(path: Path) -> dict[str, Any]:
-    """Read an annotation file; malformed JSON is an error naming the file, line and column."""
+    """Read an annotation file; malformed JSON (invalid, not UTF-8, nested too deeply, not a
+    COCO object) is a :class:`DataError` naming the file (and line and column where known)."""
     if not path.is_file():
         raise DataError(f"annotation file {path} does not exist")
     try:
@@ -47,10 +76,40 @@ def load_coco_annotations(path: Path) -> dict[str, Any]:
         raise DataError(f"annotation file {path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from err
     except UnicodeDecodeError as err:
         raise DataError(f"annotation file {path} is not UTF-8 text: {err}") from err
+    except RecursionError as err:
+        raise DataError(f"annotation file {path} is nested too deeply to be a COCO annotation file") from err
+    except ValueError as err:  # e.g. an integer with more digits than Python converts
+        raise DataError(f"annotation file {path} is not usable JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise DataError(f"annotation file {path} is a JSON {type(data).__name__}, not an object (is it COCO format?)")
     for key in ("images", "annotations"):
         if not isinstance(data.get(key), list):
             raise DataError(f"annotation file {path} has no {key!r} list (is it COCO format?)")
     return data
+
+
+def validate_image_entry(im: Any, ann_file: Path) -> None:
+    """Check one ``images`` entry: an object with an integer ``id`` (COCO ids are integers),
+    a string ``file_name`` and, if present, numeric ``width`` / ``height``."""
+    if not isinstance(im, dict) or "id" not in im or "file_name" not in im:
+        raise DataError(f"{ann_file}: image entry {str(im)[:80]} needs 'id' and 'file_name'")
+    if not _is_int(im["id"]):
+        raise DataError(f"{ann_file}: image id {im['id']!r} is not an integer (COCO image ids are integers); "
+                        "fix the annotation file")
+    if not isinstance(im["file_name"], str):
+        raise DataError(f"{ann_file}: image id {im['id']} has a file_name that is not text: {str(im['file_name'])[:80]}")
+    for key in ("width", "height"):
+        if im.get(key) is not None and not (_is_number(im[key]) and math.isfinite(im[key])):
+            raise DataError(f"{ann_file}: image id {im['id']} has a {key} that is not a number: {str(im[key])[:80]}")
+
+
+def _categories(cats: Any, ann_file: Path) -> list[dict]:
+    if not isinstance(cats, list) or not cats:
+        raise DataError(f"annotation file {ann_file} has no categories")
+    for c in cats:
+        if not isinstance(c, dict) or not _is_int(c.get("id")):
+            raise DataError(f"{ann_file}: category {str(c)[:80]} needs an integer 'id'")
+    return sorted(cats, key=lambda c: c["id"])
 
 
 def coco_root(root: str | None, synthetic: SceneSetConfig | None, cache_dir: str | None, what: str) -> Path:
@@ -70,6 +129,14 @@ def _to_target(boxes_xyxy: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tens
     return box_xyxy_to_cxcywh(boxes_xyxy.float() / scale).clamp(0, 1)
 
 
+def _box(a: dict) -> tuple[float, float, float, float] | None:
+    """``(x, y, w, h)`` of an annotation, or ``None`` if its ``bbox`` is not four numbers."""
+    box = a.get("bbox")
+    if not isinstance(box, list) or len(box) != 4 or not all(_is_number(v) for v in box):
+        return None
+    return tuple(float(v) for v in box)
+
+
 class CocoDetection(SkipUnreadable, Dataset):
     """One split of a COCO-format detection dataset.
 
@@ -82,75 +149,101 @@ class CocoDetection(SkipUnreadable, Dataset):
         categories: category list to use (default: the file's); for val, pass train's.
         max_pixels: refuse larger images.
         annotations: the already parsed annotation file (it is read from disk otherwise).
+        follow_symlinks: follow symbolic links inside the split folder that lead outside it.
+        skip_unreadable: training: skip unreadable images and images whose path leaves the
+            split folder (counted warnings); evaluation (``False``): stop with an error.
     """
 
     def __init__(self, root: str | Path, split: str, transform: Any = None, categories: list[dict] | None = None,
-                 max_pixels: int = DEFAULT_MAX_PIXELS, annotations: dict[str, Any] | None = None) -> None:
+                 max_pixels: int = DEFAULT_MAX_PIXELS, annotations: dict[str, Any] | None = None,
+                 follow_symlinks: bool = False, skip_unreadable: bool = False) -> None:
         self.root, self.split = Path(root), split
+        self.skip_unreadable = skip_unreadable
         self.ann_file = self.root / "annotations" / f"instances_{split}.json"
         data = annotations if annotations is not None else load_coco_annotations(self.ann_file)
-        cats = categories if categories is not None else data.get("categories") or []
-        if not cats:
-            raise DataError(f"annotation file {self.ann_file} has no categories")
-        self.categories = sorted(cats, key=lambda c: c["id"])
+        self.categories = _categories(categories if categories is not None else data.get("categories"), self.ann_file)
         self.category_ids = [int(c["id"]) for c in self.categories]
         self.class_names = [str(c.get("name", c["id"])) for c in self.categories]
         label_of = {cid: i for i, cid in enumerate(self.category_ids)}
         self.transform = transform
         self.max_pixels = max_pixels
         self._raw_orientation: set[int] = set()
+        split_dir = (self.root / split).resolve()
+        refusals = PathRefusals(self.ann_file, skip=skip_unreadable)
         self.images: list[dict] = []
+        self._paths: list[Path] = []
         seen: set[int] = set()
         for im in data["images"]:
+            validate_image_entry(im, self.ann_file)
             if im["id"] in seen:
                 raise DataError(f"{self.ann_file}: image id {im['id']} appears twice")
             seen.add(im["id"])
+            path, why = image_path_inside(split_dir, im["file_name"], follow_symlinks)
+            if why is not None:
+                refusals.refuse(f"image id {im['id']}", self.root / split / im["file_name"], why)
+                continue
+            if not path.is_file():
+                raise DataError(f"{self.ann_file}: image id {im['id']} has no file {self.root / split / im['file_name']}")
             self.images.append(im)
+            self._paths.append(path)
+        refusals.report()
+        # Training targets (non-crowd, clipped to the image) and the scored ground truth
+        # (crowd included and flagged, boxes as written, as pycocotools scores them).
         by_image: dict[int, list[tuple[list[float], int]]] = {im["id"]: [] for im in self.images}
+        scored: dict[int, list[tuple[list[float], int, int, float]]] = {im["id"]: [] for im in self.images}
         sizes = {im["id"]: (im.get("height"), im.get("width")) for im in self.images}
         dropped: Counter = Counter()
         example: dict[str, Any] = {}
         for a in data["annotations"]:
-            reason = None
-            if a.get("image_id") not in by_image:
+            reason, box = None, None
+            if not isinstance(a, dict):
+                reason = "not an object"
+            elif not _is_int(a.get("image_id")) or a["image_id"] not in by_image:
                 reason = "unknown image id"
-            elif a.get("category_id") not in label_of:
+            elif not _is_int(a.get("category_id")) or a["category_id"] not in label_of:
                 reason = "unknown category id"
-            elif a.get("iscrowd", 0):
-                reason = "crowd"
-            else:
-                x, y, w, h = (float(v) for v in a.get("bbox", [math.nan] * 4))
-                if not all(math.isfinite(v) for v in (x, y, w, h)):
-                    reason = "non-finite box"
-                elif w <= 0 or h <= 0:
-                    reason = "zero or negative size"
-                else:
-                    ih, iw = sizes[a["image_id"]]
-                    x0, y0, x1, y1 = x, y, x + w, y + h
-                    if ih and iw:
-                        x0, y0, x1, y1 = max(0.0, x0), max(0.0, y0), min(float(iw), x1), min(float(ih), y1)
-                        if x1 <= x0 or y1 <= y0:
-                            reason = "outside the image"
+            elif (box := _box(a)) is None:
+                reason = "bbox is not four numbers"
+            elif not all(math.isfinite(v) for v in box):
+                reason = "non-finite box"
+            elif box[2] <= 0 or box[3] <= 0:
+                reason = "zero or negative size"
             if reason:
                 dropped[reason] += 1
-                example.setdefault(reason, a.get("id"))
+                example.setdefault(reason, a.get("id") if isinstance(a, dict) else str(a)[:40])
                 continue
-            by_image[a["image_id"]].append(([x0, y0, x1, y1], label_of[a["category_id"]]))
+            x, y, w, h = box
+            label, crowd = label_of[a["category_id"]], int(bool(a.get("iscrowd", 0)))
+            area = float(a["area"]) if _is_number(a.get("area")) and math.isfinite(a["area"]) else w * h
+            scored[a["image_id"]].append(([x, y, x + w, y + h], label, crowd, area))
+            if crowd:
+                continue
+            ih, iw = sizes[a["image_id"]]
+            x0, y0, x1, y1 = x, y, x + w, y + h
+            if ih and iw:
+                x0, y0, x1, y1 = max(0.0, x0), max(0.0, y0), min(float(iw), x1), min(float(ih), y1)
+                if x1 <= x0 or y1 <= y0:
+                    dropped["outside the image"] += 1
+                    example.setdefault("outside the image", a.get("id"))
+                    continue
+            by_image[a["image_id"]].append(([x0, y0, x1, y1], label))
         for reason, n in dropped.items():
-            if reason != "crowd":
-                log.warning("%s: dropped %d annotations (%s), e.g. annotation id %s", self.ann_file, n, reason, example[reason])
+            log.warning("%s: dropped %d annotations (%s), e.g. annotation id %s", self.ann_file, n, reason, example[reason])
         self.annotations = by_image
-        for im in self.images:
-            path = self.root / split / im["file_name"]
-            if not path.is_file():
-                raise DataError(f"{self.ann_file}: image id {im['id']} has no file {path}")
+        self.scored = scored
 
     def __len__(self) -> int:
         return len(self.images)
 
-    def _load(self, index: int):
+    def image_path(self, index: int) -> Path:
+        """The checked path of image ``index`` (inside the split folder)."""
+        return self._paths[index]
+
+    def read_rgb(self, index: int) -> np.ndarray:
+        """RGB ``uint8 [H, W, 3]`` of image ``index`` in the orientation its annotations
+        describe (see the module docstring): the one image read of the dataset and overlays."""
         im = self.images[index]
-        path = self.root / self.split / im["file_name"]
+        path = self.image_path(index)
         rgb = read_image(path, self.max_pixels)
         h, w = rgb.shape[:2]
         if (im.get("width"), im.get("height")) == (h, w) and h != w:
@@ -161,7 +254,24 @@ class CocoDetection(SkipUnreadable, Dataset):
                 log.warning("%s: image id %s is %dx%d as stored but %dx%d after its EXIF rotation; using the stored "
                             "orientation the annotations describe", self.ann_file, im["id"], w, h, h, w)
             rgb = read_image(path, self.max_pixels, apply_exif=False)
-            h, w = rgb.shape[:2]
+        return rgb
+
+    def scoring_target(self, image_id: int) -> dict[str, torch.Tensor]:
+        """The ground truth scored for ``image_id`` (validation and evaluation alike), in the
+        format of torchmetrics' ``MeanAveragePrecision``: ``boxes [G, 4]`` xyxy in pixels of the
+        original image (as written in the file, not clipped), ``labels [G]``, ``iscrowd [G]``
+        (crowd regions: matched detections are ignored) and ``area [G]`` (the file's ``area``,
+        else the box area)."""
+        anns = self.scored[image_id]
+        return {"boxes": torch.tensor([a[0] for a in anns], dtype=torch.float32).reshape(-1, 4),
+                "labels": torch.tensor([a[1] for a in anns], dtype=torch.int64),
+                "iscrowd": torch.tensor([a[2] for a in anns], dtype=torch.int64),
+                "area": torch.tensor([a[3] for a in anns], dtype=torch.float32)}
+
+    def _load(self, index: int):
+        im = self.images[index]
+        rgb = self.read_rgb(index)
+        h, w = rgb.shape[:2]
         anns = self.annotations[im["id"]]
         xyxy = torch.tensor([a[0] for a in anns], dtype=torch.float32).reshape(-1, 4)
         labels = torch.tensor([a[1] for a in anns], dtype=torch.int64)
@@ -171,7 +281,8 @@ class CocoDetection(SkipUnreadable, Dataset):
             image, boxes, labels = self.transform(image, boxes, labels)
         size = tuple(image.shape[-2:])
         target = {"labels": labels, "boxes": _to_target(boxes.as_subclass(torch.Tensor), size),
-                  "image_id": int(im["id"]), "orig_size": torch.tensor([h, w])}
+                  "image_id": int(im["id"]), "orig_size": torch.tensor([h, w]),
+                  "scored": self.scoring_target(im["id"])}
         return image, target
 
 
@@ -210,6 +321,8 @@ class DetectionDataModule(SplitDataModule):
         num_workers: loader processes.
         scale_jitter: area range of the training random-resized crop.
         max_pixels: refuse larger images.
+        follow_symlinks: follow symbolic links inside a split folder that lead outside it
+            (refused by default: training skips such images, evaluation stops).
     """
 
     def __init__(
@@ -223,16 +336,16 @@ class DetectionDataModule(SplitDataModule):
         num_workers: int = 2,
         scale_jitter: tuple[float, float] = (0.6, 1.0),
         max_pixels: int = DEFAULT_MAX_PIXELS,
+        follow_symlinks: bool = False,
     ) -> None:
         super().__init__()
         self.root = coco_root(root, synthetic, cache_dir, "a COCO-layout folder")
+        self.follow_symlinks = follow_symlinks
         self.train_split, self.val_split = train_split, val_split
         self.batch_size, self.num_workers, self.scale_jitter, self.max_pixels = batch_size, num_workers, scale_jitter, max_pixels
         ann = load_coco_annotations(self.root / "annotations" / f"instances_{train_split}.json")
         self._train_annotations: dict[str, Any] | None = ann  # parsed once; handed to the train dataset
-        self.categories = sorted(ann.get("categories") or [], key=lambda c: c["id"])
-        if not self.categories:
-            raise DataError(f"{self.root / 'annotations' / f'instances_{train_split}.json'} has no categories")
+        self.categories = _categories(ann.get("categories"), self.root / "annotations" / f"instances_{train_split}.json")
         self.class_names = [str(c.get("name", c["id"])) for c in self.categories]
         self.category_ids = [int(c["id"]) for c in self.categories]
         self.preprocess: dict[str, Any] | None = None
@@ -247,9 +360,9 @@ class DetectionDataModule(SplitDataModule):
         parsed = None
         if split == self.train_split and self._train_annotations is not None:
             parsed, self._train_annotations = self._train_annotations, None  # used once, then freed
-        ds = CocoDetection(self.root, split, tf, self.categories, self.max_pixels, parsed)
-        ds.skip_unreadable = train  # training skips unreadable files; evaluation stops at the first
-        return ds
+        # training skips unreadable or refused files; evaluation stops at the first
+        return CocoDetection(self.root, split, tf, self.categories, self.max_pixels, parsed,
+                             follow_symlinks=self.follow_symlinks, skip_unreadable=train)
 
     def collate_fn(self):
         return detection_collate

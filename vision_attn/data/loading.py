@@ -13,12 +13,21 @@ evaluation of 5 images differs from a 1-process one. :class:`UnpaddedDistributed
 process ``r`` the images ``r, r + world, r + 2 world, ...`` — no repeats, possibly one batch
 fewer on some processes (evaluation steps therefore must not call collectives per batch;
 metrics synchronise once, at the end of the epoch).
+
+Paths. An image path named by the data (a COCO ``file_name``, a file found in an ImageFolder)
+must stay inside its split folder: :func:`image_path_inside` refuses absolute names, names that
+climb out with ``..``, and — unless ``follow_symlinks`` — symbolic links (of the file or of a
+folder on its way) that lead outside. The split folder itself is resolved first, so a split
+folder that is a symlink is fine. Training skips a refused image with one counted warning;
+evaluation stops with an error naming it (:class:`PathRefusals`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -29,16 +38,68 @@ from vision_attn.errors import DataError
 
 __all__ = [
     "MAX_UNREADABLE_IN_A_ROW",
+    "PathRefusals",
     "SkipUnreadable",
     "SplitDataModule",
     "UnpaddedDistributedSampler",
     "eval_sampler",
+    "image_path_inside",
     "make_loader",
 ]
 
 log = logging.getLogger(__name__)
 
 MAX_UNREADABLE_IN_A_ROW = 20
+
+
+FOLLOW_HINT = "pass --data.follow_symlinks true to follow links you trust"
+
+
+def image_path_inside(split_dir: Path, name: str, follow_symlinks: bool = False) -> tuple[Path, str | None]:
+    """``(path, None)`` for an image ``name`` that stays inside ``split_dir``, else
+    ``(path, why it is refused)``.
+
+    Args:
+        split_dir: the split folder, already resolved (``Path.resolve()``).
+        name: the image's path relative to the split folder (as the data names it).
+        follow_symlinks: accept symbolic links inside the split folder that lead outside it.
+
+    The returned path is the lexically normalised one (``a/../b`` -> ``b``), so that what is
+    opened is what was checked.
+    """
+    if not name or "\0" in name:
+        return split_dir / name.replace("\0", ""), "an empty or invalid file name"
+    if os.path.isabs(name):
+        return Path(name), "an absolute path (file names are relative to the split folder)"
+    path = Path(os.path.normpath(split_dir / name))
+    if path == split_dir or not path.is_relative_to(split_dir):
+        return path, "a path outside the split folder"
+    if not follow_symlinks and not path.resolve().is_relative_to(split_dir):
+        return path, f"a symbolic link to {path.resolve()}, outside the split folder ({FOLLOW_HINT})"
+    return path, None
+
+
+class PathRefusals:
+    """Collects refused image paths of one split: an error at the first one in evaluation
+    (``skip=False``), one counted warning naming an example in training (``skip=True``)."""
+
+    def __init__(self, source: Path | str, skip: bool) -> None:
+        self.source, self.skip = source, skip
+        self.count, self.example = 0, ""
+
+    def refuse(self, what: str, path: Path, why: str) -> None:
+        """Record (training) or raise :class:`DataError` for ``what`` (e.g. ``image id 3``)."""
+        if not self.skip:
+            raise DataError(f"{self.source}: {what} names {path}, {why}; refused "
+                            "(image files must lie inside the split folder)")
+        self.count += 1
+        self.example = self.example or f"{what} -> {path} ({why})"
+
+    def report(self) -> None:
+        """Log the training warning (once, if anything was refused)."""
+        if self.count:
+            log.warning("%s: skipped %d images whose path leaves the split folder, e.g. %s",
+                        self.source, self.count, self.example)
 
 
 class SkipUnreadable:

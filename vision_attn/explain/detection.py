@@ -9,7 +9,6 @@ import cv2
 import numpy as np
 import torch
 
-from vision_attn.data.imageio import read_image
 from vision_attn.explain.overlay import draw_box, image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
 
@@ -35,7 +34,10 @@ def query_attention_maps(cross_attn: list[torch.Tensor], queries: torch.Tensor, 
 
 def write_detection_overlays(task, dataset, options, out_dir: Path, max_objects: int = 6, report=None) -> int:
     """For the first ``options.num_overlays`` images: the image with every kept box, then one
-    tile per detection with its query's cross-attention, box, label and score."""
+    tile per detection with its query's cross-attention, box, label and score.
+
+    Pictures come from ``dataset.read_rgb`` — the same read (orientation included, see
+    :mod:`vision_attn.data.detection` on EXIF) as the model input and the boxes."""
     n = min(options.num_overlays, len(dataset))
     device = next(task.parameters()).device
     names = task.class_names or []
@@ -48,7 +50,7 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, max_objects:
             out = task.head(enc, need_weights=True)
         det = task.detect(out, target["orig_size"].unsqueeze(0))[0]
         keep = (det["scores"] >= options.score_threshold).nonzero().flatten()[:max_objects]
-        rgb = read_image(dataset.root / dataset.split / im["file_name"])
+        rgb = dataset.read_rgb(i)  # the dataset's own read: same orientation as its boxes (EXIF)
         side = max(rgb.shape[:2])
         if side < 160:  # enlarge small images so labels are readable
             f = int(np.ceil(160 / side))

@@ -138,10 +138,19 @@ def post_process(outputs: dict, image_sizes: Tensor, top_k: int = 100, focal: bo
     The head's boxes are fractions of the model input; the model input is the whole original
     image resized (no crop), so fractions scale directly to the original size.
 
+    Two protocols, each the one its head was published with:
+
+    - softmax head (``focal=False``, DETR): one detection per query: its most probable *real*
+      class (argmax over the softmax without "no object") with that probability as score; the
+      ``min(top_k, Q)`` best-scoring queries are kept.
+    - sigmoid focal head (``focal=True``, Deformable DETR): the ``top_k`` highest-scoring
+      (query, class) pairs over all queries and classes, so one query may give several
+      detections with different classes.
+
     Args:
         outputs: the head's dict (``pred_logits``, ``pred_boxes``).
         image_sizes: ``[B, 2]`` original ``(height, width)`` in pixels.
-        top_k: keep the ``top_k`` highest-scoring (query, class) pairs per image.
+        top_k: most detections kept per image.
         focal: the head is a sigmoid (focal) classifier.
 
     Returns:
@@ -151,13 +160,14 @@ def post_process(outputs: dict, image_sizes: Tensor, top_k: int = 100, focal: bo
     logits, boxes = outputs["pred_logits"], outputs["pred_boxes"]
     b, q, _ = logits.shape
     if focal:
-        probs = logits.sigmoid()
+        probs = logits.sigmoid()  # (B, Q, C)
+        c = probs.shape[-1]
+        scores, flat = probs.reshape(b, -1).topk(min(top_k, q * c), dim=1)  # over (query, class) pairs
+        queries, labels = flat // c, flat % c
     else:
-        probs = logits.softmax(-1)[..., :-1]  # drop "no object"
-    c = probs.shape[-1]
-    k = min(top_k, q * c)
-    scores, flat = probs.reshape(b, -1).topk(k, dim=1)
-    queries, labels = flat // c, flat % c
+        best, best_label = logits.softmax(-1)[..., :-1].max(-1)  # (B, Q): drop "no object", argmax
+        scores, queries = best.topk(min(top_k, q), dim=1)
+        labels = torch.gather(best_label, 1, queries)
     h, w = image_sizes[:, 0].to(boxes.dtype), image_sizes[:, 1].to(boxes.dtype)
     scale = torch.stack([w, h, w, h], dim=1)[:, None, :]  # (B, 1, 4)
     xyxy = box_cxcywh_to_xyxy(boxes).clamp(0, 1) * scale

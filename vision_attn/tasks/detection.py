@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torchmetrics.detection import MeanAveragePrecision
 
-from vision_attn.boxes import box_cxcywh_to_xyxy, box_xyxy_to_xywh
+from vision_attn.boxes import box_xyxy_to_xywh
 from vision_attn.losses.matcher import HungarianMatcher
 from vision_attn.losses.set_criterion import SetCriterion
 from vision_attn.models.detr import DETRHead, post_process
@@ -41,7 +41,12 @@ def _map_metric() -> MeanAveragePrecision:
 
 
 def mean_average_precision(preds: list[dict[str, Tensor]], targets: list[dict[str, Tensor]]) -> dict[str, float]:
-    """COCO ``map``, ``map_50``, ``map_75`` (and ``mar_100``) of xyxy-pixel detections."""
+    """COCO ``map``, ``map_50``, ``map_75`` (and ``mar_100``) of xyxy-pixel detections.
+
+    ``targets`` may carry ``iscrowd`` (crowd regions: detections matched to them are ignored,
+    as in pycocotools) and ``area`` (for the size ranges), as
+    :meth:`~vision_attn.data.detection.CocoDetection.scoring_target` gives them.
+    """
     metric = _map_metric()
     metric.update(preds, targets)
     res = metric.compute()
@@ -151,15 +156,6 @@ class DetectionTask(VisionTask):
         """Post-processed detections in original pixels (labels are contiguous 0..C-1)."""
         return post_process(outputs, orig_sizes, self.hparams.top_k, self.hparams.focal)
 
-    @staticmethod
-    def _targets_in_pixels(targets: list[dict]) -> list[dict[str, Tensor]]:
-        out = []
-        for t in targets:
-            h, w = t["orig_size"].tolist()
-            scale = torch.tensor([w, h, w, h], dtype=torch.float32, device=t["boxes"].device)
-            out.append({"boxes": box_cxcywh_to_xyxy(t["boxes"]) * scale, "labels": t["labels"]})
-        return out
-
     def _shared_step(self, batch, stage: str) -> Tensor:
         images, targets = batch
         outputs = self(images)
@@ -176,9 +172,10 @@ class DetectionTask(VisionTask):
             orig = torch.stack([t["orig_size"] for t in targets])
             dets = self.detect(outputs, orig)
             preds = [{"boxes": d["boxes"], "scores": d["scores"], "labels": d["labels"]} for d in dets]
-            if stage == "val":
-                for p, t in zip(preds, self._targets_in_pixels(targets), strict=True):
-                    self.val_pairs.append(({k: v.cpu() for k, v in p.items()}, {k: v.cpu() for k, v in t.items()}))
+            if stage == "val":  # scored against the original annotations, as eval_results does
+                for p, t in zip(preds, targets, strict=True):
+                    scored = {k: v.cpu() for k, v in t["scored"].items()}
+                    self.val_pairs.append(({k: v.cpu() for k, v in p.items()}, scored))
             else:
                 for t, d in zip(targets, dets, strict=True):
                     self.eval_records.append({"image_id": t["image_id"], "det": {k: v.cpu() for k, v in d.items()}})
@@ -216,7 +213,12 @@ class DetectionTask(VisionTask):
         self.eval_records = [unique[i] for i in sorted(unique)]
 
     def eval_results(self, dataset) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """``(metrics, predictions)``: COCO mAP and the COCO results list (ids as in the file)."""
+        """``(metrics, predictions)``: COCO mAP and the COCO results list (ids as in the file).
+
+        The ground truth is ``dataset.scoring_target`` (original pixels, crowd regions flagged),
+        the same as validation scores, so ``metrics`` equal pycocotools' COCOeval of the
+        results list on the annotation file.
+        """
         if not self.eval_records:
             raise RuntimeError("no evaluation records: run trainer.test(...) first")
         by_id = {r["image_id"]: r["det"] for r in self.eval_records}
@@ -232,9 +234,7 @@ class DetectionTask(VisionTask):
             if det is None:
                 continue
             preds.append({"boxes": det["boxes"], "scores": det["scores"], "labels": det["labels"]})
-            anns = dataset.annotations[im["id"]]
-            targets.append({"boxes": torch.tensor([a[0] for a in anns], dtype=torch.float32).reshape(-1, 4),
-                            "labels": torch.tensor([a[1] for a in anns], dtype=torch.int64)})
+            targets.append(dataset.scoring_target(im["id"]))  # crowd regions included, as pycocotools
             for box, score, label in zip(box_xyxy_to_xywh(det["boxes"]).tolist(), det["scores"].tolist(),
                                          det["labels"].tolist(), strict=True):
                 # unrounded, so that pycocotools scoring this file reproduces ``metrics`` exactly
