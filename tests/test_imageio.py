@@ -82,3 +82,85 @@ def test_decompression_bomb_refused(tmp_path):
     path = _save(Image.new("L", (1000, 1000)), tmp_path / "big.png")
     with pytest.raises(ImageReadError, match="exceeds the limit"):
         read_image(path, max_pixels=500_000)
+
+
+def test_alpha_is_composited_in_integers_exactly(tmp_path):
+    """Every (value, alpha) pair: round(v * a / 255) exactly, within 1 of the old float32 code."""
+    v, a = np.meshgrid(np.arange(256, dtype=np.uint8), np.arange(256, dtype=np.uint8), indexing="ij")
+    rgba = np.stack([v, 255 - v, v // 2, a], axis=-1)  # (256, 256, 4)
+    arr = read_image(_save(Image.fromarray(rgba, "RGBA"), tmp_path / "all.png"))
+    exact = np.round(rgba[..., :3].astype(np.float64) * rgba[..., 3:4] / 255.0)
+    assert np.array_equal(arr, exact.astype(np.uint8))
+    old = (rgba[..., :3].astype(np.float32) * (rgba[..., 3:4].astype(np.float32) / 255.0)).round()
+    assert np.abs(arr.astype(np.int16) - old.astype(np.int16)).max() <= 1
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "I;16"])
+def test_conversion_makes_no_full_size_copy(mode, monkeypatch):
+    """The 36-megapixel RGBA PNG of issue 15 cost 1.9 GB because alpha was composited on a float32
+    copy (44 bytes per pixel here); now beyond the 3-byte result only a block of rows is held."""
+    import tracemalloc
+
+    from vision_attn.data import imageio
+    from vision_attn.data.imageio import to_rgb_array
+
+    monkeypatch.setattr(imageio, "_BLOCK_PIXELS", 1 << 15)
+    rng = np.random.default_rng(0)
+    h, w = 512, 1024
+    if mode == "RGBA":
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 4), dtype=np.uint8), "RGBA")
+    else:
+        img = Image.fromarray(rng.integers(0, 65536, (h, w), dtype=np.uint16))
+    tracemalloc.start()
+    try:
+        out = to_rgb_array(img)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (h, w, 3) and out.dtype == np.uint8
+    assert peak < 4.5 * h * w, f"{peak / (h * w):.1f} bytes per pixel"
+
+
+def _png_header_only(path, width, height, bit_depth, colour_type):
+    """A PNG that declares its size in IHDR and holds no pixel data worth decoding."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, colour_type, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def test_decoding_is_bounded_by_bytes_before_decoding(tmp_path, monkeypatch):
+    from PIL import ImageFile
+
+    def no_decoding(self):
+        raise AssertionError("decoding was attempted")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    # 9400 x 9400 RGBA: under PIL's pixel limits (88 M < 89 M) but 337 MiB decoded.
+    big = _png_header_only(tmp_path / "big.png", 9400, 9400, 8, 6)
+    with pytest.raises(ImageReadError, match="337 MiB decoded, which exceeds the limit of 320 MiB") as info:
+        read_image(big)
+    assert str(big) in str(info.value)
+    # The issue's 36-megapixel 16-bit RGBA PNG, with a tighter cap.
+    png16 = _png_header_only(tmp_path / "rgba16.png", 6000, 6000, 16, 6)
+    with pytest.raises(ImageReadError, match=r"6000x6000 RGBA image takes 137 MiB decoded.*max_bytes"):
+        read_image(png16, max_bytes=100 * 2**20)
+
+
+def test_fifo_and_folder_are_refused_without_opening(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)  # opening it for reading would block until a writer comes
+    with pytest.raises(ImageReadError, match="FIFO") as info:
+        read_image(fifo)
+    assert str(fifo) in str(info.value)
+    (tmp_path / "dir.png").mkdir()
+    with pytest.raises(ImageReadError, match="a folder"):
+        read_image(tmp_path / "dir.png")

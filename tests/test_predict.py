@@ -4,12 +4,13 @@ detection from ONNX (the same predictions as the checkpoint)."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from vision_attn.errors import CheckpointError
+from vision_attn.errors import CheckpointError, RunExistsError
 from vision_attn.predict import main, predict_folder
 
 from .test_export import _checkpoint, _tasks
@@ -42,7 +43,8 @@ def test_predict_from_a_checkpoint_writes_predictions_and_overlays(kind, folder,
         x, y, w, h = det[0]["bbox"]
         assert 0 <= x <= 56 and 0 <= y <= 40 and w >= 0 and h >= 0  # pixels of the original image
     assert json.loads((out / "predictions.json").read_text()) == res["predictions"]
-    assert sorted(str(p.relative_to(out / "overlays")) for p in (out / "overlays").rglob("*.png")) == ["a.png", "sub/b.png"]
+    assert sorted(str(p.relative_to(out / "overlays")) for p in (out / "overlays").rglob("*.png")) == ["a.jpg.png",
+                                                                                                      "sub/b.png.png"]
     assert (out / "report.html").read_text().count("data:image/png;base64,") == 2
     with pytest.raises(SystemExit):  # results already there: refused, nothing overwritten
         main(["--model", str(ckpt), "--images", str(folder), "--output_dir", str(out)])
@@ -74,3 +76,58 @@ def test_captioning_onnx_is_refused_clearly(folder, tmp_path):
     path = export_onnx(_checkpoint(_tasks()["captioning"], tmp_path / "m.ckpt"), tmp_path / "m.onnx")
     with pytest.raises(CheckpointError, match="captioning encoder only"):
         predict_folder(path, folder, tmp_path / "out", progress=False)
+
+
+@pytest.fixture(scope="module")
+def classifier_ckpt(tmp_path_factory):
+    return _checkpoint(_tasks()["classification"], tmp_path_factory.mktemp("model") / "m.ckpt")
+
+
+@pytest.mark.parametrize("present", ["skipped.json", "report.html", "overlays"])
+def test_predict_never_overwrites_a_users_files(present, classifier_ckpt, folder, tmp_path):
+    """A folder without predictions.json but with a user's skipped.json (or report.html, or
+    overlays/) is refused, the file untouched; --overwrite lets the run go ahead."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = out / present
+    if present == "overlays":
+        mine.mkdir()
+        mine = mine / "a.jpg.png"
+    mine.write_text("the user's own notes")
+    with pytest.raises(RunExistsError, match=present):
+        predict_folder(classifier_ckpt, folder, out, progress=False)
+    assert mine.read_text() == "the user's own notes"
+    predict_folder(classifier_ckpt, folder, out, overlays=False, overwrite=True, progress=False)
+    assert (out / "predictions.json").is_file()
+
+
+def test_predict_names_fifos_devices_and_colliding_or_long_names(classifier_ckpt, tmp_path):
+    images = tmp_path / "imgs"
+    images.mkdir()
+    rng = np.random.default_rng(1)
+    long_name = "y" * 245 + ".jpeg"  # its overlay name, kept whole, would be 254 bytes + a temporary's
+    for name in ("a.jpg", "a.png", long_name):
+        Image.fromarray((rng.random((32, 32, 3)) * 255).astype(np.uint8)).save(images / name)
+    os.mkfifo(images / "pipe.png")  # opening it would block the whole run
+    (images / "null.jpg").symlink_to("/dev/null")  # a character device
+    (images / "gone.png").symlink_to(images / "missing.png")  # a link to nothing
+    out = tmp_path / "out"
+    res = predict_folder(classifier_ckpt, images, out, methods=("rollout",), progress=False)
+    assert [p["file"] for p in res["predictions"]] == ["a.jpg", "a.png", long_name]
+    reasons = {s["file"]: s["reason"] for s in json.loads((out / "skipped.json").read_text())}
+    assert set(reasons) == {"pipe.png", "null.jpg", "gone.png"}
+    assert "FIFO" in reasons["pipe.png"] and "character device" in reasons["null.jpg"]
+    overlays = sorted(p.name for p in (out / "overlays").iterdir())
+    assert len(overlays) == 3 and {"a.jpg.png", "a.png.png"} <= set(overlays)  # no collision
+    assert all(len(n.encode()) <= 200 and n.endswith(".png") for n in overlays)
+
+
+def test_onnx_runtime_errors_are_one_line_naming_the_file(folder, tmp_path, capsys):
+    pytest.importorskip("onnxruntime")
+    bad = tmp_path / "m.onnx"
+    bad.write_bytes(b"not an onnx model")
+    with pytest.raises(SystemExit) as info:
+        main(["--model", str(bad), "--images", str(folder), "--output_dir", str(tmp_path / "out")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ONNX Runtime cannot load") and str(bad) in err and "\n" not in err

@@ -145,3 +145,74 @@ def test_captioning_report_hover_a_word(browser, tmp_path):
     _changed(page, lambda: page.hover("#words0 .word >> nth=0"), "word0")
     page.screenshot(path=str(tmp_path / "captioning.png"), full_page=True)
     assert not errors, errors
+
+
+HOSTILE = ["</script><script>alert('script')</script>", "<img src=x onerror=alert('img')>",
+           "\"'><svg onload=alert('svg')>", "</SCRIPT ><!--", "a\u2028b\u2029c & &amp; <b>"]
+
+
+def _hostile_report(out: Path) -> tuple[Path, list[dict]]:
+    """A page whose every text comes from hostile names: file names, class names, metric and
+    method names, detection category names, caption vocabulary words."""
+    import numpy as np
+
+    from vision_attn.explain.report import png_data_uri, quantise
+
+    rgb = np.full((16, 16, 3), 120, np.uint8)
+    image, panel = Report.display_image(rgb), png_data_uri(rgb)
+    base = {"image": image, "panels": [panel], "grid": [2, 2]}
+    items = [
+        {**base, "name": HOSTILE[0] + ".png", "text": HOSTILE[1], "kind": "patches", "layers": 1, "heads": 1,
+         "maps": quantise(np.random.default_rng(0).random((1, 1, 4, 4)))},
+        {**base, "name": "image id " + HOSTILE[2], "text": HOSTILE[3], "kind": "boxes",
+         "maps": quantise(np.eye(2, 4)), "boxes": [[0.0, 0.0, 0.5, 0.5], [0.5, 0.5, 1.0, 1.0]],
+         "labels": [f"{HOSTILE[0]} 0.90", f"{HOSTILE[4]} 0.50"]},
+        {**base, "name": HOSTILE[4], "text": " ".join(HOSTILE), "kind": "words", "words": HOSTILE,
+         "maps": quantise(np.random.default_rng(1).random((len(HOSTILE), 4)))},
+    ]
+    path = write_report(out / "report.html", HOSTILE[0], {HOSTILE[1]: 0.5}, {"data": HOSTILE[2], HOSTILE[3]: 1},
+                        items, curves={HOSTILE[0]: [1.0, 0.5, 0.0], "random": [1.0, 0.8, 0.1]})
+    return path, items
+
+
+def test_embedded_json_cannot_close_the_script_and_round_trips(tmp_path):
+    import json
+
+    from vision_attn.explain.report import script_json
+
+    path, items = _hostile_report(tmp_path)
+    page = path.read_text()
+    script = page[page.index("<script>") + len("<script>") : page.rindex("</script>")]
+    assert "</script" not in script.lower() and "<!--" not in script and "\u2028" not in script
+    data = script[len("const ITEMS=") : script.index(";\nfunction decode")]
+    assert not set(data) & set("<>&\u2028\u2029")
+    assert [it["labels" if "labels" in it else "words" if "words" in it else "maps"] for it in json.loads(data)] == [
+        items[0]["maps"], items[1]["labels"], items[2]["words"]]
+    assert json.loads(script_json({"k": HOSTILE})) == {"k": HOSTILE}
+    assert "<img src=x" not in page and "<svg onload" not in page  # markup texts are escaped too
+
+
+def test_hostile_names_run_no_script_in_the_browser(browser, tmp_path):
+    path, items = _hostile_report(tmp_path)
+    page = browser.new_page()
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(path.resolve().as_uri())
+    page.wait_for_function("() => [...document.querySelectorAll('canvas')].every(c => c.dataset.shown === 'image')")
+    page.wait_for_timeout(300)  # let any injected script, onerror or onload handler run
+    assert not dialogs, dialogs
+    assert page.title() == HOSTILE[0]
+    assert page.eval_on_selector_all("h3", "els => els.map(e => e.textContent)") == [it["name"] for it in items]
+    assert page.eval_on_selector_all("#words2 .word", "els => els.map(e => e.textContent)") == HOSTILE
+    assert page.evaluate("() => ITEMS[1].labels") == items[1]["labels"]
+    side = page.eval_on_selector("#cv1", "c => c.getBoundingClientRect().width")
+    page.click("#cv1", position={"x": side / 4, "y": side / 4})  # the box labelled with HOSTILE[0]
+    page.wait_for_function("() => document.querySelector('#cv1').dataset.shown === 'box0'")
+    assert page.text_content("#sel1") == items[1]["labels"][0]  # shown as text, not markup
+    page.hover("#words2 .word >> nth=0")
+    page.wait_for_timeout(300)
+    assert page.evaluate("() => document.querySelectorAll('svg [onload], img[onerror], script').length") == 1
+    assert not dialogs, dialogs
+    assert not errors, errors

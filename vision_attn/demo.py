@@ -9,7 +9,6 @@ overwritten); the last lines say where everything went.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 import warnings
@@ -17,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from vision_attn.cli import eval_main, train_main
+from vision_attn.outputs import write_json
 
 log = logging.getLogger("vision_attn.demo")
 
@@ -53,7 +53,7 @@ def run_demo(output_dir: str, tasks: list[str], extra: list[str] | None = None) 
             ]
         )
         results[task] = {"metrics": metrics, "train_seconds": round(seconds, 1), "dir": str(run_dir)}
-    (base / "summary.json").write_text(json.dumps(results, indent=2))
+    write_json(base / "summary.json", results, root=base)
     return results
 
 

@@ -15,7 +15,8 @@ and ``pred_boxes [B, Q, 4]`` (cxcywh in [0, 1]); captioning the encoder's ``toke
 them, so ``create_encoder(NAME, weights_file=...)`` or timm itself can load it; ``--part model``
 writes the whole task (encoder and head, keys as in the checkpoint's ``state_dict``). The
 architecture, preprocessing and labels go into the file's metadata as JSON. An existing file is
-never overwritten; the file is written through a temporary name and renamed.
+never overwritten (a link in its place included); the file is written through a fresh temporary
+file in the same folder and renamed (:func:`vision_attn.outputs.atomic_output`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import argparse
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from vision_attn.errors import RunExistsError, VisionAttnError
+from vision_attn.outputs import atomic_output
 from vision_attn.tasks.base import load_task
 
 __all__ = ["export_onnx", "export_safetensors", "main"]
@@ -42,7 +43,7 @@ def export_safetensors(ckpt_path: str | Path, output: str | Path, part: str = "e
     from safetensors.torch import save_file
 
     output = Path(output)
-    if output.exists():
+    if os.path.lexists(output):
         raise RunExistsError(f"{output} already exists; refusing to overwrite it (choose another --output)")
     if part not in ("encoder", "model"):
         raise ValueError(f"--part must be 'encoder' or 'model', got {part!r}")
@@ -52,15 +53,8 @@ def export_safetensors(ckpt_path: str | Path, output: str | Path, part: str = "e
     meta = task.checkpoint_meta()
     metadata = {"format": "vision_attn", "part": part, "task": str(meta.get("task")),
                 "model": json.dumps(meta["model"]), "data_config": json.dumps(meta.get("data_config"))}
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=output.name + ".", suffix=".tmp", dir=output.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_output(output) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
     log.info("wrote %d tensors (%s) to %s", len(tensors), part, output)
     return output
 
@@ -90,28 +84,21 @@ def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18) -> P
     import onnx
 
     output = Path(output)
-    if output.exists():
+    if os.path.lexists(output):
         raise RunExistsError(f"{output} already exists; refusing to overwrite it (choose another --output)")
     task = load_task(ckpt_path).eval()
     _, h, w = task.data_config["input_size"]
     example = torch.zeros(2, 3, int(h), int(w))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=output.name + ".", suffix=".tmp.onnx", dir=output.parent)
-    os.close(fd)
-    try:
-        torch.onnx.export(_OnnxGraph(task), (example,), tmp, input_names=["images"],
+    with atomic_output(output, suffix=".tmp.onnx") as tmp:
+        torch.onnx.export(_OnnxGraph(task), (example,), str(tmp), input_names=["images"],
                           output_names=ONNX_OUTPUTS[task.task_name], dynamic_shapes=({0: torch.export.Dim("batch")},),
                           dynamo=True, opset_version=opset, verbose=False)
-        model = onnx.load(tmp)
+        model = onnx.load(str(tmp))
         meta = task.checkpoint_meta()
         for key, value in {"format": "vision_attn", "task": str(meta.get("task")), "model": json.dumps(meta["model"]),
                            "data_config": json.dumps(meta.get("data_config"))}.items():
             model.metadata_props.add(key=key, value=value)
-        onnx.save(model, tmp)
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        onnx.save(model, str(tmp))
     log.info("wrote the %s model as ONNX to %s", task.task_name, output)
     return output
 

@@ -6,9 +6,13 @@ does the same for every task and for exported ONNX models):
 Walks ``DIR`` recursively (any format PIL reads), predicts in batches with a progress bar and
 writes, under ``OUT``:
 
-- ``overlays/<relative path>.png`` — the input and one attention overlay per method;
+- ``overlays/<relative path>.png`` — the input and one attention overlay per method (the image's
+  extension is kept: ``a.jpg`` -> ``a.jpg.png``; long names are shortened with a hash);
 - ``predictions.json`` — ``[{"file", "pred", "score"}]`` (``file`` relative to ``DIR``);
-- ``skipped.json`` — files that could not be read, with the reason (they never abort the run).
+- ``skipped.json`` — files that could not be read, and FIFOs / devices (never opened), with the
+  reason (they never abort the run).
+
+An ``OUT`` that already holds any of these is refused unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations

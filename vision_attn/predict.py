@@ -12,9 +12,16 @@ in ``skipped.json`` and never abort the run. Writes into ``--output_dir``:
   "detections": [{"label", "category_id", "bbox": [x, y, w, h] pixels, "score"}]}]``;
   captioning ``[{"file", "caption"}]`` (``file`` relative to ``--images``);
 - ``overlays/<file>.png`` (checkpoints): the explanation maps, each detected object's query
-  cross-attention, or the caption's per-word strip;
-- ``skipped.json``: ``[{"file", "reason"}]``;
+  cross-attention, or the caption's per-word strip; ``<file>`` keeps its extension
+  (``a.jpg.png`` and ``a.png.png`` never collide) and names are made safe and shortened
+  deterministically (:func:`vision_attn.outputs.safe_filename`);
+- ``skipped.json``: ``[{"file", "reason"}]``: unreadable images, and FIFOs, devices, sockets and
+  broken links, which are listed, never opened;
 - ``report.html``: the predictions and overlays of the first 50 images in one self-contained page.
+
+A folder that already holds any of these outputs is refused unless ``--overwrite`` is given.
+Every file is written through a temporary file and a rename, inside ``--output_dir``
+(:mod:`vision_attn.outputs`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,20 +40,67 @@ import torch
 from rich.progress import Progress
 
 from vision_attn.boxes import box_xyxy_to_xywh
-from vision_attn.data.imageio import IMAGE_EXTENSIONS, ImageReadError, read_image
+from vision_attn.data.imageio import (
+    IMAGE_EXTENSIONS,
+    ImageReadError,
+    not_regular_reason,
+    read_image,
+)
 from vision_attn.data.transforms import build_display_transform, build_eval_transform
 from vision_attn.errors import CheckpointError, RunExistsError, VisionAttnError
 from vision_attn.explain.overlay import draw_box, image_grid, overlay_saliency, save_png
 from vision_attn.explain.report import Report, png_data_uri, write_report
 from vision_attn.models.detr import post_process
+from vision_attn.outputs import safe_filename, write_json
 
-__all__ = ["main", "predict_folder", "run_cli"]
+__all__ = ["OUTPUTS", "main", "overlay_name", "predict_folder", "run_cli", "scan_folder"]
 
 log = logging.getLogger(__name__)
 
 
+OUTPUTS = ("predictions.json", "skipped.json", "report.html", "overlays")
+"""What :func:`predict_folder` writes into its output folder (never over a user's files)."""
+
+
+def scan_folder(folder: Path) -> tuple[list[Path], list[dict[str, str]]]:
+    """The image files under ``folder`` (recursively, sorted) and the entries that are not read.
+
+    Entries are classified from ``stat`` alone, never opened (opening a FIFO blocks): FIFOs,
+    devices and sockets, and links to nothing with an image extension, come back as
+    ``[{"file", "reason"}]`` (``file`` relative to ``folder``); other files are ignored.
+    """
+    images: list[Path] = []
+    skipped: list[dict[str, str]] = []
+    for p in sorted(folder.rglob("*")):
+        is_image = p.suffix.lower() in IMAGE_EXTENSIONS
+        try:
+            mode = p.stat().st_mode
+        except OSError as err:
+            if is_image:
+                skipped.append({"file": str(p.relative_to(folder)), "reason": f"cannot access it ({err.strerror or err})"})
+            continue
+        if stat.S_ISDIR(mode):
+            continue
+        reason = not_regular_reason(mode)
+        if reason:
+            log.warning("skipping %s: %s", p, reason)
+            skipped.append({"file": str(p.relative_to(folder)), "reason": reason})
+        elif is_image:
+            images.append(p)
+    return images, skipped
+
+
 def list_images(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    """The image files under ``folder`` (see :func:`scan_folder`)."""
+    return scan_folder(folder)[0]
+
+
+def overlay_name(rel: Path) -> Path:
+    """The overlay of the image ``rel`` (relative to the image folder), relative to
+    ``overlays/``: its name with the extension kept and ``.png`` added (``a.jpg`` ->
+    ``a.jpg.png``, so ``a.jpg`` and ``a.png`` never share one), every part made safe and at most
+    :data:`~vision_attn.outputs.MAX_NAME_BYTES` bytes (:func:`~vision_attn.outputs.safe_filename`)."""
+    return Path(*(safe_filename(part) for part in rel.parts[:-1]), safe_filename(rel.name + ".png"))
 
 
 class _OnnxModel:
@@ -55,20 +111,42 @@ class _OnnxModel:
             import onnxruntime as ort
         except ImportError as err:  # pragma: no cover - depends on the install
             raise VisionAttnError("running .onnx models needs onnxruntime: pip install onnxruntime") from err
-        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        meta = self.session.get_modelmeta().custom_metadata_map
+        self.path = path
+        try:  # ONNX Runtime's errors derive from Exception only: make them one clear line
+            self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            meta = self.session.get_modelmeta().custom_metadata_map
+        except Exception as err:  # noqa: BLE001
+            raise CheckpointError(f"ONNX Runtime cannot load {path}: {_first_line(err)}; "
+                                  "export it again with python -m vision_attn.export") from err
         if meta.get("format") != "vision_attn":
             raise CheckpointError(f"{path} was not exported by vision_attn (no metadata); use python -m vision_attn.export")
-        self.task_name = meta["task"]
+        self.task_name = meta.get("task")
         if self.task_name == "captioning":
             raise CheckpointError(f"{path} holds a captioning encoder only (beam search runs in PyTorch); "
                                   "predict with the checkpoint instead")
-        self.data_config = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["data_config"]).items()}
-        self.init_args = json.loads(meta["model"])["init_args"]
-        self.class_names = self.init_args.get("class_names")
+        try:
+            self.data_config = {k: tuple(v) if isinstance(v, list) else v
+                                for k, v in json.loads(meta["data_config"]).items()}
+            self.init_args = json.loads(meta["model"])["init_args"]
+            self.class_names = self.init_args.get("class_names")
+        except (KeyError, TypeError, AttributeError, ValueError) as err:
+            raise CheckpointError(f"{path} has broken vision_attn metadata ({type(err).__name__}: {err}); "
+                                  "export it again with python -m vision_attn.export") from err
+        if self.task_name not in ("classification", "detection"):
+            raise CheckpointError(f"{path} holds an unknown task {self.task_name!r}; export it again")
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return [torch.from_numpy(o) for o in self.session.run(None, {"images": x.numpy()})]
+        try:
+            outputs = self.session.run(None, {"images": x.numpy()})
+        except Exception as err:  # noqa: BLE001 - ONNX Runtime's errors derive from Exception only
+            raise CheckpointError(f"ONNX Runtime failed running {self.path} on a batch of shape {tuple(x.shape)}: "
+                                  f"{_first_line(err)}") from err
+        return [torch.from_numpy(o) for o in outputs]
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 def _enlarge(rgb: np.ndarray, side: int = 160) -> np.ndarray:
@@ -174,14 +252,15 @@ def predict_folder(
 ) -> dict[str, list]:
     """Predictions (and overlays) for every image under ``images``; returns
     ``{"predictions": [...], "skipped": [{"file", "reason"}]}`` as written."""
-    from vision_attn.cli import write_json_atomic
     from vision_attn.tasks.base import load_task
 
     images, out, model_path = Path(images), Path(output_dir), Path(model_path)
     if not images.is_dir():
         raise VisionAttnError(f"--images {images} is not a folder")
-    if (out / "predictions.json").exists() and not overwrite:
-        raise RunExistsError(f"{out} already holds predictions.json; pass another --output_dir or --overwrite")
+    existing = [name for name in OUTPUTS if os.path.lexists(out / name)]
+    if existing and not overwrite:
+        raise RunExistsError(f"{out} already holds {', '.join(existing)}, which predict would overwrite; "
+                             "pass another --output_dir or --overwrite")
     if model_path.suffix == ".onnx":
         model, overlays, device = _OnnxModel(model_path), False, "cpu"
     else:
@@ -192,7 +271,6 @@ def predict_folder(
     pre = model.data_config if kind == "classification" else {**model.data_config, "crop_pct": 1.0}
     tf = build_eval_transform(pre)
     predictions: list[dict[str, Any]] = []
-    skipped: list[dict[str, str]] = []
     report = Report()
 
     def flush(batch: list[tuple[Path, np.ndarray]]) -> None:
@@ -208,12 +286,12 @@ def predict_folder(
             rel = path.relative_to(images)
             predictions.append({"file": str(rel), **record})
             if panel is not None:
-                save_png(out / "overlays" / rel.with_suffix(".png"), panel)
+                save_png(out / "overlays" / overlay_name(rel), panel, root=out)
             if len(report.items) < report_images:
                 text = json.dumps(record)[:300]
                 report.items.append({"name": str(rel), "text": text, "panels": [png_data_uri(panel)] if panel is not None else []})
 
-    files = list_images(images)
+    files, skipped = scan_folder(images)
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task(f"{kind}: predicting", total=len(files))
         batch: list[tuple[Path, np.ndarray]] = []
@@ -229,10 +307,12 @@ def predict_folder(
             bar.advance(job)
         if batch:
             flush(batch)
-    write_json_atomic(out / "predictions.json", predictions)
-    write_json_atomic(out / "skipped.json", skipped)
+    skipped.sort(key=lambda s: s["file"])
+    write_json(out / "predictions.json", predictions, root=out)
+    write_json(out / "skipped.json", skipped, root=out)
     write_report(out / "report.html", f"vision_attn {kind} predictions", {"images": float(len(predictions)),
-                 "skipped": float(len(skipped))}, {"model": str(model_path), "images": str(images)}, report.items)
+                 "skipped": float(len(skipped))}, {"model": str(model_path), "images": str(images)}, report.items,
+                 root=out)
     log.info("%s: %d images into %s (%d skipped)", kind, len(predictions), out, len(skipped))
     return {"predictions": predictions, "skipped": skipped}
 
@@ -252,7 +332,9 @@ def run_cli(argv: list[str] | None, prog: str, description: str, model_flag: str
     parser.add_argument("--score_threshold", type=float, default=0.3, help="detection: keep boxes scoring at least this")
     parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the outputs of an earlier run (predictions.json, skipped.json, report.html, "
+                             "overlays/) in --output_dir")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -2,14 +2,21 @@
 
 - EXIF orientation is applied, so pixels (and boxes drawn on them) are upright;
 - every mode becomes RGB: L / LA / P (with transparency) / RGBA / CMYK / I;16 ...; 16-bit
-  images are *scaled* to 8 bits (not clipped); transparent pixels are composited on black;
-- images declaring more than ``max_pixels`` pixels are refused before decoding (decompression
-  bombs);
+  images are *scaled* to 8 bits (not clipped); transparent pixels are composited on black, in
+  integer arithmetic over blocks of rows (no float copy of the image: a 36-megapixel RGBA image
+  costs its decoded bytes and the result, not gigabytes);
+- images declaring more than ``max_pixels`` pixels, or whose decoded pixels would take more
+  than ``max_bytes`` bytes (width x height x bytes per pixel of the decoded mode), are refused
+  from the header, before decoding (decompression bombs);
+- only regular files are opened: a FIFO (opening one blocks), a device or a folder is refused
+  from its file type;
 - anything that cannot be decoded raises :class:`ImageReadError` naming the file.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 import warnings
 from pathlib import Path
 
@@ -18,10 +25,23 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vision_attn.errors import VisionAttnError
 
-__all__ = ["DEFAULT_MAX_PIXELS", "IMAGE_EXTENSIONS", "ImageReadError", "read_image", "to_rgb_array"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_PIXELS",
+    "IMAGE_EXTENSIONS",
+    "ImageReadError",
+    "decoded_bytes",
+    "not_regular_reason",
+    "read_image",
+    "to_rgb_array",
+]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 DEFAULT_MAX_PIXELS = 178_956_970  # PIL's own default bomb limit
+# Decoded bytes (PIL keeps RGB in 4 bytes a pixel): an 80-megapixel RGB photo or a 36-megapixel
+# RGBA PNG fits; PIL's own bomb check refuses more than 89 M pixels in any case.
+DEFAULT_MAX_BYTES = 320 * 2**20
+_BLOCK_PIXELS = 1 << 20  # pixels converted at a time (bounds the temporaries of to_rgb_array)
 
 
 class ImageReadError(VisionAttnError, OSError):
@@ -36,53 +56,139 @@ class ImageReadError(VisionAttnError, OSError):
             super().__init__(f"cannot read image {self.path}: {reason}. Check the file (re-save or remove it).")
 
 
+def _convert_by_rows(img: Image.Image, convert) -> np.ndarray:
+    """RGB ``uint8`` ``[H, W, 3]`` from ``img``, ``convert`` applied to about
+    :data:`_BLOCK_PIXELS` pixels at a time (arrays of rows cropped from PIL), so that besides
+    PIL's decoded image and the result, memory stays small (no full-size copy, float or not)."""
+    w, h = img.size
+    out = np.empty((h, w, 3), np.uint8)
+    rows = max(1, _BLOCK_PIXELS // max(1, w))
+    for y in range(0, h, rows):
+        block = np.asarray(img.crop((0, y, w, min(h, y + rows))))  # (r, W) or (r, W, C)
+        converted = convert(block)
+        out[y : y + rows] = converted if converted.ndim == 3 else converted[..., None]  # grey: over 3 channels
+    return out
+
+
+def _composite_on_black(block: np.ndarray) -> np.ndarray:
+    """RGBA ``uint8`` ``[r, W, 4]`` -> RGB ``round(rgb * alpha / 255)``, in integers: ``uint16``
+    products (at most 65025), exact rounding (``x / 255`` is never halfway for an integer)."""
+    prod = block[..., :3].astype(np.uint16) * block[..., 3:4]  # (r, W, 3)
+    prod += 127
+    prod //= 255
+    return prod.astype(np.uint8)
+
+
+def _scale_16_bit(block: np.ndarray) -> np.ndarray:
+    """0..65535 -> 0..255 rounded: ``(x + 128) // 257 == round(x / 257)`` (never halfway)."""
+    return ((np.clip(block, 0, 65535).astype(np.uint32) + 128) // 257).astype(np.uint8)
+
+
 def to_rgb_array(img: Image.Image) -> np.ndarray:
-    """Convert a PIL image of any mode to an RGB ``uint8`` array ``[H, W, 3]``."""
+    """Convert a PIL image of any mode to an RGB ``uint8`` array ``[H, W, 3]``.
+
+    16-bit data (``I;16*``, ``I``) is scaled from 0..65535 to 0..255 (never clipped at 255);
+    float data (``F``) from 0..1 (or 0..255 when larger values occur); transparency is
+    composited on black. These conversions run per block of rows in integer (or ``float32``)
+    arithmetic: a 36-megapixel RGBA image costs PIL's decoded image and the result, not a float
+    copy of it.
+    """
     mode = img.mode
     if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
-        arr = np.asarray(img).astype(np.float64)
-        # 16-bit data: scale the full 0..65535 range to 0..255 (never clip at 255).
-        arr = np.clip(arr / 257.0, 0, 255).round().astype(np.uint8)
-        return np.repeat(arr[..., None], 3, axis=-1)
+        return _convert_by_rows(img, _scale_16_bit)
     if mode == "F":
-        arr = np.asarray(img, dtype=np.float64)
-        hi = 1.0 if arr.max(initial=0) <= 1.0 else 255.0
-        arr = np.clip(arr / hi * 255.0, 0, 255).round().astype(np.uint8)
-        return np.repeat(arr[..., None], 3, axis=-1)
+        peak = img.getextrema()[1]
+        hi = np.float32(1.0 if not peak > 1.0 else 255.0)  # NaN peaks count as 0..1 data
+        return _convert_by_rows(img, lambda b: np.clip(np.nan_to_num(b) / hi * 255.0, 0, 255).round().astype(np.uint8))
     if mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")
         mode = "RGBA"
     if mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        img = img.convert("RGBA")
-        arr = np.asarray(img).astype(np.float32)
-        alpha = arr[..., 3:4] / 255.0
-        return (arr[..., :3] * alpha).round().astype(np.uint8)  # composite on black
+        return _convert_by_rows(img.convert("RGBA"), _composite_on_black)
     if mode != "RGB":
         img = img.convert("RGB")
     return np.asarray(img, dtype=np.uint8).copy()
 
 
-def read_image(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS, apply_exif: bool = True) -> np.ndarray:
+def decoded_bytes(mode: str, width: int, height: int) -> int:
+    """Bytes PIL needs for a decoded ``width x height`` image of ``mode`` (1 per pixel for
+    ``1``, ``L``, ``P``; 2 for ``I;16*``; 4 for every other mode, as PIL stores them)."""
+    per_pixel = 1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4
+    return width * height * per_pixel
+
+
+_FILE_TYPES = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def not_regular_reason(st_mode: int) -> str | None:
+    """Why a file of this ``st_mode`` is not read as an image (``None`` for a regular file)."""
+    if stat.S_ISREG(st_mode):
+        return None
+    kind = next((name for test, name in _FILE_TYPES if test(st_mode)), "not a regular file")
+    return f"not a regular file ({kind}); only regular image files are read"
+
+
+def _open_regular(path: Path):
+    """Open ``path`` for reading only when it is a regular, non-empty file; never blocks (a FIFO
+    is refused from its type before any open, and opened non-blocking in case it was swapped in)."""
+    try:
+        reason = not_regular_reason(os.stat(path).st_mode)
+    except FileNotFoundError:
+        raise ImageReadError(path, "no such file") from None
+    except OSError as err:
+        raise ImageReadError(path, f"cannot access it ({err.strerror or err})") from err
+    if reason:
+        raise ImageReadError(path, reason)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise ImageReadError(path, f"cannot open it ({err.strerror or err})") from err
+    try:
+        st = os.fstat(fd)
+        reason = not_regular_reason(st.st_mode)
+        if reason:
+            raise ImageReadError(path, reason)
+        if st.st_size == 0:
+            raise ImageReadError(path, "the file is empty (0 bytes)")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def read_image(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS, apply_exif: bool = True,
+               max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
     """Decode ``path`` to an upright RGB ``uint8`` array ``[H, W, 3]``.
 
     ``apply_exif=False`` keeps the stored pixel order (for annotations made on it).
 
+    Args:
+        path: the image file.
+        max_pixels: refuse images declaring more pixels.
+        apply_exif: turn the pixels upright as the EXIF orientation says.
+        max_bytes: refuse images whose decoded pixels would take more bytes
+            (:func:`decoded_bytes`); checked from the header, before decoding.
+
     Raises:
-        ImageReadError: missing, empty, truncated or non-image file, or more than
-            ``max_pixels`` pixels.
+        ImageReadError: missing, empty, not a regular file (FIFO, device, folder), truncated or
+            non-image file, or more than ``max_pixels`` pixels or ``max_bytes`` decoded bytes.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ImageReadError(path, "no such file")
-    if path.stat().st_size == 0:
-        raise ImageReadError(path, "the file is empty (0 bytes)")
+    fh = _open_regular(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as img:
+            with fh, Image.open(fh) as img:
                 w, h = img.size
                 if w * h > max_pixels:
                     raise ImageReadError(path, f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}")
+                need = decoded_bytes(img.mode, w, h)
+                if need > max_bytes:
+                    raise ImageReadError(
+                        path, f"a {w}x{h} {img.mode} image takes {need / 2**20:.0f} MiB decoded, which exceeds "
+                        f"the limit of {max_bytes / 2**20:.0f} MiB (max_bytes); shrink the image")
                 img.load()
                 if apply_exif:
                     img = ImageOps.exif_transpose(img)

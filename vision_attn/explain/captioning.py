@@ -25,6 +25,7 @@ from vision_attn.data.imageio import read_image
 from vision_attn.data.tokenizer import normalize_caption
 from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
+from vision_attn.outputs import safe_filename
 
 __all__ = ["caption_strip", "pointing_game", "word_attention_maps", "write_caption_overlays"]
 
@@ -121,7 +122,8 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
             if i in chosen:
                 rgb = read_image(dataset.image_path(i))
                 strip = caption_strip(rgb, words, maps, options.alpha)
-                save_png(out_dir / "overlays" / f"{i:05d}_{image_id}.png", strip)
+                # The id comes from the annotation file: one safe, short name under out_dir, always.
+                save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{image_id}.png"), strip, root=out_dir)
                 written += 1
                 if report is not None:
                     from vision_attn.explain.report import Report, png_data_uri, quantise

@@ -11,6 +11,7 @@ import torch
 
 from vision_attn.explain.overlay import draw_box, image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
+from vision_attn.outputs import safe_filename
 
 __all__ = ["query_attention_maps", "write_detection_overlays"]
 
@@ -66,7 +67,7 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, max_objects:
             tiles.append(draw_box(overlay_saliency(rgb, maps[j], alpha=options.alpha), box, label=label))
             titles.append(f"query {int(det['queries'][k])}")
         panel = image_grid([boxed, *tiles], ["detections", *titles])
-        save_png(out_dir / "overlays" / f"{i:05d}_{im['id']}.png", panel)
+        save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{im['id']}.png"), panel, root=out_dir)
         if report is not None:
             from vision_attn.explain.report import Report, png_data_uri, quantise
 

@@ -1,7 +1,8 @@
 """Drawing saliency over images with OpenCV.
 
 Conventions: images are ``uint8`` **RGB** arrays ``[H, W, 3]`` in and out (convert with
-``cv2.cvtColor(img, cv2.COLOR_RGB2BGR)`` before ``cv2.imwrite``, or use :func:`save_png`);
+``cv2.cvtColor(img, cv2.COLOR_RGB2BGR)`` before encoding, or use :func:`save_png`, which writes
+safely through :mod:`vision_attn.outputs`);
 saliency maps are float arrays ``[h, w]`` of any resolution (the patch grid), values in
 ``[0, 1]``; they are resized to the image with bicubic interpolation.
 """
@@ -14,6 +15,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 import torch
+
+from vision_attn.outputs import safe_filename, write_png
 
 __all__ = ["draw_box", "image_grid", "overlay_saliency", "put_text", "save_png"]
 
@@ -115,17 +118,27 @@ def image_grid(images: Sequence[np.ndarray], titles: Sequence[str] | None = None
     return out
 
 
-def save_png(path: str | Path, image_rgb: np.ndarray) -> Path:
-    """Write an RGB ``uint8`` image as PNG; raises ``OSError`` naming the file if OpenCV cannot."""
+def save_png(path: str | Path, image_rgb: np.ndarray, root: str | Path | None = None) -> Path:
+    """Write an RGB ``uint8`` image as PNG, safely (see :mod:`vision_attn.outputs`).
+
+    The file name is made safe and at most :data:`~vision_attn.outputs.MAX_NAME_BYTES` bytes
+    long (:func:`~vision_attn.outputs.safe_filename`: a long name is truncated and hashed, never a
+    failure); the file must resolve under ``root`` (the output folder; default: its own folder)
+    and is written through a fresh temporary file and a rename, so a planted link is replaced,
+    never followed, and no half-written PNG is left behind.
+
+    Args:
+        path: the file (``OUT / "overlays" / name``).
+        image_rgb: ``uint8`` RGB ``[H, W, 3]`` (grey and RGBA accepted).
+        root: the output folder the file must stay in.
+
+    Returns:
+        The path written (its name possibly shortened).
+
+    Raises:
+        OSError: OpenCV cannot encode the image (the message names the file) or the folder cannot
+            be created; :class:`~vision_attn.outputs.OutputPathError` when the path leaves ``root``.
+    """
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise OSError(f"cannot create the folder of {path}: {err.strerror or err}") from err
-    try:
-        ok = cv2.imwrite(str(path), cv2.cvtColor(_as_uint8_rgb(image_rgb), cv2.COLOR_RGB2BGR))
-    except cv2.error:
-        ok = False
-    if not ok:
-        raise OSError(f"OpenCV could not write {path} (is the folder writable and the name valid?)")
-    return path
+    path = path.with_name(safe_filename(path.name))
+    return write_png(path, _as_uint8_rgb(image_rgb), root=root)

@@ -26,7 +26,28 @@ import cv2
 import numpy as np
 import torch
 
-__all__ = ["Report", "png_data_uri", "quantise", "write_report"]
+from vision_attn.outputs import write_text
+
+__all__ = ["Report", "png_data_uri", "quantise", "script_json", "write_report"]
+
+# Characters that could end a <script> element or start markup inside one, and the two line
+# separators older JavaScript parsers reject in strings: written as JSON's \u escapes, which
+# parse back to the same text.
+_SCRIPT_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def script_json(obj: Any) -> str:
+    """``obj`` as JSON that is safe inside an HTML ``<script>`` element.
+
+    ``<``, ``>``, ``&``, U+2028 and U+2029 are written as ``\\uXXXX`` escapes (JSON allows them
+    only inside strings, where the escape means the same character), so no value (a category
+    named ``</script><script>alert(1)</script>``, a caption word) can close the element or
+    start markup; ``json.loads`` of the result gives ``obj`` back.
+    """
+    text = json.dumps(obj)
+    for char, escaped in _SCRIPT_ESCAPES.items():
+        text = text.replace(char, escaped)
+    return text
 
 
 @dataclass
@@ -124,11 +145,13 @@ def _curve_svg(curves: dict[str, list[float]]) -> str:
 
 
 def write_report(path: Path, title: str, metrics: dict[str, float], config: dict[str, Any], items: list[dict[str, Any]],
-                 curves: dict[str, list[float]] | None = None, canvas: int = 256) -> Path:
+                 curves: dict[str, list[float]] | None = None, canvas: int = 256,
+                 root: str | Path | None = None) -> Path:
     """Write ``report.html``.
 
     Args:
-        path: the file (written through a temporary name).
+        path: the file (written through a fresh temporary file and a rename, see
+            :mod:`vision_attn.outputs`).
         title: page title.
         metrics: the run's metrics.
         config: a summary shown as JSON (model, data, checkpoint).
@@ -138,6 +161,10 @@ def write_report(path: Path, title: str, metrics: dict[str, float], config: dict
             ``labels``; ``words`` add ``words``.
         curves: deletion curves per method (classification).
         canvas: side of the interactive canvas in pixels.
+        root: the output folder the page must stay in (default: its own folder).
+
+    Every text is HTML-escaped where it enters markup, and the data the script reads is
+    embedded with :func:`script_json`, so no name, label or word can run script in the page.
     """
     body = [f"<h1>{html.escape(title)}</h1>", "<h2>Metrics</h2><table>"]
     body += [f"<tr><th>{html.escape(k)}</th><td>{v:.4f}</td></tr>" for k, v in metrics.items()]
@@ -149,7 +176,7 @@ def write_report(path: Path, title: str, metrics: dict[str, float], config: dict
     js_items = []
     for i, it in enumerate(items):
         body.append(f'<div class="item" id="item{i}"><h3>{html.escape(it["name"])}</h3><p>{html.escape(it.get("text", ""))}</p>')
-        body.append('<div class="panels">' + "".join(f'<img src="{p}" alt="overlay">' for p in it.get("panels", [])) + "</div>")
+        body.append('<div class="panels">' + "".join(f'<img src="{html.escape(p)}" alt="overlay">' for p in it.get("panels", [])) + "</div>")
         kind = it.get("kind")
         if kind:
             controls = ""
@@ -167,9 +194,5 @@ def write_report(path: Path, title: str, metrics: dict[str, float], config: dict
             js_items.append({"id": i, **{k: v for k, v in it.items() if k not in ("panels", "name", "text")}})
         body.append("</div>")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{_STYLE}</style>"
-            f"</head><body>{''.join(body)}<script>const ITEMS={json.dumps(js_items)};{_SCRIPT}</script></body></html>")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(path)
-    return path
+            f"</head><body>{''.join(body)}<script>const ITEMS={script_json(js_items)};{_SCRIPT}</script></body></html>")
+    return write_text(path, page, root=root)

@@ -1,0 +1,177 @@
+"""Issue 15, the write side: every output stays inside its output folder (item 5), a planted link
+in the output folder is replaced, never followed (item 7), and names built from data are made safe
+and short, so a long file name cannot fail an evaluation (item 11)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vision_attn import create_encoder
+from vision_attn.explain.overlay import save_png
+from vision_attn.explain.report import write_report
+from vision_attn.outputs import (
+    MAX_NAME_BYTES,
+    OutputPathError,
+    atomic_output,
+    resolve_under,
+    safe_filename,
+    write_bytes,
+    write_json,
+    write_npy,
+    write_png,
+)
+
+from .conftest import TINY_VIT
+
+IMG = np.arange(8 * 8 * 3, dtype=np.uint8).reshape(8, 8, 3)
+
+
+def _files_outside(top: Path, inside: Path) -> list[Path]:
+    inside = inside.resolve()
+    return [p for p in top.resolve().rglob("*") if p.is_file() and inside not in p.parents]
+
+
+def test_safe_filename_flat_deterministic_distinct_and_short():
+    hostile = "../../../../tmp/x"
+    name = safe_filename(hostile)
+    assert "/" not in name and not name.startswith(".") and name == safe_filename(hostile)
+    assert safe_filename("a/b.png") != safe_filename("a_b.png")  # changed names carry a hash
+    assert safe_filename("00012_cat.png") == "00012_cat.png"  # safe names are kept as they are
+    assert safe_filename("").startswith("_") and safe_filename("..").startswith("_")
+    assert "\x00" not in safe_filename("a\x00b\nc.png")
+    for long, suffix in (("x" * 1000 + ".png", ".png"), ("é" * 300 + ".jpg.png", ".png"), ("x" * 300, "")):
+        short = safe_filename(long)
+        assert len(short.encode()) <= MAX_NAME_BYTES and short == safe_filename(long)
+        assert Path(short).suffix == suffix and short.startswith(long[:50])
+    assert safe_filename("x" * 300 + "a.png") != safe_filename("x" * 300 + "b.png")  # same prefix, other hash
+
+
+def test_writers_refuse_paths_outside_the_output_folder(tmp_path):
+    out = tmp_path / "out"
+    escape = out / "overlays" / ".." / ".." / "escaped.json"
+    for write in (lambda: write_json(escape, {"a": 1}, root=out), lambda: write_bytes(escape, b"x", root=out),
+                  lambda: write_npy(escape, np.zeros(2), root=out), lambda: write_png(escape.with_suffix(".png"), IMG,
+                  root=out), lambda: save_png(out / "overlays" / "00001_.." / ".." / ".." / ".." / "x.png", IMG, root=out),
+                  lambda: write_report(escape.with_suffix(".html"), "t", {}, {}, [], root=out)):
+        with pytest.raises(OutputPathError, match="outside the output folder"):
+            write()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out.mkdir(exist_ok=True)
+    (out / "overlays").symlink_to(elsewhere)  # a planted folder link
+    with pytest.raises(OutputPathError, match=str(out)):
+        save_png(out / "overlays" / "1.png", IMG, root=out)
+    assert not _files_outside(tmp_path, out) and not list(elsewhere.iterdir())
+    linked = tmp_path / "link-to-out"
+    linked.symlink_to(out)  # an output folder that is itself a link is fine
+    assert resolve_under(linked, linked / "m.json") == out.resolve() / "m.json"
+
+
+def test_hostile_caption_image_id_writes_inside_the_output_folder(tmp_path):
+    """A captioning image id ends up in an overlay name: ``../../../../x`` must stay inside."""
+    from vision_attn.data.tokenizer import SPECIAL_TOKENS
+    from vision_attn.explain.captioning import write_caption_overlays
+    from vision_attn.explain.evaluate import ExplainOptions
+    from vision_attn.tasks import CaptioningTask
+
+    torch.manual_seed(0)
+    task = CaptioningTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), vocab=[*SPECIAL_TOKENS, "a", "red"],
+                          hidden_dim=32, num_layers=1, num_heads=2, max_length=4, beam_size=1).eval()
+    image_file = tmp_path / "img.png"
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(image_file)
+
+    class _Data:  # just what write_caption_overlays reads; the id comes from an annotation file
+        images, root, split = [{"id": "../../../../x"}], tmp_path, "val"
+
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            return torch.zeros(3, 32, 32), None
+
+        def image_path(self, i):
+            return image_file
+
+    out = tmp_path / "a" / "b" / "out"
+    options = ExplainOptions(num_overlays=1, faithfulness=False, batch_size=1)
+    write_caption_overlays(task, _Data(), options, out)
+    written = list((out / "overlays").iterdir())
+    assert len(written) == 1 and written[0].suffix == ".png" and "/" not in written[0].name
+    assert _files_outside(tmp_path, out) == [image_file.resolve()]
+
+
+@pytest.mark.parametrize("planted", ["final", "temporary"])
+def test_planted_links_are_replaced_never_followed(tmp_path, planted):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    (out / "overlays").mkdir(parents=True)
+    names = ["report.html", "overlays/1.png", "predictions.json", "maps.npy"]
+    for name in names:  # the final names, or the predictable temporaries older code used
+        (out / (name if planted == "final" else name + ".tmp")).symlink_to(victim)
+    write_report(out / "report.html", "t", {"acc": 1.0}, {}, [])
+    save_png(out / "overlays" / "1.png", IMG)  # safe without root= as well
+    write_json(out / "predictions.json", [1, 2], root=out)
+    write_npy(out / "maps.npy", np.ones(3, np.float32), root=out)
+    assert victim.read_text() == "precious"
+    for name in names:
+        assert not (out / name).is_symlink() and (out / name).is_file()
+    assert np.array_equal(cv2.cvtColor(cv2.imread(str(out / "overlays" / "1.png")), cv2.COLOR_BGR2RGB), IMG)
+    assert json.loads((out / "predictions.json").read_text()) == [1, 2]
+    assert np.load(out / "maps.npy").tolist() == [1.0, 1.0, 1.0]
+
+
+def test_failed_writes_leave_no_temporary_and_keep_the_old_file(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    write_json(out / "metrics.json", {"old": 1}, root=out)
+    mode = stat.S_IMODE((out / "metrics.json").stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask  # not mkstemp's 0600
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_json(out / "metrics.json", {"new": 2}, root=out)
+    with pytest.raises(KeyboardInterrupt), atomic_output(out / "model.onnx", root=out) as tmp:
+        tmp.write_bytes(b"partial")
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="could not write"):
+        write_png(out / "x.unknownext", IMG, root=out)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json"]
+    assert json.loads((out / "metrics.json").read_text()) == {"old": 1}
+
+
+def test_long_file_name_does_not_fail_the_evaluation(tmp_path):
+    """evaluate.py names overlays ``<index>_<class>_<file stem>.png``: a 240-byte stem once made
+    OpenCV fail after all the work, with no metrics written. save_png now shortens the name."""
+    from vision_attn.data.classification import ImageFolderDataset
+    from vision_attn.data.transforms import build_eval_transform
+    from vision_attn.explain.evaluate import ExplainOptions, explain_eval_split
+    from vision_attn.tasks import ClassificationTask
+
+    root = tmp_path / "data"
+    long_stem = "y" * 240
+    for cls, stem in (("circle", long_stem), ("square", "b")):
+        (root / "val" / cls).mkdir(parents=True)
+        Image.fromarray(np.full((32, 32, 3), 40, np.uint8)).save(root / "val" / cls / f"{stem}.png")
+    torch.manual_seed(0)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["circle", "square"]).eval()
+    ds = ImageFolderDataset(root, "val", task.class_names, build_eval_transform(task.data_config))
+    out = tmp_path / "out"
+    options = ExplainOptions(num_overlays=2, faithfulness=False, batch_size=2, methods=["rollout"])
+    explain_eval_split(task, ds, options, out)
+    names = sorted(p.name for p in (out / "overlays").iterdir())
+    assert len(names) == 2 and all(len(n.encode()) <= MAX_NAME_BYTES and n.endswith(".png") for n in names)
+    assert any(n.startswith("00000_circle_yyyy") for n in names)
