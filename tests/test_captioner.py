@@ -64,7 +64,8 @@ def test_cached_and_uncached_decoding_are_identical(beam_size):
     torch.testing.assert_close(a.scores, b.scores)
     torch.testing.assert_close(a.attention, b.attention)
     assert a.attention.shape == (3, a.tokens.shape[1], 2, 9)
-    torch.testing.assert_close(a.attention.sum(-1), torch.ones(3, a.tokens.shape[1], 2))
+    produced = torch.arange(a.tokens.shape[1])[None] < a.lengths[:, None]  # (B, T): words, then padding
+    torch.testing.assert_close(a.attention.sum(-1), produced[..., None].float().expand(-1, -1, 2))
 
 
 def test_beam_size_one_equals_greedy():
@@ -93,7 +94,7 @@ def test_wide_beam_finds_the_exhaustive_optimum(length_penalty):
     best, best_seq = -float("inf"), None
     for length in (1, 2, 3):
         for body in itertools.product([EOS, 3, 4, 5], repeat=length):
-            if EOS in body[:-1]:
+            if EOS in body[:-1] or (body[-1] != EOS and length < 3):  # complete captions only
                 continue
             lp = _sequence_logprob(dec, enc, list(body))
             norm = lp / length**length_penalty
@@ -139,3 +140,55 @@ def test_scores_are_the_log_probability_of_the_returned_caption():
         n = int(out.lengths[i])
         one = EncoderOutput(tokens=enc.tokens[i : i + 1], num_prefix_tokens=1, grid=enc.grid)
         assert float(out.scores[i]) == pytest.approx(_sequence_logprob(dec, one, out.tokens[i, :n].tolist()), abs=1e-4)
+
+
+class _TableDecoder(CaptionDecoder):
+    """A decoder whose next-token log-probabilities are a fixed table of the prefix (no image):
+    search bookkeeping tested on its own. Vocabulary: pad, bos, eos, a (3), b (4)."""
+
+    TABLE = {(): {EOS: -0.5, 3: -1.0, 4: -1.2}, (4,): {3: -0.05}, (4, 3): {EOS: -0.05}}
+    DEFAULT = -3.0
+
+    def __init__(self) -> None:
+        super().__init__(5, in_dim=16, hidden_dim=16, num_layers=1, num_heads=2, dropout=0.0, max_length=4)
+
+    def logp(self, prefix: tuple[int, ...]) -> torch.Tensor:
+        row = torch.full((5,), self.DEFAULT)
+        row[[PAD, BOS]] = float("-inf")
+        for tok, value in self.TABLE.get(prefix, {}).items():
+            row[tok] = value
+        return row
+
+    def _step(self, tokens, memory, memory_pos, caches, need_weights):
+        return torch.stack([self.logp(tuple(r[1:].tolist())) for r in tokens]), None
+
+
+def _exhaustive(dec: _TableDecoder, max_new: int, length_penalty: float) -> tuple[list[int], float]:
+    """Best complete caption (ends with <eos>, or reaches max_new tokens) by generate()'s ranking."""
+    best, best_seq = -float("inf"), None
+    for length in range(1, max_new + 1):
+        for body in itertools.product([EOS, 3, 4], repeat=length):
+            if EOS in body[:-1] or (body[-1] != EOS and length < max_new):
+                continue
+            lp = sum(float(dec.logp(body[:t])[s]) for t, s in enumerate(body))
+            if lp / length**length_penalty > best:
+                best, best_seq = lp / length**length_penalty, list(body)
+    return best_seq, best
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0])
+def test_finished_hypotheses_leave_the_beam_and_are_ranked_with_the_length_penalty(length_penalty):
+    # Beam 2. The most probable first token is <eos> ("" scores -0.5); "b a <eos>" (-1.3) is the
+    # best caption once lengths count. Kept in a beam slot and compared on raw log-probability,
+    # the finished "" pushed "b" out of the beam at step 1; in the pool of finished hypotheses
+    # it frees its slot and the search reaches the exhaustive optimum.
+    dec = _TableDecoder().eval()
+    enc = _enc(b=2, dim=16)
+    best_seq, best = _exhaustive(dec, 3, length_penalty)
+    out = dec.generate(enc, BOS, EOS, max_length=3, beam_size=2, length_penalty=length_penalty)
+    for i in range(2):
+        n = int(out.lengths[i])
+        assert out.tokens[i, :n].tolist() == best_seq
+        assert (out.tokens[i, n:] == PAD).all()
+        assert float(out.scores[i]) / n**length_penalty == pytest.approx(best)
+    assert best_seq == ([EOS] if length_penalty == 0 else [4, 3, EOS])

@@ -34,3 +34,41 @@ def test_right_saliency_beats_wrong_saliency():
 def test_auc_trapezoid():
     assert torch.allclose(auc(torch.tensor([[1.0, 0.0]])), torch.tensor([0.5]))
     assert torch.allclose(auc(torch.tensor([[1.0, 1.0, 1.0]])), torch.tensor([1.0]))
+
+
+def test_sample_spreads_over_a_class_sorted_split():
+    from vision_attn.explain.evaluate import select_images
+
+    labels = [i // 100 for i in range(500)]  # 5 classes of 100, sorted by class (ImageFolder)
+    sample = select_images(500, 256)
+    assert len(sample) == len(set(sample)) == 256 and sample == sorted(sample) and 0 <= sample[0] <= sample[-1] < 500
+    assert {labels[i] for i in sample} == set(range(5))
+    assert {labels[i] for i in select_images(500, 256, "first")} == {0, 1, 2}  # what "first" covered
+    assert select_images(500, 256) == sample and select_images(500, 256, seed=1) != sample  # seeded
+    assert select_images(7, 20) == list(range(7))
+    assert select_images(10, 3, "spread") == [0, 4, 9]  # round(4.5) == 4
+    # one image per stratum: any class with 2 * ceil(N / n) - 1 consecutive images is hit, whatever the seed
+    for seed in range(20):
+        picked = select_images(60, 6, seed=seed)
+        assert [i // 10 for i in picked] == list(range(6))
+
+
+def test_eval_faithfulness_covers_every_class_and_reports_it(shapes_root, tmp_path):
+    from vision_attn import create_encoder
+    from vision_attn.data.classification import ImageFolderDataset
+    from vision_attn.data.transforms import build_eval_transform
+    from vision_attn.explain.evaluate import ExplainOptions, explain_eval_split
+    from vision_attn.tasks import ClassificationTask
+
+    from .conftest import TINY_VIT
+
+    torch.manual_seed(0)
+    names = ["circle", "cross", "square", "star", "triangle"]
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=names).eval()
+    ds = ImageFolderDataset(shapes_root, "val", names, build_eval_transform(task.data_config))
+    assert [ds.samples[i][1] for i in range(len(ds))] == sorted(ds.samples[i][1] for i in range(len(ds)))  # by class
+    options = ExplainOptions(methods=["attention"], num_overlays=0, faithfulness_images=5, steps=2, batch_size=5,
+                             report=False)
+    metrics = explain_eval_split(task, ds, options, tmp_path)
+    assert metrics["explain_images"] == 5.0 and metrics["explain_classes"] == 5.0
+    assert {"deletion_auc", "insertion_auc", "deletion_auc_random"} <= set(metrics)

@@ -148,3 +148,65 @@ def test_gradient_relevance_equals_the_recursive_definition():
     row = rel[:, 0, 1:].reshape(2, 2, 3)
     expected = row / row.amax(dim=(1, 2), keepdim=True)
     assert torch.allclose(gradient_relevance(attn, grads, grid=(2, 3)), expected, atol=1e-6)
+
+
+def test_patches_row_is_the_mean_of_the_patch_rows():
+    torch.manual_seed(3)
+    p, t = 2, 2 + 6
+    attn = [torch.softmax(torch.randn(2, 3, t, t), -1) for _ in range(2)]
+    grads = [torch.randn(2, 3, t, t) for _ in range(2)]
+    eye = torch.eye(t)
+    roll, rel = eye.repeat(2, 1, 1), eye.repeat(2, 1, 1)
+    for a, g in zip(attn, grads, strict=True):
+        f = a.mean(1) + eye
+        roll = (f / f.sum(-1, keepdim=True)) @ roll
+        rel = rel + (g * a).clamp(min=0).mean(1) @ rel
+
+    def expected(full):  # mean over the patch rows, patch columns, scaled to max 1
+        row = full[:, p:, p:].mean(1).reshape(2, 2, 3)
+        return row / row.amax(dim=(1, 2), keepdim=True)
+
+    kw = {"grid": (2, 3), "num_prefix_tokens": p, "token_index": "patches"}
+    assert torch.allclose(attention_rollout(attn, **kw), expected(roll), atol=1e-6)
+    assert torch.allclose(gradient_relevance(attn, grads, **kw), expected(rel), atol=1e-6)
+    assert torch.allclose(last_layer_attention(attn, **kw), expected(attn[-1].mean(1)), atol=1e-6)
+    assert not torch.allclose(attention_rollout(attn, (2, 3), p), expected(roll))  # the class token's row differs
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_explanations_follow_the_heads_pooling(pooling):
+    """A mean-pooling head never reads the class token: its maps are the mean of the patch rows."""
+    from vision_attn import create_encoder
+    from vision_attn.explain.methods import explain_classifier
+    from vision_attn.tasks import ClassificationTask
+
+    from .conftest import TINY_VIT
+
+    torch.manual_seed(0)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["a", "b", "c"],
+                              pooling=pooling).eval()
+    x = torch.randn(2, 3, 32, 32)
+    expl = explain_classifier(task, x, ("rollout", "relevance", "attention"))
+    assert expl.num_prefix_tokens == 1 and expl.token_index == (0 if pooling == "cls" else "patches")
+    # by hand from the same model: capture, backpropagate the explained logit, full matrices
+    with capture_attention(task.encoder, keep_grad=True) as attn:
+        logits = task.head(task.encoder(x))
+    logits.gather(1, expl.target.view(-1, 1)).sum().backward()
+    t = attn[0].shape[-1]
+    eye = torch.eye(t)
+    roll, rel = eye.repeat(2, 1, 1), eye.repeat(2, 1, 1)
+    for a in attn:
+        f = a.detach().mean(1) + eye
+        roll = (f / f.sum(-1, keepdim=True)) @ roll
+        rel = rel + (a.grad * a.detach()).clamp(min=0).mean(1) @ rel
+    last = attn[-1].detach().mean(1)
+    for name, full in (("rollout", roll), ("relevance", rel), ("attention", last)):
+        rows = full[:, 1:, 1:] if pooling == "mean" else full[:, :1, 1:]  # (B, rows, patches)
+        per_row = rows.reshape(2, -1, 4, 4)
+        by_hand = per_row.mean(1)  # average of the per-row maps
+        by_hand = by_hand / by_hand.amax(dim=(1, 2), keepdim=True)
+        assert torch.allclose(expl.maps[name], by_hand, atol=1e-5), name
+    with pytest.raises(ValueError, match="cannot explain a head with pooling 'map'"):
+        from vision_attn.explain.methods import explained_token
+
+        explained_token(type("Head", (), {"pooling": "map"})(), 1)

@@ -52,17 +52,27 @@ def caption_strip(rgb: np.ndarray, words: list[str], maps: torch.Tensor, alpha: 
     return np.concatenate([band, grid], axis=0)
 
 
+def _is_box(value) -> bool:
+    return (isinstance(value, list) and len(value) == 4
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
+
+
 def _split_boxes(dataset) -> dict[int, list[tuple[set[str], list[float]]]] | None:
     """``{image id: [(words naming the box, xyxy fractions)]}`` from the split's instances file, if any."""
     path = dataset.root / "annotations" / f"instances_{dataset.split}.json"
     if not path.is_file():
         return None
     data = load_coco_annotations(path)
-    names = {c["id"]: normalize_caption(str(c.get("name", ""))) for c in data.get("categories") or []}
-    sizes = {im["id"]: (im.get("width"), im.get("height")) for im in data["images"]}
+    names = {c.get("id"): normalize_caption(str(c.get("name", ""))) for c in data.get("categories") or []
+             if isinstance(c, dict)}
+    sizes = {im.get("id"): (im.get("width"), im.get("height")) for im in data.get("images") or []
+             if isinstance(im, dict)}
     out: dict[int, list[tuple[str, list[float]]]] = {}
-    for a in data["annotations"]:
-        w, h = sizes.get(a.get("image_id"), (None, None))
+    for a in data.get("annotations") or []:
+        # the pointing game only reads well-formed boxes (the data reader counts the others)
+        if not isinstance(a, dict) or not _is_box(a.get("bbox")):
+            continue
+        w, h = sizes.get(a.get("image_id"), (None, None)) if isinstance(a.get("image_id"), int) else (None, None)
         if not w or not h or a.get("category_id") not in names:
             continue
         x, y, bw, bh = a["bbox"]
@@ -97,13 +107,12 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
     """Write a per-word strip for ``options.num_overlays`` images into ``out_dir/overlays`` and,
     when the split has boxes and ``options.faithfulness`` is on, return the pointing metrics of
     up to ``options.faithfulness_images`` images."""
-    n_over = min(options.num_overlays, len(dataset))
-    if options.overlay_selection == "spread" and n_over > 0:
-        chosen = sorted({round(k * (len(dataset) - 1) / max(1, n_over - 1)) for k in range(n_over)})
-    else:
-        chosen = list(range(n_over))
+    from vision_attn.explain.evaluate import select_images
+
+    chosen = select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed)
     boxes = _split_boxes(dataset) if options.faithfulness else None
-    pointed = list(range(min(options.faithfulness_images, len(dataset)))) if boxes is not None else []
+    pointed = (select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection, options.seed)
+               if boxes is not None else [])
     todo = sorted(set(chosen) | set(pointed))
     device = next(task.parameters()).device
     hits = total = 0
@@ -139,4 +148,5 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
         log.info("wrote %d per-word attention strips to %s", written, out_dir / "overlays")
     if not total:
         return {}
-    return {"pointing_acc": hits / total, "pointing_acc_random": chance / total, "pointing_words": float(total)}
+    return {"pointing_acc": hits / total, "pointing_acc_random": chance / total, "pointing_words": float(total),
+            "explain_images": float(len(pointed))}

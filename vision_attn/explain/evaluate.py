@@ -1,4 +1,10 @@
-"""Explanations at evaluation time: overlays of the first images and faithfulness numbers.
+"""Explanations at evaluation time: overlays and faithfulness numbers of a chosen set of images.
+
+Which images: :func:`select_images`. By default the faithfulness numbers come from a seeded
+random sample spread over the whole split (one image drawn from each of ``N`` equal
+consecutive strata), so a class-sorted split (ImageFolder) is covered class by class rather
+than through its first classes only; ``metrics.json`` reports how many images
+(``explain_images``) and classes (``explain_classes``) that sample covered.
 
 Used by ``eval.py`` (options under ``--explain.*``) and by the folder command
 ``python -m vision_attn.overlay``.
@@ -21,9 +27,40 @@ from vision_attn.data.transforms import build_display_transform
 from vision_attn.explain.methods import METHODS, explain_classifier, faithfulness
 from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
 
-__all__ = ["ExplainOptions", "explanation_panel", "explain_eval_split"]
+__all__ = ["ExplainOptions", "Selection", "explain_eval_split", "explanation_panel", "select_images"]
 
 log = logging.getLogger(__name__)
+
+Selection = Literal["sample", "spread", "first"]
+
+
+def select_images(n_total: int, n: int, selection: Selection = "sample", seed: int = 0) -> list[int]:
+    """Sorted indices of the ``min(n, n_total)`` images of a split of ``n_total`` to explain.
+
+    Args:
+        n_total: images in the split.
+        n: images wanted.
+        selection: ``sample`` — a seeded random sample spread over the split: the indices are
+            cut into ``n`` consecutive strata of (almost) equal size and one index is drawn
+            from each, so every run of ``2 * ceil(n_total / n) - 1`` consecutive images (a
+            class of a class-sorted split) has at least one image in it; ``spread`` — evenly
+            spaced indices (first and last included); ``first`` — the first ``n``.
+        seed: of ``sample``.
+    """
+    n = min(n, n_total)
+    if n <= 0:
+        return []
+    if selection == "first":
+        return list(range(n))
+    if selection == "spread":
+        return sorted({round(k * (n_total - 1) / max(1, n - 1)) for k in range(n)})
+    if selection != "sample":
+        raise ValueError(f"image selection must be 'sample', 'spread' or 'first', got {selection!r}")
+    gen = torch.Generator().manual_seed(seed)
+    bounds = [k * n_total // n for k in range(n + 1)]  # strata [bounds[k], bounds[k + 1])
+    offsets = torch.rand(n, generator=gen, dtype=torch.float64).tolist()
+    return [lo + min(hi - lo - 1, int(u * (hi - lo))) for lo, hi, u in zip(bounds[:-1], bounds[1:], offsets,
+                                                                             strict=True)]
 
 
 @dataclass
@@ -36,10 +73,16 @@ class ExplainOptions:
             ``rollout``, ``relevance`` (gradient-weighted, class specific), ``attention``
             (raw last layer).
         num_overlays: overlays written for N images of the split (0 = none).
-        overlay_selection: ``first`` (the first N images) or ``spread`` (N images evenly
-            spread over the split, so every class shows up in a class-sorted folder).
+        overlay_selection: ``first`` (the first N images), ``spread`` (N images evenly
+            spread over the split, so every class shows up in a class-sorted folder) or
+            ``sample`` (a seeded random sample spread over the split; see
+            :func:`select_images`).
         faithfulness: compute deletion / insertion AUC for each method and a random baseline.
-        faithfulness_images: at most this many images for the faithfulness numbers.
+        faithfulness_images: at most this many images for the faithfulness numbers (and the
+            pointing game of captioning).
+        faithfulness_selection: which images: ``sample`` (default; a seeded random sample
+            spread over the split), ``spread`` or ``first`` (see :func:`select_images`).
+        seed: of the ``sample`` selections.
         steps: points of the deletion / insertion curves.
         head_fusion: how rollout and raw attention fuse the heads (mean, max, min).
         discard_ratio: rollout's discard ratio.
@@ -53,9 +96,11 @@ class ExplainOptions:
 
     methods: list[str] = field(default_factory=lambda: ["rollout", "relevance", "attention"])
     num_overlays: int = 16
-    overlay_selection: Literal["first", "spread"] = "first"
+    overlay_selection: Selection = "first"
     faithfulness: bool = True
     faithfulness_images: int = 256
+    faithfulness_selection: Selection = "sample"
+    seed: int = 0
     steps: int = 16
     head_fusion: str = "mean"
     discard_ratio: float = 0.0
@@ -142,10 +187,7 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
     if n_over > 0:
         display_tf = build_display_transform(task.data_config)
         written = 0
-        if options.overlay_selection == "spread":
-            chosen = sorted({round(k * (len(dataset) - 1) / max(1, n_over - 1)) for k in range(n_over)})
-        else:
-            chosen = list(range(n_over))
+        chosen = select_images(len(dataset), n_over, options.overlay_selection, options.seed)
         for images, labels, idx in _batches(dataset, chosen, options.batch_size):
             expl = explain_classifier(task, images.to(device), options.methods, head_fusion=options.head_fusion,
                                       discard_ratio=options.discard_ratio)
@@ -163,12 +205,13 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
             if report is not None:
                 _add_deletion_curves(task, images.to(device), expl, options.steps, report, len(chosen))
         log.info("wrote %d overlays to %s", written, out_dir / "overlays")
-    if options.faithfulness:
-        n = min(options.faithfulness_images, len(dataset))
+    picked = select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection, options.seed)
+    if options.faithfulness and picked:
+        n = len(picked)
         gen = torch.Generator().manual_seed(0)
         sums: dict[str, float] = {}
         methods = [*options.methods, "random"]
-        for images, _, _ in _batches(dataset, list(range(n)), options.batch_size):
+        for images, _, _ in _batches(dataset, picked, options.batch_size):
             images = images.to(device)
             expl = explain_classifier(task, images, methods, head_fusion=options.head_fusion,
                                       discard_ratio=options.discard_ratio, generator=gen)
@@ -179,4 +222,7 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
         chosen = options.methods[0]
         metrics["deletion_auc"] = metrics[f"deletion_auc_{chosen}"]
         metrics["insertion_auc"] = metrics[f"insertion_auc_{chosen}"]
+        metrics["explain_images"] = float(n)
+        metrics["explain_classes"] = float(len({dataset.samples[i][1] for i in picked}))
+        log.info("faithfulness of %d images covering %d classes", n, int(metrics["explain_classes"]))
     return dict(sorted(metrics.items()))

@@ -2,6 +2,10 @@
 
     maps = explain_classifier(task, images, methods=("rollout", "relevance"))
     maps.maps["rollout"]   # [B, h, w] in [0, 1]
+
+The maps explain what the classifier's head reads: the class token's row with ``cls``
+pooling, the mean of the patch tokens' rows with ``mean`` pooling (also when the encoder has a
+class token, which a mean-pooling head never reads).
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from vision_attn.explain.capture import capture_attention
 from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
 from vision_attn.explain.rollout import (
     HeadFusion,
+    TokenIndex,
     attention_rollout,
     gradient_relevance,
     last_layer_attention,
 )
 
-__all__ = ["METHODS", "Explanation", "Method", "explain_classifier", "faithfulness"]
+__all__ = ["METHODS", "Explanation", "Method", "explain_classifier", "explained_token", "faithfulness"]
 
 Method = Literal["rollout", "relevance", "attention", "random"]
 METHODS: tuple[str, ...] = ("rollout", "relevance", "attention", "random")
@@ -32,7 +37,8 @@ METHODS: tuple[str, ...] = ("rollout", "relevance", "attention", "random")
 class Explanation:
     """Saliency maps of a batch. ``maps[method]`` is ``[B, h, w]`` in ``[0, 1]``; ``attentions``
     the captured attention of every block ``[B, heads, T, T]`` (detached), ``num_prefix_tokens``
-    how many of the ``T`` tokens are not patches."""
+    how many of the ``T`` tokens are not patches, ``token_index`` the row explained (a prefix
+    token's index, or ``"patches"``: the mean of the patch tokens' rows)."""
 
     logits: Tensor
     target: Tensor
@@ -40,6 +46,32 @@ class Explanation:
     maps: dict[str, Tensor] = field(default_factory=dict)
     attentions: list[Tensor] = field(default_factory=list)
     num_prefix_tokens: int = 0
+    token_index: TokenIndex = 0
+
+
+_CLS_POOLING = ("cls", "token")  # ClassificationHead's and timm's names
+_MEAN_POOLING = ("mean", "avg")
+
+
+def explained_token(head, num_prefix_tokens: int) -> TokenIndex:
+    """The row that explains what ``head`` reads: ``0`` (the class token) for ``cls`` pooling,
+    ``"patches"`` (the mean of the patch tokens' rows) for ``mean`` pooling; ``auto`` and heads
+    without a ``pooling`` attribute read the class token when there is one, else the mean.
+
+    Raises:
+        ValueError: a pooling no row describes (e.g. attention pooling).
+    """
+    pooling = getattr(head, "pooling", None) or getattr(head, "global_pool", None) or "auto"
+    if pooling == "auto":
+        pooling = "cls" if num_prefix_tokens > 0 else "mean"
+    if pooling in _CLS_POOLING:
+        return 0
+    if pooling in _MEAN_POOLING:
+        return "patches"
+    raise ValueError(
+        f"cannot explain a head with pooling {pooling!r}: the explanations follow a class token ('cls') or the "
+        "mean of the patch tokens ('mean'); pass token_index= to explain_classifier to choose a row"
+    )
 
 
 def explain_classifier(
@@ -50,7 +82,7 @@ def explain_classifier(
     head_fusion: HeadFusion = "mean",
     discard_ratio: float = 0.0,
     start_layer: int = 0,
-    token_index: int = 0,
+    token_index: TokenIndex | None = None,
     generator: torch.Generator | None = None,
 ) -> Explanation:
     """Saliency maps of a classification task for a batch of normalised images.
@@ -64,7 +96,9 @@ def explain_classifier(
         head_fusion: head fusion of ``rollout`` and ``attention``.
         discard_ratio: ``rollout``'s discard ratio.
         start_layer: first block used by ``rollout`` and ``relevance``.
-        token_index: which prefix token's row is explained.
+        token_index: the row explained: default what the head reads (see
+            :func:`explained_token`: the class token for ``cls`` pooling, the mean of the patch
+            tokens' rows for ``mean`` pooling); or a prefix token's index, or ``"patches"``.
         generator: randomness of the ``random`` baseline.
     """
     unknown = [m for m in methods if m not in METHODS]
@@ -77,8 +111,10 @@ def explain_classifier(
     if target is None:
         target = logits.detach().argmax(dim=1)
     p = out.num_prefix_tokens
+    if token_index is None:
+        token_index = explained_token(task.head, p)
     result = Explanation(logits=logits.detach(), target=target, grid=out.grid,
-                         attentions=[a.detach() for a in attn], num_prefix_tokens=p)
+                         attentions=[a.detach() for a in attn], num_prefix_tokens=p, token_index=token_index)
     if need_grad:
         score = logits.gather(1, target.view(-1, 1)).sum()
         grads = torch.autograd.grad(score, attn)

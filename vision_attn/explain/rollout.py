@@ -10,6 +10,12 @@ tokens in front) and return maps ``[B, h, w]`` in ``[0, 1]``, each scaled to a m
 - :func:`gradient_relevance` — Chefer, Gur & Wolf 2021 ("Generic attention-model
   explainability"): per block ``Ā = mean_h relu(∂y/∂A ⊙ A)`` and ``R ← R + Ā R``; class specific.
 - :func:`last_layer_attention` — the raw attention of the chosen token in the last block.
+
+Which row is explained (``token_index``): a prefix token's (0 = the class token, what a
+``cls``-pooling head reads) or ``"patches"``, the mean of the patch tokens' rows — what a
+mean-pooling head reads, since the mean of the patch tokens' outputs is linear in the rows
+(the rollout / relevance of the mean is the mean of the rows). Without prefix tokens the mean
+row is explained whatever ``token_index`` says.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from torch import Tensor
 
 __all__ = [
     "HeadFusion",
+    "TokenIndex",
     "attention_rollout",
     "fuse_heads",
     "gradient_relevance",
@@ -31,6 +38,7 @@ __all__ = [
 ]
 
 HeadFusion = Literal["mean", "max", "min"]
+TokenIndex = int | Literal["patches"]
 
 
 def fuse_heads(attn: Tensor, head_fusion: HeadFusion = "mean") -> Tensor:
@@ -65,14 +73,21 @@ def to_grid(row: Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> Tenso
     return normalize_maps(patches.reshape(-1, h, w))
 
 
-def _check(attentions: Sequence[Tensor], token_index: int, num_prefix_tokens: int) -> None:
+def _check(attentions: Sequence[Tensor], token_index: TokenIndex, num_prefix_tokens: int) -> None:
     if len(attentions) == 0:
         raise ValueError("no attention maps given (capture_attention recorded nothing?)")
-    if not 0 <= token_index < max(1, num_prefix_tokens):
+    if token_index == "patches":
+        return
+    if isinstance(token_index, str) or not 0 <= token_index < max(1, num_prefix_tokens):
         raise ValueError(
             f"token_index {token_index} is not a prefix token (the model has {num_prefix_tokens}); "
-            "for models without prefix tokens use token_index=0 with mean-pooled explanations"
+            "for models without prefix tokens use token_index=0 with mean-pooled explanations; "
+            "token_index='patches' explains the mean of the patch tokens (mean pooling)"
         )
+
+
+def _explains_patches(token_index: TokenIndex, num_prefix_tokens: int) -> bool:
+    return token_index == "patches" or num_prefix_tokens == 0
 
 
 def _discard_lowest(fused: Tensor, ratio: float, num_prefix_tokens: int) -> Tensor:
@@ -93,14 +108,15 @@ def _discard_lowest(fused: Tensor, ratio: float, num_prefix_tokens: int) -> Tens
     return fused.flatten(1).scatter(1, idx, 0.0).view(b, t, t)
 
 
-def _row_through(layers: list[Tensor], like: Tensor, token_index: int, num_prefix_tokens: int) -> Tensor:
-    """Row ``token_index`` (mean row when ``P = 0``) of ``layers[-1] @ ... @ layers[0]``: ``[B, T]``."""
+def _row_through(layers: list[Tensor], like: Tensor, token_index: TokenIndex, num_prefix_tokens: int) -> Tensor:
+    """Row ``token_index`` (the mean of the patch rows for ``"patches"`` or ``P = 0``) of
+    ``layers[-1] @ ... @ layers[0]``: ``[B, T]``."""
     b, t = like.shape[0], like.shape[-1]
-    if num_prefix_tokens > 0:
-        row = torch.zeros(b, 1, t, device=like.device, dtype=torch.float32)
-        row[:, 0, token_index] = 1.0
+    row = torch.zeros(b, 1, t, device=like.device, dtype=torch.float32)
+    if _explains_patches(token_index, num_prefix_tokens):
+        row[:, 0, num_prefix_tokens:] = 1.0 / (t - num_prefix_tokens)
     else:
-        row = torch.full((b, 1, t), 1.0 / t, device=like.device, dtype=torch.float32)
+        row[:, 0, token_index] = 1.0
     for m in reversed(layers):
         row = row @ m  # (B, 1, T)
     return row[:, 0]
@@ -113,7 +129,7 @@ def attention_rollout(
     head_fusion: HeadFusion = "mean",
     discard_ratio: float = 0.0,
     start_layer: int = 0,
-    token_index: int = 0,
+    token_index: TokenIndex = 0,
 ) -> Tensor:
     """Attention rollout (Abnar & Zuidema 2020) as ``[B, h, w]`` maps scaled to max 1.
 
@@ -126,7 +142,8 @@ def attention_rollout(
             columns of prefix tokens are never discarded).
         start_layer: skip the blocks before this one.
         token_index: which prefix token's row to explain (0 = class token; 1 = DeiT's
-            distillation token). With ``P = 0`` the mean over all token rows is explained.
+            distillation token), or ``"patches"``: the mean of the patch tokens' rows (a
+            mean-pooling head). With ``P = 0`` the mean over all token rows is explained.
     """
     _check(attentions, token_index, num_prefix_tokens)
     if not 0 <= start_layer < len(attentions):
@@ -150,7 +167,7 @@ def gradient_relevance(
     gradients: Sequence[Tensor] | None,
     grid: tuple[int, int],
     num_prefix_tokens: int = 1,
-    token_index: int = 0,
+    token_index: TokenIndex = 0,
     start_layer: int = 0,
 ) -> Tensor:
     """Class-specific relevance (Chefer et al. 2021) as ``[B, h, w]`` maps scaled to max 1.
@@ -162,7 +179,8 @@ def gradient_relevance(
             after ``target.backward()``.
         grid: patch grid ``(h, w)``.
         num_prefix_tokens: ``P``.
-        token_index: which prefix token's row to explain.
+        token_index: which prefix token's row to explain, or ``"patches"`` (see
+            :func:`attention_rollout`).
         start_layer: skip the blocks before this one.
     """
     _check(attentions, token_index, num_prefix_tokens)
@@ -188,10 +206,14 @@ def last_layer_attention(
     grid: tuple[int, int],
     num_prefix_tokens: int = 1,
     head_fusion: HeadFusion = "mean",
-    token_index: int = 0,
+    token_index: TokenIndex = 0,
 ) -> Tensor:
-    """The last block's (head-fused) attention of one prefix token over the patches."""
+    """The last block's (head-fused) attention of one prefix token over the patches (or, with
+    ``token_index="patches"``, the mean of the patch tokens' attention rows)."""
     _check(attentions, token_index, num_prefix_tokens)
     fused = fuse_heads(attentions[-1].float(), head_fusion)
-    row = fused[:, token_index] if num_prefix_tokens > 0 else fused.mean(dim=1)
+    if _explains_patches(token_index, num_prefix_tokens):
+        row = fused[:, num_prefix_tokens:].mean(dim=1)
+    else:
+        row = fused[:, token_index]
     return to_grid(row, grid, num_prefix_tokens)

@@ -9,8 +9,9 @@ with a transformer decoder).
   token embedding.
 - :meth:`CaptionDecoder.forward`: teacher forcing, logits ``[B, T, V]``.
 - :meth:`CaptionDecoder.generate`: greedy or beam search with the key/value cache, batched;
-  returns the token ids, their scores and, on request, every generated token's
-  cross-attention over the patches (of the chosen beam).
+  beam search keeps a pool of finished hypotheses ranked with the length penalty (fairseq,
+  Hugging Face ``generate``); returns the token ids, their scores and, on request, every
+  generated token's cross-attention over the patches (of the chosen hypothesis).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class GenerationOptions:
 
     Args:
         beam_size: 1 = greedy search; more = beam search.
-        length_penalty: beam hypotheses are ranked by ``log p / length ** length_penalty``
-            (0 = raw log-probability, favouring short captions; 1 = per-word average).
+        length_penalty: beam search ranks finished hypotheses by
+            ``log p / length ** length_penalty`` (0 = raw log-probability, favouring short
+            captions; 1 = per-word average).
         max_length: most tokens generated (``<eos>`` included).
     """
 
@@ -53,7 +55,8 @@ class Generation:
         scores: ``[B]`` sum of the tokens' log-probabilities.
         attention: ``[B, T, L, N]`` per generated token and decoder layer, the cross-attention
             over the ``N`` patches, averaged over heads (``None`` unless requested). Entry
-            ``t`` is the attention of the step that *produced* token ``t``.
+            ``t`` is the attention of the step that *produced* token ``t``; entries after
+            ``<eos>`` (``t >= lengths``) are zero.
     """
 
     tokens: Tensor
@@ -168,7 +171,8 @@ class CaptionDecoder(nn.Module):
                 are ``pad_id``). Hypotheses that never emit it stop at ``max_length``.
             max_length: most generated tokens (default: what the position embedding allows).
             beam_size: hypotheses kept per image.
-            length_penalty: final ranking by ``score / length ** length_penalty``.
+            length_penalty: finished hypotheses are ranked by
+                ``score / length ** length_penalty`` (see :meth:`_beam`).
             use_cache: reuse the keys/values of earlier tokens (identical result, faster);
                 ``False`` recomputes the whole prefix at every step.
             return_attention: also return each token's cross-attention (see :class:`Generation`).
@@ -184,54 +188,149 @@ class CaptionDecoder(nn.Module):
         (which, with ``beam_size=1``, must give what greedy gives: tested)."""
         max_new = min(max_length or self.max_length - 1, self.max_length - 1)
         memory, memory_pos = self.encode_memory(enc)
-        b, k = memory.shape[0], beam_size
-        if k > 1:
-            memory = memory.repeat_interleave(k, dim=0)  # (B*K, N, D), beams of an image adjacent
-        rows = b * k
-        device = memory.device
+        if greedy:
+            return self._greedy(memory, memory_pos, bos_id, eos_id, max_new, use_cache, return_attention)
+        return self._beam(memory, memory_pos, bos_id, eos_id, max_new, beam_size, length_penalty, use_cache,
+                          return_attention)
+
+    def _greedy(self, memory: Tensor, memory_pos: Tensor, bos_id: int, eos_id: int, max_new: int, use_cache: bool,
+                return_attention: bool) -> Generation:
+        rows, device = memory.shape[0], memory.device
         caches = [LayerCache() for _ in self.layers] if use_cache else None
         tokens = torch.full((rows, 1), bos_id, dtype=torch.long, device=device)
         scores = torch.zeros(rows, device=device)
-        if k > 1:
-            scores.view(b, k)[:, 1:] = float("-inf")  # all beams start equal: expand only the first
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.zeros(rows, dtype=torch.long, device=device)
         attention: list[Tensor] = []
         for _ in range(max_new):
             logp, attn = self._step(tokens, memory, memory_pos, caches, return_attention)
-            # a finished hypothesis only continues with <pad>, at no cost
             logp[:, bos_id] = float("-inf")  # never generated
-            logp = torch.where(finished[:, None], torch.full_like(logp, float("-inf")), logp)
-            logp[:, self.pad_id] = torch.where(finished, 0.0, float("-inf"))
-            if greedy:
-                step_scores, next_tok = logp.max(-1)
-                scores = scores + step_scores
-                src = torch.arange(rows, device=device)
-            else:
-                cand = (scores[:, None] + logp).view(b, k * logp.shape[-1])  # (B, K*V)
-                scores, flat = cand.topk(k, dim=-1)  # (B, K)
-                scores = scores.reshape(rows)
-                src = (torch.arange(b, device=device)[:, None] * k + flat // logp.shape[-1]).reshape(rows)
-                next_tok = (flat % logp.shape[-1]).reshape(rows)
-                tokens, finished, lengths = tokens[src], finished[src], lengths[src]
-                if caches is not None:
-                    for c in caches:  # the image memory is the same for an image's beams: only self-attention moves
-                        c.self_attn.reorder(src)
-                if return_attention:
-                    attention = [a[src] for a in attention]
-                    attn = attn[src]
+            logp[:, self.pad_id] = float("-inf")
+            step_scores, next_tok = logp.max(-1)
+            ended = finished
+            next_tok = torch.where(finished, self.pad_id, next_tok)  # a finished caption continues with <pad>
+            scores = scores + torch.where(finished, 0.0, step_scores)
             lengths = lengths + (~finished).long()
             finished = finished | (next_tok == eos_id)
             tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
             if return_attention:
-                attention.append(attn)
+                attention.append(torch.where(ended[:, None, None], 0.0, attn))  # no word produced: zeros
             if bool(finished.all()):
                 break
-        out_tokens = tokens[:, 1:]
-        if not greedy:
-            norm = scores / lengths.clamp(min=1).float() ** length_penalty
-            best = norm.view(b, k).argmax(-1) + torch.arange(b, device=device) * k  # (B,)
-            out_tokens, scores, lengths = out_tokens[best], scores[best], lengths[best]
-            attention = [a[best] for a in attention]
         att = torch.stack(attention, dim=1) if return_attention else None  # (B, T, L, N)
-        return Generation(tokens=out_tokens, lengths=lengths, scores=scores, attention=att)
+        return Generation(tokens=tokens[:, 1:], lengths=lengths, scores=scores, attention=att)
+
+    def _beam(self, memory: Tensor, memory_pos: Tensor, bos_id: int, eos_id: int, max_new: int, k: int,
+              length_penalty: float, use_cache: bool, return_attention: bool) -> Generation:
+        """Beam search with a pool of finished hypotheses per image (as fairseq and Hugging Face
+        ``generate``).
+
+        Each step extends the ``K`` live hypotheses of an image by every token and ranks the
+        ``2K`` best extensions by log-probability. An extension that ends with ``<eos>`` and
+        ranks among the first ``K`` is finished: it enters the image's pool with its score
+        normalised *now*, ``log p / length ** length_penalty`` (the pool keeps the ``K`` best);
+        the ``K`` best other extensions stay live. Finished hypotheses never take a live slot.
+        An image is done when its pool is full and its best live hypothesis, normalised at the
+        current length, cannot beat the pool's worst (Hugging Face's ``early_stopping=False``);
+        at ``max_new`` tokens the live hypotheses enter the pool unfinished. The answer is the
+        pool's best.
+        """
+        b, device = memory.shape[0], memory.device
+        memory = memory.repeat_interleave(k, dim=0)  # (B*K, N, D), beams of an image adjacent
+        rows = b * k
+        caches = [LayerCache() for _ in self.layers] if use_cache else None
+        tokens = torch.full((rows, 1), bos_id, dtype=torch.long, device=device)
+        scores = torch.zeros(b, k, device=device)
+        scores[:, 1:] = float("-inf")  # all beams start equal: expand only the first
+        # the pool: K finished hypotheses per image (tokens padded to max_new)
+        pool_tokens = torch.full((b, k, max_new), self.pad_id, dtype=torch.long, device=device)
+        pool_scores = torch.full((b, k), float("-inf"), device=device)  # sum of log-probabilities
+        pool_norm = torch.full((b, k), float("-inf"), device=device)  # ranking score
+        pool_lengths = torch.zeros(b, k, dtype=torch.long, device=device)
+        pool_attention: Tensor | None = None  # (B, K, max_new, L, N)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        attention: list[Tensor] = []  # per step (B*K, L, N) of the live hypotheses
+        image = torch.arange(b, device=device)[:, None]
+        steps = 0
+        for step in range(max_new):
+            steps = step + 1
+            logp, attn = self._step(tokens, memory, memory_pos, caches, return_attention)
+            logp[:, bos_id] = float("-inf")  # never generated
+            logp[:, self.pad_id] = float("-inf")
+            v = logp.shape[-1]
+            cand = (scores.reshape(rows, 1) + logp).view(b, k * v)  # (B, K*V)
+            cand_scores, flat = cand.topk(2 * k, dim=-1)  # (B, 2K), best first
+            beam, tok = flat // v, flat % v  # (B, 2K)
+            src = image * k + beam  # (B, 2K) rows of the extended hypotheses
+            is_eos = tok == eos_id
+            prefix = tokens[:, 1:].view(b, k, -1)
+            prefix_att = torch.stack(attention, dim=1).view(b, k, step, *attn.shape[1:]) if step and return_attention \
+                else None
+            # 1. finished: <eos> extensions ranked among the first K enter the pool
+            first_k = torch.arange(2 * k, device=device)[None] < k
+            fin = is_eos & first_k & torch.isfinite(cand_scores) & ~done[:, None]  # (B, 2K)
+            new_norm = torch.where(fin, cand_scores / float(steps) ** length_penalty, float("-inf"))
+            new_tokens = torch.full((b, 2 * k, max_new), self.pad_id, dtype=torch.long, device=device)
+            new_tokens[:, :, :step] = prefix.gather(1, beam[..., None].expand(-1, -1, step))
+            new_tokens[:, :, step] = tok
+            new_att = None
+            if return_attention:
+                step_att = attn.view(b, k, *attn.shape[1:])  # (B, K, L, N)
+                new_att = memory.new_zeros(b, 2 * k, max_new, *attn.shape[1:], dtype=attn.dtype)
+                if prefix_att is not None:
+                    new_att[:, :, :step] = prefix_att[image, beam]
+                new_att[:, :, step] = step_att[image, beam]
+            pool_tokens, pool_scores, pool_norm, pool_lengths, pool_attention = self._merge_pool(
+                (pool_tokens, pool_scores, pool_norm, pool_lengths, pool_attention),
+                (new_tokens, cand_scores, new_norm, torch.full_like(tok, steps), new_att), k)
+            # 2. live: the K best extensions that do not end
+            keep = torch.sort(is_eos.int(), dim=1, stable=True).indices[:, :k]  # (B, K) best first
+            scores = cand_scores.gather(1, keep)
+            rows_src = src.gather(1, keep).reshape(rows)
+            next_tok = tok.gather(1, keep).reshape(rows)
+            tokens = torch.cat([tokens[rows_src], next_tok[:, None]], dim=1)
+            if caches is not None:
+                for c in caches:  # the image memory is the same for an image's beams: only self-attention moves
+                    c.self_attn.reorder(rows_src)
+            if return_attention:
+                attention = [a[rows_src] for a in attention] + [attn[rows_src]]
+            # 3. done: a full pool that no live hypothesis beats at the current length
+            best_live = scores.amax(dim=1) / float(steps) ** length_penalty
+            done = done | (torch.isfinite(pool_norm).all(dim=1) & (best_live <= pool_norm.amin(dim=1)))
+            if bool(done.all()):
+                break
+        # hypotheses still live at max_new enter the pool unfinished (length max_new)
+        live_scores = torch.where(done[:, None], float("-inf"), scores)
+        live_tokens = torch.full((b, k, max_new), self.pad_id, dtype=torch.long, device=device)
+        live_tokens[:, :, :steps] = tokens[:, 1:].view(b, k, steps)
+        live_att = None
+        if return_attention:
+            live_att = memory.new_zeros(b, k, max_new, *attention[0].shape[1:], dtype=attention[0].dtype)
+            live_att[:, :, :steps] = torch.stack(attention, dim=1).view(b, k, steps, *attention[0].shape[1:])
+        pool_tokens, pool_scores, pool_norm, pool_lengths, pool_attention = self._merge_pool(
+            (pool_tokens, pool_scores, pool_norm, pool_lengths, pool_attention),
+            (live_tokens, live_scores, live_scores / float(steps) ** length_penalty,
+             torch.full_like(pool_lengths, steps), live_att), k)
+        best = pool_norm.argmax(dim=1)  # (B,)
+        att = pool_attention[image[:, 0], best, :steps] if return_attention else None  # (B, T, L, N)
+        return Generation(tokens=pool_tokens[image[:, 0], best, :steps], lengths=pool_lengths[image[:, 0], best],
+                          scores=pool_scores[image[:, 0], best], attention=att)
+
+    @staticmethod
+    def _merge_pool(pool: tuple, new: tuple, k: int) -> tuple:
+        """The ``K`` best by ranking score of a pool and new hypotheses, both ``(tokens, scores,
+        ranking scores, lengths, attention or None)`` with the hypotheses on dim 1. Pool
+        entries come first, so on ties a hypothesis already in the pool stays."""
+        norm = torch.cat([pool[2], new[2]], dim=1)
+        order = norm.sort(dim=1, descending=True, stable=True).indices[:, :k]  # (B, K)
+        out = []
+        for old, add in zip(pool, new, strict=True):
+            if old is None and add is None:
+                out.append(None)
+                continue
+            if old is None:  # no attention stored yet: the pool held nothing real
+                old = add.new_zeros(add.shape[0], k, *add.shape[2:])
+            both = torch.cat([old, add], dim=1)
+            idx = order.view(*order.shape, *([1] * (both.dim() - 2))).expand(-1, -1, *both.shape[2:])
+            out.append(both.gather(1, idx))
+        return tuple(out)

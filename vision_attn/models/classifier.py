@@ -19,8 +19,11 @@ class ClassificationHead(nn.Module):
     Args:
         embed_dim: token width ``D``.
         num_classes: ``C``.
-        pooling: ``cls`` takes the first prefix token, ``mean`` averages the patch tokens,
-            ``auto`` is ``cls`` when the encoder has prefix tokens and ``mean`` otherwise.
+        pooling: ``cls`` takes the first prefix token, ``mean`` averages the patch tokens
+            (prefix tokens left out, as timm's ``avg`` pool), ``auto`` is ``cls`` when the
+            encoder has prefix tokens and ``mean`` otherwise. Explanations follow it
+            (:func:`~vision_attn.explain.methods.explained_token`): the class token's row, or
+            the mean of the patch tokens' rows.
         dropout: dropout before the linear layer.
     """
 

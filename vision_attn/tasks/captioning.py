@@ -41,7 +41,8 @@ class CaptioningTask(VisionTask):
         label_smoothing: of the teacher-forced cross-entropy.
         freeze_encoder: keep the encoder's weights fixed (and in eval mode).
         beam_size: beam width of evaluation (1 = greedy).
-        length_penalty: beam ranking by ``log p / length ** length_penalty``.
+        length_penalty: beam search ranks finished captions by
+            ``log p / length ** length_penalty`` (a pool of finished hypotheses, as fairseq).
         val_beam_size: beam width of the captions scored during training's validation.
         lr: learning rate of the decoder.
         encoder_lr: learning rate of the encoder (lower when fine-tuning a pretrained one).
@@ -110,10 +111,13 @@ class CaptioningTask(VisionTask):
             self.configure_datamodule(dm)
 
     def configure_datamodule(self, datamodule) -> None:
-        """Make the data use this model's preprocessing and tokenizer (token ids must mean what they meant in training)."""
+        """Make the data use this model's preprocessing and tokenizer (token ids must mean what they meant in
+        training), and captions no longer than the decoder's ``max_length``."""
         super().configure_datamodule(datamodule)
         if datamodule is not None and hasattr(datamodule, "tokenizer"):
             datamodule.tokenizer = self.tokenizer
+            if getattr(datamodule, "max_length", None) is not None:
+                datamodule.max_length = min(datamodule.max_length, self.hparams.max_length)
 
     def set_generation(self, options: GenerationOptions) -> None:
         """Override beam size, length penalty or max length (``None`` fields keep the model's)."""

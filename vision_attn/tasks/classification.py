@@ -44,7 +44,9 @@ class ClassificationTask(VisionTask):
         encoder: the ViT encoder.
         num_classes: number of classes (default: from the datamodule).
         class_names: class names in label order (default: from the datamodule).
-        pooling: ``auto`` (class token if any, else mean), ``cls`` or ``mean``.
+        pooling: ``auto`` (class token if any, else mean), ``cls`` or ``mean`` (over the patch
+            tokens). The explanations explain what the head reads: the class token's row, or
+            the mean of the patch tokens' rows.
         head_dropout: dropout before the classifier.
         label_smoothing: label smoothing of the training loss.
         lr: peak learning rate.
