@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Evaluate a checkpoint: ``python eval.py --config CFG --ckpt_path CKPT --output_dir OUT``.
 
-Writes ``OUT/metrics.json`` and ``OUT/predictions.json``.
+Writes ``OUT/metrics.json`` and ``OUT/predictions.json``. The checkpoint is read without executing
+pickled code and the model is rebuilt only from vision_attn classes (never ``--allow_import``).
 """
 
 from vision_attn.cli import eval_main, run_entry

@@ -41,3 +41,12 @@ def test_iou_and_giou_match_torchvision():
     assert torch.allclose(same, torch.ones(7), atol=1e-6)
     far = generalized_box_iou(torch.tensor([[0.0, 0, 1, 1]]), torch.tensor([[3.0, 3, 4, 4]]))
     assert -1 <= far.item() < 0
+
+
+def test_overlaps_are_torchvision_ops_batched_and_at_least_float32():
+    a, b = _boxes(4, 3), _boxes(3, 4)
+    batched = generalized_box_iou(torch.stack([a, a]), torch.stack([b, b]))  # [..., N, 4] inputs
+    assert batched.shape == (2, 4, 3) and torch.allclose(batched[1], tv_giou(a, b))
+    half = box_iou(a.bfloat16(), b.bfloat16())
+    assert half.dtype == torch.float32  # areas and IoU of bf16 boxes in float32 (torchvision's upcast)
+    assert torch.allclose(half, tv_box_iou(a, b), atol=1e-2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -80,22 +81,38 @@ def _task_args(task: str, data: Path) -> tuple[str, list[str], list[str]]:
         from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
 
         root = ensure_shapes_classification(ShapesConfig(image_size=32, num_train=48, num_val=25, seed=5), data)
-        common = ["--data.init_args.root", str(root), "--data.init_args.batch_size", "8"]
+        common = ["--data.init_args.root", str(root), "--data.init_args.batch_size", "4"]
         model = [f"{ENC}embed_dim", "32", f"{ENC}depth", "1", f"{ENC}num_heads", "2", f"{ENC}patch_size", "8"]
         return "classification/shapes.yaml", [*common, *model], ["--explain.faithfulness_images", "6"]
-    synth = ["--data.init_args.synthetic.num_train", "24", "--data.init_args.synthetic.num_val", "5",
+    synth = ["--data.init_args.synthetic.num_train", "24", "--data.init_args.synthetic.num_val", "9",
              "--data.init_args.synthetic.image_size", "32", "--data.init_args.cache_dir", str(data),
-             "--data.init_args.batch_size", "4"]
+             "--data.init_args.batch_size", "2"]
     model = [f"{ENC}img_size", "32", f"{ENC}embed_dim", "32", f"{ENC}depth", "1", f"{ENC}num_heads", "2",
              "--model.init_args.hidden_dim", "32", "--model.init_args.num_layers", "1", "--model.init_args.num_heads", "2"]
     if task == "detection":
-        return "detection/shapes.yaml", [*synth, *model], ["--explain.score_threshold", "0.0"]
+        # one large object per scene and a higher learning rate, so that the checkpoint detects
+        # (metrics compared across process counts must not all be near 0)
+        easy = ["--data.init_args.synthetic.max_objects", "1", "--data.init_args.synthetic.min_size", "0.5",
+                "--data.init_args.synthetic.max_size", "0.8", "--data.init_args.synthetic.noise", "0",
+                "--data.init_args.synthetic.clutter", "0", "--model.init_args.num_queries", "4",
+                "--model.init_args.lr", "0.002"]
+        return "detection/shapes.yaml", [*synth, *easy, *model], ["--explain.score_threshold", "0.0"]
     return "captioning/shapes.yaml", [*synth, *model], ["--generate.beam_size", "1"]
 
 
 # the validation metric that training logs, and the eval.py metric it must equal
 VAL_KEY = {"classification": ("val/acc_top1", "acc_top1"), "detection": ("val/map", "map"),
            "captioning": ("val/cider", "cider")}
+# (validation images, batch size, training epochs) of each task's tiny run: rank 0 runs one more
+# evaluation batch than rank 1, the case the unpadded sampler exists for
+SIZES = {"classification": (25, 4, 2), "detection": (9, 2, 12), "captioning": (9, 2, 2)}
+
+
+@pytest.mark.parametrize("task", sorted(SIZES))
+def test_the_ranks_run_an_unequal_number_of_evaluation_batches(task):
+    n, batch, _ = SIZES[task]
+    batches = [math.ceil(len(UnpaddedDistributedSampler(range(n), num_replicas=2, rank=r)) / batch) for r in (0, 1)]
+    assert batches[0] == batches[1] + 1
 
 
 @pytest.mark.parametrize("task", ["classification", "detection", "captioning"])
@@ -103,7 +120,8 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
     config, tiny, eval_only = _task_args(task, tmp_path / "data")
     common = ["--config", str(REPO / "configs" / config), "--data.init_args.num_workers", "0", *tiny]
     run = tmp_path / "run"
-    _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "2", "--trainer.max_epochs", "2",
+    epochs = SIZES[task][2]
+    _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "2", "--trainer.max_epochs", str(epochs),
           "--trainer.check_val_every_n_epoch", "1", "--trainer.default_root_dir", str(run)], tmp_path)
 
     # rank 0 alone wrote the run: one config, one log version, one last checkpoint
@@ -137,11 +155,13 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
         assert p1 == p2
     else:
         assert len(p1) == len(p2) and {p["image_id"] for p in p1} == {p["image_id"] for p in p2}
+    if task == "detection":
+        assert m1["map_50"] > 0.1, m1  # a checkpoint that detects: equal metrics are not both ~0
     val_key, eval_key = VAL_KEY[task]
     assert _last_val(run, val_key) == pytest.approx(m1[eval_key], abs=1e-6)  # validation under DDP == 1 process
 
     # resume: on 2 processes, then on 1; the step count, optimizer and schedule continue
-    _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "2", "--trainer.max_epochs", "3",
+    _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "2", "--trainer.max_epochs", str(epochs * 3 // 2),
           "--trainer.default_root_dir", str(run), "--ckpt_path", "last"], tmp_path)
     assert _step(ckpt) == steps * 3 // 2
     if task == "classification":

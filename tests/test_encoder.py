@@ -147,3 +147,24 @@ def test_conv_stem_keeps_grid_and_rebuilds_from_config():
     assert torch.equal(rebuilt(x).tokens, enc(x).tokens)
     with pytest.raises(ValueError, match="power-of-two"):
         create_encoder("vit_tiny_patch16_224", stem="conv", **{**TINY_VIT, "patch_size": 6})
+
+
+def test_checkpoint_arguments_keep_the_architecture_and_drop_weight_sources():
+    """What a checkpoint stores rebuilds the same encoder through the checkpoint check; where
+    weights come from (hub, file, timm's pretrained config) is never taken from it."""
+    from vision_attn.errors import CheckpointError
+
+    enc = create_encoder("vit_tiny_patch16_224", qkv_bias=False, reg_tokens=2, class_token=True,
+                         global_pool="avg", **TINY_VIT)
+    stored = enc.architecture_config()["init_args"]
+    checked = ViTEncoder.checked_architecture_args(stored, "checkpoint x.ckpt")
+    assert checked == stored  # a checkpoint of the suite passes unchanged
+    rebuilt = ViTEncoder(**checked)
+    assert rebuilt.num_prefix_tokens == enc.num_prefix_tokens == 3
+    assert ViTEncoder.checked_architecture_args({**stored, "pretrained": True, "weights_file": "w.pth"})[
+        "pretrained"] is False
+    with pytest.raises(CheckpointError, match=r"checkpoint x.ckpt: the encoder's timm_kwargs \['pretrained_cfg'\]"):
+        ViTEncoder.checked_architecture_args({**stored, "timm_kwargs": {"pretrained_cfg": {"file": "/etc/x"}}},
+                                             "checkpoint x.ckpt")
+    with pytest.raises(CheckpointError, match="timm_kwargs.img_size is not plain data"):
+        ViTEncoder.checked_architecture_args({**stored, "timm_kwargs": {"img_size": object()}})

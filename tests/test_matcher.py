@@ -64,3 +64,16 @@ def test_perfect_predictions_are_matched_to_themselves():
     assert ti.tolist() == [2, 0, 3, 1] and pi.tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="all matcher costs"):
         HungarianMatcher(0, 0, 0)
+
+
+def test_focal_cost_keeps_ordering_confident_mistakes():
+    """The focal class cost comes from torchvision's sigmoid focal loss on the logits: a query
+    sure that the object is absent (logit -60) costs more than a less sure one (-30), where
+    ``-log(p + 1e-8)`` saturated both at the same value."""
+    matcher = HungarianMatcher(cost_bbox=0, cost_giou=0, focal=True)
+    logits = torch.tensor([[-30.0, 0.0], [-60.0, 0.0]])
+    boxes = torch.tensor([[0.5, 0.5, 0.2, 0.2]] * 2)
+    cost = matcher.cost_matrix(logits, boxes, torch.tensor([0]), boxes[:1])
+    assert cost[1, 0] - cost[0, 0] == pytest.approx(0.25 * 30, rel=1e-3)  # alpha * (60 - 30)
+    with pytest.raises(ValueError, match="focal_alpha 2"):
+        HungarianMatcher(focal=True, focal_alpha=2)

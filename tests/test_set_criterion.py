@@ -70,3 +70,11 @@ def test_focal_loss_reference_values():
     p = torch.sigmoid(logits)
     expected = torch.stack([0.25 * (1 - p[0]) ** 2 * -torch.log(p[0]), 0.75 * p[1] ** 2 * -torch.log(1 - p[1])])
     assert torch.allclose(fl, expected, atol=1e-6)
+
+
+def test_focal_loss_is_torchvisions_and_alpha_is_checked_when_built():
+    from torchvision.ops import sigmoid_focal_loss as tv_focal
+
+    assert sigmoid_focal_loss is tv_focal
+    with pytest.raises(ValueError, match=r"focal_alpha 1.5 must lie in \[0, 1\]"):
+        SetCriterion(3, HungarianMatcher(), focal=True, focal_alpha=1.5)

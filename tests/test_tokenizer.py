@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import pickle
+import re
+import unicodedata
+
 import pytest
 
 from vision_attn.data.tokenizer import SPECIAL_TOKENS, WordTokenizer, normalize_caption
@@ -51,3 +56,62 @@ def test_bad_vocabulary_is_a_clear_error():
         WordTokenizer(["a", "b"])
     with pytest.raises(CheckpointError, match="'a' twice"):
         WordTokenizer([*SPECIAL_TOKENS, "a", "a"])
+
+
+# --- issue 16.7: the pipeline is a tokenizers WordLevel model, saved as its JSON ------------------
+
+_REF_NOT_WORD = re.compile(r"[^\w']+|_")
+_REF_LONE_APOSTROPHE = re.compile(r"(^|\s)'+|'+(\s|$)")
+
+
+def _reference_normalize(text: str) -> str:
+    """The rules as written before the tokenizers pipeline (Python's re and str.lower)."""
+    text = unicodedata.normalize("NFKC", text).lower().replace("\u2019", "'")
+    return " ".join(_REF_LONE_APOSTROPHE.sub(" ", _REF_NOT_WORD.sub(" ", text)).split())
+
+
+def test_normalisation_equals_the_reference_rules_on_common_scripts():
+    ranges = [(0x0, 0x530), (0x1E00, 0x2070), (0x2100, 0x2200), (0x3000, 0x3040), (0xFF00, 0xFFF0)]
+    chars = [chr(c) for lo, hi in ranges for c in range(lo, hi)
+             if unicodedata.category(chr(c)) not in ("Cn", "Cs")]  # assigned in Python's tables
+    for c in chars:
+        for text in (f"a{c}b", c, f"A{c}{c}", f"'{c}' x"):
+            assert normalize_caption(text) == _reference_normalize(text), (hex(ord(c)), text)
+    for text in ("ΟΔΟΣ ΚΑΛΟΣ.", "ΣΑΣ", "Don\u2019t 'stop' it's", "caf\u0065\u0301 na\u00efve"):
+        assert normalize_caption(text) == _reference_normalize(text)
+    assert normalize_caption("ΟΔΟΣ") == "οδος"  # a final capital sigma lower-cases to ς, as str.lower does
+
+
+def test_the_pipeline_is_a_tokenizers_wordlevel_model_saved_as_json():
+    from tokenizers import Tokenizer
+
+    tok = WordTokenizer.train(["a red circle", "A blue circle.", "a red star"], min_freq=1)
+    text = tok.to_json()
+    spec = json.loads(text)
+    assert spec["model"]["type"] == "WordLevel" and spec["model"]["unk_token"] == "<unk>"
+    # the JSON alone encodes as the tokenizer does: normalisation, words, <bos>/<eos>
+    assert Tokenizer.from_str(text).encode("A red, circle!").ids == tok.encode("A red, circle!")
+    back = WordTokenizer.from_json(text)
+    assert back.vocab == tok.vocab and back.encode("a blue star circle", max_length=4) == tok.encode(
+        "a blue star circle", max_length=4)
+    # the special tokens are words of the vocabulary, not markers matched in raw text
+    assert tok.encode("<unk> <bos>") == [tok.bos_id, tok.unk_id, tok.unk_id, tok.eos_id]
+    assert pickle.loads(pickle.dumps(tok)).encode("a red star") == tok.encode("a red star")  # loader workers
+
+
+def test_old_checkpoints_vocabulary_lists_and_new_json_both_restore():
+    vocab = [*SPECIAL_TOKENS, "a", "red", "circle"]  # what checkpoints stored before the JSON
+    old = WordTokenizer.restore(vocab)
+    new = WordTokenizer.restore(old.to_json())
+    assert old.vocab == new.vocab == vocab
+    assert old.encode("a red square") == new.encode("a red square") == [1, 4, 5, 3, 2]
+    with pytest.raises(CheckpointError, match="not a tokenizers JSON"):
+        WordTokenizer.restore("{not json")
+    bpe = json.loads(old.to_json())
+    bpe["model"] = {"type": "BPE", "vocab": {}, "merges": []}
+    with pytest.raises(CheckpointError, match="not a WordLevel model"):
+        WordTokenizer.restore(json.dumps(bpe))
+    shuffled = json.loads(old.to_json())
+    shuffled["model"]["vocab"] = {"a": 0, "<pad>": 1, "<bos>": 2, "<eos>": 3, "<unk>": 4}
+    with pytest.raises(CheckpointError, match="must start with the special tokens"):
+        WordTokenizer.restore(json.dumps(shuffled))

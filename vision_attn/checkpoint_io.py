@@ -2,31 +2,130 @@
 
 ``torch.load`` on an untrusted file can run arbitrary code. Every file the suite reads goes
 through here: ``.safetensors`` with the safetensors reader, everything else with
-``torch.load(weights_only=True)``, which only rebuilds tensors and plain containers.
+``torch.load(weights_only=True)``, which only rebuilds tensors and plain containers. Resumed
+training reads its checkpoint through :class:`SafeCheckpointIO`, the same loader.
+
+Only local files are read (a URL is refused: download it and check it first), and only files
+whose unpacked size is bounded: a ``torch.save`` archive stores its members uncompressed, so one
+that would unpack to much more than its size on disk (a "zip bomb") is refused, as is any file
+beyond :data:`MAX_LOAD_BYTES_ENV` (default 16 GiB).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import Tensor
 
 from vision_attn.errors import CheckpointError
 
-__all__ = ["CheckpointError", "load_checkpoint_file", "load_state_dict_file"]
+__all__ = [
+    "MAX_LOAD_BYTES_ENV",
+    "CheckpointError",
+    "SafeCheckpointIO",
+    "check_local_file",
+    "check_checkpoint_file",
+    "check_unpacked_size",
+    "load_checkpoint_file",
+    "load_state_dict_file",
+]
 
 _SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
 
+MAX_LOAD_BYTES_ENV = "VISION_ATTN_MAX_LOAD_BYTES"
+"""Environment variable: the largest (unpacked) weights or checkpoint file read, in bytes
+(``17179869184``) or with a unit (``16G``, ``500M``)."""
+DEFAULT_MAX_LOAD_BYTES = 16 << 30
+# torch.save never compresses: an archive may unpack to at most this many times its size on disk
+# (plus a little slack for tiny files) before it is treated as a zip bomb.
+MAX_EXPANSION = 2.0
+_EXPANSION_SLACK = 1 << 20
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
-def load_checkpoint_file(path: str | Path) -> Any:
-    """Load a ``.ckpt`` / ``.pth`` / ``.pt`` / ``.bin`` safely (tensors and plain containers only)."""
+
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def max_load_bytes() -> int:
+    """The size limit from :data:`MAX_LOAD_BYTES_ENV` (default 16 GiB)."""
+    raw = os.environ.get(MAX_LOAD_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_LOAD_BYTES
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", raw, re.IGNORECASE)
+    if not match:
+        raise CheckpointError(
+            f"{MAX_LOAD_BYTES_ENV}={raw!r} is not a size; give bytes (17179869184) or e.g. 16G, 500M"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def check_local_file(path: str | Path, what: str = "checkpoint") -> Path:
+    """``path`` as a local file; a URL (``https://...``, ``s3://...``) or a missing file is an error."""
+    if _URL.match(str(path)):
+        raise CheckpointError(
+            f"{what} {path} is a URL; vision_attn reads only local files (a downloaded checkpoint "
+            "can hold pickled code). Download it, check where it comes from, and pass the local path."
+        )
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist (or is not a file)")
+        raise CheckpointError(f"{what} {path} does not exist (or is not a file)")
+    return path
+
+
+def check_unpacked_size(path: str | Path, what: str = "checkpoint") -> None:
+    """Refuse, before reading it, a file that is (or unpacks to) more than the size limit, and a
+    zip archive whose members unpack to much more than the archive itself (a zip bomb)."""
+    path = Path(path)
+    size = path.stat().st_size
+    unpacked = size
+    if zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                unpacked = sum(info.file_size for info in archive.infolist())
+        except (zipfile.BadZipFile, OSError, ValueError) as err:
+            raise CheckpointError(f"cannot read {what} {path}: not a valid archive ({err})") from err
+        if unpacked > MAX_EXPANSION * size + _EXPANSION_SLACK:
+            raise CheckpointError(
+                f"{what} {path} would unpack to {_human(unpacked)} from {_human(size)} on disk (a "
+                f"compressed archive; torch.save writes uncompressed ones); refusing to load more than "
+                f"{MAX_EXPANSION:g}x its size. Re-save it with torch.save or as .safetensors."
+            )
+    limit = max_load_bytes()
+    if max(size, unpacked) > limit:
+        raise CheckpointError(
+            f"{what} {path} holds {_human(max(size, unpacked))} unpacked, more than the "
+            f"{_human(limit)} vision_attn loads; if you trust it, raise the limit with "
+            f"{MAX_LOAD_BYTES_ENV} (e.g. {MAX_LOAD_BYTES_ENV}=64G)"
+        )
+
+
+def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", what: str = "checkpoint") -> Any:
+    """Load a ``.ckpt`` / ``.pth`` / ``.pt`` / ``.bin`` safely (tensors and plain containers only).
+
+    Args:
+        path: a local file (URLs are refused).
+        map_location: as for ``torch.load``.
+        what: how messages name the file (``"checkpoint"``, ``"weights file"``).
+
+    Raises:
+        CheckpointError: naming the file, for a URL, a missing, oversized or unreadable file, and
+            one that holds pickled Python objects (which are never executed).
+    """
+    path = check_local_file(path, what)
+    check_unpacked_size(path, what)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # noqa: BLE001 - every failure becomes one clear message
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         if "weights_only" in str(err) or "Unsupported global" in str(err):
@@ -34,7 +133,33 @@ def load_checkpoint_file(path: str | Path) -> Any:
                 "it contains pickled Python objects, which vision_attn refuses to execute "
                 f"({reason}); re-save it as plain tensors or .safetensors"
             )
-        raise CheckpointError(f"cannot read checkpoint {path}: {reason}") from err
+        raise CheckpointError(f"cannot read {what} {path}: {reason}") from err
+
+
+def check_checkpoint_file(path: str | Path, what: str = "checkpoint") -> None:
+    """Check, without keeping it in memory, that ``path`` is a local checkpoint that the safe
+    loader reads (bounded size, no pickled code). Tensors are memory-mapped, not read."""
+    path = check_local_file(path, what)
+    check_unpacked_size(path, what)
+    if not zipfile.is_zipfile(path):  # legacy format: cannot be memory-mapped
+        load_checkpoint_file(path, what=what)
+        return
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - re-read without mmap for the one clear message
+        load_checkpoint_file(path, what=what)
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO, reading only local files with :func:`load_checkpoint_file`
+    (``weights_only=True`` whatever the caller asks, bounded size). Writing is unchanged
+    (Lightning's atomic save)."""
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        location = "cpu" if map_location is None else map_location
+        return load_checkpoint_file(path, map_location=location, what="checkpoint")
 
 
 def load_state_dict_file(path: str | Path) -> dict[str, Tensor]:
@@ -45,8 +170,8 @@ def load_state_dict_file(path: str | Path) -> dict[str, Tensor]:
             f"weights file {path}: unsupported extension {path.suffix!r}; use one of {', '.join(_SUFFIXES)}"
         )
     if path.suffix == ".safetensors":
-        if not path.is_file():
-            raise CheckpointError(f"weights file {path} does not exist (or is not a file)")
+        path = check_local_file(path, "weights file")
+        check_unpacked_size(path, "weights file")
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -54,7 +179,7 @@ def load_state_dict_file(path: str | Path) -> dict[str, Tensor]:
             return load_file(str(path), device="cpu")
         except (SafetensorError, OSError, ValueError) as err:
             raise CheckpointError(f"cannot read weights file {path}: {err}") from err
-    obj = load_checkpoint_file(path)
+    obj = load_checkpoint_file(path, what="weights file")
     for key in ("state_dict", "model", "state_dict_ema", "model_ema"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]

@@ -11,30 +11,42 @@
 
 ``python eval.py --config CFG --ckpt_path CKPT --output_dir OUT`` evaluates a checkpoint and
 writes ``OUT/metrics.json`` and ``OUT/predictions.json``.
+
+What a config may import is checked where the parser resolves dotted paths (see
+:func:`import_guard`): vision_attn, torch and Lightning only, unless ``--allow_import PREFIX`` is
+given on the command line. Checkpoints (``--ckpt_path``) are local files read with
+``weights_only=True`` and a bounded size (:mod:`vision_attn.checkpoint_io`).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
+import pickle
+import re
 import sys
 import tempfile
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vision_attn.checkpoint_io import SafeCheckpointIO, check_checkpoint_file
 from vision_attn.errors import CheckpointError, ConfigError, RunExistsError, VisionAttnError
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.report import Report, write_report
 from vision_attn.models.captioner import GenerationOptions
+from vision_attn.outputs import write_json
 from vision_attn.tasks.base import (
     VisionTask,
     read_task_meta,
@@ -42,22 +54,9 @@ from vision_attn.tasks.base import (
     restore_from_checkpoint,
 )
 
-__all__ = ["EvalCLI", "TrainCLI", "eval_main", "train_main", "write_json_atomic"]
+__all__ = ["EvalCLI", "TrainCLI", "eval_main", "train_main"]
 
 log = logging.getLogger("vision_attn")
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` through a temporary file and one rename (never half-written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _check_writable(folder: Path) -> None:
@@ -132,80 +131,185 @@ class RunCheckpoint(ModelCheckpoint):
                         trainer.global_step, self.last_model_path)
 
 
-ALLOWED_CLASS_MODULES = ("vision_attn", "torch", "lightning", "pytorch_lightning")
-# keys whose value is a class (given as a class_path or as a plain string)
-_CLASS_KEYS = {"model", "data", "optimizer", "lr_scheduler", "strategy", "logger", "callbacks", "plugins", "profiler",
-               "accelerator", "class_path"}
+# ---------------------------------------------------------------------------------------------
+# What a config may import. Importing a module runs its code, so the check sits where the
+# parser (jsonargparse) turns a dotted path from any value — class_path, a class or callable
+# given as a string, on the command line, in a --config file or string, in a group file such
+# as --trainer FILE — into an object: jsonargparse's import-path policy, enforced for the
+# whole of parsing and building. No spelling of the command line reaches an import around it.
+
+ALLOWED_IMPORTS = ("vision_attn", "torch", "lightning", "lightning_fabric", "pytorch_lightning")
+# Inside the allowed packages: what fetches or runs code by itself (hub, unpickling loaders,
+# native extensions, the CLI's own unchecked class instantiation). Never allowed by default.
+DENIED_IMPORTS = (
+    "torch.hub", "torch.load", "torch.serialization", "torch.package", "torch.jit.load",
+    "torch.utils.cpp_extension", "torch.utils.model_zoo", "torch.ops", "torch.classes",
+    "lightning.fabric.utilities.cloud_io", "lightning_fabric.utilities.cloud_io",
+    "lightning.pytorch.cli.instantiate_class", "pytorch_lightning.cli.instantiate_class",
+    "lightning.pytorch.cli.LightningCLI", "pytorch_lightning.cli.LightningCLI",
+)
+ALLOW_IMPORT_FLAG = "--allow_import"
+ALLOW_IMPORT_HELP = (
+    "Also allow the config to import classes and callables from modules under this prefix "
+    "(repeatable, command line only, e.g. --allow_import my_callbacks). By default a config may "
+    "only name vision_attn, torch and Lightning objects: importing a module runs its code, so "
+    "allow only code you trust. Never taken from a config file or a checkpoint."
+)
+_DENIED = re.compile(r"Importing '([^']+)' is not allowed, denied by the '([^']+)' entry")
+_GUARD_BASE: list[dict[str, bool]] = []  # jsonargparse's verdicts before the outermost guard
 
 
-def _class_refs(obj: Any, where: str):
-    """``(key, value)`` of every class reference in a parsed config value."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            key = f"{where}.{k}" if where else str(k)
-            if k in _CLASS_KEYS and isinstance(v, str):
-                yield key, v
-            else:
-                yield from _class_refs(v, key)
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from (_class_refs(v, f"{where}[{i}]") if not isinstance(v, str) or where.split(".")[-1] not in _CLASS_KEYS
-                        else [(f"{where}[{i}]", v)])
+def _parsing_settings() -> dict[str, Any]:
+    from jsonargparse import _common
+
+    return _common.parsing_settings
 
 
-def check_class_paths(args: list[str]) -> None:
-    """Refuse, before anything is imported or built, any class outside vision_attn, torch and
-    Lightning named in the command line or in a ``--config`` file (importing a module runs its code)."""
-    import yaml
+@contextlib.contextmanager
+def import_guard(extra: tuple[str, ...] = ()) -> Iterator[None]:
+    """While active, the parser imports nothing outside :data:`ALLOWED_IMPORTS` and ``extra``
+    (nor :data:`DENIED_IMPORTS`): a value naming anything else is a parse error. The parser's
+    previous settings are restored on exit, so nothing leaks into other parsers of the process."""
+    from jsonargparse import set_parsing_settings
 
-    refs: list[tuple[str, str]] = []
+    settings = _parsing_settings()
+    if "import_path_verdicts" not in settings:  # fail closed on a jsonargparse without the policy
+        raise ConfigError("vision_attn needs jsonargparse >= 4.53 (its import-path policy); upgrade it")
+    saved = (settings["import_path_verdicts"], settings["import_paths_enforced"])
+    _GUARD_BASE.append(_GUARD_BASE[0] if _GUARD_BASE else dict(saved[0]))
+    settings["import_path_verdicts"] = dict(_GUARD_BASE[-1])
+    try:
+        set_parsing_settings(import_path_denylist=["*", *DENIED_IMPORTS],
+                             import_path_allowlist=[*ALLOWED_IMPORTS, *extra])
+        yield
+    finally:
+        settings["import_path_verdicts"], settings["import_paths_enforced"] = saved
+        _GUARD_BASE.pop()
+
+
+def split_allow_import(args: list[str]) -> tuple[list[str], tuple[str, ...]]:
+    """``(other args, prefixes)``: the ``--allow_import PREFIX`` options taken out of ``args``.
+
+    Raises:
+        ConfigError: for a prefix that is not a dotted module path, or one that jsonargparse
+            denies by default (``os``, ``subprocess``, ``pickle``, ... run or load code).
+    """
+    rest: list[str] = []
+    prefixes: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
-        key, value = (arg.split("=", 1) + [None])[:2] if arg.startswith("--") else (None, None)
-        if key is not None and value is None and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            value = args[i + 1]
-            i += 1
+        if arg in (ALLOW_IMPORT_FLAG, ALLOW_IMPORT_FLAG + "+"):
+            if i + 1 >= len(args):
+                raise ConfigError(
+                    f"{ALLOW_IMPORT_FLAG} needs a module prefix, e.g. {ALLOW_IMPORT_FLAG} my_callbacks"
+                )
+            prefixes.append(args[i + 1])
+            i += 2
+            continue
+        if arg.startswith((ALLOW_IMPORT_FLAG + "=", ALLOW_IMPORT_FLAG + "+=")):
+            prefixes.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
         i += 1
-        if key is None or value is None:
-            continue
-        name = key.lstrip("-").rstrip("+")
-        if name == "config":
-            path = Path(value)
-            if path.is_file():
-                try:
-                    refs += list(_class_refs(yaml.safe_load(path.read_text()), ""))
-                except yaml.YAMLError as err:
-                    raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
-            continue
-        last = name.split(".")[-1]
-        if "class_path" in value or value.lstrip().startswith(("{", "[")):
-            try:
-                refs += list(_class_refs(yaml.safe_load(value), name))
-            except yaml.YAMLError:
-                pass
-        elif last in _CLASS_KEYS:
-            refs.append((name, value))
-    for where, value in refs:
-        module = value.split(".")[0]
-        if "." in value and module not in ALLOWED_CLASS_MODULES:
+    from jsonargparse._common import default_import_path_denylist
+
+    for prefix in prefixes:
+        if not prefix or not all(p.isidentifier() for p in prefix.split(".")):
             raise ConfigError(
-                f"config key {where}: {value!r} is not a class of vision_attn, torch or Lightning; refusing to "
-                "import it (a module's code runs when it is imported). Use one of the suite's classes."
+                f"{ALLOW_IMPORT_FLAG} {prefix!r}: give a module prefix such as my_pkg or my_pkg.callbacks"
             )
+        parts = prefix.split(".")
+        risky = [e for e in ("jsonargparse", *default_import_path_denylist)
+                 if e in {".".join(parts[:n]) for n in range(1, len(parts) + 1)}]
+        if risky:
+            raise ConfigError(
+                f"{ALLOW_IMPORT_FLAG} {prefix!r} is refused: {risky[0]} can run commands, load pickled "
+                "data or change the import policy; put the code you need in a module of your own"
+            )
+    return rest, tuple(prefixes)
+
+
+def _import_refused(message: str, key: str | None = None) -> ConfigError | None:
+    """Our clear error for a jsonargparse import-policy denial in ``message`` (else None)."""
+    match = _DENIED.search(message)
+    if not match:
+        return None
+    path, entry = match.groups()
+    where = key or (re.search(r'[Kk]ey "([^"]+)"', message) or [None, None])[1]
+    prefix = f"config key {where}: " if where else ""
+    if entry != "*":
+        return ConfigError(
+            f"{prefix}refusing to import {path!r}: {entry} can fetch, load or run code, which a config "
+            "may not ask for"
+        )
+    return ConfigError(
+        f"{prefix}refusing to import {path!r}: it is not part of vision_attn, torch or Lightning, and "
+        "importing a module runs its code. If you trust it, allow it explicitly on the command line "
+        f"with {ALLOW_IMPORT_FLAG} {path.split('.')[0]}"
+    )
+
+
+class _GuardedParser(LightningArgumentParser):
+    """The command's parser: an import refused by :func:`import_guard` is a :class:`ConfigError`
+    (one clear line from ``train.py`` / ``eval.py``) instead of a usage dump."""
+
+    main: bool = False
+
+    def error(self, message: str, ex: Exception | None = None):  # type: ignore[override]
+        if self.main:
+            cause: BaseException | None = ex
+            while cause is not None and not isinstance(cause, ConfigError):
+                cause = cause.__cause__ or cause.__context__
+            if cause is not None:  # refused inside a --config string or file: already ours
+                raise cause
+            refused = _import_refused(message)
+            if refused is not None:
+                raise refused from ex
+        return super().error(message, ex)
 
 
 class _VisionAttnCLI(LightningCLI):
-    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        check_class_paths(list(sys.argv[1:] if args is None else args))
-        super().parse_arguments(parser, args)
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        argv = kwargs.pop("args", None)
+        self._argv, self.allow_import = split_allow_import(list(sys.argv[1:] if argv is None else argv))
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("run", False)
         kwargs.setdefault("auto_configure_optimizers", False)
-        super().__init__(VisionTask, *args, **kwargs)
+        kwargs.setdefault("parser_class", _GuardedParser)
+        if self.allow_import:
+            log.warning("%s: configs may also import from %s", ALLOW_IMPORT_FLAG,
+                        ", ".join(self.allow_import))
+        try:
+            with import_guard(self.allow_import):
+                super().__init__(VisionTask, *args, **kwargs)
+        except ImportError as err:  # refused while building (jsonargparse's ImportDenied)
+            refused = _import_refused(str(err))
+            if refused is None:
+                raise
+            raise refused from err
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        parser = super().init_parser(**kwargs)
+        parser.main = True
+        return parser
+
+    def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        super().add_default_arguments_to_parser(parser)
+        # Taken from the command line before parsing (imports happen while parsing); declared
+        # here for --help, and so that one in a config file is refused, not ignored.
+        parser.add_argument(ALLOW_IMPORT_FLAG, type=list[str], default=[], metavar="PREFIX",
+                            help=ALLOW_IMPORT_HELP)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self.config = parser.parse_args(self._argv)
+        if self.config.get("allow_import"):
+            raise ConfigError(
+                f"allow_import {self.config.allow_import} comes from a config file (or an abbreviated "
+                f"option); imports are allowed only by {ALLOW_IMPORT_FLAG} PREFIX, in full, on the "
+                "command line"
+            )
 
 
 class TrainCLI(_VisionAttnCLI):
@@ -223,7 +327,8 @@ class TrainCLI(_VisionAttnCLI):
             "--ckpt_path",
             type=str | None,
             default=None,
-            help="Resume training from this checkpoint ('last' = ROOT/checkpoints/last.ckpt).",
+            help="Resume training from this local checkpoint file ('last' = ROOT/checkpoints/last.ckpt). "
+            "It is read without executing pickled code (weights_only); URLs are refused.",
         )
         # used by eval.py; accepted so one YAML serves both
         parser.add_class_arguments(ExplainOptions, "explain")
@@ -235,6 +340,7 @@ class TrainCLI(_VisionAttnCLI):
         if not cfg.trainer.get("default_root_dir"):
             names = [Path(str(c)).stem for c in (cfg.get("config") or [])]
             cfg.trainer.default_root_dir = str(Path("runs") / ("-".join(names) or "run"))
+        check_resume_path(cfg.get("ckpt_path"), Path(cfg.trainer.default_root_dir))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         root = Path(config["default_root_dir"])
@@ -260,7 +366,11 @@ class TrainCLI(_VisionAttnCLI):
         if config.get("logger") and not any(isinstance(c, LearningRateMonitor) for c in user + callbacks):
             callbacks.append(LearningRateMonitor(logging_interval="step"))
         self.save_config_kwargs["resuming"] = bool(self.config.get("ckpt_path"))
-        return super()._instantiate_trainer(config, callbacks)
+        trainer = super()._instantiate_trainer(config, callbacks)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            # resuming reads the checkpoint with the suite's safe loader (weights_only, local, bounded)
+            trainer.strategy.checkpoint_io = SafeCheckpointIO()
+        return trainer
 
 
 class EvalCLI(_VisionAttnCLI):
@@ -331,10 +441,32 @@ class _SplitData(L.LightningDataModule):
         return self.loader
 
 
+# ``ckpt_path`` values that Lightning resolves to a checkpoint its own callbacks wrote locally
+RESUME_KEYWORDS = ("last", "best", "hpc")
+
+
+def check_resume_path(ckpt_path: str | None, root: Path) -> None:
+    """Refuse, before anything is built, a ``--ckpt_path`` that is not a local checkpoint that
+    the safe loader reads: a URL or other scheme, Lightning's ``registry`` downloads, a missing
+    file, pickled code, an oversized or zip-bomb file. ``last`` is checked when it exists."""
+    if not ckpt_path:
+        return
+    if ckpt_path in RESUME_KEYWORDS:
+        if ckpt_path == "last" and (root / "checkpoints" / "last.ckpt").is_file():
+            check_checkpoint_file(root / "checkpoints" / "last.ckpt")
+        return
+    if ckpt_path == "registry" or ckpt_path.startswith("registry:"):
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path}: downloading checkpoints is not supported; download it, check "
+            "where it comes from, and pass the local file"
+        )
+    check_checkpoint_file(ckpt_path)
+
+
 def train_main(args: list[str] | None = None) -> TrainCLI:
     """Entry point of ``train.py``."""
     cli = TrainCLI(args=args)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.ckpt_path)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.ckpt_path, weights_only=True)
     if cli.trainer.is_global_zero:
         root = Path(cli.trainer.default_root_dir)
         log.info("run written to %s (config.yaml, checkpoints/, tensorboard/, csv/)", root)
@@ -358,13 +490,13 @@ def eval_main(args: list[str] | None = None) -> dict[str, float]:
         options = cli.config_init.explain
         report = Report() if options.report else None
         metrics.update(model.explain_eval(data.loader.dataset, options, out, report=report))
-        write_json_atomic(out / "predictions.json", predictions)
-        write_json_atomic(out / "metrics.json", metrics)
+        write_json(out / "predictions.json", predictions, root=out)
+        write_json(out / "metrics.json", metrics, root=out)
         if report is not None:
             summary = {"checkpoint": str(cli.ckpt_file), "split": split, "model": cli.ckpt_meta["model"],
                        "preprocessing": cli.ckpt_meta.get("data_config"), "data": cli.config.data.as_dict()}
             write_report(out / "report.html", f"vision_attn {model.task_name} evaluation", metrics, summary,
-                         report.items, report.curves)
+                         report.items, report.curves, root=out)
         log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)
     return metrics
 
@@ -390,7 +522,7 @@ def run_entry(fn) -> None:
     except SIGTERMException:
         sys.stderr.write("interrupted by SIGTERM: last.ckpt holds the state; continue with --ckpt_path last\n")
         raise SystemExit(143) from None
-    except (*ours, ValueError, RuntimeError, TypeError) as err:
+    except (*ours, ValueError, RuntimeError, TypeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError) as err:
         if os.environ.get("VISION_ATTN_DEBUG"):
             raise
         # jsonargparse wraps errors raised while building classes: report the original one.

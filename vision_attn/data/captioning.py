@@ -1,5 +1,9 @@
 """COCO-captions data: ``ROOT/<split>/`` images, ``ROOT/annotations/captions_<split>.json``.
 
+- Layout: that is the default of every split; a split's caption file and images folder can be
+  given instead (``--data.train_annotations``, ``--data.train_images``, likewise ``val_`` and
+  ``test_``), exactly as for detection (:func:`vision_attn.data.detection.split_layout`).
+
 - Every image has several reference captions. Training samples one of them at random each
   time the image is drawn (so every caption is seen over the epochs); evaluation keeps all of
   them as references.
@@ -27,13 +31,20 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from vision_attn.data.detection import coco_root, load_coco_annotations, validate_image_entry
+from vision_attn.data.detection import (
+    CocoLayout,
+    check_images_dir,
+    coco_root,
+    load_coco_annotations,
+    validate_image_entry,
+)
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
 from vision_attn.data.loading import (
     PathRefusals,
     SkipUnreadable,
     SplitDataModule,
     image_path_inside,
+    relative_file,
 )
 from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
@@ -50,8 +61,9 @@ __all__ = ["CaptioningDataModule", "CocoCaptions", "caption_collate", "read_capt
 log = logging.getLogger(__name__)
 
 
-def read_captions(root: Path, split: str, follow_symlinks: bool = False,
-                  skip_refused: bool = False) -> tuple[list[dict], dict[int, list[str]]]:
+def read_captions(root: Path, split: str, follow_symlinks: bool = False, skip_refused: bool = False,
+                  images_dir: str | Path | None = None,
+                  ann_file: str | Path | None = None) -> tuple[list[dict], dict[int, list[str]]]:
     """``(images, captions by image id)`` of one split, cleaned as the module docstring says.
 
     Caption strings are kept as written (normalised only where they are used). Each image
@@ -63,10 +75,17 @@ def read_captions(root: Path, split: str, follow_symlinks: bool = False,
         follow_symlinks: follow symbolic links inside the split folder that lead outside it.
         skip_refused: training: skip images whose path is refused (one counted warning);
             otherwise a refused path is an error.
+        images_dir: the split's images folder, as it is (default ``ROOT/<split>/``).
+        ann_file: the split's caption file, as it is (default
+            ``ROOT/annotations/captions_<split>.json``).
     """
-    ann_file = root / "annotations" / f"captions_{split}.json"
+    root = Path(root)
+    images_dir = Path(images_dir) if images_dir is not None else root / split
+    ann_file = Path(ann_file) if ann_file is not None else root / "annotations" / f"captions_{split}.json"
     data = load_coco_annotations(ann_file)
-    split_dir = (root / split).resolve()
+    if data["images"]:
+        check_images_dir(images_dir, ann_file, split)
+    split_dir = images_dir.resolve()
     refusals = PathRefusals(ann_file, skip=skip_refused)
     images: list[dict] = []
     captions: dict[int, list[str]] = {}
@@ -78,7 +97,7 @@ def read_captions(root: Path, split: str, follow_symlinks: bool = False,
         seen.add(im["id"])
         path, why = image_path_inside(split_dir, im["file_name"], follow_symlinks)
         if why is not None:
-            refusals.refuse(f"image id {im['id']}", root / split / im["file_name"], why)
+            refusals.refuse(f"image id {im['id']}", images_dir / im["file_name"], why)
             continue
         captions[im["id"]] = []
         images.append({**im, "path": path})
@@ -111,7 +130,7 @@ def read_captions(root: Path, split: str, follow_symlinks: bool = False,
         raise DataError(f"{ann_file} has no image with a usable caption")
     for im in images:
         if not im["path"].is_file():
-            raise DataError(f"{ann_file}: image id {im['id']} has no file {root / split / im['file_name']}")
+            raise DataError(f"{ann_file}: image id {im['id']} has no file {images_dir / im['file_name']}")
     return images, captions
 
 
@@ -124,7 +143,8 @@ class CocoCaptions(SkipUnreadable, Dataset):
 
     Args:
         root: dataset root.
-        split: image folder name (``val``, ``val2017``, ...).
+        split: split name (``val``, ``val2017``, ...): the image folder under ``root`` unless
+            ``images_dir`` is given.
         transform: image transform (``uint8 [H, W, 3]`` numpy in, tensor out).
         tokenizer: encodes the captions.
         sample: ``random`` or ``first`` (see above).
@@ -134,16 +154,23 @@ class CocoCaptions(SkipUnreadable, Dataset):
         follow_symlinks: follow symbolic links inside the split folder that lead outside it.
         skip_unreadable: training: skip unreadable images and refused paths (counted
             warnings); evaluation (``False``): stop with an error.
+        images_dir: the split's images folder, as it is (default ``ROOT/<split>/``).
+        ann_file: the split's caption file, as it is (default
+            ``ROOT/annotations/captions_<split>.json``).
     """
 
     def __init__(self, root: str | Path, split: str, transform: Any, tokenizer: WordTokenizer,
                  sample: str = "first", max_length: int = 32, max_pixels: int = DEFAULT_MAX_PIXELS,
                  parsed: tuple[list[dict], dict[int, list[str]]] | None = None, follow_symlinks: bool = False,
-                 skip_unreadable: bool = False) -> None:
+                 skip_unreadable: bool = False, images_dir: str | Path | None = None,
+                 ann_file: str | Path | None = None) -> None:
         self.root, self.split = Path(root), split
         self.skip_unreadable = skip_unreadable
-        self.images, captions = parsed if parsed is not None else read_captions(self.root, split, follow_symlinks,
-                                                                                skip_unreadable)
+        self.images_dir = Path(images_dir) if images_dir is not None else self.root / split
+        default_ann = self.root / "annotations" / f"captions_{split}.json"
+        self.ann_file = Path(ann_file) if ann_file is not None else default_ann
+        self.images, captions = parsed if parsed is not None else read_captions(
+            self.root, split, follow_symlinks, skip_unreadable, self.images_dir, self.ann_file)
         self.references = [captions[im["id"]] for im in self.images]
         self.transform, self.tokenizer, self.sample = transform, tokenizer, sample
         self.max_length, self.max_pixels = max_length, max_pixels
@@ -154,6 +181,11 @@ class CocoCaptions(SkipUnreadable, Dataset):
     def image_path(self, index: int) -> Path:
         """The checked path of image ``index`` (inside the split folder, see :func:`read_captions`)."""
         return self.images[index]["path"]
+
+    def relative_file(self, index: int) -> str:
+        """How outputs name image ``index``: relative to the root, or to the images folder when
+        that lies outside the root (see :func:`vision_attn.data.loading.relative_file`)."""
+        return relative_file(self.root, self.images_dir, self.images[index]["file_name"])
 
     def _load(self, index: int):
         image = read_image(self.image_path(index), self.max_pixels)
@@ -184,14 +216,15 @@ class _Collate:
         return caption_collate(batch, self.pad_id)
 
 
-class CaptioningDataModule(SplitDataModule):
+class CaptioningDataModule(CocoLayout, SplitDataModule):
     """COCO-captions data (the embedded shapes scenes when ``root`` is unset).
 
     The tokenizer is trained from the training captions unless the model brings its own
     (a checkpoint's vocabulary always wins: token ids must mean what they meant in training).
 
     Args:
-        root: dataset root (``ROOT/<split>/``, ``ROOT/annotations/captions_<split>.json``).
+        root: dataset root (``ROOT/<split>/``, ``ROOT/annotations/captions_<split>.json``);
+            the base of relative ``*_images`` / ``*_annotations`` paths.
         synthetic: parameters of the embedded scenes when ``root`` is ``None``.
         cache_dir: where the embedded data is generated.
         train_split: training split name (COCO users: ``train2017``).
@@ -205,7 +238,17 @@ class CaptioningDataModule(SplitDataModule):
         max_pixels: refuse larger images.
         follow_symlinks: follow symbolic links inside a split folder that lead outside it
             (refused by default: training skips such images, evaluation stops).
+        train_annotations: the training caption file (default
+            ``ROOT/annotations/captions_<train_split>.json``).
+        val_annotations: the validation caption file (likewise).
+        test_annotations: the caption file of ``test_split`` (``eval.py --split test``).
+        train_images: the training images folder (default ``ROOT/<train_split>/``).
+        val_images: the validation images folder (likewise).
+        test_images: the images folder of ``test_split``.
+        test_split: name of the test split (its paths default to the layout above).
     """
+
+    annotation_kind = "captions"
 
     def __init__(
         self,
@@ -222,11 +265,22 @@ class CaptioningDataModule(SplitDataModule):
         max_vocab: int | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         follow_symlinks: bool = False,
+        train_annotations: str | None = None,
+        val_annotations: str | None = None,
+        test_annotations: str | None = None,
+        train_images: str | None = None,
+        val_images: str | None = None,
+        test_images: str | None = None,
+        test_split: str = "test",
     ) -> None:
         super().__init__()
-        self.root = coco_root(root, synthetic, cache_dir, "a COCO-captions folder")
+        all_given = None not in (train_annotations, val_annotations, train_images, val_images)
+        self.root = coco_root(root, synthetic, cache_dir, "a COCO-captions folder", all_given)
         self.follow_symlinks = follow_symlinks
-        self.train_split, self.val_split = train_split, val_split
+        self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
+        self.train_annotations, self.val_annotations = train_annotations, val_annotations
+        self.test_annotations = test_annotations
+        self.train_images, self.val_images, self.test_images = train_images, val_images, test_images
         self.batch_size, self.num_workers, self.augment = batch_size, num_workers, augment
         self.max_length, self.min_word_freq, self.max_vocab, self.max_pixels = max_length, min_word_freq, max_vocab, max_pixels
         self.preprocess: dict[str, Any] | None = None
@@ -239,7 +293,7 @@ class CaptioningDataModule(SplitDataModule):
         """The model's tokenizer once set; else trained from the training captions (once)."""
         if self._tokenizer is None:
             self._train_captions = self._train_captions or read_captions(
-                self.root, self.train_split, self.follow_symlinks, skip_refused=True)
+                self.root, self.train_split, self.follow_symlinks, True, *self.split_paths(self.train_split))
             _, captions = self._train_captions
             self._tokenizer = WordTokenizer.train((c for caps in captions.values() for c in caps),
                                                   self.min_word_freq, self.max_vocab)
@@ -259,8 +313,10 @@ class CaptioningDataModule(SplitDataModule):
         if split == self.train_split:  # read once for the tokenizer; handed over, then freed
             parsed, self._train_captions = self._train_captions, None
         # training skips unreadable or refused files; evaluation stops at the first
+        images_dir, ann_file = self.split_paths(split)
         return CocoCaptions(self.root, split, tf, tokenizer, "random" if train else "first", self.max_length,
-                            self.max_pixels, parsed, self.follow_symlinks, skip_unreadable=train)
+                            self.max_pixels, parsed, self.follow_symlinks, skip_unreadable=train,
+                            images_dir=images_dir, ann_file=ann_file)
 
     def collate_fn(self):
         return _Collate(self.tokenizer.pad_id)

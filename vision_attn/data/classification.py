@@ -8,11 +8,24 @@ Symbolic links inside a split folder (a file, or a class folder) that lead outsi
 refused unless ``follow_symlinks`` (``--data.follow_symlinks true``): training skips them with
 one counted warning, evaluation stops with an error naming one. The split folder itself may be
 a symlink (it is resolved first).
+
+No ``val/`` folder: ``--data.val_fraction F`` holds out a stratified part of ``train/`` as the
+validation split (:func:`stratified_holdout`): in every class of ``n`` images, the
+``round(F * n)`` (Python's rounding; at least one when ``n >= 2``, never all of them) that come
+first when the class's files are ordered by the SHA-256 of ``"<val_seed>/<class>/<file>"``. The
+split depends only on the seed and the file names (not on the machine, the listing order or
+where the root lies), so training and a later ``eval.py`` see the same held-out images; adding
+an image to a class moves at most one other image of that class across. Both parts keep their
+``train/...`` paths (``predictions.json`` names files relative to ``ROOT`` as always). Setting
+``val_fraction`` while ``ROOT/val/`` exists is an error: say which validation set you mean
+(drop the option, or move ``val/`` away).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +48,7 @@ from vision_attn.data.transforms import (
 )
 from vision_attn.errors import DataError
 
-__all__ = ["DataError", "ImageFolderDataModule", "ImageFolderDataset", "find_classes"]
+__all__ = ["DataError", "ImageFolderDataModule", "ImageFolderDataset", "find_classes", "stratified_holdout"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +72,26 @@ def _list_images(folder: Path) -> list[Path]:
     )
 
 
+def stratified_holdout(files: Collection[str], fraction: float, seed: int) -> set[str]:
+    """The held-out part of a split's images (see the module docstring).
+
+    Args:
+        files: image paths relative to the split folder, ``<class>/<file>`` with ``/``.
+        fraction: share of each class to hold out, in ``(0, 1)``.
+        seed: changes which images are held out.
+    """
+    by_class: dict[str, list[str]] = {}
+    for f in files:
+        by_class.setdefault(f.split("/", 1)[0], []).append(f)
+    held: set[str] = set()
+    for names in by_class.values():
+        n = len(names)
+        k = min(max(round(fraction * n), 1), n - 1) if n >= 2 else 0
+        ranked = sorted(names, key=lambda f: (hashlib.sha256(f"{seed}/{f}".encode()).hexdigest(), f))
+        held.update(ranked[:k])
+    return held
+
+
 class ImageFolderDataset(SkipUnreadable, Dataset):
     """Images of one split with integer labels.
 
@@ -75,6 +108,9 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
         follow_symlinks: follow symbolic links inside the split folder that lead outside it.
         skip_unreadable: training: skip unreadable images and refused links (counted
             warnings); evaluation (``False``): stop with an error.
+        files: keep only these images (paths relative to the split folder, ``<class>/<file>``
+            with ``/``); ``None`` keeps all (the held-out validation part of ``train/`` and the
+            rest are two such selections, see :func:`stratified_holdout`).
     """
 
     def __init__(
@@ -86,6 +122,7 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
         max_pixels: int = DEFAULT_MAX_PIXELS,
         follow_symlinks: bool = False,
         skip_unreadable: bool = False,
+        files: Collection[str] | None = None,
     ) -> None:
         self.root = Path(root)
         self.split = split
@@ -105,6 +142,7 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
         real_split = split_dir.resolve()
         refusals = PathRefusals(split_dir, skip=skip_unreadable)
         self.samples: list[tuple[str, int]] = []
+        keep = None if files is None else set(files)
         for cls in present:
             files = _list_images(split_dir / cls)
             if not files:
@@ -115,6 +153,8 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
             # rglob does not descend into linked folders: only a linked class folder or a linked
             # file can lead outside (checked without resolving every file of large datasets).
             cls_inside = (split_dir / cls).resolve().is_relative_to(real_split)
+            if keep is not None:
+                files = [f for f in files if f.relative_to(split_dir).as_posix() in keep]
             for f in files:
                 why = None
                 if not cls_inside or f.is_symlink():
@@ -127,6 +167,10 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def relative_file(self, index: int) -> str:
+        """How outputs name image ``index``: its path relative to the root (``val/cat/1.png``)."""
+        return self.samples[index][0]
 
     def _load(self, index: int) -> tuple[torch.Tensor, int, int]:
         rel, label = self.samples[index]
@@ -161,6 +205,10 @@ class ImageFolderDataModule(SplitDataModule):
         max_pixels: images declaring more pixels are refused.
         follow_symlinks: follow symbolic links inside a split folder that lead outside it
             (refused by default: training skips such images, evaluation stops).
+        val_fraction: with no ``val/`` folder, hold out this share of every class of ``train/``
+            as the validation split (seeded, stratified: see the module docstring); an error
+            when ``val/`` exists.
+        val_seed: the seed of that held-out split.
     """
 
     def __init__(
@@ -178,6 +226,8 @@ class ImageFolderDataModule(SplitDataModule):
         hflip: bool = True,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         follow_symlinks: bool = False,
+        val_fraction: float | None = None,
+        val_seed: int = 0,
     ) -> None:
         super().__init__()
         self.follow_symlinks = follow_symlinks
@@ -197,6 +247,17 @@ class ImageFolderDataModule(SplitDataModule):
         self.hflip = hflip
         self.max_pixels = max_pixels
         self.class_names: list[str] = find_classes(self.root / train_split)
+        if val_fraction is not None:
+            if not 0 < val_fraction < 1:
+                raise DataError(f"--data.val_fraction {val_fraction} must lie strictly between 0 and 1")
+            if (self.root / val_split).exists():
+                raise DataError(
+                    f"{self.root / val_split} exists and --data.val_fraction {val_fraction} is set: validate "
+                    f"on {val_split}/ (drop val_fraction) or on a held-out part of {train_split}/ (move "
+                    f"{val_split}/ away), not both"
+                )
+        self.val_fraction, self.val_seed = val_fraction, val_seed
+        self._holdout: tuple[set[str], set[str]] | None = None
         self.preprocess: dict[str, Any] | None = None
         self.datasets: dict[str, ImageFolderDataset] = {}
 
@@ -204,13 +265,33 @@ class ImageFolderDataModule(SplitDataModule):
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    def holdout(self) -> tuple[set[str], set[str]]:
+        """``(training files, held-out validation files)`` of ``train/`` under ``val_fraction``
+        (paths relative to the training split folder; computed once)."""
+        if self._holdout is None:
+            split_dir = self.root / self.train_split
+            every = {f.relative_to(split_dir).as_posix()
+                     for c in self.class_names for f in _list_images(split_dir / c)}
+            held = stratified_holdout(every, self.val_fraction, self.val_seed)
+            self._holdout = (every - held, held)
+            log.info("validation: %d of the %d images of %s held out (val_fraction %s, val_seed %d)",
+                     len(held), len(every), split_dir, self.val_fraction, self.val_seed)
+        return self._holdout
+
     def dataset(self, split: str, train: bool = False) -> ImageFolderDataset:
-        """The dataset of ``split`` with the training or the evaluation transform."""
+        """The dataset of ``split`` with the training or the evaluation transform (with
+        ``val_fraction``, the validation split is the held-out part of the training folder)."""
         pre = model_preprocess(self)
         transform = build_train_transform(pre, self.augment, self.hflip) if train else build_eval_transform(pre)
+        folder, files = split, None
+        if self.val_fraction is not None and split in (self.train_split, self.val_split):
+            folder, files = self.train_split, self.holdout()[split == self.val_split]
+        elif split == self.val_split and not (self.root / split).is_dir():
+            raise DataError(f"validation folder {self.root / split} does not exist: add it, or pass "
+                            "--data.val_fraction 0.1 to hold out part of the training images")
         # training skips unreadable or refused files; evaluation stops at the first
-        return ImageFolderDataset(self.root, split, self.class_names, transform, self.max_pixels,
-                                  self.follow_symlinks, skip_unreadable=train)
+        return ImageFolderDataset(self.root, folder, self.class_names, transform, self.max_pixels,
+                                  self.follow_symlinks, skip_unreadable=train, files=files)
 
     def setup(self, stage: str | None = None) -> None:
         if stage in ("fit", None):

@@ -1,5 +1,12 @@
 """COCO-format detection data: ``ROOT/<split>/`` images, ``ROOT/annotations/instances_<split>.json``.
 
+- Layout: that is the default of every split; a split's annotation file and images folder can
+  be given instead (``--data.train_annotations``, ``--data.train_images``, likewise ``val_`` and
+  ``test_``; see :func:`split_layout`): a relative path is taken under ``ROOT``, an absolute one
+  as it is. ``file_name`` values are relative to the split's images folder, which is the folder
+  they must stay inside. With every train and val path given and no ``root``, the root is the
+  current folder (no embedded data is generated).
+
 - Category ids may be sparse (COCO's 1..90): they are mapped to contiguous labels
   ``0..C-1`` in id order (``category_ids[label]`` maps back); names come from the file.
 - Faulty annotations never crash training: boxes with non-finite values or zero or negative
@@ -46,13 +53,14 @@ from vision_attn.data.loading import (
     SkipUnreadable,
     SplitDataModule,
     image_path_inside,
+    relative_file,
 )
 from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
 from vision_attn.data.transforms import _interp, model_preprocess
 from vision_attn.errors import DataError
 
-__all__ = ["CocoDetection", "DetectionDataModule", "coco_root", "detection_collate", "load_coco_annotations",
-           "validate_image_entry"]
+__all__ = ["CocoDetection", "CocoLayout", "DetectionDataModule", "coco_root", "detection_collate",
+           "load_coco_annotations", "split_layout", "validate_image_entry"]
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +120,67 @@ def _categories(cats: Any, ann_file: Path) -> list[dict]:
     return sorted(cats, key=lambda c: c["id"])
 
 
-def coco_root(root: str | None, synthetic: SceneSetConfig | None, cache_dir: str | None, what: str) -> Path:
-    """The data root: ``root``, or the embedded shape scenes (generated on first use) when unset."""
+def coco_root(root: str | None, synthetic: SceneSetConfig | None, cache_dir: str | None, what: str,
+              all_given: bool = False) -> Path:
+    """The data root: ``root``; when unset, the current folder if ``all_given`` (every train and
+    val path was given), else the embedded shape scenes (generated on first use)."""
+    if root is None and all_given:
+        root = "."
     if root is None:
         root = str(ensure_shapes_coco(synthetic or SceneSetConfig(), cache_dir))
     path = Path(root).expanduser()
     if not path.is_dir():
         raise DataError(f"data root {path} does not exist; pass --data.root with {what}")
     return path
+
+
+def split_layout(root: Path, split: str, kind: str, images: str | Path | None = None,
+                 annotations: str | Path | None = None) -> tuple[Path, Path]:
+    """``(images folder, annotation file)`` of one split.
+
+    Args:
+        root: the data root.
+        split: the split name.
+        kind: the annotation file's kind: ``instances`` or ``captions``.
+        images: the split's images folder if given (relative: under ``root``), else
+            ``ROOT/<split>/``.
+        annotations: the split's annotation file if given (relative: under ``root``), else
+            ``ROOT/annotations/<kind>_<split>.json``.
+    """
+    folder = root / Path(images).expanduser() if images is not None else root / split
+    if annotations is None:
+        return folder, root / "annotations" / f"{kind}_{split}.json"
+    return folder, root / Path(annotations).expanduser()
+
+
+class CocoLayout:
+    """What the COCO-layout data modules share: the paths of each split (:meth:`split_paths`).
+    Subclasses set ``root``, ``annotation_kind``, the ``*_split`` names and the ``*_images`` /
+    ``*_annotations`` paths (``None`` = the default layout)."""
+
+    annotation_kind = "instances"
+    root: Path
+    train_split: str
+    val_split: str
+    test_split: str
+    train_images = val_images = test_images = None
+    train_annotations = val_annotations = test_annotations = None
+
+    def split_paths(self, split: str) -> tuple[Path, Path]:
+        """``(images folder, annotation file)`` of ``split`` (see :func:`split_layout`)."""
+        rows = [(self.train_split, self.train_images, self.train_annotations),
+                (self.val_split, self.val_images, self.val_annotations),
+                (self.test_split, self.test_images, self.test_annotations)]
+        images = next((i for name, i, _ in rows if name == split and i is not None), None)
+        ann = next((a for name, _, a in rows if name == split and a is not None), None)
+        return split_layout(self.root, split, self.annotation_kind, images, ann)
+
+
+def check_images_dir(images_dir: Path, ann_file: Path, split: str) -> None:
+    """A clear error when the images folder of a split is missing."""
+    if not images_dir.is_dir():
+        raise DataError(f"{ann_file}: the images folder {images_dir} of split {split!r} does not exist; "
+                        f"pass --data.root (images in ROOT/{split}/) or the split's --data.<split>_images")
 
 
 def _to_target(boxes_xyxy: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
@@ -144,7 +205,8 @@ class CocoDetection(SkipUnreadable, Dataset):
 
     Args:
         root: dataset root.
-        split: image folder name (``val``, ``val2017``, ...).
+        split: split name (``val``, ``val2017``, ...): the image folder under ``root`` unless
+            ``images_dir`` is given.
         transform: a torchvision v2 transform taking ``(image, BoundingBoxes)``.
         categories: category list to use (default: the file's); for val, pass train's.
         max_pixels: refuse larger images.
@@ -152,15 +214,23 @@ class CocoDetection(SkipUnreadable, Dataset):
         follow_symlinks: follow symbolic links inside the split folder that lead outside it.
         skip_unreadable: training: skip unreadable images and images whose path leaves the
             split folder (counted warnings); evaluation (``False``): stop with an error.
+        images_dir: the split's images folder, as it is (default ``ROOT/<split>/``).
+        ann_file: the split's annotation file, as it is (default
+            ``ROOT/annotations/instances_<split>.json``).
     """
 
     def __init__(self, root: str | Path, split: str, transform: Any = None, categories: list[dict] | None = None,
                  max_pixels: int = DEFAULT_MAX_PIXELS, annotations: dict[str, Any] | None = None,
-                 follow_symlinks: bool = False, skip_unreadable: bool = False) -> None:
+                 follow_symlinks: bool = False, skip_unreadable: bool = False,
+                 images_dir: str | Path | None = None, ann_file: str | Path | None = None) -> None:
         self.root, self.split = Path(root), split
         self.skip_unreadable = skip_unreadable
-        self.ann_file = self.root / "annotations" / f"instances_{split}.json"
+        self.images_dir = Path(images_dir) if images_dir is not None else self.root / split
+        default_ann = self.root / "annotations" / f"instances_{split}.json"
+        self.ann_file = Path(ann_file) if ann_file is not None else default_ann
         data = annotations if annotations is not None else load_coco_annotations(self.ann_file)
+        if data["images"]:
+            check_images_dir(self.images_dir, self.ann_file, split)
         self.categories = _categories(categories if categories is not None else data.get("categories"), self.ann_file)
         self.category_ids = [int(c["id"]) for c in self.categories]
         self.class_names = [str(c.get("name", c["id"])) for c in self.categories]
@@ -168,7 +238,7 @@ class CocoDetection(SkipUnreadable, Dataset):
         self.transform = transform
         self.max_pixels = max_pixels
         self._raw_orientation: set[int] = set()
-        split_dir = (self.root / split).resolve()
+        split_dir = self.images_dir.resolve()
         refusals = PathRefusals(self.ann_file, skip=skip_unreadable)
         self.images: list[dict] = []
         self._paths: list[Path] = []
@@ -180,10 +250,11 @@ class CocoDetection(SkipUnreadable, Dataset):
             seen.add(im["id"])
             path, why = image_path_inside(split_dir, im["file_name"], follow_symlinks)
             if why is not None:
-                refusals.refuse(f"image id {im['id']}", self.root / split / im["file_name"], why)
+                refusals.refuse(f"image id {im['id']}", self.images_dir / im["file_name"], why)
                 continue
             if not path.is_file():
-                raise DataError(f"{self.ann_file}: image id {im['id']} has no file {self.root / split / im['file_name']}")
+                raise DataError(f"{self.ann_file}: image id {im['id']} has no file "
+                                f"{self.images_dir / im['file_name']}")
             self.images.append(im)
             self._paths.append(path)
         refusals.report()
@@ -238,6 +309,11 @@ class CocoDetection(SkipUnreadable, Dataset):
     def image_path(self, index: int) -> Path:
         """The checked path of image ``index`` (inside the split folder)."""
         return self._paths[index]
+
+    def relative_file(self, index: int) -> str:
+        """How outputs name image ``index``: relative to the root, or to the images folder when
+        that lies outside the root (see :func:`vision_attn.data.loading.relative_file`)."""
+        return relative_file(self.root, self.images_dir, self.images[index]["file_name"])
 
     def read_rgb(self, index: int) -> np.ndarray:
         """RGB ``uint8 [H, W, 3]`` of image ``index`` in the orientation its annotations
@@ -308,11 +384,12 @@ def build_detection_transform(pre: dict[str, Any], train: bool, scale_jitter: tu
     return T.Compose(ops)
 
 
-class DetectionDataModule(SplitDataModule):
+class DetectionDataModule(CocoLayout, SplitDataModule):
     """COCO-layout detection data (the embedded shapes scenes when ``root`` is unset).
 
     Args:
-        root: dataset root (``ROOT/<split>/``, ``ROOT/annotations/instances_<split>.json``).
+        root: dataset root (``ROOT/<split>/``, ``ROOT/annotations/instances_<split>.json``);
+            the base of relative ``*_images`` / ``*_annotations`` paths.
         synthetic: parameters of the embedded scenes when ``root`` is ``None``.
         cache_dir: where the embedded data is generated.
         train_split: training split name (COCO users: ``train2017``).
@@ -323,6 +400,14 @@ class DetectionDataModule(SplitDataModule):
         max_pixels: refuse larger images.
         follow_symlinks: follow symbolic links inside a split folder that lead outside it
             (refused by default: training skips such images, evaluation stops).
+        train_annotations: the training annotation file (default
+            ``ROOT/annotations/instances_<train_split>.json``).
+        val_annotations: the validation annotation file (likewise).
+        test_annotations: the annotation file of ``test_split`` (``eval.py --split test``).
+        train_images: the training images folder (default ``ROOT/<train_split>/``).
+        val_images: the validation images folder (likewise).
+        test_images: the images folder of ``test_split``.
+        test_split: name of the test split (its paths default to the layout above).
     """
 
     def __init__(
@@ -337,15 +422,27 @@ class DetectionDataModule(SplitDataModule):
         scale_jitter: tuple[float, float] = (0.6, 1.0),
         max_pixels: int = DEFAULT_MAX_PIXELS,
         follow_symlinks: bool = False,
+        train_annotations: str | None = None,
+        val_annotations: str | None = None,
+        test_annotations: str | None = None,
+        train_images: str | None = None,
+        val_images: str | None = None,
+        test_images: str | None = None,
+        test_split: str = "test",
     ) -> None:
         super().__init__()
-        self.root = coco_root(root, synthetic, cache_dir, "a COCO-layout folder")
+        all_given = None not in (train_annotations, val_annotations, train_images, val_images)
+        self.root = coco_root(root, synthetic, cache_dir, "a COCO-layout folder", all_given)
         self.follow_symlinks = follow_symlinks
-        self.train_split, self.val_split = train_split, val_split
+        self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
+        self.train_annotations, self.val_annotations = train_annotations, val_annotations
+        self.test_annotations = test_annotations
+        self.train_images, self.val_images, self.test_images = train_images, val_images, test_images
         self.batch_size, self.num_workers, self.scale_jitter, self.max_pixels = batch_size, num_workers, scale_jitter, max_pixels
-        ann = load_coco_annotations(self.root / "annotations" / f"instances_{train_split}.json")
+        train_ann_file = self.split_paths(train_split)[1]
+        ann = load_coco_annotations(train_ann_file)
         self._train_annotations: dict[str, Any] | None = ann  # parsed once; handed to the train dataset
-        self.categories = _categories(ann.get("categories"), self.root / "annotations" / f"instances_{train_split}.json")
+        self.categories = _categories(ann.get("categories"), train_ann_file)
         self.class_names = [str(c.get("name", c["id"])) for c in self.categories]
         self.category_ids = [int(c["id"]) for c in self.categories]
         self.preprocess: dict[str, Any] | None = None
@@ -361,8 +458,10 @@ class DetectionDataModule(SplitDataModule):
         if split == self.train_split and self._train_annotations is not None:
             parsed, self._train_annotations = self._train_annotations, None  # used once, then freed
         # training skips unreadable or refused files; evaluation stops at the first
+        images_dir, ann_file = self.split_paths(split)
         return CocoDetection(self.root, split, tf, self.categories, self.max_pixels, parsed,
-                             follow_symlinks=self.follow_symlinks, skip_unreadable=train)
+                             follow_symlinks=self.follow_symlinks, skip_unreadable=train,
+                             images_dir=images_dir, ann_file=ann_file)
 
     def collate_fn(self):
         return detection_collate

@@ -15,11 +15,14 @@ fewer on some processes (evaluation steps therefore must not call collectives pe
 metrics synchronise once, at the end of the epoch).
 
 Paths. An image path named by the data (a COCO ``file_name``, a file found in an ImageFolder)
-must stay inside its split folder: :func:`image_path_inside` refuses absolute names, names that
+must stay inside its split folder — ``ROOT/<split>/``, or the images folder given for the split
+(``--data.val_images``, ...): :func:`image_path_inside` refuses absolute names, names that
 climb out with ``..``, and — unless ``follow_symlinks`` — symbolic links (of the file or of a
 folder on its way) that lead outside. The split folder itself is resolved first, so a split
 folder that is a symlink is fine. Training skips a refused image with one counted warning;
-evaluation stops with an error naming it (:class:`PathRefusals`).
+evaluation stops with an error naming it (:class:`PathRefusals`). Outputs name an image file
+relative to the data root, or relative to its split's images folder when that folder was given
+outside the root (:func:`relative_file`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ __all__ = [
     "eval_sampler",
     "image_path_inside",
     "make_loader",
+    "relative_file",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,6 +81,20 @@ def image_path_inside(split_dir: Path, name: str, follow_symlinks: bool = False)
     if not follow_symlinks and not path.resolve().is_relative_to(split_dir):
         return path, f"a symbolic link to {path.resolve()}, outside the split folder ({FOLLOW_HINT})"
     return path, None
+
+
+def relative_file(root: Path | None, images_dir: Path, name: str) -> str:
+    """How outputs name the image ``name`` of the split folder ``images_dir``: relative to the
+    data ``root`` when the folder lies under it (``val2017/x.jpg``, as with the default layout),
+    else relative to the folder itself (``x.jpg``). Both are compared as written (made absolute,
+    links not followed), so a root that is a symbolic link keeps its names."""
+    folder = Path(os.path.abspath(images_dir))
+    inside = Path(os.path.normpath(folder / name))
+    if root is not None:
+        base = Path(os.path.abspath(root))
+        if inside.is_relative_to(base):
+            return inside.relative_to(base).as_posix()
+    return inside.relative_to(folder).as_posix() if inside.is_relative_to(folder) else name
 
 
 class PathRefusals:
@@ -141,6 +159,13 @@ class UnpaddedDistributedSampler(DistributedSampler):
     """A distributed sampler for evaluation that never repeats a sample (see the module docstring).
 
     Being a ``DistributedSampler``, Lightning keeps it instead of inserting its own.
+
+    Why not Lightning's: ``lightning.pytorch.overrides.distributed.UnrepeatedDistributedSampler``
+    (what Lightning uses for ``predict``) splits the same way, but it lives in Lightning's
+    internal ``overrides`` package (no stability promise) and asserts that every process gets at
+    least one sample, so evaluating fewer images than processes (5 images on 8 GPUs, or one on
+    two: a case ``tests/test_distributed.py`` covers) fails with a bare ``AssertionError``. Our
+    evaluation steps never synchronise per batch, so a process with no batch is fine here.
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None) -> None:

@@ -26,6 +26,7 @@ from vision_attn.data.imageio import read_image
 from vision_attn.data.transforms import build_display_transform
 from vision_attn.explain.methods import METHODS, explain_classifier, faithfulness
 from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
+from vision_attn.outputs import safe_filename
 
 __all__ = ["ExplainOptions", "Selection", "explain_eval_split", "explanation_panel", "select_images"]
 
@@ -198,7 +199,8 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
                 pred = int(expl.target[j])
                 caption = f"{names[labels[j]]} -> {names[pred]} {probs[j, pred]:.2f}"
                 panel = explanation_panel(display, expl.maps, j, caption, options.alpha)
-                save_png(out_dir / "overlays" / f"{i:05d}_{names[labels[j]]}_{Path(rel).stem}.png", panel)
+                save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{names[labels[j]]}_{Path(rel).stem}.png"), panel,
+                         root=out_dir)
                 written += 1
                 if report is not None:
                     report.items.append(_report_item(expl, j, display, rel, caption, panel))

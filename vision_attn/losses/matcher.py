@@ -3,7 +3,9 @@
 Each image's ``Q`` predictions are matched one-to-one to its ``G <= Q`` targets so that the
 total cost — class cost + L1 box cost + GIoU cost, each weighted — is minimal
 (``scipy.optimize.linear_sum_assignment``). Unmatched predictions are trained towards
-"no object".
+"no object". The focal class cost is ``torchvision.ops.sigmoid_focal_loss`` of the target class
+minus that of its absence (computed from the logits, so it keeps ordering confident mistakes
+where ``log(p + eps)`` would saturate).
 """
 
 from __future__ import annotations
@@ -11,10 +13,18 @@ from __future__ import annotations
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
+from torchvision.ops import sigmoid_focal_loss
 
 from vision_attn.boxes import box_cxcywh_to_xyxy, generalized_box_iou
 
-__all__ = ["HungarianMatcher"]
+__all__ = ["HungarianMatcher", "check_focal_alpha"]
+
+
+def check_focal_alpha(alpha: float) -> None:
+    """Refuse a focal-loss ``alpha`` that ``torchvision.ops.sigmoid_focal_loss`` refuses (at its
+    first step), when the model is built."""
+    if not (0 <= alpha <= 1 or alpha == -1):
+        raise ValueError(f"focal_alpha {alpha} must lie in [0, 1], or be -1 for no class weighting")
 
 
 class HungarianMatcher(nn.Module):
@@ -25,7 +35,7 @@ class HungarianMatcher(nn.Module):
         cost_bbox: weight of the L1 distance between ``cxcywh`` boxes.
         cost_giou: weight of ``-GIoU``.
         focal: use the focal-loss class cost (for sigmoid classifiers) instead of ``-softmax``.
-        focal_alpha: focal loss alpha.
+        focal_alpha: focal loss alpha, in ``[0, 1]`` (or ``-1``: no class weighting).
         focal_gamma: focal loss gamma.
     """
 
@@ -41,16 +51,17 @@ class HungarianMatcher(nn.Module):
         super().__init__()
         if cost_class == 0 and cost_bbox == 0 and cost_giou == 0:
             raise ValueError("all matcher costs are 0")
+        check_focal_alpha(focal_alpha)
         self.cost_class, self.cost_bbox, self.cost_giou = cost_class, cost_bbox, cost_giou
         self.focal, self.focal_alpha, self.focal_gamma = focal, focal_alpha, focal_gamma
 
     def cost_matrix(self, logits: Tensor, boxes: Tensor, labels: Tensor, target_boxes: Tensor) -> Tensor:
         """``[Q, G]`` cost of one image: ``logits [Q, C(+1)]``, ``boxes [Q, 4]`` and targets (cxcywh)."""
         if self.focal:
-            p = logits.sigmoid()[:, labels]  # (Q, G)
+            x = logits[:, labels]  # (Q, G)
             a, g = self.focal_alpha, self.focal_gamma
-            neg = (1 - a) * p**g * -(1 - p + 1e-8).log()
-            pos = a * (1 - p) ** g * -(p + 1e-8).log()
+            pos = sigmoid_focal_loss(x, torch.ones_like(x), a, g)  # the loss if it were the class
+            neg = sigmoid_focal_loss(x, torch.zeros_like(x), a, g)  # the loss if it were not
             c_class = pos - neg
         else:
             c_class = -logits.softmax(-1)[:, labels]

@@ -4,6 +4,9 @@
 ``loss_giou``, their auxiliary-layer copies ``loss_ce_0`` ..., and ``cardinality_error``, which
 is only logged) and owns the weight table ``weight_dict``; :meth:`SetCriterion.total` is the one
 place where the weighted sum is formed.
+
+Box overlaps and the sigmoid focal loss (Lin et al. 2017) are ``torchvision.ops``'
+(:func:`sigmoid_focal_loss` is re-exported here under the name the tests and users import).
 """
 
 from __future__ import annotations
@@ -11,23 +14,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torchvision.ops import sigmoid_focal_loss
 
 from vision_attn.boxes import box_cxcywh_to_xyxy, generalized_box_iou
 from vision_attn.distributed import mean_across_processes
-from vision_attn.losses.matcher import HungarianMatcher
+from vision_attn.losses.matcher import HungarianMatcher, check_focal_alpha
 
 __all__ = ["SetCriterion", "sigmoid_focal_loss"]
-
-
-def sigmoid_focal_loss(logits: Tensor, targets: Tensor, alpha: float = 0.25, gamma: float = 2.0) -> Tensor:
-    """Elementwise focal loss (Lin et al. 2017) of sigmoid logits against 0/1 targets."""
-    p = logits.sigmoid()
-    ce = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
-    p_t = p * targets + (1 - p) * (1 - targets)
-    loss = ce * (1 - p_t) ** gamma
-    if alpha >= 0:
-        loss = (alpha * targets + (1 - alpha) * (1 - targets)) * loss
-    return loss
 
 
 def _num_boxes(targets: list[dict[str, Tensor]], device: torch.device, across_processes: bool) -> float:
@@ -50,7 +43,7 @@ class SetCriterion(nn.Module):
         weight_giou: weight of the GIoU term.
         eos_coef: relative weight of the "no object" class in the softmax cross-entropy.
         focal: sigmoid focal loss over ``C`` classes instead of softmax cross-entropy.
-        focal_alpha: focal loss alpha.
+        focal_alpha: focal loss alpha, in ``[0, 1]`` (or ``-1``: no class weighting).
         focal_gamma: focal loss gamma.
     """
 
@@ -67,6 +60,7 @@ class SetCriterion(nn.Module):
         focal_gamma: float = 2.0,
     ) -> None:
         super().__init__()
+        check_focal_alpha(focal_alpha)
         self.num_classes = num_classes
         self.matcher = matcher
         self.base_weights = {"loss_ce": weight_ce, "loss_bbox": weight_bbox, "loss_giou": weight_giou}
@@ -96,7 +90,8 @@ class SetCriterion(nn.Module):
         if self.focal:
             onehot = torch.zeros_like(logits)
             onehot[b_idx, q_idx, matched_labels] = 1.0
-            loss_ce = sigmoid_focal_loss(logits, onehot, self.focal_alpha, self.focal_gamma).sum() / num_boxes
+            focal = sigmoid_focal_loss(logits, onehot, self.focal_alpha, self.focal_gamma, reduction="sum")
+            loss_ce = focal / num_boxes
         else:
             classes = torch.full(logits.shape[:2], self.num_classes, dtype=torch.int64, device=logits.device)
             classes[b_idx, q_idx] = matched_labels

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,9 @@ import timm
 from torch import Tensor, nn
 
 from vision_attn.checkpoint_io import load_state_dict_file
-from vision_attn.errors import EncoderError
+from vision_attn.errors import CheckpointError, EncoderError
 
-__all__ = ["ConvStem", "EncoderOutput", "ViTEncoder", "create_encoder"]
+__all__ = ["CHECKPOINT_TIMM_KWARGS", "ConvStem", "EncoderOutput", "ViTEncoder", "create_encoder"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,30 @@ class EncoderOutput:
     def prefix_tokens(self) -> Tensor:
         """``[B, P, D]``: class / distillation / register tokens."""
         return self.tokens[:, : self.num_prefix_tokens]
+
+
+# timm keyword arguments a checkpoint may store in ``timm_kwargs``: sizes and switches of the
+# architecture only. Not ``pretrained_cfg(_overlay)``, ``checkpoint_path``, ``cache_dir`` (they
+# make timm read files or download) nor layer classes (code).
+CHECKPOINT_TIMM_KWARGS = frozenset({
+    "img_size", "patch_size", "in_chans", "num_classes", "global_pool", "embed_dim", "depth",
+    "num_heads", "mlp_ratio", "qkv_bias", "qk_norm", "scale_attn_norm", "scale_mlp_norm",
+    "proj_bias", "init_values", "class_token", "pos_embed", "no_embed_class", "reg_tokens",
+    "pre_norm", "final_norm", "fc_norm", "pool_include_prefix", "dynamic_img_size",
+    "dynamic_img_pad", "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate",
+    "attn_drop_rate", "drop_path_rate", "weight_init", "fix_init", "distilled",
+})
+
+
+def _plain_data(value: Any) -> bool:
+    """Whether ``value`` is JSON-like data (no objects a builder could call)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain_data(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain_data(v) for k, v in value.items())
+    return False
 
 
 def _suggest(name: str) -> str:
@@ -211,6 +236,55 @@ class ViTEncoder(nn.Module):
         init_args = {**self.init_args, "pretrained": False, "weights_file": None}
         return {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "init_args": init_args}
 
+    @classmethod
+    def checked_architecture_args(cls, init_args: Any, what: str = "checkpoint") -> dict[str, Any]:
+        """Constructor arguments read from a checkpoint, made safe to build from.
+
+        A checkpoint describes an architecture, never where weights come from: ``pretrained`` is
+        forced to ``False`` and ``weights_file`` to ``None`` (so building reads no file and
+        downloads nothing; the weights come from the checkpoint), and ``timm_kwargs`` may only
+        hold the plain architecture arguments of :data:`CHECKPOINT_TIMM_KWARGS`.
+
+        Raises:
+            CheckpointError: naming ``what`` and the key, for an unknown argument, a timm argument
+                outside the allow-list (``pretrained_cfg_overlay``, ``checkpoint_path``, layer
+                classes, ...) or a value that is not plain data.
+        """
+        if not isinstance(init_args, dict):
+            raise CheckpointError(f"{what}: the encoder's init_args are not a mapping")
+        known = set(inspect.signature(cls.__init__).parameters) - {"self"}
+        unknown = sorted(str(k) for k in init_args if k not in known)
+        if unknown:
+            raise CheckpointError(
+                f"{what}: the encoder's stored arguments have unknown keys {unknown}; "
+                "use a checkpoint written by train.py"
+            )
+        args = dict(init_args)
+        for key, safe in (("pretrained", False), ("weights_file", None)):
+            if args.get(key) not in (safe, None, False):
+                log.warning("%s: ignoring the stored encoder argument %s=%r (weights come from the checkpoint)",
+                            what, key, args[key])
+            args[key] = safe
+        timm_kwargs = args.get("timm_kwargs") or {}
+        if not isinstance(timm_kwargs, dict):
+            raise CheckpointError(f"{what}: the encoder's timm_kwargs are not a mapping")
+        refused = sorted(str(k) for k in timm_kwargs if k not in CHECKPOINT_TIMM_KWARGS)
+        if refused:
+            raise CheckpointError(
+                f"{what}: the encoder's timm_kwargs {refused} are not architecture arguments that a "
+                "checkpoint may set (they can make timm read files or download weights); allowed: "
+                f"{', '.join(sorted(CHECKPOINT_TIMM_KWARGS))}"
+            )
+        values = {k: v for k, v in args.items() if k != "timm_kwargs"}
+        values.update({f"timm_kwargs.{k}": v for k, v in timm_kwargs.items()})
+        for key, value in values.items():
+            if not _plain_data(value):
+                raise CheckpointError(
+                    f"{what}: the encoder's argument {key} is not plain data ({type(value).__name__})"
+                )
+        args["timm_kwargs"] = dict(timm_kwargs)
+        return args
+
     # ------------------------------------------------------------------ preprocessing
     def _resolve_data_config(self, overrides: dict[str, Any]) -> dict[str, Any]:
         """timm's data config, with the input size of *this* model (not of the pretrained tag)."""
@@ -303,8 +377,6 @@ def create_encoder(
     Keyword arguments that :class:`ViTEncoder` names (``img_size``, ``depth``, ...) are passed
     as such; any other goes to ``timm.create_model``.
     """
-    import inspect
-
     named = set(inspect.signature(ViTEncoder.__init__).parameters) - {"self", "timm_kwargs"}
     direct = {k: v for k, v in timm_kwargs.items() if k in named}
     extra = {k: v for k, v in timm_kwargs.items() if k not in named}

@@ -9,6 +9,7 @@ the checkpoint alone, without downloading anything and without executing pickled
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import math
 from pathlib import Path
@@ -23,21 +24,92 @@ from vision_attn.distributed import gather_objects
 from vision_attn.errors import DataError, TrainingDivergedError
 from vision_attn.models.encoder import ViTEncoder
 
-__all__ = ["VisionTask", "gather_objects", "load_task", "warmup_cosine"]
+__all__ = ["VisionTask", "WarmupCosineSchedule", "cosine_factor", "gather_objects", "load_task", "warmup_cosine"]
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "vision_attn"
 CHECKPOINT_FORMAT = 1
 RUNTIME_ARGS = ("compile",)  # constructor switches that describe the run, not the model
+# Heads' position, query and anchor embeddings, by parameter or nn.Embedding name: never decayed.
+NO_DECAY_EMBEDDINGS = ("pos", "pos_embed", "query_embed", "anchors")
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Learning-rate factor: linear warmup over ``warmup`` steps, then cosine to ``min_ratio``."""
+    """Learning-rate factor: linear warmup over ``warmup`` steps, then cosine to ``min_ratio``.
+
+    ``step`` counts optimizer steps from 0; the factor reaches ``min_ratio`` at ``step = total``
+    (the value the scheduler holds after the last of ``total`` steps).
+    """
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return cosine_factor(progress, min_ratio)
+
+
+def cosine_factor(progress: float, min_ratio: float) -> float:
+    """Cosine from 1 (``progress = 0``) to ``min_ratio`` (``progress = 1``)."""
+    progress = min(1.0, max(0.0, progress))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class WarmupCosineSchedule(torch.optim.lr_scheduler.LRScheduler):
+    """Per-step warmup + cosine whose position survives a resume in another configuration.
+
+    The schedule is a function of training *progress*, not of the trainer that happens to run
+    it. At the start of training the run's total optimizer steps ``T`` and warmup steps ``W``
+    are fixed (``W`` stays a number of optimizer steps for the whole run). After the warmup the
+    factor is ``cosine_factor(p, min_ratio)`` with the cosine progress ``p`` going linearly from
+    ``anchor_progress`` at step ``anchor_step`` to 1 at ``end_step``; initially
+    ``(anchor_step, anchor_progress, end_step) = (W, 0, T)``, which is :func:`warmup_cosine`.
+    All of this is in :meth:`state_dict`, so it travels in the checkpoint.
+
+    :meth:`replan` is called when a (resumed) fit starts, with the optimizer steps that the
+    current trainer will still take. If that differs from what the schedule planned (another
+    number of processes, batch size, ``accumulate_grad_batches``, ``max_epochs`` or
+    ``max_steps``), the rest of the cosine is stretched or compressed onto the new remaining
+    steps: the factor continues from its current value, without a jump, and reaches
+    ``min_ratio`` after the last step of the new plan. An unfinished warmup is finished first
+    (same ``W``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, min_ratio: float,
+                 last_epoch: int = -1) -> None:
+        self.warmup_steps = max(0, int(warmup_steps))
+        self.min_ratio = float(min_ratio)
+        self.anchor_step = self.warmup_steps
+        self.anchor_progress = 0.0
+        self.end_step = max(int(total_steps), self.warmup_steps + 1)
+        super().__init__(optimizer, last_epoch)
+
+    def factor(self, step: int) -> float:
+        """Multiplier of the peak learning rates at optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        return cosine_factor(self._progress(step), self.min_ratio)
+
+    def _progress(self, step: int) -> float:
+        if step < self.anchor_step:
+            return 0.0 if step <= self.warmup_steps else self.anchor_progress
+        span = max(1, self.end_step - self.anchor_step)
+        return min(1.0, self.anchor_progress + (1.0 - self.anchor_progress) * (step - self.anchor_step) / span)
+
+    def replan(self, remaining_steps: int) -> bool:
+        """Fit the rest of the schedule into ``remaining_steps`` more optimizer steps (see the
+        class docstring). Returns whether the plan changed."""
+        step = self.last_epoch
+        end = step + max(1, int(remaining_steps))
+        if end == self.end_step:
+            return False
+        anchor = max(step, self.warmup_steps)
+        self.anchor_progress = self._progress(anchor)
+        self.anchor_step = anchor
+        self.end_step = max(end, anchor + 1)
+        return True
+
+    def get_lr(self) -> list[float]:
+        f = self.factor(self.last_epoch)
+        return [base * f for base in self.base_lrs]
 
 
 class VisionTask(L.LightningModule):
@@ -47,10 +119,23 @@ class VisionTask(L.LightningModule):
         encoder: the :class:`~vision_attn.models.ViTEncoder`.
         lr: peak learning rate of the heads (and of the encoder unless ``encoder_lr`` is set).
         encoder_lr: peak learning rate of the encoder (e.g. lower when fine-tuning).
-        weight_decay: AdamW weight decay (not applied to biases, norms, tokens and position
-            embeddings).
-        warmup_fraction: fraction of the training steps spent in linear warmup.
-        min_lr_ratio: final learning rate as a fraction of the peak.
+        weight_decay: AdamW weight decay of the weight matrices. Not decayed
+            (:meth:`no_weight_decay_names`): biases and norm weights (every parameter with
+            fewer than 2 dimensions); every position, query and anchor embedding and every
+            token — the encoder's own ``no_weight_decay()`` set (timm: ``pos_embed``,
+            ``cls_token``, ``reg_token``, ``dist_token``), any parameter named ``*token``, and
+            the heads' parameters or ``nn.Embedding`` modules named ``pos``, ``pos_embed``,
+            ``query_embed`` or ``anchors`` (the caption decoder's ``head.pos``, DETR's
+            ``head.query_embed.weight`` and ``head.anchors``). The caption decoder's word
+            embedding is also its output projection and is decayed like one.
+        warmup_fraction: fraction of the training steps spent in linear warmup (fixed as a
+            number of optimizer steps when training starts).
+        min_lr_ratio: final learning rate as a fraction of the peak. The schedule
+            (:class:`WarmupCosineSchedule`) is planned when training starts and saved in
+            checkpoints; a run resumed with another number of processes, batch size,
+            ``accumulate_grad_batches``, ``max_epochs`` or ``max_steps`` continues the cosine
+            from its current value, stretched or compressed onto the steps now remaining, and
+            still ends at ``min_lr_ratio``.
         compile: ``torch.compile`` the encoder (in place: parameter names and checkpoints are
             unchanged) when training or evaluation starts.
     """
@@ -133,18 +218,30 @@ class VisionTask(L.LightningModule):
         return self.encoder.data_config
 
     # ------------------------------------------------------------------ optimisation
+    def no_weight_decay_names(self) -> set[str]:
+        """Names of the parameters AdamW does not decay (see the class docstring)."""
+        declared = set()
+        for prefix, module in self.named_modules():
+            skip = getattr(module, "no_weight_decay", None)
+            if callable(skip) and module is not self:  # timm's convention: names relative to the module
+                declared |= {f"{prefix}.{n}" if prefix else n for n in skip()}
+        out = set()
+        for name, p in self.named_parameters():
+            parts = name.split(".")
+            owner = parts[-2] if parts[-1] == "weight" and len(parts) > 1 else parts[-1]  # nn.Embedding's weight
+            if (p.ndim < 2 or name in declared or parts[-1].endswith("token") or parts[-1] in NO_DECAY_EMBEDDINGS
+                    or owner in NO_DECAY_EMBEDDINGS):
+                out.add(name)
+        return out
+
     def _param_groups(self) -> list[dict[str, Any]]:
-        no_decay_names = set()
-        skip = getattr(self.encoder.model, "no_weight_decay", None)
-        if callable(skip):
-            no_decay_names = {f"encoder.model.{n}" for n in skip()}
+        no_decay = self.no_weight_decay_names()
         groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
         for name, p in self.named_parameters():
             if not p.requires_grad:
                 continue
             is_encoder = name.startswith("encoder.")
-            decay = p.ndim > 1 and name not in no_decay_names and not name.endswith("token")
-            groups.setdefault((is_encoder, decay), []).append(p)
+            groups.setdefault((is_encoder, name not in no_decay), []).append(p)
         out = []
         for (is_encoder, decay), params in groups.items():
             lr = self.encoder_lr if (is_encoder and self.encoder_lr is not None) else self.lr
@@ -153,13 +250,47 @@ class VisionTask(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(self._param_groups(), betas=(0.9, 0.999))
-        # The schedule follows the trainer's length (max_epochs / max_steps on the command line).
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        # A fresh run plans the schedule from the trainer's length (max_epochs / max_steps); a
+        # resumed run loads the checkpoint's plan over this one and on_train_start re-plans the
+        # rest for the trainer now running (WarmupCosineSchedule).
+        total = self.trainer.estimated_stepping_batches
+        total = max(1, int(total)) if math.isfinite(total) else 1
         warmup = int(self.warmup_fraction * total)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, total, warmup, self.min_lr_ratio)
-        )
+        schedule = WarmupCosineSchedule(optimizer, total, warmup, self.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def _remaining_optimizer_steps(self) -> float:
+        """Optimizer steps the running trainer will still take in this ``fit`` (``inf`` when it
+        has no end). Exact at epoch ends (where ``last.ckpt`` is written); after a mid-epoch
+        checkpoint the interrupted epoch's remaining batches are counted from the loop state."""
+        trainer = self.trainer
+        done = trainer.global_step
+        by_steps = trainer.max_steps - done if trainer.max_steps not in (None, -1) else math.inf
+        batches = trainer.num_training_batches
+        if trainer.max_epochs in (None, -1) or not math.isfinite(batches):
+            return by_steps
+        accumulate = trainer.accumulate_grad_batches
+        per_epoch = math.ceil(batches / accumulate)
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        epochs_left = trainer.max_epochs - trainer.current_epoch
+        if progress.is_last_batch or progress.current.completed == 0:  # at an epoch boundary
+            by_epochs = per_epoch * epochs_left
+        else:  # inside an epoch: its remaining batches, then the full epochs
+            rest = max(0, batches - progress.current.completed)
+            by_epochs = math.ceil(rest / accumulate) + per_epoch * max(0, epochs_left - 1)
+        return min(by_epochs, by_steps)
+
+    def on_train_start(self) -> None:
+        # Resumed runs: fit the rest of the schedule to this trainer (another process count,
+        # batch size, accumulation or max_epochs); a no-op when nothing changed.
+        for config in self.trainer.lr_scheduler_configs:
+            schedule = config.scheduler
+            remaining = self._remaining_optimizer_steps()
+            if isinstance(schedule, WarmupCosineSchedule) and math.isfinite(remaining):
+                old_end = schedule.end_step
+                if schedule.replan(int(remaining)):
+                    log.info("learning-rate schedule re-planned at step %d: it ends at step %d instead of %d",
+                             schedule.last_epoch, schedule.end_step, old_end)
 
     # ------------------------------------------------------------------ checkpoints
     def task_init_args(self) -> dict[str, Any]:
@@ -184,33 +315,113 @@ class VisionTask(L.LightningModule):
 
 
 def resolve_class(class_path: str, base: type, what: str) -> type:
-    if not class_path.startswith("vision_attn."):
-        raise CheckpointError(f"{what}: class {class_path!r} is not part of vision_attn; refusing to build it")
+    """The class that ``class_path`` names, which must be a ``base`` defined in vision_attn.
+
+    Only modules of vision_attn are imported (importing a module runs its code): any other
+    path is refused before anything is imported.
+
+    Raises:
+        CheckpointError: naming ``what``, for a path outside vision_attn, one that does not
+            exist, or a class that is not a ``base``.
+    """
+    parts = class_path.split(".") if isinstance(class_path, str) else []
+    if len(parts) < 2 or parts[0] != "vision_attn" or not all(p.isidentifier() for p in parts):
+        raise CheckpointError(
+            f"{what}: class {class_path!r} is not part of vision_attn; refusing to build it"
+        )
     module_name, _, name = class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module_name), name, None)
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise CheckpointError(f"{what}: {class_path!r} is not a {base.__name__}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise CheckpointError(f"{what}: class {class_path!r} does not exist in vision_attn ({err})") from err
+    cls = getattr(module, name, None)
+    ours = isinstance(cls, type) and cls.__module__.split(".")[0] == "vision_attn"
+    if not (ours and issubclass(cls, base)):
+        raise CheckpointError(f"{what}: {class_path!r} is not a {base.__name__} of vision_attn")
     return cls
 
 
+def _checked_model_config(model_cfg: Any, what: str) -> tuple[type, type, dict[str, Any]]:
+    """``(task class, encoder class, model config)`` of a checkpoint's ``model`` entry, checked
+    before anything is built from it: the task and encoder class paths must be vision_attn
+    classes, no other class path may appear, the task's arguments must be plain data that its
+    constructor takes, and the encoder's are those of
+    :meth:`~vision_attn.models.ViTEncoder.checked_architecture_args` (no pretrained weights, no
+    weights file, only architecture arguments for timm)."""
+
+    def check_plain(value: Any, key: str) -> None:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                check_plain(v, f"{key}[{i}]")
+            return
+        if isinstance(value, dict) and "class_path" not in value:
+            for k, v in value.items():
+                check_plain(v, f"{key}.{k}")
+            return
+        kind = "a class path" if isinstance(value, dict) else type(value).__name__
+        raise CheckpointError(f"{what}: {key} is {kind}, not plain data; refusing to build from it")
+
+    def class_spec(cfg: Any, key: str) -> dict[str, Any]:
+        if not isinstance(cfg, dict) or set(cfg) - {"class_path", "init_args"}:
+            raise CheckpointError(
+                f"{what}: {key} is not a {{class_path, init_args}} mapping; "
+                "use a checkpoint written by train.py"
+            )
+        if not isinstance(cfg.get("init_args", {}), dict):
+            raise CheckpointError(f"{what}: {key}.init_args is not a mapping")
+        return cfg
+
+    model_cfg = class_spec(model_cfg, f"{CHECKPOINT_KEY}.model")
+    cls = resolve_class(model_cfg.get("class_path"), VisionTask, what)
+    init_args = dict(model_cfg.get("init_args") or {})
+    enc_cfg = class_spec(init_args.pop("encoder", None), "model.init_args.encoder")
+    enc_cls = resolve_class(enc_cfg.get("class_path"), ViTEncoder, what)
+    enc_args = enc_cls.checked_architecture_args(enc_cfg.get("init_args") or {}, what)
+    params = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = sorted(str(k) for k in init_args
+                     if k in ("self", "encoder") or (k not in params and not takes_any))
+    if unknown:
+        raise CheckpointError(
+            f"{what}: model.init_args has keys {unknown} that {cls.__name__} does not take; "
+            "use a checkpoint written by train.py"
+        )
+    for key, value in init_args.items():
+        check_plain(value, f"model.init_args.{key}")
+    encoder = {"class_path": enc_cfg["class_path"], "init_args": enc_args}
+    model = {"class_path": model_cfg["class_path"], "init_args": {**init_args, "encoder": encoder}}
+    return cls, enc_cls, model
+
+
 def read_task_meta(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(meta, checkpoint)`` of a vision_attn checkpoint, with clear errors for foreign files."""
+    """``(meta, checkpoint)`` of a vision_attn checkpoint, with clear errors for foreign files.
+
+    The file is read without executing pickled code, and its metadata is checked before
+    anything imports or builds from it (see :func:`_checked_model_config`); the ``meta``
+    returned holds the checked model description.
+    """
     ckpt = load_checkpoint_file(path)
     if not isinstance(ckpt, dict) or CHECKPOINT_KEY not in ckpt or "state_dict" not in ckpt:
         raise CheckpointError(
             f"checkpoint {path} was not written by a vision_attn task (no {CHECKPOINT_KEY!r} entry); "
             "pass a .ckpt from train.py"
         )
-    return ckpt[CHECKPOINT_KEY], ckpt
+    meta = ckpt[CHECKPOINT_KEY]
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path}: its {CHECKPOINT_KEY!r} entry is not a mapping")
+    _, _, model_cfg = _checked_model_config(meta.get("model"), f"checkpoint {path}")
+    return {**meta, "model": model_cfg}, ckpt
 
 
 def build_task_from_meta(meta: dict[str, Any], what: str = "checkpoint") -> VisionTask:
-    """Instantiate the task described by a checkpoint's metadata (random weights)."""
-    model_cfg = meta["model"]
-    cls = resolve_class(model_cfg["class_path"], VisionTask, what)
+    """Instantiate the task described by a checkpoint's metadata (random weights), after
+    checking it: vision_attn classes only, no pretrained or file weights, plain arguments."""
+    model_cfg = meta.get("model") if isinstance(meta, dict) else None
+    cls, enc_cls, model_cfg = _checked_model_config(model_cfg, what)
     init_args = dict(model_cfg["init_args"])
     enc_cfg = init_args.pop("encoder")
-    enc_cls = resolve_class(enc_cfg["class_path"], ViTEncoder, what)
     encoder = enc_cls(**enc_cfg["init_args"])
     return cls(encoder=encoder, **init_args)
 
@@ -229,6 +440,13 @@ def restore_from_checkpoint(task: VisionTask, meta: dict[str, Any], ckpt: dict[s
         raise CheckpointError(f"{what}: weights do not fit the model it describes: {err}") from err
     stored = meta.get("data_config")
     if stored:
+        allowed = {"input_size", "interpolation", "mean", "std", "crop_pct"}
+        if not isinstance(stored, dict) or set(stored) - allowed or not all(
+                isinstance(v, (int, float, str, list, tuple)) for v in stored.values()):
+            raise CheckpointError(
+                f"{what}: its stored preprocessing (data_config) is not a mapping of "
+                f"{', '.join(sorted(allowed))}; use a checkpoint written by train.py"
+            )
         task.encoder.data_config = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()}
     return task.eval()
 

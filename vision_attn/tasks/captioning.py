@@ -31,7 +31,8 @@ class CaptioningTask(VisionTask):
 
     Args:
         encoder: the ViT encoder.
-        vocab: the tokenizer's word list (default: from the data).
+        vocab: the tokenizer's ``tokenizers`` JSON (a word list in older checkpoints; default:
+            from the data).
         hidden_dim: decoder width.
         num_layers: decoder layers.
         num_heads: decoder heads.
@@ -60,7 +61,7 @@ class CaptioningTask(VisionTask):
     def __init__(
         self,
         encoder: ViTEncoder,
-        vocab: list[str] | None = None,
+        vocab: list[str] | str | None = None,
         hidden_dim: int = 256,
         num_layers: int = 3,
         num_heads: int = 4,
@@ -91,15 +92,15 @@ class CaptioningTask(VisionTask):
         if vocab is not None:
             self._build(vocab)
 
-    def _build(self, vocab: list[str]) -> None:
+    def _build(self, vocab: list[str] | str) -> None:
         hp = self.hparams
-        self.tokenizer = WordTokenizer(vocab)
-        self.head = CaptionDecoder(len(vocab), self.encoder.embed_dim, hp.hidden_dim, hp.num_layers, hp.num_heads,
+        self.tokenizer = WordTokenizer.restore(vocab)
+        self.head = CaptionDecoder(len(self.tokenizer), self.encoder.embed_dim, hp.hidden_dim, hp.num_layers, hp.num_heads,
                                    hp.mlp_ratio, hp.dropout, hp.max_length, self.tokenizer.pad_id)
-        self.hparams.update(vocab=list(vocab))
+        self.hparams.update(vocab=self.tokenizer.to_json())
 
     def build_from_data(self, datamodule) -> None:
-        self._build(datamodule.tokenizer.vocab)
+        self._build(datamodule.tokenizer.to_json())
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None)

@@ -1,0 +1,331 @@
+"""Security (issue 15): nothing a config, checkpoint or weights file contains runs code, reads
+files it should not or downloads. Each attack is a small file; each test fails on the code
+before its fix (imports ran, pickles were loaded by Lightning, checkpoint metadata steered
+weight loading, zip bombs expanded)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from vision_attn import create_encoder, load_task
+from vision_attn.checkpoint_io import SafeCheckpointIO, load_checkpoint_file
+from vision_attn.cli import TrainCLI, eval_main, run_entry, train_main
+from vision_attn.errors import CheckpointError, ConfigError
+from vision_attn.tasks import ClassificationTask
+
+from .conftest import REPO, TINY_VIT
+
+CONFIG = str(REPO / "configs" / "classification" / "shapes.yaml")
+ENC = "--model.init_args.encoder.init_args."
+
+
+def _tiny_args(root: Path, out: Path) -> list[str]:
+    return ["--config", CONFIG, "--data.init_args.root", str(root), "--data.init_args.num_workers", "0",
+            "--data.init_args.batch_size", "16", f"{ENC}embed_dim", "32", f"{ENC}depth", "1",
+            f"{ENC}num_heads", "2", f"{ENC}patch_size", "8", "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_model_summary", "false", "--trainer.logger", "false",
+            "--trainer.default_root_dir", str(out)]
+
+
+def _hostile_module(folder: Path, name: str, monkeypatch) -> Path:
+    """A module ``name`` in ``folder`` (put on sys.path) whose import creates a marker file; it
+    also defines a callback class, an encoder class and a function that mark their use."""
+    marker = folder / f"{name}.imported"
+    (folder / f"{name}.py").write_text(
+        "import pathlib\n"
+        f"pathlib.Path({str(marker)!r}).write_text('imported')\n"
+        "import lightning.pytorch as pl\n"
+        "from vision_attn.models import ViTEncoder\n"
+        "class Cb(pl.Callback):\n"
+        "    def on_fit_start(self, trainer, pl_module):\n"
+        f"        pathlib.Path({str(marker)!r} + '.callback').write_text('ran')\n"
+        "class Enc(ViTEncoder):\n"
+        "    pass\n"
+        "def func(*args, **kwargs):\n"
+        f"    pathlib.Path({str(marker)!r} + '.func').write_text('ran')\n"
+    )
+    monkeypatch.syspath_prepend(str(folder))
+    return marker
+
+
+LAMBDA_CB = ("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.LambdaCallback\n"
+             "      init_args:\n        on_fit_start: {mod}.func\n")
+CALLBACK = "trainer:\n  callbacks:\n    - class_path: {mod}.Cb\n"
+TRAINER_GROUP = "callbacks:\n  - class_path: {mod}.Cb\n"
+ENCODER = "model:\n  init_args:\n    encoder: {mod}.Enc\n"
+
+# every spelling of the command line that imported an outside module before the fix
+SPELLINGS = {
+    "short_c_flag": lambda f, m: ["-c", f(CALLBACK)],
+    "inline_config_json": lambda f, m: ["--config", json.dumps({"trainer": {"callbacks": [{"class_path": f"{m}.Cb"}]}})],
+    "abbreviated_conf": lambda f, m: ["--conf", f(CALLBACK)],
+    "trainer_group_file": lambda f, m: ["--trainer", f(TRAINER_GROUP)],
+    "encoder_key_in_file": lambda f, m: ["--config", f(ENCODER)],
+    "encoder_on_command_line": lambda f, m: ["--model.init_args.encoder", f"{m}.Enc"],
+    "callback_append": lambda f, m: [f"--trainer.callbacks+={m}.Cb"],
+    "lambda_callback_callable": lambda f, m: ["--config", f(LAMBDA_CB)],
+    "lambda_callback_command_line": lambda f, m: ["--trainer.callbacks+=LambdaCallback",
+                                                  "--trainer.callbacks.on_fit_start", f"{m}.func"],
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+def test_no_spelling_of_the_config_imports_an_outside_module(spelling, tmp_path, shapes_root, monkeypatch):
+    from jsonargparse import _common
+
+    mod = f"hostile_{spelling}"
+    marker = _hostile_module(tmp_path, mod, monkeypatch)
+
+    def write(text: str) -> str:
+        path = tmp_path / f"cfg_{len(list(tmp_path.glob('cfg_*')))}.yaml"
+        path.write_text(text.format(mod=mod))
+        return str(path)
+
+    enforced_before = _common.parsing_settings["import_paths_enforced"]
+    with pytest.raises(ConfigError, match=rf"refusing to import '{mod}\.\w+'.*--allow_import {mod}"):
+        train_main([*_tiny_args(shapes_root, tmp_path / "out"), *SPELLINGS[spelling](write, mod)])
+    assert not marker.exists() and mod not in sys.modules  # its code never ran
+    assert not (tmp_path / "out").exists()  # nothing was built or written
+    assert _common.parsing_settings["import_paths_enforced"] == enforced_before  # the policy does not leak
+
+
+@pytest.mark.parametrize(("arg", "entry"), [("--trainer.callbacks+=os.system", "os"),
+                                            ("--model.class_path=subprocess.Popen", "subprocess"),
+                                            ("--trainer.callbacks+=torch.hub.load", "torch.hub")])
+def test_code_running_paths_are_refused_even_inside_allowed_packages(arg, entry, tmp_path, shapes_root):
+    with pytest.raises(ConfigError, match=rf"{entry} can fetch, load or run code"):
+        train_main([*_tiny_args(shapes_root, tmp_path / "out"), arg])
+
+
+def test_allow_import_opts_in_to_a_users_callbacks(tmp_path, shapes_root, monkeypatch):
+    mod = "users_callbacks"
+    marker = _hostile_module(tmp_path, mod, monkeypatch)
+    cfg = tmp_path / "callbacks.yaml"
+    cfg.write_text(f"trainer:\n  callbacks:\n    - class_path: {mod}.Cb\n"
+                   "    - class_path: lightning.pytorch.callbacks.LambdaCallback\n"
+                   f"      init_args:\n        on_fit_start: {mod}.func\n")
+    args = [*_tiny_args(shapes_root, tmp_path / "out"), "-c", str(cfg), "--trainer.max_epochs", "1",
+            "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1"]
+    with pytest.raises(ConfigError, match="--allow_import users_callbacks"):
+        train_main(args)
+    assert not marker.exists()
+    train_main([*args, "--allow_import", mod])
+    assert Path(f"{marker}.callback").exists() and Path(f"{marker}.func").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--allow_import", "os"], "os can run commands"),
+    (["--allow_import", "jsonargparse"], "jsonargparse can run commands"),
+    (["--allow_import", "not a module"], "give a module prefix"),
+])
+def test_allow_import_refuses_code_running_prefixes(args, message, tmp_path, shapes_root):
+    with pytest.raises(ConfigError, match=message):
+        TrainCLI(args=[*_tiny_args(shapes_root, tmp_path / "out"), *args])
+
+
+def test_allow_import_in_a_config_file_is_refused(tmp_path, shapes_root):
+    cfg = tmp_path / "allow.yaml"
+    cfg.write_text("allow_import: [mymod]\n")
+    with pytest.raises(ConfigError, match="only by --allow_import PREFIX, in full, on the"):
+        TrainCLI(args=[*_tiny_args(shapes_root, tmp_path / "out"), "--config", str(cfg)])
+
+
+# ------------------------------------------------------------------ checkpoints
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _pickled_checkpoint(path: Path, marker: Path) -> Path:
+    torch.save({"vision_attn": {}, "state_dict": {}, "epoch": 0, "payload": _Payload(marker)}, path)
+    return path
+
+
+@pytest.mark.parametrize("where", ["file", "last", "config"])
+def test_resume_from_a_checkpoint_with_pickled_code_is_refused_and_runs_nothing(where, tmp_path, shapes_root):
+    marker = tmp_path / "pwned"
+    out = tmp_path / "out"
+    if where == "last":
+        (out / "checkpoints").mkdir(parents=True)
+        ckpt = _pickled_checkpoint(out / "checkpoints" / "last.ckpt", marker)
+        extra = ["--ckpt_path", "last"]
+    else:
+        ckpt = _pickled_checkpoint(tmp_path / "evil.ckpt", marker)
+        extra = ["--ckpt_path", str(ckpt)]
+        if where == "config":
+            (tmp_path / "resume.yaml").write_text(f"ckpt_path: {ckpt}\n")
+            extra = ["--config", str(tmp_path / "resume.yaml")]
+    with pytest.raises(CheckpointError, match=rf"cannot read checkpoint {ckpt}: it contains pickled Python objects"):
+        train_main([*_tiny_args(shapes_root, out), *extra])
+    assert not marker.exists()
+    assert not (out / "config.yaml").exists()  # refused before anything was built
+
+
+@pytest.mark.parametrize("url", ["https://example.invalid/model.ckpt", "s3://bucket/model.ckpt",
+                                 "registry:user/model"])
+def test_resume_from_a_url_is_refused(url, tmp_path, shapes_root):
+    with pytest.raises(CheckpointError, match="URL|downloading checkpoints is not supported"):
+        train_main([*_tiny_args(shapes_root, tmp_path / "out"), "--ckpt_path", url])
+    with pytest.raises(CheckpointError, match="is a URL"):
+        load_checkpoint_file("https://example.invalid/model.ckpt")
+
+
+def test_resumed_checkpoints_are_read_by_the_safe_loader(tmp_path, shapes_root):
+    """Lightning's own resume path (whatever ``ckpt_path`` resolves to) loads with
+    weights_only=True through the suite's loader."""
+    marker = tmp_path / "pwned"
+    cli = TrainCLI(args=_tiny_args(shapes_root, tmp_path / "out"))  # builds, fits nothing
+    io_plugin = cli.trainer.strategy.checkpoint_io
+    assert isinstance(io_plugin, SafeCheckpointIO)
+    with pytest.raises(CheckpointError, match="pickled"):
+        io_plugin.load_checkpoint(_pickled_checkpoint(tmp_path / "evil.ckpt", marker), weights_only=False)
+    assert not marker.exists()
+
+
+def _crafted_checkpoint(path: Path, edit) -> Path:
+    torch.manual_seed(0)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["a", "b", "c"])
+    meta = task.checkpoint_meta()
+    edit(meta["model"]["init_args"], meta["model"]["init_args"]["encoder"]["init_args"])
+    torch.save({"state_dict": task.state_dict(), "vision_attn": meta}, path)
+    return path
+
+
+def test_nested_class_paths_in_a_checkpoint_are_refused_before_import(tmp_path, monkeypatch, shapes_root):
+    mod = "hostile_ckpt_encoder"
+    marker = _hostile_module(tmp_path, mod, monkeypatch)
+
+    def outside_encoder(task_args, enc_args):
+        task_args["encoder"]["class_path"] = f"{mod}.Enc"
+
+    ckpt = _crafted_checkpoint(tmp_path / "enc.ckpt", outside_encoder)
+    with pytest.raises(CheckpointError, match=rf"class '{mod}.Enc' is not part of vision_attn"):
+        load_task(ckpt)
+    args = ["--config", CONFIG, "--data.init_args.root", str(shapes_root), "--ckpt_path", str(ckpt),
+            "--output_dir", str(tmp_path / "ev")]
+    with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: class '{mod}.Enc'"):
+        eval_main(args)  # eval.py built the model from the stored config, importing the encoder's module
+    with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: class '{mod}.Enc'"):
+        eval_main([*args, "--allow_import", mod])  # an import is never allowed from a checkpoint
+    assert not marker.exists() and mod not in sys.modules
+
+    def class_path_in_task_args(task_args, enc_args):
+        task_args["pooling"] = {"class_path": f"{mod}.Cb"}
+
+    with pytest.raises(CheckpointError, match=r"model.init_args.pooling is a class path"):
+        load_task(_crafted_checkpoint(tmp_path / "arg.ckpt", class_path_in_task_args))
+    assert not marker.exists()
+
+
+def test_checkpoint_metadata_cannot_steer_weight_loading(tmp_path, caplog):
+    garbage = tmp_path / "weights.pth"
+    garbage.write_bytes(b"not a weights file")
+
+    def weights_from_elsewhere(task_args, enc_args):
+        enc_args.update(pretrained=True, weights_file=str(garbage))
+
+    # building from the checkpoint reads no weights file and downloads nothing (offline here)
+    with caplog.at_level(logging.WARNING):
+        task = load_task(_crafted_checkpoint(tmp_path / "w.ckpt", weights_from_elsewhere))
+    assert task.encoder.init_args["name"] == "vit_tiny_patch16_224"
+    assert "ignoring the stored encoder argument weights_file" in caplog.text
+
+    for key, value in [("pretrained_cfg_overlay", {"file": str(garbage)}), ("checkpoint_path", str(garbage)),
+                       ("norm_layer", "torch.nn.LayerNorm")]:
+        def overlay(task_args, enc_args, key=key, value=value):
+            enc_args["timm_kwargs"] = {key: value}
+
+        with pytest.raises(CheckpointError, match=rf"timm_kwargs \['{key}'\] are not architecture arguments"):
+            load_task(_crafted_checkpoint(tmp_path / f"{key}.ckpt", overlay))
+
+    def unknown_key(task_args, enc_args):
+        enc_args["download_from"] = "https://example.invalid"
+
+    with pytest.raises(CheckpointError, match=r"unknown keys \['download_from'\]"):
+        load_task(_crafted_checkpoint(tmp_path / "unknown.ckpt", unknown_key))
+
+
+# ------------------------------------------------------------------ size bounds
+
+def _zip_bomb(path: Path, numel: int) -> Path:
+    """A torch archive of one zero tensor, re-packed with deflate (torch reads it as it is)."""
+    buf = io.BytesIO()
+    torch.save({"state_dict": {"w": torch.zeros(numel)}}, buf)
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as out:
+        for info in src.infolist():
+            out.writestr(info.filename, src.read(info.filename))
+    return path
+
+
+def test_weights_and_checkpoints_that_unpack_far_beyond_their_size_are_refused(tmp_path):
+    bomb = _zip_bomb(tmp_path / "bomb.pth", 4_000_000)  # 16 MB of zeros in a few KB
+    assert bomb.stat().st_size < 100_000
+    assert torch.load(bomb, weights_only=True)["state_dict"]["w"].numel() == 4_000_000  # torch expands it
+    with pytest.raises(CheckpointError, match=rf"weights file {bomb} would unpack to 15.3 MiB from .* on disk"):
+        create_encoder("vit_tiny_patch16_224", weights_file=str(bomb), **TINY_VIT)
+    with pytest.raises(CheckpointError, match="would unpack to"):
+        load_task(_zip_bomb(tmp_path / "bomb.ckpt", 4_000_000))
+
+
+def test_size_limit_is_configurable_and_named_in_the_error(tmp_path, monkeypatch):
+    path = tmp_path / "w.pth"
+    torch.save({"w": torch.zeros(10_000)}, path)
+    monkeypatch.setenv("VISION_ATTN_MAX_LOAD_BYTES", "10K")
+    with pytest.raises(CheckpointError, match=r"more than the 10.0 KiB .* VISION_ATTN_MAX_LOAD_BYTES"):
+        load_checkpoint_file(path)
+    monkeypatch.setenv("VISION_ATTN_MAX_LOAD_BYTES", "1M")
+    assert load_checkpoint_file(path)["w"].numel() == 10_000
+
+
+# ------------------------------------------------------------------ one-line errors
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_unpickling_errors_are_one_line_naming_the_file(command, tmp_path, shapes_root, capsys):
+    marker = tmp_path / "pwned"
+    ckpt = _pickled_checkpoint(tmp_path / "evil.ckpt", marker)
+    if command == "train":
+        def main():
+            train_main([*_tiny_args(shapes_root, tmp_path / "out"), "--ckpt_path", str(ckpt)])
+    else:
+        def main():
+            eval_main(["--config", CONFIG, "--data.init_args.root", str(shapes_root),
+                       "--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "ev")])
+    with pytest.raises(SystemExit) as exit_info:
+        run_entry(main)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and str(ckpt) in lines[0] and "pickled" in lines[0]
+    assert "Traceback" not in err and not marker.exists()
+
+
+def test_train_py_refuses_resume_and_imports_with_one_line(tmp_path, shapes_root):
+    """End to end through ``train.py``: a pickled resume checkpoint and an outside import are
+    each one ``error:`` line, exit status 2, no traceback, nothing run."""
+    marker = tmp_path / "pwned"
+    ckpt = _pickled_checkpoint(tmp_path / "evil.ckpt", marker)
+    (tmp_path / "evil_cli_mod.py").write_text(f"open({str(marker)!r} + '.import', 'w')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    base = [sys.executable, str(REPO / "train.py"), *_tiny_args(shapes_root, tmp_path / "out")]
+    res = subprocess.run([*base, "--ckpt_path", str(ckpt), "--trainer.callbacks+=evil_cli_mod.Cb"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "refusing to import 'evil_cli_mod.Cb'" in lines[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert not marker.exists() and not Path(f"{marker}.import").exists()
