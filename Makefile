@@ -19,8 +19,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m vision_attn.demo --output_dir $(DEMO_DIR)
 
+# two workers, one test file each at a time (module fixtures are trained once), one thread each;
+# the 15 slowest tests are listed at the end
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.suite --json benchmarks/results/latest.json

@@ -11,7 +11,13 @@ import torch
 from ._ci_policy import pytest_runtest_makereport  # noqa: F401  (a hook: skips fail under CI)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the hub in tests
-torch.set_num_threads(min(2, torch.get_num_threads()))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one thread per worker, inherited by the commands and notebook kernels the tests start:
+    # two workers on two cores, never more threads than cores (oversubscription is slow)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 REPO = Path(__file__).resolve().parents[1]
 
