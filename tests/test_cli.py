@@ -111,22 +111,32 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_missing_data_root_gives_one_clear_error(tmp_path):
-    res = _run([str(REPO / "train.py"), "--config", CONFIG, "--data.init_args.root", str(tmp_path / "absent"),
-                "--trainer.default_root_dir", str(tmp_path / "out")], tmp_path)
-    assert res.returncode == 2
-    assert f"error: data root {tmp_path / 'absent'} does not exist" in res.stderr
-    assert "Traceback" not in res.stderr
+def _train_command(args: list[str], capsys) -> tuple[int, str]:
+    """``(exit status, stderr)`` of ``train.py ARGS`` run in this process (what train.py runs)."""
+    from vision_attn.cli import run_entry, train_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_entry(lambda: train_main(args))
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_missing_data_root_gives_one_clear_error(tmp_path, capsys):
+    code, err = _train_command(["--config", CONFIG, "--data.init_args.root", str(tmp_path / "absent"),
+                                "--trainer.default_root_dir", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert f"error: data root {tmp_path / 'absent'} does not exist" in err
+    assert "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
 
-def test_unknown_model_name_gives_one_clear_error(tmp_path, shapes_root):
-    res = _run([str(REPO / "train.py"), "--config", CONFIG, "--data.init_args.root", str(shapes_root),
-                "--model.init_args.encoder.init_args.name", "vit_tiny_patch16_2244",
-                "--trainer.default_root_dir", str(tmp_path / "out")], tmp_path)
-    assert res.returncode != 0
-    assert "Unknown timm model name 'vit_tiny_patch16_2244'" in res.stderr
-    assert "vit_tiny_patch16_224" in res.stderr
+def test_unknown_model_name_gives_one_clear_error(tmp_path, shapes_root, capsys):
+    code, err = _train_command(["--config", CONFIG, "--data.init_args.root", str(shapes_root),
+                                "--model.init_args.encoder.init_args.name", "vit_tiny_patch16_2244",
+                                "--trainer.default_root_dir", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert "Unknown timm model name 'vit_tiny_patch16_2244'" in err
+    assert "vit_tiny_patch16_224" in err
 
 
 @pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.yaml")))
