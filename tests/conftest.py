@@ -51,3 +51,13 @@ def tiny_encoder():
 
     torch.manual_seed(0)
     return create_encoder("vit_tiny_patch16_224", **TINY_VIT).eval()
+
+
+# Files whose tests take minutes go first, so that under ``make test``'s two workers
+# (``--dist loadfile``) they start at once and the rest of the suite runs beside them.
+_SLOW_FILES = ("test_distributed.py", "test_notebooks.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

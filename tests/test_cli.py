@@ -157,7 +157,7 @@ def test_every_config_parses(config):
     assert parsed.data.class_path.startswith("vision_attn.")
 
 
-def test_corrupt_image_skipped_in_training_fatal_in_evaluation_and_empty_class_folder(tmp_path, shapes_root):
+def test_corrupt_image_skipped_in_training_fatal_in_evaluation_and_empty_class_folder(tmp_path, shapes_root, capsys):
     import shutil
 
     root = tmp_path / "data"
@@ -180,9 +180,9 @@ def test_corrupt_image_skipped_in_training_fatal_in_evaluation_and_empty_class_f
     bad.unlink()
     for f in (root / "val" / "star").iterdir():
         f.unlink()
-    res = _run([*args, "--trainer.default_root_dir", str(tmp_path / "out2")], tmp_path)
-    assert res.returncode == 2
-    assert f"class folder {root / 'val' / 'star'} contains no images" in res.stderr
+    code, err = _train_command([*args[1:], "--trainer.default_root_dir", str(tmp_path / "out2")], capsys)
+    assert code == 2
+    assert f"class folder {root / 'val' / 'star'} contains no images" in err
 
 
 def test_folder_overlay_command_explains_and_skips_bad_files(trained_run, tmp_path):
