@@ -34,7 +34,6 @@ from torch.utils.data import Dataset
 from vision_attn.data.detection import (
     CocoLayout,
     check_images_dir,
-    coco_root,
     load_coco_annotations,
     validate_image_entry,
 )
@@ -274,13 +273,9 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
         test_split: str = "test",
     ) -> None:
         super().__init__()
-        all_given = None not in (train_annotations, val_annotations, train_images, val_images)
-        self.root = coco_root(root, synthetic, cache_dir, "a COCO-captions folder", all_given)
-        self.follow_symlinks = follow_symlinks
-        self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
-        self.train_annotations, self.val_annotations = train_annotations, val_annotations
-        self.test_annotations = test_annotations
-        self.train_images, self.val_images, self.test_images = train_images, val_images, test_images
+        self._init_layout(root, synthetic, cache_dir, "a COCO-captions folder", follow_symlinks,
+                          (train_split, val_split, test_split), (train_annotations, val_annotations, test_annotations),
+                          (train_images, val_images, test_images))
         self.batch_size, self.num_workers, self.augment = batch_size, num_workers, augment
         self.max_length, self.min_word_freq, self.max_vocab, self.max_pixels = max_length, min_word_freq, max_vocab, max_pixels
         self.preprocess: dict[str, Any] | None = None

@@ -166,6 +166,19 @@ class CocoLayout:
     train_images = val_images = test_images = None
     train_annotations = val_annotations = test_annotations = None
 
+    def _init_layout(self, root: str | None, synthetic: SceneSetConfig | None, cache_dir: str | None, what: str,
+                     follow_symlinks: bool, splits: tuple[str, str, str],
+                     annotations: tuple[str | None, str | None, str | None],
+                     images: tuple[str | None, str | None, str | None]) -> None:
+        """Set the root and the split paths (``splits``, ``annotations``, ``images``: train, val,
+        test); the root may be left out when every train and val path is given."""
+        all_given = None not in (*annotations[:2], *images[:2])
+        self.root = coco_root(root, synthetic, cache_dir, what, all_given)
+        self.follow_symlinks = follow_symlinks
+        self.train_split, self.val_split, self.test_split = splits
+        self.train_annotations, self.val_annotations, self.test_annotations = annotations
+        self.train_images, self.val_images, self.test_images = images
+
     def split_paths(self, split: str) -> tuple[Path, Path]:
         """``(images folder, annotation file)`` of ``split`` (see :func:`split_layout`)."""
         rows = [(self.train_split, self.train_images, self.train_annotations),
@@ -431,13 +444,9 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         test_split: str = "test",
     ) -> None:
         super().__init__()
-        all_given = None not in (train_annotations, val_annotations, train_images, val_images)
-        self.root = coco_root(root, synthetic, cache_dir, "a COCO-layout folder", all_given)
-        self.follow_symlinks = follow_symlinks
-        self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
-        self.train_annotations, self.val_annotations = train_annotations, val_annotations
-        self.test_annotations = test_annotations
-        self.train_images, self.val_images, self.test_images = train_images, val_images, test_images
+        self._init_layout(root, synthetic, cache_dir, "a COCO-layout folder", follow_symlinks,
+                          (train_split, val_split, test_split), (train_annotations, val_annotations, test_annotations),
+                          (train_images, val_images, test_images))
         self.batch_size, self.num_workers, self.scale_jitter, self.max_pixels = batch_size, num_workers, scale_jitter, max_pixels
         train_ann_file = self.split_paths(train_split)[1]
         ann = load_coco_annotations(train_ann_file)
