@@ -95,3 +95,17 @@ def test_datamodule_on_embedded_scenes():
     dm.setup("fit")
     images, targets = next(iter(dm.train_dataloader()))
     assert images.shape == (4, 3, 48, 48) and len(targets) == 4
+
+
+def test_only_evaluation_items_carry_the_scored_ground_truth(tmp_path):
+    """Training items leave the scored ground truth out (each extra tensor crosses the loader's
+    worker pipe); validation items carry it, equal to the dataset's ``scoring_target``."""
+    from vision_attn.data.synthetic import SceneSetConfig
+
+    dm = DetectionDataModule(synthetic=SceneSetConfig(image_size=32, num_train=4, num_val=2), cache_dir=str(tmp_path),
+                             num_workers=0)
+    train, val = dm.dataset(dm.train_split, train=True), dm.dataset(dm.val_split)
+    assert "scored" not in train[0][1]
+    scored = val[0][1]["scored"]
+    expected = val.scoring_target(val.images[0]["id"])
+    assert scored.keys() == expected.keys() and all(torch.equal(scored[k], expected[k]) for k in scored)
