@@ -25,6 +25,22 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 
 
+def write_exif_rotated_jpeg(root: Path) -> Path:
+    """``root/val/a.jpg`` (and an empty ``root/annotations/``): 40x20 stored pixels with a white
+    square at x 28..36, y 2..10, and EXIF orientation 6 (rotate 90 degrees clockwise to display)."""
+    import numpy as np
+    from PIL import Image
+
+    (root / "val").mkdir()
+    (root / "annotations").mkdir()
+    stored = np.zeros((20, 40, 3), np.uint8)
+    stored[2:10, 28:36] = 255
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(stored).save(root / "val" / "a.jpg", exif=exif, quality=100)
+    return root / "val" / "a.jpg"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """All generated datasets of the session go to one temporary cache folder."""

@@ -15,6 +15,8 @@ from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.tasks import DetectionTask
 from vision_attn.tasks.detection import mean_average_precision
 
+from .conftest import write_exif_rotated_jpeg
+
 
 def _coco_eval(ann_file, results):
     from pycocotools.coco import COCO
@@ -218,18 +220,10 @@ def test_detection_overlay_of_an_exif_rotated_image_draws_the_box_on_the_object(
     size: the detected box (on the white square in stored pixels) is drawn on the square."""
     from types import SimpleNamespace
 
-    from PIL import Image
-
     import vision_attn.explain.detection as explain_detection
     from vision_attn.data.detection import CocoDetection, build_detection_transform
 
-    (tmp_path / "val").mkdir()
-    (tmp_path / "annotations").mkdir()
-    stored = np.zeros((20, 40, 3), np.uint8)
-    stored[2:10, 28:36] = 255  # white square, stored pixels x 28..36, y 2..10
-    exif = Image.Exif()
-    exif[0x0112] = 6  # rotate 90 clockwise to display
-    Image.fromarray(stored).save(tmp_path / "val" / "a.jpg", exif=exif, quality=100)
+    write_exif_rotated_jpeg(tmp_path)  # val/a.jpg: 40x20 stored, white square at x 28..36, y 2..10
     ann = {"images": [{"id": 1, "file_name": "a.jpg", "width": 40, "height": 20}],
            "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [28, 2, 8, 8], "area": 64,
                             "iscrowd": 0}],

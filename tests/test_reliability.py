@@ -31,7 +31,7 @@ from vision_attn.errors import (
 )
 from vision_attn.tasks import ClassificationTask
 
-from .conftest import REPO, TINY_VIT
+from .conftest import REPO, TINY_VIT, write_exif_rotated_jpeg
 
 CONFIG = str(REPO / "configs" / "classification" / "shapes.yaml")
 ENC = "--model.init_args.encoder.init_args."
@@ -246,18 +246,10 @@ def test_exif_rotated_detection_image_keeps_boxes_aligned(tmp_path, declared):
     """A JPEG stored 40 wide x 20 high with EXIF 'rotate 90': if the annotation file declares the
     stored size its box refers to the stored pixels; if it declares the rotated size, to the
     upright image. Either way the box must cover the white square."""
-    import numpy as np
-    from PIL import Image
 
     from vision_attn.data.detection import CocoDetection
 
-    (tmp_path / "val").mkdir()
-    (tmp_path / "annotations").mkdir()
-    stored = np.zeros((20, 40, 3), np.uint8)
-    stored[2:10, 28:36] = 255  # white square, stored pixels x 28..36, y 2..10
-    exif = Image.Exif()
-    exif[0x0112] = 6  # rotate 90 clockwise to display
-    Image.fromarray(stored).save(tmp_path / "val" / "a.jpg", exif=exif, quality=100)
+    write_exif_rotated_jpeg(tmp_path)  # val/a.jpg: 40x20 stored, white square at x 28..36, y 2..10
     if declared == "stored":
         size, box = (40, 20), [28, 2, 8, 8]
     else:  # upright: 20 wide, 40 high; the square at x 10..18, y 28..36
