@@ -8,6 +8,7 @@ the checkpoint alone, without downloading anything and without executing pickled
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -23,119 +24,34 @@ from vision_attn.checkpoint_io import CheckpointError, load_checkpoint_file
 from vision_attn.distributed import gather_objects
 from vision_attn.errors import DataError, TrainingDivergedError
 from vision_attn.models.encoder import ViTEncoder
+from vision_attn.tasks.optim import (
+    DEFAULT_OPTIM,
+    V1_OPTIMIZATION_KEYS,
+    Optimization,
+    WarmupCosineSchedule,
+    cosine_factor,
+    build_optimizers,
+    ema_callbacks,
+    no_weight_decay_names,
+    warmup_cosine,
+)
 
-__all__ = ["VisionTask", "WarmupCosineSchedule", "cosine_factor", "gather_objects", "load_task", "warmup_cosine"]
+__all__ = ["Optimization", "VisionTask", "WarmupCosineSchedule", "cosine_factor", "gather_objects", "load_task", "warmup_cosine"]
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "vision_attn"
-CHECKPOINT_FORMAT = 1
-RUNTIME_ARGS = ("compile",)  # constructor switches that describe the run, not the model
-# Heads' position, query and anchor embeddings, by parameter or nn.Embedding name: never decayed.
-NO_DECAY_EMBEDDINGS = ("pos", "pos_embed", "query_embed", "anchors")
-
-
-def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Learning-rate factor: linear warmup over ``warmup`` steps, then cosine to ``min_ratio``.
-
-    ``step`` counts optimizer steps from 0; the factor reaches ``min_ratio`` at ``step = total``
-    (the value the scheduler holds after the last of ``total`` steps).
-    """
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return cosine_factor(progress, min_ratio)
-
-
-def cosine_factor(progress: float, min_ratio: float) -> float:
-    """Cosine from 1 (``progress = 0``) to ``min_ratio`` (``progress = 1``)."""
-    progress = min(1.0, max(0.0, progress))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-class WarmupCosineSchedule(torch.optim.lr_scheduler.LRScheduler):
-    """Per-step warmup + cosine whose position survives a resume in another configuration.
-
-    The schedule is a function of training *progress*, not of the trainer that happens to run
-    it. At the start of training the run's total optimizer steps ``T`` and warmup steps ``W``
-    are fixed (``W`` stays a number of optimizer steps for the whole run). After the warmup the
-    factor is ``cosine_factor(p, min_ratio)`` with the cosine progress ``p`` going linearly from
-    ``anchor_progress`` at step ``anchor_step`` to 1 at ``end_step``; initially
-    ``(anchor_step, anchor_progress, end_step) = (W, 0, T)``, which is :func:`warmup_cosine`.
-    All of this is in :meth:`state_dict`, so it travels in the checkpoint.
-
-    :meth:`replan` is called when a (resumed) fit starts, with the optimizer steps that the
-    current trainer will still take. If that differs from what the schedule planned (another
-    number of processes, batch size, ``accumulate_grad_batches``, ``max_epochs`` or
-    ``max_steps``), the rest of the cosine is stretched or compressed onto the new remaining
-    steps: the factor continues from its current value, without a jump, and reaches
-    ``min_ratio`` after the last step of the new plan. An unfinished warmup is finished first
-    (same ``W``).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, min_ratio: float,
-                 last_epoch: int = -1) -> None:
-        self.warmup_steps = max(0, int(warmup_steps))
-        self.min_ratio = float(min_ratio)
-        self.anchor_step = self.warmup_steps
-        self.anchor_progress = 0.0
-        self.end_step = max(int(total_steps), self.warmup_steps + 1)
-        super().__init__(optimizer, last_epoch)
-
-    def factor(self, step: int) -> float:
-        """Multiplier of the peak learning rates at optimizer step ``step`` (0-based)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        return cosine_factor(self._progress(step), self.min_ratio)
-
-    def _progress(self, step: int) -> float:
-        if step < self.anchor_step:
-            return 0.0 if step <= self.warmup_steps else self.anchor_progress
-        span = max(1, self.end_step - self.anchor_step)
-        return min(1.0, self.anchor_progress + (1.0 - self.anchor_progress) * (step - self.anchor_step) / span)
-
-    def replan(self, remaining_steps: int) -> bool:
-        """Fit the rest of the schedule into ``remaining_steps`` more optimizer steps (see the
-        class docstring). Returns whether the plan changed."""
-        step = self.last_epoch
-        end = step + max(1, int(remaining_steps))
-        if end == self.end_step:
-            return False
-        anchor = max(step, self.warmup_steps)
-        self.anchor_progress = self._progress(anchor)
-        self.anchor_step = anchor
-        self.end_step = max(end, anchor + 1)
-        return True
-
-    def get_lr(self) -> list[float]:
-        f = self.factor(self.last_epoch)
-        return [base * f for base in self.base_lrs]
+CHECKPOINT_FORMAT = 2  # 2: optimisation settings grouped in "optim", out of the model's arguments
+RUNTIME_ARGS = ("compile", "optim")  # constructor arguments that describe the run, not the model
 
 
 class VisionTask(L.LightningModule):
-    """Base system: an encoder, AdamW with warmup + cosine decay, self-describing checkpoints.
+    """Base system: an encoder, the optimisation settings, self-describing checkpoints.
 
     Args:
         encoder: the :class:`~vision_attn.models.ViTEncoder`.
-        lr: peak learning rate of the heads (and of the encoder unless ``encoder_lr`` is set).
-        encoder_lr: peak learning rate of the encoder (e.g. lower when fine-tuning).
-        weight_decay: AdamW weight decay of the weight matrices. Not decayed
-            (:meth:`no_weight_decay_names`): biases and norm weights (every parameter with
-            fewer than 2 dimensions); every position, query and anchor embedding and every
-            token — the encoder's own ``no_weight_decay()`` set (timm: ``pos_embed``,
-            ``cls_token``, ``reg_token``, ``dist_token``), any parameter named ``*token``, and
-            the heads' parameters or ``nn.Embedding`` modules named ``pos``, ``pos_embed``,
-            ``query_embed`` or ``anchors`` (the caption decoder's ``head.pos``, DETR's
-            ``head.query_embed.weight`` and ``head.anchors``). The caption decoder's word
-            embedding is also its output projection and is decayed like one.
-        warmup_fraction: fraction of the training steps spent in linear warmup (fixed as a
-            number of optimizer steps when training starts).
-        min_lr_ratio: final learning rate as a fraction of the peak. The schedule
-            (:class:`WarmupCosineSchedule`) is planned when training starts and saved in
-            checkpoints; a run resumed with another number of processes, batch size,
-            ``accumulate_grad_batches``, ``max_epochs`` or ``max_steps`` continues the cosine
-            from its current value, stretched or compressed onto the steps now remaining, and
-            still ends at ``min_lr_ratio``.
+        optim: learning rates, weight decay and schedule (:class:`~vision_attn.tasks.optim.Optimization`);
+            the optimiser is AdamW unless the command line chooses another (``--optimizer``).
         compile: ``torch.compile`` the encoder (in place: parameter names and checkpoints are
             unchanged) when training or evaluation starts.
     """
@@ -147,20 +63,12 @@ class VisionTask(L.LightningModule):
     def __init__(
         self,
         encoder: ViTEncoder,
-        lr: float = 1e-3,
-        encoder_lr: float | None = None,
-        weight_decay: float = 0.05,
-        warmup_fraction: float = 0.05,
-        min_lr_ratio: float = 0.01,
+        optim: Optimization = DEFAULT_OPTIM,
         compile: bool = False,
     ) -> None:
         super().__init__()
         self.encoder = encoder
-        self.lr = lr
-        self.encoder_lr = encoder_lr
-        self.weight_decay = weight_decay
-        self.warmup_fraction = warmup_fraction
-        self.min_lr_ratio = min_lr_ratio
+        self.optim = optim
         self.compile_encoder = compile
 
     def configure_model(self) -> None:
@@ -202,7 +110,7 @@ class VisionTask(L.LightningModule):
         raise TrainingDivergedError(
             f"the training loss became non-finite at step {self.global_step}: "
             + ", ".join(f"{k}={v}" for k, v in (bad or {"loss": float(loss)}).items())
-            + ". The last good checkpoint is kept; lower --model.lr, raise --trainer.gradient_clip_val "
+            + ". The last good checkpoint is kept; lower --model.optim.lr, raise --trainer.gradient_clip_val "
             "or check the data, then resume with --ckpt_path last."
         )
 
@@ -219,45 +127,24 @@ class VisionTask(L.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def no_weight_decay_names(self) -> set[str]:
-        """Names of the parameters AdamW does not decay (see the class docstring)."""
-        declared = set()
-        for prefix, module in self.named_modules():
-            skip = getattr(module, "no_weight_decay", None)
-            if callable(skip) and module is not self:  # timm's convention: names relative to the module
-                declared |= {f"{prefix}.{n}" if prefix else n for n in skip()}
-        out = set()
-        for name, p in self.named_parameters():
-            parts = name.split(".")
-            owner = parts[-2] if parts[-1] == "weight" and len(parts) > 1 else parts[-1]  # nn.Embedding's weight
-            if (p.ndim < 2 or name in declared or parts[-1].endswith("token") or parts[-1] in NO_DECAY_EMBEDDINGS
-                    or owner in NO_DECAY_EMBEDDINGS):
-                out.add(name)
-        return out
+        """Names of the parameters that are not decayed (see :class:`Optimization`)."""
+        return no_weight_decay_names(self)
 
-    def _param_groups(self) -> list[dict[str, Any]]:
-        no_decay = self.no_weight_decay_names()
-        groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
-        for name, p in self.named_parameters():
-            if not p.requires_grad:
-                continue
-            is_encoder = name.startswith("encoder.")
-            groups.setdefault((is_encoder, name not in no_decay), []).append(p)
-        out = []
-        for (is_encoder, decay), params in groups.items():
-            lr = self.encoder_lr if (is_encoder and self.encoder_lr is not None) else self.lr
-            out.append({"params": params, "lr": lr, "weight_decay": self.weight_decay if decay else 0.0})
-        return out
+    # Chosen on the command line (--optimizer, --lr_scheduler: {"class_path", "init_args"}); None
+    # = AdamW and the warmup-cosine schedule of ``optim``. Run settings, not saved with the model.
+    optimizer_init: dict[str, Any] | None = None
+    lr_scheduler_init: dict[str, Any] | None = None
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = torch.optim.AdamW(self._param_groups(), betas=(0.9, 0.999))
         # A fresh run plans the schedule from the trainer's length (max_epochs / max_steps); a
         # resumed run loads the checkpoint's plan over this one and on_train_start re-plans the
         # rest for the trainer now running (WarmupCosineSchedule).
-        total = self.trainer.estimated_stepping_batches
-        total = max(1, int(total)) if math.isfinite(total) else 1
-        warmup = int(self.warmup_fraction * total)
-        schedule = WarmupCosineSchedule(optimizer, total, warmup, self.min_lr_ratio)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return build_optimizers(self, self.optim, self.trainer.estimated_stepping_batches,
+                                self.optimizer_init, self.lr_scheduler_init, monitor=self.monitor[0])
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """The exponential moving average of the weights when ``optim.ema_decay`` is set."""
+        return ema_callbacks(self.optim)
 
     def _remaining_optimizer_steps(self) -> float:
         """Optimizer steps the running trainer will still take in this ``fit`` (``inf`` when it
@@ -308,6 +195,7 @@ class VisionTask(L.LightningModule):
                 "init_args": {**self.task_init_args(), "encoder": self.encoder.architecture_config()},
             },
             "data_config": {k: list(v) if isinstance(v, tuple) else v for k, v in self.data_config.items()},
+            "optim": dataclasses.asdict(self.optim),
         }
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -376,6 +264,8 @@ def _checked_model_config(model_cfg: Any, what: str) -> tuple[type, type, dict[s
     model_cfg = class_spec(model_cfg, f"{CHECKPOINT_KEY}.model")
     cls = resolve_class(model_cfg.get("class_path"), VisionTask, what)
     init_args = dict(model_cfg.get("init_args") or {})
+    for key in (*RUNTIME_ARGS, *V1_OPTIMIZATION_KEYS):  # how it was trained (format 1 kept lr etc. here)
+        init_args.pop(key, None)
     enc_cfg = class_spec(init_args.pop("encoder", None), "model.init_args.encoder")
     enc_cls = resolve_class(enc_cfg.get("class_path"), ViTEncoder, what)
     enc_args = enc_cls.checked_architecture_args(enc_cfg.get("init_args") or {}, what)

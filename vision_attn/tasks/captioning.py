@@ -17,6 +17,9 @@ from vision_attn.errors import CheckpointError, DataError
 from vision_attn.models.captioner import CaptionDecoder, Generation, GenerationOptions
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
 from vision_attn.tasks.base import VisionTask, gather_objects
+from vision_attn.tasks.optim import Optimization
+
+CAPTIONING_OPTIM = Optimization(lr=5e-4)
 
 __all__ = ["CaptioningTask"]
 
@@ -45,11 +48,8 @@ class CaptioningTask(VisionTask):
         length_penalty: beam search ranks finished captions by
             ``log p / length ** length_penalty`` (a pool of finished hypotheses, as fairseq).
         val_beam_size: beam width of the captions scored during training's validation.
-        lr: learning rate of the decoder.
-        encoder_lr: learning rate of the encoder (lower when fine-tuning a pretrained one).
-        weight_decay: AdamW weight decay.
-        warmup_fraction: share of steps in linear warmup.
-        min_lr_ratio: final learning rate relative to the peak.
+        optim: learning rates, weight decay and schedule (default ``CAPTIONING_OPTIM``;
+            ``--model.optim.lr`` etc.).
         compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
             choice: not stored in checkpoints).
     """
@@ -73,15 +73,11 @@ class CaptioningTask(VisionTask):
         beam_size: int = 3,
         length_penalty: float = 1.0,
         val_beam_size: int = 1,
-        lr: float = 5e-4,
-        encoder_lr: float | None = None,
-        weight_decay: float = 0.05,
-        warmup_fraction: float = 0.05,
-        min_lr_ratio: float = 0.01,
+        optim: Optimization = CAPTIONING_OPTIM,
         compile: bool = False,
     ) -> None:
-        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio, compile)
-        self.save_hyperparameters(ignore=["encoder"])
+        super().__init__(encoder, optim, compile)
+        self.save_hyperparameters(ignore=["encoder", "optim"])  # optim: a dataclass, kept out of pickled state
         self.head: CaptionDecoder | None = None
         self.class_names = None
         self.tokenizer: WordTokenizer | None = None

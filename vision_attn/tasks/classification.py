@@ -13,6 +13,9 @@ from torchmetrics.classification import MulticlassAccuracy
 from vision_attn.models.classifier import ClassificationHead, Pooling
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks.base import VisionTask, gather_objects
+from vision_attn.tasks.optim import Optimization
+
+CLASSIFICATION_OPTIM = Optimization()
 
 __all__ = ["ClassificationTask", "classification_metrics"]
 
@@ -49,11 +52,8 @@ class ClassificationTask(VisionTask):
             the mean of the patch tokens' rows.
         head_dropout: dropout before the classifier.
         label_smoothing: label smoothing of the training loss.
-        lr: peak learning rate.
-        encoder_lr: peak learning rate of the encoder (default ``lr``).
-        weight_decay: AdamW weight decay.
-        warmup_fraction: share of steps in linear warmup.
-        min_lr_ratio: final learning rate relative to the peak.
+        optim: learning rates, weight decay and schedule (default ``CLASSIFICATION_OPTIM``;
+            ``--model.optim.lr`` etc.).
         compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
             choice: not stored in checkpoints).
     """
@@ -69,15 +69,11 @@ class ClassificationTask(VisionTask):
         pooling: Pooling = "auto",
         head_dropout: float = 0.0,
         label_smoothing: float = 0.1,
-        lr: float = 1e-3,
-        encoder_lr: float | None = None,
-        weight_decay: float = 0.05,
-        warmup_fraction: float = 0.05,
-        min_lr_ratio: float = 0.01,
+        optim: Optimization = CLASSIFICATION_OPTIM,
         compile: bool = False,
     ) -> None:
-        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio, compile)
-        self.save_hyperparameters(ignore=["encoder"])
+        super().__init__(encoder, optim, compile)
+        self.save_hyperparameters(ignore=["encoder", "optim"])  # optim: a dataclass, kept out of pickled state
         self.pooling = pooling
         self.head_dropout = head_dropout
         self.label_smoothing = label_smoothing

@@ -17,6 +17,9 @@ from vision_attn.losses.set_criterion import SetCriterion
 from vision_attn.models.detr import DETRHead, post_process
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks.base import VisionTask, gather_objects
+from vision_attn.tasks.optim import Optimization
+
+DETECTION_OPTIM = Optimization(lr=1e-4, weight_decay=1e-4, warmup_fraction=0.0, min_lr_ratio=0.1)
 
 __all__ = ["DetectionTask", "mean_average_precision"]
 
@@ -80,11 +83,8 @@ class DetectionTask(VisionTask):
         weight_giou: loss weight of GIoU.
         eos_coef: weight of the no-object class (softmax only).
         top_k: detections kept per image after post-processing.
-        lr: learning rate of the head.
-        encoder_lr: learning rate of the encoder (DETR: 10x lower when pretrained).
-        weight_decay: AdamW weight decay.
-        warmup_fraction: share of steps in linear warmup.
-        min_lr_ratio: final learning rate relative to the peak.
+        optim: learning rates, weight decay and schedule (default ``DETECTION_OPTIM``;
+            ``--model.optim.lr`` etc.).
         compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
             choice: not stored in checkpoints).
     """
@@ -114,15 +114,11 @@ class DetectionTask(VisionTask):
         weight_giou: float = 2.0,
         eos_coef: float = 0.1,
         top_k: int = 100,
-        lr: float = 1e-4,
-        encoder_lr: float | None = None,
-        weight_decay: float = 1e-4,
-        warmup_fraction: float = 0.0,
-        min_lr_ratio: float = 0.1,
+        optim: Optimization = DETECTION_OPTIM,
         compile: bool = False,
     ) -> None:
-        super().__init__(encoder, lr, encoder_lr, weight_decay, warmup_fraction, min_lr_ratio, compile)
-        self.save_hyperparameters(ignore=["encoder"])
+        super().__init__(encoder, optim, compile)
+        self.save_hyperparameters(ignore=["encoder", "optim"])  # optim: a dataclass, kept out of pickled state
         self.head: DETRHead | None = None
         self.class_names: list[str] | None = None
         self.category_ids: list[int] | None = None
