@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
+# make demo installs the package and its runtime dependencies only; make test adds the test
+# extras (pytest, ONNX, the notebook kernel, the caption toolkit, the browser driver) in one go.
 STAMP   = $(VENV)/.installed
+DEV     = $(VENV)/.installed-dev
 DEMO_DIR ?= runs/demo
 export VISION_ATTN_DATA ?= $(CURDIR)/.data
 
@@ -11,8 +14,14 @@ export VISION_ATTN_DATA ?= $(CURDIR)/.data
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e .
 	touch $(STAMP)
+
+$(DEV): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP) $(DEV)
 
 install: $(STAMP)
 
@@ -21,13 +30,13 @@ demo: $(STAMP)
 
 # two workers, one test file each at a time (module fixtures are trained once), one thread each;
 # the 15 slowest tests are listed at the end
-test: $(STAMP)
+test: $(DEV)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
-bench: $(STAMP)
+bench: $(DEV)
 	$(PY) -m benchmarks.suite --json benchmarks/results/latest.json
 
-lint: $(STAMP)
+lint: $(DEV)
 	$(PY) -m ruff check vision_attn tests train.py eval.py
 
 clean:

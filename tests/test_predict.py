@@ -45,7 +45,11 @@ def test_predict_from_a_checkpoint_writes_predictions_and_overlays(kind, folder,
     assert json.loads((out / "predictions.json").read_text()) == res["predictions"]
     assert sorted(str(p.relative_to(out / "overlays")) for p in (out / "overlays").rglob("*.png")) == ["a.jpg.png",
                                                                                                       "sub/b.png.png"]
-    assert (out / "report.html").read_text().count("data:image/png;base64,") == 2
+    page = (out / "report.html").read_text()
+    # per image: its panel and, for the interactive view, the picture (the same items as eval.py's report)
+    assert page.count("data:image/png;base64,") == 4
+    view = {"classification": "patches", "detection": "boxes", "captioning": "words"}[kind]
+    assert page.count(f'"kind": "{view}"') == 2
     with pytest.raises(SystemExit):  # results already there: refused, nothing overwritten
         main(["--model", str(ckpt), "--images", str(folder), "--output_dir", str(out)])
 
@@ -74,7 +78,7 @@ def test_captioning_onnx_is_refused_clearly(folder, tmp_path):
     from vision_attn.export import export_onnx
 
     path = export_onnx(_checkpoint(_tasks()["captioning"], tmp_path / "m.ckpt"), tmp_path / "m.onnx")
-    with pytest.raises(CheckpointError, match="captioning encoder only"):
+    with pytest.raises(CheckpointError, match="captioning model whose predictions need PyTorch"):
         predict_folder(path, folder, tmp_path / "out", progress=False)
 
 

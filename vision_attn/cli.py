@@ -21,6 +21,7 @@ given on the command line. Checkpoints (``--ckpt_path``) are local files read wi
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import pickle
@@ -34,6 +35,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import yaml
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
@@ -49,6 +51,7 @@ from vision_attn.models.captioner import GenerationOptions
 from vision_attn.outputs import write_json
 from vision_attn.tasks.base import (
     VisionTask,
+    checked_data_settings,
     read_task_meta,
     resolve_class,
     restore_from_checkpoint,
@@ -312,14 +315,49 @@ class _VisionAttnCLI(LightningCLI):
             )
 
 
+def _config_class_paths(argv: list[str]) -> dict[str, str]:
+    """``{"model": class path, "data": class path}`` named by the ``--config`` files in ``argv``
+    (read as plain YAML; later files win), for ``--help``."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else (
+            arg.split("=", 1)[1] if arg.startswith("--config=") else None)
+        if not path or not Path(path).is_file():
+            continue
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        for key in ("model", "data"):
+            spec = data.get(key) if isinstance(data, dict) else None
+            if isinstance(spec, dict) and isinstance(spec.get("class_path"), str):
+                found[key] = spec["class_path"]
+    return found
+
+
+def _take_flag(argv: list[str], flag: str) -> tuple[list[str], bool]:
+    """``(argv without flag, whether it was there)`` for a switch given as ``flag`` or ``flag=...``."""
+    rest = [a for a in argv if a != flag and not a.startswith(flag + "=")]
+    return rest, len(rest) != len(argv)
+
+
 class TrainCLI(_VisionAttnCLI):
-    """``train.py``: parse, build, fit."""
+    """``vision-attn fit`` / ``train.py``: parse, build, fit.
+
+    ``--print_config`` prints the config the run will really use: its folder
+    (``trainer.default_root_dir``), loggers and callbacks included. ``--help`` after
+    ``--config CFG`` also lists the model and data options of the classes that CFG names.
+    """
 
     def __init__(self, args: list[str] | None = None) -> None:
+        argv = list(sys.argv[1:] if args is None else args)
+        if argv[:1] == ["fit"]:  # train.py fit --config ... (LightningCLI's spelling)
+            argv = argv[1:]
+        argv, self.print_run_config = _take_flag(argv, "--print_config")
         super().__init__(
             save_config_callback=RunConfigCallback,
             save_config_kwargs={"config_filename": "config.yaml"},
-            args=args,
+            args=argv,
         )
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -330,41 +368,103 @@ class TrainCLI(_VisionAttnCLI):
             help="Resume training from this local checkpoint file ('last' = ROOT/checkpoints/last.ckpt). "
             "It is read without executing pickled code (weights_only); URLs are refused.",
         )
+        # The optimiser and scheduler, as LightningCLI spells them (default: AdamW + warmup-cosine);
+        # learning rates and weight decay stay in --model.optim (per parameter group).
+        parser.add_optimizer_args((torch.optim.Optimizer,), nested_key="optimizer", link_to="AUTOMATIC")
+        parser.add_lr_scheduler_args(nested_key="lr_scheduler", link_to="AUTOMATIC")
         # used by eval.py; accepted so one YAML serves both
         parser.add_class_arguments(ExplainOptions, "explain")
         parser.add_class_arguments(GenerationOptions, "generate")
         parser.set_defaults({"trainer.default_root_dir": None, "seed_everything": 0})
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        if any(a in ("-h", "--help") for a in self._argv):
+            named = _config_class_paths(self._argv)
+            for argv in ([a for a in self._argv if a not in ("-h", "--help")] + ["--help"],
+                         *(["--" + key + ".help", path] for key, path in named.items())):
+                with contextlib.suppress(SystemExit):
+                    parser.parse_args(argv)
+                    break
+            raise SystemExit(0)
+        super().parse_arguments(parser, args)
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config
         if not cfg.trainer.get("default_root_dir"):
             names = [Path(str(c)).stem for c in (cfg.get("config") or [])]
             cfg.trainer.default_root_dir = str(Path("runs") / ("-".join(names) or "run"))
+        if self.print_run_config:
+            self._print_run_config()
+            raise SystemExit(0)
         check_resume_path(cfg.get("ckpt_path"), Path(cfg.trainer.default_root_dir))
+
+    def _monitor(self) -> tuple[str, str]:
+        cls = resolve_class(self.config.model.class_path, VisionTask, "--model", self.allow_import)
+        return getattr(cls, "monitor", ("val/loss", "min"))
+
+    def _run_defaults(self, root: Path, user_callbacks: list[Any], logger: Any,
+                      is_checkpoint, is_lr_monitor) -> tuple[Any, list[dict[str, Any]]]:
+        """``(logger, callbacks to add)`` of a run into ``root``, as ``{class_path, init_args}``:
+        TensorBoard + CSV loggers unless the config chose; the best-and-last checkpoint unless
+        the config has a checkpoint callback; a learning-rate monitor when anything logs."""
+        monitor, mode = self._monitor()
+        added = []
+        if not any(is_checkpoint(c) for c in user_callbacks):
+            added.append({"class_path": "vision_attn.cli.RunCheckpoint", "init_args": {
+                "dirpath": str(root / "checkpoints"), "filename": "best-{epoch:03d}-{step}", "monitor": monitor,
+                "mode": mode, "save_last": True, "save_top_k": 1, "auto_insert_metric_name": False}})
+        if logger in (None, True):
+            logger = [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                       "init_args": {"save_dir": str(root), "name": "tensorboard"}},
+                      {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root), "name": "csv"}}]
+        if logger and not any(is_lr_monitor(c) for c in user_callbacks):
+            added.append({"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
+                          "init_args": {"logging_interval": "step"}})
+        return logger, added
+
+    def _print_run_config(self) -> None:
+        cfg = yaml.safe_load(self.parser.dump(self.config, skip_none=False, skip_validation=True))
+        trainer = cfg.setdefault("trainer", {})
+        user = trainer.get("callbacks") or []
+
+        def named(*suffixes: str):
+            return lambda c: isinstance(c, dict) and str(c.get("class_path", "")).endswith(suffixes)
+
+        logger, added = self._run_defaults(Path(trainer["default_root_dir"]), user, trainer.get("logger"),
+                                           named("ModelCheckpoint", "RunCheckpoint"), named("LearningRateMonitor"))
+        trainer["logger"], trainer["callbacks"] = logger, [*user, *added]
+        cfg.pop("print_config", None)
+        sys.stdout.write(yaml.safe_dump(cfg, sort_keys=False))
+
+    def after_instantiate_classes(self) -> None:
+        def spec(key: str) -> dict[str, Any] | None:
+            value = self.config.get(key)
+            return value.as_dict() if hasattr(value, "as_dict") else (dict(value) if value else None)
+
+        self.model.optimizer_init = spec("optimizer")
+        self.model.lr_scheduler_init = spec("lr_scheduler")
+        data = spec("data")
+        try:
+            self.model.run_data = checked_data_settings({"data": data}, "the data settings")  # saved in checkpoints: evaluation needs no config
+        except CheckpointError as err:
+            log.warning("the data settings are not plain data, so checkpoints will not hold them (%s); "
+                        "evaluate with --config", err)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         root = Path(config["default_root_dir"])
-        monitor, mode = getattr(self.model, "monitor", ("val/loss", "min"))
         user = config.get("callbacks") or []
-        if not any(isinstance(c, ModelCheckpoint) for c in user + callbacks):
-            callbacks.append(
-                RunCheckpoint(
-                    dirpath=root / "checkpoints",
-                    filename="best-{epoch:03d}-{step}",
-                    monitor=monitor,
-                    mode=mode,
-                    save_last=True,
-                    save_top_k=1,
-                    auto_insert_metric_name=False,
-                )
-            )
-        if config.get("logger") in (None, True):
-            config["logger"] = [
-                TensorBoardLogger(save_dir=str(root), name="tensorboard"),
-                CSVLogger(save_dir=str(root), name="csv"),
-            ]
-        if config.get("logger") and not any(isinstance(c, LearningRateMonitor) for c in user + callbacks):
-            callbacks.append(LearningRateMonitor(logging_interval="step"))
+        logger, added = self._run_defaults(root, user + callbacks, config.get("logger"),
+                                           lambda c: isinstance(c, ModelCheckpoint),
+                                           lambda c: isinstance(c, LearningRateMonitor))
+        classes = {"vision_attn.cli.RunCheckpoint": RunCheckpoint, "lightning.pytorch.callbacks.LearningRateMonitor":
+                   LearningRateMonitor, "lightning.pytorch.loggers.TensorBoardLogger": TensorBoardLogger,
+                   "lightning.pytorch.loggers.CSVLogger": CSVLogger}
+
+        def build(c: Any) -> Any:
+            return classes[c["class_path"]](**c["init_args"]) if isinstance(c, dict) else c
+
+        config["logger"] = [build(c) for c in logger] if isinstance(logger, list) else logger
+        callbacks.extend(build(c) for c in added)
         self.save_config_kwargs["resuming"] = bool(self.config.get("ckpt_path"))
         trainer = super()._instantiate_trainer(config, callbacks)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
@@ -373,19 +473,61 @@ class TrainCLI(_VisionAttnCLI):
         return trainer
 
 
-class EvalCLI(_VisionAttnCLI):
-    """``eval.py``: the model (architecture, classes, preprocessing) comes from the checkpoint."""
+def _option_value(argv: list[str], flag: str) -> str | None:
+    """The last value given to ``flag`` (``--flag V`` or ``--flag=V``) in ``argv``."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
-    def __init__(self, args: list[str] | None = None) -> None:
-        super().__init__(save_config_callback=None, args=args)
+
+class EvalCLI(_VisionAttnCLI):
+    """``eval.py`` / ``vision-attn validate`` / ``test``: the model (architecture, classes,
+    preprocessing) comes from the checkpoint; the data from ``--config`` or, without one that
+    names data, from the data settings saved in the checkpoint (any key overridable, e.g.
+    ``--data.init_args.root DIR``)."""
+
+    def __init__(self, args: list[str] | None = None, default_split: str | None = None) -> None:
+        from vision_attn.commands import normalize_flags
+
+        argv = normalize_flags(list(sys.argv[1:] if args is None else args), valued_bools=("--overwrite",))
+        self.default_split = default_split
+        super().__init__(save_config_callback=None, args=self._from_checkpoint(argv))
+
+    @staticmethod
+    def _from_checkpoint(argv: list[str]) -> list[str]:
+        """``argv`` with the checkpoint's model (and its saved data settings, unless a config
+        names data or ``--data`` is given) in front, so no ``--config`` is needed."""
+        rest, allowed = split_allow_import(argv)
+        ckpt = _option_value(rest, "--ckpt_path")
+        if not ckpt or any(a in ("-h", "--help") for a in rest) or ckpt == "last":
+            return argv
+        meta, _ = read_task_meta(ckpt, allowed)
+        front = ["--model", json.dumps(meta["model"])]
+        has_data = "data" in _config_class_paths(rest) or any(a == "--data" or a.startswith("--data=") for a in rest)
+        if not has_data:
+            data = checked_data_settings(meta, f"checkpoint {ckpt}")
+            if data is None:
+                if not any(a in ("--config", "-c") or a.startswith("--config=") for a in rest):
+                    raise ConfigError(
+                        f"checkpoint {ckpt} holds no data settings (it was written before they were saved); "
+                        "pass the training config: --config CFG"
+                    )
+            else:
+                front += ["--data", json.dumps(data)]
+        return front + argv
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint to evaluate.")
         parser.add_argument("--output_dir", type=str, required=True, help="Where metrics.json etc. go.")
         parser.add_argument("--split", type=str | None, default=None,
-                            help="Split folder to evaluate (default: the data's validation split).")
+                            help="Split to evaluate (default: the data's validation split; `vision-attn test`: its "
+                                 "test split).")
         parser.add_argument("--overwrite", type=bool, default=False,
-                            help="Replace results already in --output_dir.")
+                            help="Replace results already in --output_dir (a bare --overwrite means true).")
         parser.add_class_arguments(ExplainOptions, "explain")
         parser.add_class_arguments(GenerationOptions, "generate")
         parser.set_defaults({"seed_everything": 0, "trainer.logger": False})
@@ -394,7 +536,7 @@ class EvalCLI(_VisionAttnCLI):
         ckpt = self.config.ckpt_path
         if ckpt == "last" and self.config.trainer.get("default_root_dir"):
             ckpt = str(Path(self.config.trainer.default_root_dir) / "checkpoints" / "last.ckpt")
-        self.ckpt_meta, self.ckpt = read_task_meta(ckpt)
+        self.ckpt_meta, self.ckpt = read_task_meta(ckpt, self.allow_import)
         self.ckpt_file = ckpt
         out = Path(self.config.output_dir)
         _check_writable(out)
@@ -409,7 +551,8 @@ class EvalCLI(_VisionAttnCLI):
         model_cfg = self.ckpt_meta["model"]
         config_class = self.config.model.class_path
         what = f"checkpoint {ckpt}"
-        if resolve_class(config_class, VisionTask, what) is not resolve_class(model_cfg["class_path"], VisionTask, what):
+        if (resolve_class(config_class, VisionTask, what, self.allow_import)
+                is not resolve_class(model_cfg["class_path"], VisionTask, what, self.allow_import)):
             raise CheckpointError(
                 f"checkpoint {ckpt} holds a {self.ckpt_meta.get('task')!r} model ({model_cfg['class_path']}) "
                 f"but the config describes {config_class}"
@@ -473,14 +616,15 @@ def train_main(args: list[str] | None = None) -> TrainCLI:
     return cli
 
 
-def eval_main(args: list[str] | None = None) -> dict[str, float]:
-    """Entry point of ``eval.py``: returns the metrics it wrote."""
-    cli = EvalCLI(args=args)
+def eval_main(args: list[str] | None = None, default_split: str | None = None) -> dict[str, float]:
+    """Entry point of ``eval.py`` (``vision-attn validate``; ``test`` with ``default_split="test"``):
+    returns the metrics it wrote."""
+    cli = EvalCLI(args=args, default_split=default_split)
     dm, model, trainer = cli.datamodule, cli.model, cli.trainer
     model.configure_datamodule(dm)
     if hasattr(model, "set_generation"):
         model.set_generation(cli.config_init.generate)
-    split = cli.config.split or dm.val_split
+    split = cli.config.split or (_test_split(dm) if cli.default_split == "test" else dm.val_split)
     data = _SplitData(dm, split)
     trainer.test(model, datamodule=data, verbose=False)
     metrics, predictions = model.eval_results(data.loader.dataset)
@@ -499,6 +643,13 @@ def eval_main(args: list[str] | None = None) -> dict[str, float]:
                          report.items, report.curves, root=out)
         log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)
     return metrics
+
+
+def _test_split(dm: Any) -> str:
+    split = getattr(dm, "test_split", None)
+    if not split:
+        raise ConfigError(f"{type(dm).__name__} has no test split; pass --split NAME or use vision-attn validate")
+    return split
 
 
 def one_line(err: BaseException) -> str:

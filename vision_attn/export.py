@@ -1,9 +1,9 @@
 """Export a trained checkpoint: weights as ``.safetensors`` (plain tensors, no pickled code) or
 the model as ONNX.
 
-    python -m vision_attn.export --ckpt_path runs/x/checkpoints/last.ckpt --output encoder.safetensors
-    python -m vision_attn.export --ckpt_path ... --output model.safetensors --part model
-    python -m vision_attn.export --ckpt_path ... --output model.onnx
+    vision-attn export --ckpt_path runs/x/checkpoints/last.ckpt --output_dir out   # out/encoder.safetensors
+    vision-attn export --ckpt_path ... --output_dir out --part model              # out/model.safetensors
+    vision-attn export --ckpt_path ... --output_dir out --format onnx             # out/model.onnx
 
 ONNX (chosen by the ``.onnx`` suffix): input ``images`` ``[batch, 3, H, W]`` normalised as the
 model's preprocessing says (stored in the file's metadata with the labels or vocabulary), any
@@ -38,16 +38,24 @@ __all__ = ["export_onnx", "export_safetensors", "main"]
 log = logging.getLogger(__name__)
 
 
-def export_safetensors(ckpt_path: str | Path, output: str | Path, part: str = "encoder") -> Path:
+def _check_target(output: Path, overwrite: bool) -> None:
+    if output.is_symlink() or (os.path.lexists(output) and not output.is_file()):
+        raise RunExistsError(f"{output} is a link or not a regular file; refusing to write through it")
+    if os.path.lexists(output) and not overwrite:
+        raise RunExistsError(f"{output} already exists; refusing to overwrite it (choose another --output_dir, "
+                             "or pass --overwrite)")
+
+
+def export_safetensors(ckpt_path: str | Path, output: str | Path, part: str = "encoder", overwrite: bool = False,
+                       allow_import: tuple[str, ...] = ()) -> Path:
     """Write the weights of ``ckpt_path`` to ``output`` (see the module docstring); returns the path."""
     from safetensors.torch import save_file
 
     output = Path(output)
-    if os.path.lexists(output):
-        raise RunExistsError(f"{output} already exists; refusing to overwrite it (choose another --output)")
+    _check_target(output, overwrite)
     if part not in ("encoder", "model"):
         raise ValueError(f"--part must be 'encoder' or 'model', got {part!r}")
-    task = load_task(ckpt_path)
+    task = load_task(ckpt_path, allow_import=allow_import)
     module = task.encoder.model if part == "encoder" else task
     tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
     meta = task.checkpoint_meta()
@@ -60,38 +68,32 @@ def export_safetensors(ckpt_path: str | Path, output: str | Path, part: str = "e
 
 
 class _OnnxGraph(torch.nn.Module):
-    """The tensors-in, tensors-out part of a task that ONNX holds."""
+    """The tensors-in, tensors-out part of a task that ONNX holds (the task's ``export_forward``)."""
 
     def __init__(self, task) -> None:
         super().__init__()
         self.task = task
 
     def forward(self, images: torch.Tensor):
-        kind = self.task.task_name
-        if kind == "classification":
-            return self.task(images)
-        if kind == "detection":
-            out = self.task(images)
-            return out["pred_logits"], out["pred_boxes"]
-        return self.task.encoder(images).tokens
+        return self.task.export_forward(images)
 
 
-ONNX_OUTPUTS = {"classification": ["logits"], "detection": ["pred_logits", "pred_boxes"], "captioning": ["tokens"]}
-
-
-def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18) -> Path:
+def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18, overwrite: bool = False,
+                allow_import: tuple[str, ...] = ()) -> Path:
     """Write the model of ``ckpt_path`` as ONNX (see the module docstring); returns the path."""
-    import onnx
+    try:
+        import onnx
+    except ImportError as err:  # pragma: no cover - depends on the install
+        raise VisionAttnError("ONNX export needs the export extra: pip install 'vision_attn[export]'") from err
 
     output = Path(output)
-    if os.path.lexists(output):
-        raise RunExistsError(f"{output} already exists; refusing to overwrite it (choose another --output)")
-    task = load_task(ckpt_path).eval()
+    _check_target(output, overwrite)
+    task = load_task(ckpt_path, allow_import=allow_import).eval()
     _, h, w = task.data_config["input_size"]
     example = torch.zeros(2, 3, int(h), int(w))
     with atomic_output(output, suffix=".tmp.onnx") as tmp:
         torch.onnx.export(_OnnxGraph(task), (example,), str(tmp), input_names=["images"],
-                          output_names=ONNX_OUTPUTS[task.task_name], dynamic_shapes=({0: torch.export.Dim("batch")},),
+                          output_names=list(task.export_output_names), dynamic_shapes=({0: torch.export.Dim("batch")},),
                           dynamo=True, opset_version=opset, verbose=False)
         model = onnx.load(str(tmp))
         meta = task.checkpoint_meta()
@@ -103,19 +105,32 @@ def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18) -> P
     return output
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m vision_attn.export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt_path", required=True)
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--part", choices=["encoder", "model"], default="encoder")
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m vision_attn.export") -> None:
+    from vision_attn.cli import split_allow_import
+    from vision_attn.commands import parse_command
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt_path", help="checkpoint from training")
+    parser.add_argument("--output_dir", help="folder to write into (model.onnx, encoder.safetensors or model.safetensors)")
+    parser.add_argument("--output_file", dest="output", default=None,
+                        help="the exact file to write instead (its suffix chooses the format)")
+    parser.add_argument("--format", choices=["onnx", "safetensors"], default="safetensors")
+    parser.add_argument("--part", choices=["encoder", "model"], default="encoder", help="safetensors: which weights")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    parser.add_argument("--allow_import", action="append", default=[], metavar="PREFIX",
+                        help="let the checkpoint name task classes from this module prefix (your own task)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.output.endswith(".onnx"):
-            print(export_onnx(args.ckpt_path, args.output))
+        args = parse_command(parser, argv, required=("ckpt_path",), renamed={"--output": "--output_file"})
+        split_allow_import([a for p in args.allow_import for a in ("--allow_import", p)])  # refuses risky prefixes
+        if args.output is None and not args.output_dir:
+            parser.error("the following arguments are required: --output_dir")
+        output = Path(args.output) if args.output else Path(args.output_dir) / (
+            "model.onnx" if args.format == "onnx" else f"{args.part}.safetensors")
+        if output.suffix == ".onnx":
+            print(export_onnx(args.ckpt_path, output, overwrite=args.overwrite, allow_import=tuple(args.allow_import)))
         else:
-            print(export_safetensors(args.ckpt_path, args.output, args.part))
+            print(export_safetensors(args.ckpt_path, output, args.part, args.overwrite, tuple(args.allow_import)))
     except (VisionAttnError, ValueError) as err:
         parser.exit(2, f"error: {err}\n")
 

@@ -48,7 +48,7 @@ def explain_folder(
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(argv, "python -m vision_attn.overlay", __doc__, model_flag="--ckpt_path", expected_task="classification")
+    run_cli(argv, "python -m vision_attn.overlay", __doc__, expected_task="classification", explain=True)
 
 
 if __name__ == "__main__":

@@ -35,22 +35,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import lightning as L
 import torch
-from rich.progress import Progress
+from lightning.pytorch.callbacks import BasePredictionWriter
+from torch.utils.data import DataLoader, Dataset
 
-from vision_attn.boxes import box_xyxy_to_xywh
 from vision_attn.data.imageio import (
     IMAGE_EXTENSIONS,
     ImageReadError,
     not_regular_reason,
     read_image,
 )
-from vision_attn.data.transforms import build_display_transform, build_eval_transform
+from vision_attn.data.transforms import build_eval_transform
+from vision_attn.distributed import gather_objects
 from vision_attn.errors import CheckpointError, RunExistsError, VisionAttnError
-from vision_attn.explain.overlay import draw_box, image_grid, overlay_saliency, save_png
-from vision_attn.explain.report import Report, png_data_uri, write_report
-from vision_attn.models.detr import post_process
+from vision_attn.explain.overlay import save_png
+from vision_attn.explain.report import write_report
 from vision_attn.outputs import safe_filename, write_json
 
 __all__ = ["OUTPUTS", "main", "overlay_name", "predict_folder", "run_cli", "scan_folder"]
@@ -103,136 +103,141 @@ def overlay_name(rel: Path) -> Path:
     return Path(*(safe_filename(part) for part in rel.parts[:-1]), safe_filename(rel.name + ".png"))
 
 
-class _OnnxModel:
-    """An exported model run by ONNX Runtime, with what its metadata says (task, preprocessing, labels)."""
+class FolderImages(Dataset):
+    """The images of a folder for Lightning's predict loop: each item is ``{"file", "image",
+    "picture", "reason"}`` — the preprocessed tensor and the original RGB picture, or, for a file
+    that cannot be read, ``None`` and the reason (the run goes on; ``skipped.json`` lists it).
+    Decoding happens in the DataLoader's workers."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, root: Path, files: list[Path], transform) -> None:
+        self.root, self.files, self.transform = root, files, transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        path = self.files[i]
+        rel = str(path.relative_to(self.root))
+        try:
+            picture = read_image(path)
+        except ImageReadError as err:
+            log.warning("skipping %s: %s", path, err.reason)
+            return {"file": rel, "image": None, "picture": None, "reason": err.reason or str(err)}
+        return {"file": rel, "image": self.transform(picture), "picture": picture, "reason": None}
+
+
+def collate_folder(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """A batch for :meth:`~vision_attn.tasks.VisionTask.predict_step`: ``{"images", "pictures",
+    "files", "skipped"}`` (unreadable files go to ``skipped``)."""
+    good = [it for it in items if it["image"] is not None]
+    return {
+        "images": torch.stack([it["image"] for it in good]) if good else torch.empty(0),
+        "pictures": [it["picture"] for it in good],
+        "files": [it["file"] for it in good],
+        "skipped": [{"file": it["file"], "reason": it["reason"]} for it in items if it["image"] is None],
+    }
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Writes what the predict loop returns: overlays after every batch (each process its own
+    images), then ``predictions.json``, ``skipped.json`` and ``report.html`` from every
+    process's records, in file order, on the main process."""
+
+    def __init__(self, out: Path, skipped: list[dict[str, str]], title: str, summary: dict[str, str],
+                 report_images: int = 50) -> None:
+        super().__init__(write_interval="batch")
+        self.out, self.title, self.summary, self.report_images = out, title, summary, report_images
+        self.skipped = list(skipped)  # found while scanning the folder (main process)
+        self.records: list[dict[str, Any]] = []
+        self.items: list[dict[str, Any]] = []
+        self.failed: list[dict[str, str]] = []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx,
+                           dataloader_idx=0) -> None:
+        self.failed.extend(prediction["skipped"])
+        for file, record, panel, item in zip(prediction["files"], prediction["records"], prediction["panels"],
+                                             prediction["report_items"], strict=True):
+            self.records.append({"file": file, **record})
+            if panel is not None:
+                save_png(self.out / "overlays" / overlay_name(Path(file)), panel, root=self.out)
+            if len(self.items) < self.report_images:
+                panels = item.get("panels", []) if item else []
+                self.items.append({**(item or {}), "name": file, "text": json.dumps(record)[:300], "panels": panels})
+
+    def on_predict_epoch_end(self, trainer, pl_module) -> None:
+        by_file = {r["file"]: r for r in gather_objects(self.records)}  # a padded sampler repeats none here
+        predictions = [by_file[f] for f in sorted(by_file, key=Path)]
+        failed = {s["file"]: s for s in gather_objects(self.failed)}
+        items = sorted(gather_objects(self.items), key=lambda it: Path(it["name"]))[: self.report_images]
+        self.result = {"predictions": predictions,
+                       "skipped": sorted([*self.skipped, *failed.values()], key=lambda s: s["file"])}
+        if not trainer.is_global_zero:
+            return
+        write_json(self.out / "predictions.json", self.result["predictions"], root=self.out)
+        write_json(self.out / "skipped.json", self.result["skipped"], root=self.out)
+        write_report(self.out / "report.html", self.title, {"images": float(len(predictions)),
+                     "skipped": float(len(self.result["skipped"]))}, self.summary, items, root=self.out)
+
+
+class OnnxPredictor(L.LightningModule):
+    """An exported model run by ONNX Runtime in Lightning's predict loop. Its records come from
+    the task its metadata describes (:meth:`~vision_attn.tasks.VisionTask.predictions_from_outputs`,
+    which needs the labels, not the weights); ONNX holds no attention, so no overlays."""
+
+    def __init__(self, path: Path, allow_import: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        from vision_attn.tasks.base import build_task_from_meta
+
         try:
             import onnxruntime as ort
         except ImportError as err:  # pragma: no cover - depends on the install
-            raise VisionAttnError("running .onnx models needs onnxruntime: pip install onnxruntime") from err
+            raise VisionAttnError("running .onnx models needs onnxruntime: pip install 'vision_attn[export]'") from err
         self.path = path
         try:  # ONNX Runtime's errors derive from Exception only: make them one clear line
             self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
             meta = self.session.get_modelmeta().custom_metadata_map
         except Exception as err:  # noqa: BLE001
             raise CheckpointError(f"ONNX Runtime cannot load {path}: {_first_line(err)}; "
-                                  "export it again with python -m vision_attn.export") from err
+                                  "export it again with vision-attn export") from err
         if meta.get("format") != "vision_attn":
-            raise CheckpointError(f"{path} was not exported by vision_attn (no metadata); use python -m vision_attn.export")
-        self.task_name = meta.get("task")
-        if self.task_name == "captioning":
-            raise CheckpointError(f"{path} holds a captioning encoder only (beam search runs in PyTorch); "
-                                  "predict with the checkpoint instead")
+            raise CheckpointError(f"{path} was not exported by vision_attn (no metadata); use vision-attn export")
         try:
-            self.data_config = {k: tuple(v) if isinstance(v, list) else v
-                                for k, v in json.loads(meta["data_config"]).items()}
-            self.init_args = json.loads(meta["model"])["init_args"]
-            self.class_names = self.init_args.get("class_names")
+            data_config = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["data_config"]).items()}
+            model = json.loads(meta["model"])
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise CheckpointError(f"{path} has broken vision_attn metadata ({type(err).__name__}: {err}); "
-                                  "export it again with python -m vision_attn.export") from err
-        if self.task_name not in ("classification", "detection"):
-            raise CheckpointError(f"{path} holds an unknown task {self.task_name!r}; export it again")
+                                  "export it again with vision-attn export") from err
+        task = build_task_from_meta({"model": model}, f"ONNX model {path}", allow_import)
+        if not task.onnx_predicts:
+            raise CheckpointError(f"{path} holds a {task.task_name} model whose predictions need PyTorch "
+                                  "(e.g. beam search); predict with the checkpoint instead")
+        task.encoder.data_config = data_config
+        self.task = task.eval()
+        self.task_name = task.task_name
+        self.predict_options = None
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        try:
-            outputs = self.session.run(None, {"images": x.numpy()})
-        except Exception as err:  # noqa: BLE001 - ONNX Runtime's errors derive from Exception only
-            raise CheckpointError(f"ONNX Runtime failed running {self.path} on a batch of shape {tuple(x.shape)}: "
-                                  f"{_first_line(err)}") from err
-        return [torch.from_numpy(o) for o in outputs]
+    def inference_data_config(self) -> dict[str, Any]:
+        return self.task.inference_data_config()
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0) -> dict[str, Any]:
+        files = batch["files"]
+        records: list[dict[str, Any]] = []
+        if files:
+            try:
+                outputs = self.session.run(None, {"images": batch["images"].cpu().numpy()})
+            except Exception as err:  # noqa: BLE001 - ONNX Runtime's errors derive from Exception only
+                raise CheckpointError(f"ONNX Runtime failed running {self.path} on a batch of shape "
+                                      f"{tuple(batch['images'].shape)}: {_first_line(err)}") from err
+            sizes = [tuple(p.shape[:2]) for p in batch["pictures"]]
+            records = self.task.predictions_from_outputs(tuple(torch.from_numpy(o) for o in outputs), sizes,
+                                                         self.predict_options)
+        return {"files": files, "records": records, "panels": [None] * len(files),
+                "report_items": [None] * len(files), "skipped": batch["skipped"]}
 
 
 def _first_line(err: BaseException) -> str:
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     return lines[0] if lines else type(err).__name__
-
-
-def _enlarge(rgb: np.ndarray, side: int = 160) -> np.ndarray:
-    import cv2
-
-    s = max(rgb.shape[:2])
-    if s >= side:
-        return rgb
-    f = int(np.ceil(side / s))
-    return cv2.resize(rgb, (rgb.shape[1] * f, rgb.shape[0] * f), interpolation=cv2.INTER_NEAREST)
-
-
-def _classify(model, x, originals, methods, alpha, want_overlays):
-    from vision_attn.explain.evaluate import explanation_panel
-    from vision_attn.explain.methods import explain_classifier
-
-    names = model.class_names or []
-    if isinstance(model, _OnnxModel):
-        probs = model(x)[0].float().softmax(-1)
-        preds, maps = probs.argmax(-1), None
-    else:
-        expl = explain_classifier(model, x, methods)
-        probs, preds, maps = expl.logits.float().softmax(-1), expl.target, expl.maps
-    display = build_display_transform(model.data_config)
-    results = []
-    for j, img in enumerate(originals):
-        pred, score = int(preds[j]), float(probs[j, preds[j]])
-        panel = explanation_panel(display(img), maps, j, f"{names[pred]} {score:.2f}", alpha) if want_overlays and maps else None
-        results.append(({"pred": names[pred], "score": score}, panel))
-    return results
-
-
-def _detect(model, x, originals, threshold, alpha, want_overlays):
-    from vision_attn.explain.detection import query_attention_maps
-
-    sizes = torch.tensor([img.shape[:2] for img in originals])
-    if isinstance(model, _OnnxModel):
-        logits, boxes = model(x)
-        out, grid = {"pred_logits": logits, "pred_boxes": boxes}, None
-        args = model.init_args
-        focal, top_k, names, cat_ids = args.get("focal", False), args.get("top_k", 100), args["class_names"], args["category_ids"]
-        dets = post_process(out, sizes, top_k, focal)
-    else:
-        with torch.no_grad():
-            enc = model.encoder(x)
-            out = model.head(enc, need_weights=want_overlays)
-        grid, names, cat_ids = enc.grid, model.class_names, model.category_ids
-        dets = model.detect(out, sizes)
-    results = []
-    for j, (img, det) in enumerate(zip(originals, dets, strict=True)):
-        keep = (det["scores"] >= threshold).nonzero().flatten()
-        found = [{"label": names[int(det["labels"][k])], "category_id": int(cat_ids[int(det["labels"][k])]),
-                  "bbox": box_xyxy_to_xywh(det["boxes"][k]).tolist(), "score": float(det["scores"][k])} for k in keep.tolist()]
-        panel = None
-        if want_overlays and grid is not None:
-            rgb = _enlarge(img)
-            scale = rgb.shape[1] / img.shape[1]
-            shown = keep[:6]
-            maps = query_attention_maps([a[j : j + 1] for a in out["cross_attn"]], det["queries"][shown].cpu(), grid)
-            boxed, tiles, titles = rgb, [], []
-            for m, k in zip(maps, shown.tolist(), strict=True):
-                label = f"{names[int(det['labels'][k])]} {float(det['scores'][k]):.2f}"
-                box = (det["boxes"][k] * scale).tolist()
-                boxed = draw_box(boxed, box, label=label)
-                tiles.append(draw_box(overlay_saliency(rgb, m, alpha=alpha), box, label=label))
-                titles.append(f"query {int(det['queries'][k])}")
-            panel = image_grid([boxed, *tiles], ["detections", *titles])
-        results.append(({"detections": found}, panel))
-    return results
-
-
-def _caption(model, x, originals, alpha, want_overlays):
-    from vision_attn.explain.captioning import caption_strip, word_attention_maps
-
-    with torch.no_grad():
-        gen = model.generate(x, return_attention=want_overlays)
-    grid = model.encoder.grid_for(*x.shape[-2:])
-    results = []
-    for j, img in enumerate(originals):
-        words = model.tokenizer.decode_words(gen.tokens[j].tolist())
-        panel = None
-        if want_overlays:
-            maps = word_attention_maps(gen.attention[j].cpu(), len(words), grid, "mean")
-            panel = caption_strip(img, words, maps, alpha)
-        results.append(({"caption": " ".join(words)}, panel))
-    return results
 
 
 def predict_folder(
@@ -244,14 +249,25 @@ def predict_folder(
     methods: tuple[str, ...] = ("rollout", "relevance"),
     score_threshold: float = 0.3,
     alpha: float = 0.5,
-    device: str = "cpu",
+    device: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
     expected_task: str | None = None,
     report_images: int = 50,
+    num_workers: int = 0,
+    devices: int | str = 1,
+    allow_import: tuple[str, ...] = (),
 ) -> dict[str, list]:
-    """Predictions (and overlays) for every image under ``images``; returns
-    ``{"predictions": [...], "skipped": [{"file", "reason"}]}`` as written."""
+    """Predictions (and overlays) for every image under ``images``, through Lightning's predict
+    loop (DataLoader workers decode; ``devices`` processes share the images); returns
+    ``{"predictions": [...], "skipped": [{"file", "reason"}]}`` as written.
+
+    Args:
+        device: ``cpu``, ``cuda`` or ``auto`` (default: a GPU when there is one).
+        devices: processes / GPUs (Lightning's ``Trainer(devices=...)``).
+        allow_import: module prefixes whose task classes the checkpoint may name (``--allow_import``).
+    """
+    from vision_attn.explain.evaluate import ExplainOptions
     from vision_attn.tasks.base import load_task
 
     images, out, model_path = Path(images), Path(output_dir), Path(model_path)
@@ -261,94 +277,89 @@ def predict_folder(
     if existing and not overwrite:
         raise RunExistsError(f"{out} already holds {', '.join(existing)}, which predict would overwrite; "
                              "pass another --output_dir or --overwrite")
+    accelerator = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu"}.get(device or "auto", "auto")
+    options = ExplainOptions(methods=list(methods), alpha=alpha, score_threshold=score_threshold)
     if model_path.suffix == ".onnx":
-        model, overlays, device = _OnnxModel(model_path), False, "cpu"
+        model, overlays, accelerator = OnnxPredictor(model_path, allow_import), False, "cpu"
     else:
-        model = load_task(model_path, expected_task=expected_task, map_location=device)
+        model = load_task(model_path, expected_task=expected_task, allow_import=allow_import)
     kind = model.task_name
     if expected_task is not None and kind != expected_task:
         raise CheckpointError(f"{model_path} holds a {kind!r} model, not a {expected_task!r} one")
-    pre = model.data_config if kind == "classification" else {**model.data_config, "crop_pct": 1.0}
-    tf = build_eval_transform(pre)
-    predictions: list[dict[str, Any]] = []
-    report = Report()
-
-    def flush(batch: list[tuple[Path, np.ndarray]]) -> None:
-        x = torch.stack([tf(img) for _, img in batch]).to(device)
-        originals = [img for _, img in batch]
-        if kind == "classification":
-            results = _classify(model, x, originals, methods, alpha, overlays)
-        elif kind == "detection":
-            results = _detect(model, x, originals, score_threshold, alpha, overlays)
-        else:
-            results = _caption(model, x, originals, alpha, overlays)
-        for (path, _), (record, panel) in zip(batch, results, strict=True):
-            rel = path.relative_to(images)
-            predictions.append({"file": str(rel), **record})
-            if panel is not None:
-                save_png(out / "overlays" / overlay_name(rel), panel, root=out)
-            if len(report.items) < report_images:
-                text = json.dumps(record)[:300]
-                report.items.append({"name": str(rel), "text": text, "panels": [png_data_uri(panel)] if panel is not None else []})
-
+    model.predict_options = options
+    model.predict_overlays = overlays
     files, skipped = scan_folder(images)
-    with Progress(disable=not progress, transient=True) as bar:
-        job = bar.add_task(f"{kind}: predicting", total=len(files))
-        batch: list[tuple[Path, np.ndarray]] = []
-        for path in files:
-            try:
-                batch.append((path, read_image(path)))
-            except ImageReadError as err:
-                log.warning("skipping %s: %s", path, err.reason)
-                skipped.append({"file": str(path.relative_to(images)), "reason": err.reason or str(err)})
-            if len(batch) == batch_size:
-                flush(batch)
-                batch = []
-            bar.advance(job)
-        if batch:
-            flush(batch)
-    skipped.sort(key=lambda s: s["file"])
-    write_json(out / "predictions.json", predictions, root=out)
-    write_json(out / "skipped.json", skipped, root=out)
-    write_report(out / "report.html", f"vision_attn {kind} predictions", {"images": float(len(predictions)),
-                 "skipped": float(len(skipped))}, {"model": str(model_path), "images": str(images)}, report.items,
-                 root=out)
-    log.info("%s: %d images into %s (%d skipped)", kind, len(predictions), out, len(skipped))
-    return {"predictions": predictions, "skipped": skipped}
+    loader = DataLoader(FolderImages(images, files, build_eval_transform(model.inference_data_config())),
+                        batch_size=batch_size, num_workers=num_workers, collate_fn=collate_folder,
+                        persistent_workers=False)
+    writer = PredictionWriter(out, skipped, f"vision_attn {kind} predictions",
+                              {"model": str(model_path), "images": str(images)}, report_images)
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, enable_progress_bar=progress, callbacks=[writer],
+                        default_root_dir=str(out), inference_mode=False)  # relevance needs gradients
+    if files:
+        trainer.predict(model, dataloaders=loader, return_predictions=False)
+    else:
+        writer.on_predict_epoch_end(trainer, model)
+    log.info("%s: %d images into %s (%d skipped)", kind, len(writer.result["predictions"]), out,
+             len(writer.result["skipped"]))
+    return writer.result
 
 
-def run_cli(argv: list[str] | None, prog: str, description: str, model_flag: str = "--model",
-            expected_task: str | None = None) -> None:
-    """The command line of :func:`predict_folder` (shared by ``vision_attn.predict`` and ``vision_attn.overlay``)."""
+def build_parser(prog: str, description: str, expected_task: str | None = None,
+                 explain: bool = False) -> argparse.ArgumentParser:
+    """The options of the folder commands (``predict``, ``explain``, ``vision_attn.overlay``)."""
     parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(model_flag, dest="model", required=True,
-                        help="a .ckpt from train.py" + ("" if expected_task else " or a .onnx from vision_attn.export"))
-    parser.add_argument("--images", required=True, help="folder of images (searched recursively)")
-    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--ckpt_path", "--model", dest="model", metavar="CKPT",
+                        help="a .ckpt from training" + ("" if expected_task or explain else
+                                                        " or a .onnx from vision-attn export (--model is the same)"))
+    parser.add_argument("--images", help="folder of images (searched recursively)")
+    parser.add_argument("--output_dir", help="where predictions.json, overlays/, skipped.json, report.html go")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the outputs of an earlier run (predictions.json, skipped.json, report.html, "
+                             "overlays/) in --output_dir")
     parser.add_argument("--batch_size", type=int, default=16)
-    parser.add_argument("--no_overlays", action="store_true", help="predictions only")
+    parser.add_argument("--num_workers", type=int, default=2, help="DataLoader processes decoding the images")
+    if not explain:
+        parser.add_argument("--no_overlays", action="store_true", help="predictions only")
     parser.add_argument("--methods", nargs="+", default=["rollout", "relevance"], choices=["rollout", "relevance", "attention"],
                         help="classification: explanation methods drawn")
     parser.add_argument("--score_threshold", type=float, default=0.3, help="detection: keep boxes scoring at least this")
     parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the outputs of an earlier run (predictions.json, skipped.json, report.html, "
-                             "overlays/) in --output_dir")
-    args = parser.parse_args(argv)
+    parser.add_argument("--device", "--accelerator", dest="device", default="auto", choices=["auto", "cpu", "cuda", "gpu"],
+                        help="where the model runs (auto: a GPU when there is one)")
+    parser.add_argument("--devices", default="1", help="processes / GPUs sharing the images (Lightning's devices)")
+    parser.add_argument("--allow_import", action="append", default=[], metavar="PREFIX",
+                        help="let the checkpoint name task classes from this module prefix (your own task; "
+                             "importing a module runs its code)")
+    return parser
+
+
+def run_cli(argv: list[str] | None, prog: str, description: str, expected_task: str | None = None,
+            explain: bool = False) -> None:
+    """The command line of :func:`predict_folder` (``vision-attn predict`` / ``explain``,
+    ``python -m vision_attn.predict`` and ``python -m vision_attn.overlay``)."""
+    from vision_attn.cli import split_allow_import
+    from vision_attn.commands import parse_command
+
+    parser = build_parser(prog, description, expected_task, explain)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        result = predict_folder(args.model, args.images, args.output_dir, args.batch_size, not args.no_overlays,
-                                tuple(args.methods), args.score_threshold, args.alpha, args.device, args.overwrite,
-                                expected_task=expected_task)
+        args = parse_command(parser, argv, required=("model", "images", "output_dir"))
+        split_allow_import([a for p in args.allow_import for a in ("--allow_import", p)])  # refuses risky prefixes
+        devices = int(args.devices) if str(args.devices).isdigit() else args.devices
+        result = predict_folder(args.model, args.images, args.output_dir, args.batch_size,
+                                explain or not args.no_overlays, tuple(args.methods), args.score_threshold, args.alpha,
+                                args.device, args.overwrite, expected_task=expected_task, num_workers=args.num_workers,
+                                devices=devices, allow_import=tuple(args.allow_import))
     except VisionAttnError as err:
         sys.stderr.write(f"error: {err}\n")
         raise SystemExit(2) from None
     print(f"{len(result['predictions'])} images, {len(result['skipped'])} skipped -> {args.output_dir}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_cli(argv, "python -m vision_attn.predict", __doc__)
+def main(argv: list[str] | None = None, prog: str = "python -m vision_attn.predict", explain: bool = False) -> None:
+    run_cli(argv, prog, __doc__, explain=explain)
 
 
 if __name__ == "__main__":

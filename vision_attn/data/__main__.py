@@ -11,9 +11,9 @@ from vision_attn.data.synthetic import (
 )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m vision_attn.data") -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m vision_attn.data",
+        prog=prog,
         description="Write an embedded synthetic dataset (ImageFolder layout) and print its root.",
     )
     parser.add_argument("kind", choices=["shapes", "glyphs"])

@@ -27,7 +27,7 @@ from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename
 
-__all__ = ["caption_strip", "pointing_game", "word_attention_maps", "write_caption_overlays"]
+__all__ = ["caption_strip", "explain_captioning", "pointing_game", "word_attention_maps", "write_caption_overlays"]
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +103,39 @@ def pointing_game(words: list[str], maps: torch.Tensor, boxes: list[tuple[set[st
     return hits, total, chance
 
 
+def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], options, truths=None) -> list:
+    """:meth:`~vision_attn.tasks.VisionTask.explain_batch` of a captioner: per image the record
+    ``{"caption"}``, the per-word strip (:func:`caption_strip`) and its report item;
+    ``extras`` holds the ``words`` and their ``maps`` (for the pointing game)."""
+    from vision_attn.explain.report import Report, png_data_uri, quantise
+    from vision_attn.tasks.base import Explained
+
+    with torch.no_grad():
+        gen = task.generate(images, return_attention=True)
+    grid = task.encoder.grid_for(*images.shape[-2:])
+    explained = []
+    for j, picture in enumerate(pictures):
+        words = task.tokenizer.decode_words(gen.tokens[j].tolist())
+        maps = word_attention_maps(gen.attention[j].cpu(), len(words), grid, options.query_layers)
+        strip = caption_strip(picture, words, maps, options.alpha)
+        text = " ".join(words) if truths is None else f"{' '.join(words)} (reference: {truths[j]})"
+        item = {"text": text, "image": Report.display_image(picture), "panels": [png_data_uri(strip)], "kind": "words",
+                "grid": list(grid), "words": words, "maps": quantise(maps.flatten(1)) if words else ""}
+        explained.append(Explained({"caption": " ".join(words)}, strip, item, {"words": words, "maps": maps}))
+    return explained
+
+
 def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
-    """Write a per-word strip for ``options.num_overlays`` images into ``out_dir/overlays`` and,
-    when the split has boxes and ``options.faithfulness`` is on, return the pointing metrics of
-    up to ``options.faithfulness_images`` images."""
+    """Write a per-word strip (:func:`explain_captioning`) for ``options.num_overlays`` images into
+    ``out_dir/overlays`` and, when the split has boxes and ``options.faithfulness`` is on,
+    return the pointing metrics of up to ``options.faithfulness_images`` images."""
     from vision_attn.explain.evaluate import select_images
 
-    chosen = select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed)
+    chosen = set(select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed))
     boxes = _split_boxes(dataset) if options.faithfulness else None
-    pointed = (select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection, options.seed)
-               if boxes is not None else [])
-    todo = sorted(set(chosen) | set(pointed))
+    pointed = (set(select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection,
+                                 options.seed)) if boxes is not None else set())
+    todo = sorted(chosen | pointed)
     device = next(task.parameters()).device
     hits = total = 0
     chance = 0.0
@@ -121,28 +143,17 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
     for start in range(0, len(todo), options.batch_size):
         idx = todo[start : start + options.batch_size]
         images = torch.stack([dataset[i][0] for i in idx]).to(device)
-        with torch.no_grad():
-            gen = task.generate(images, return_attention=True)
-        grid = task.encoder.grid_for(*images.shape[-2:])
-        for j, i in enumerate(idx):
-            words = task.tokenizer.decode_words(gen.tokens[j].tolist())
-            maps = word_attention_maps(gen.attention[j].cpu(), len(words), grid, options.query_layers)
+        pictures = [read_image(dataset.image_path(i)) for i in idx]
+        for i, e in zip(idx, task.explain_batch(images, pictures, options), strict=True):
             image_id = dataset.images[i]["id"]
             if i in chosen:
-                rgb = read_image(dataset.image_path(i))
-                strip = caption_strip(rgb, words, maps, options.alpha)
                 # The id comes from the annotation file: one safe, short name under out_dir, always.
-                save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{image_id}.png"), strip, root=out_dir)
+                save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{image_id}.png"), e.panel, root=out_dir)
                 written += 1
                 if report is not None:
-                    from vision_attn.explain.report import Report, png_data_uri, quantise
-
-                    report.items.append({
-                        "name": f"image id {image_id}", "text": " ".join(words), "image": Report.display_image(rgb),
-                        "panels": [png_data_uri(strip)], "kind": "words", "grid": list(grid), "words": words,
-                        "maps": quantise(maps.flatten(1)) if words else ""})
+                    report.items.append({"name": f"image id {image_id}", **e.report_item})
             if boxes is not None and i in pointed:
-                h, t, c = pointing_game(words, maps, boxes.get(image_id, []))
+                h, t, c = pointing_game(e.extras["words"], e.extras["maps"], boxes.get(image_id, []))
                 hits, total, chance = hits + h, total + t, chance + c
     if written:
         log.info("wrote %d per-word attention strips to %s", written, out_dir / "overlays")

@@ -13,7 +13,7 @@ from vision_attn.explain.overlay import draw_box, image_grid, overlay_saliency, 
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename
 
-__all__ = ["query_attention_maps", "write_detection_overlays"]
+__all__ = ["explain_detection", "query_attention_maps", "write_detection_overlays"]
 
 log = logging.getLogger(__name__)
 
@@ -33,52 +33,76 @@ def query_attention_maps(cross_attn: list[torch.Tensor], queries: torch.Tensor, 
     return normalize_maps(fused[queries].reshape(-1, *grid))
 
 
-def write_detection_overlays(task, dataset, options, out_dir: Path, max_objects: int = 6, report=None) -> int:
-    """For the first ``options.num_overlays`` images: the image with every kept box, then one
-    tile per detection with its query's cross-attention, box, label and score.
+def _enlarge(rgb: np.ndarray, side: int = 160) -> np.ndarray:
+    """Small images enlarged (nearest neighbour) to at least ``side`` pixels, so labels are readable."""
+    s = max(rgb.shape[:2])
+    if s >= side:
+        return rgb
+    f = int(np.ceil(side / s))
+    return cv2.resize(rgb, (rgb.shape[1] * f, rgb.shape[0] * f), interpolation=cv2.INTER_NEAREST)
+
+
+def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], options, truths=None,
+                      max_objects: int = 6) -> list:
+    """:meth:`~vision_attn.tasks.VisionTask.explain_batch` of a detector: per image the record
+    ``{"detections": [...]}`` (objects scoring at least ``options.score_threshold``), the panel
+    (the picture with every kept box, then one tile per object, at most ``max_objects``, with
+    its query's cross-attention, box, label and score) and its report item."""
+    from vision_attn.explain.report import Report, png_data_uri, quantise
+    from vision_attn.tasks.base import Explained
+
+    sizes = [tuple(p.shape[:2]) for p in pictures]
+    with torch.no_grad():
+        enc = task.encoder(images)
+        out = task.head(enc, need_weights=True)
+    dets = task.detect(out, torch.tensor(sizes))
+    records = task.predictions_from_outputs((out["pred_logits"], out["pred_boxes"]), sizes, options)
+    names = task.class_names or []
+    explained = []
+    for j, (picture, det, record) in enumerate(zip(pictures, dets, records, strict=True)):
+        keep = (det["scores"] >= options.score_threshold).nonzero().flatten()[:max_objects]
+        rgb = _enlarge(picture)
+        scale = rgb.shape[1] / float(picture.shape[1])
+        maps = query_attention_maps([a[j : j + 1] for a in out["cross_attn"]], det["queries"][keep].cpu(), enc.grid,
+                                    options.query_layers)
+        boxed, tiles, titles, labels = rgb, [], [], []
+        for m, k in zip(maps, keep.tolist(), strict=True):
+            label = f"{names[int(det['labels'][k])]} {float(det['scores'][k]):.2f}"
+            box = (det["boxes"][k] * scale).tolist()
+            boxed = draw_box(boxed, box, label=label)
+            tiles.append(draw_box(overlay_saliency(rgb, m, alpha=options.alpha), box, label=label))
+            titles.append(f"query {int(det['queries'][k])}")
+            labels.append(label)
+        panel = image_grid([boxed, *tiles], ["detections", *titles])
+        h0, w0 = sizes[j]
+        frac = torch.tensor([w0, h0, w0, h0], dtype=torch.float32)
+        text = ", ".join(titles) or "no detection above the threshold"
+        if truths is not None:
+            text = f"{truths[j]}: {text}"
+        item = {"text": text, "image": Report.display_image(rgb), "panels": [png_data_uri(panel)], "kind": "boxes",
+                "grid": list(enc.grid), "maps": quantise(maps.flatten(1)) if len(keep) else "",
+                "boxes": [(det["boxes"][k].float() / frac).tolist() for k in keep.tolist()], "labels": labels}
+        explained.append(Explained(record, panel, item))
+    return explained
+
+
+def write_detection_overlays(task, dataset, options, out_dir: Path, report=None) -> int:
+    """Overlays (:func:`explain_detection`) of the first ``options.num_overlays`` images.
 
     Pictures come from ``dataset.read_rgb`` — the same read (orientation included, see
     :mod:`vision_attn.data.detection` on EXIF) as the model input and the boxes."""
     n = min(options.num_overlays, len(dataset))
     device = next(task.parameters()).device
-    names = task.class_names or []
     written = 0
-    for i in range(n):
-        image, target = dataset[i]
-        im = dataset.images[i]
-        with torch.no_grad():
-            enc = task.encoder(image.unsqueeze(0).to(device))
-            out = task.head(enc, need_weights=True)
-        det = task.detect(out, target["orig_size"].unsqueeze(0))[0]
-        keep = (det["scores"] >= options.score_threshold).nonzero().flatten()[:max_objects]
-        rgb = dataset.read_rgb(i)  # the dataset's own read: same orientation as its boxes (EXIF)
-        side = max(rgb.shape[:2])
-        if side < 160:  # enlarge small images so labels are readable
-            f = int(np.ceil(160 / side))
-            rgb = cv2.resize(rgb, (rgb.shape[1] * f, rgb.shape[0] * f), interpolation=cv2.INTER_NEAREST)
-        scale = rgb.shape[1] / float(target["orig_size"][1])
-        maps = query_attention_maps(out["cross_attn"], det["queries"][keep].cpu(), enc.grid, options.query_layers)
-        boxed = rgb
-        tiles, titles = [], []
-        for j, k in enumerate(keep.tolist()):
-            label = f"{names[det['labels'][k]]} {det['scores'][k]:.2f}"
-            box = (det["boxes"][k] * scale).tolist()
-            boxed = draw_box(boxed, box, label=label)
-            tiles.append(draw_box(overlay_saliency(rgb, maps[j], alpha=options.alpha), box, label=label))
-            titles.append(f"query {int(det['queries'][k])}")
-        panel = image_grid([boxed, *tiles], ["detections", *titles])
-        save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{im['id']}.png"), panel, root=out_dir)
-        if report is not None:
-            from vision_attn.explain.report import Report, png_data_uri, quantise
-
-            h0, w0 = (float(v) for v in target["orig_size"])
-            frac = torch.tensor([w0, h0, w0, h0])
-            report.items.append({
-                "name": f"image id {im['id']}", "text": ", ".join(titles) or "no detection above the threshold",
-                "image": Report.display_image(rgb), "panels": [png_data_uri(panel)], "kind": "boxes",
-                "grid": list(enc.grid), "maps": quantise(maps.flatten(1)) if len(keep) else "",
-                "boxes": [(det["boxes"][k] / frac).tolist() for k in keep.tolist()],
-                "labels": [f"{names[det['labels'][k]]} {det['scores'][k]:.2f}" for k in keep.tolist()]})
-        written += 1
+    for start in range(0, n, options.batch_size):
+        idx = list(range(start, min(n, start + options.batch_size)))
+        images = torch.stack([dataset[i][0] for i in idx]).to(device)
+        pictures = [dataset.read_rgb(i) for i in idx]
+        for i, e in zip(idx, task.explain_batch(images, pictures, options), strict=True):
+            image_id = dataset.images[i]["id"]
+            save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{image_id}.png"), e.panel, root=out_dir)
+            if report is not None:
+                report.items.append({"name": f"image id {image_id}", **e.report_item})
+            written += 1
     log.info("wrote %d detection overlays to %s", written, out_dir / "overlays")
     return written

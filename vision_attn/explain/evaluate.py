@@ -139,15 +139,38 @@ def explanation_panel(
     return image_grid(tiles, titles)
 
 
-def _report_item(expl, j: int, display: np.ndarray, name: str, caption: str, panel: np.ndarray) -> dict:
+def _report_item(expl, j: int, display: np.ndarray, caption: str, panel: np.ndarray) -> dict:
     """Image ``j`` of an explained batch for report.html: every patch's attention row, per layer and head."""
     from vision_attn.explain.report import Report, png_data_uri, quantise
 
     p = expl.num_prefix_tokens
     rows = torch.stack([a[j, :, p:, p:] for a in expl.attentions])  # (L, H, N, N): patch -> patch
-    return {"name": str(name), "text": caption, "image": Report.display_image(display), "panels": [png_data_uri(panel)],
+    return {"text": caption, "image": Report.display_image(display), "panels": [png_data_uri(panel)],
             "kind": "patches", "grid": list(expl.grid), "layers": rows.shape[0], "heads": rows.shape[1],
             "maps": quantise(rows)}
+
+
+def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray], options: ExplainOptions,
+                           truths: list[str] | None = None) -> list:
+    """:meth:`~vision_attn.tasks.VisionTask.explain_batch` of a classifier: per image the
+    record ``{"pred", "score"}``, the panel (the input as the model sees it, captioned
+    ``pred score`` or ``truth -> pred score``, and one overlay per method) and its report
+    item; ``extras["explanation"]`` is the batch's :class:`~vision_attn.explain.methods.Explanation`."""
+    from vision_attn.tasks.base import Explained
+
+    expl = explain_classifier(task, images, options.methods, head_fusion=options.head_fusion,
+                              discard_ratio=options.discard_ratio)
+    records = task.predictions_from_outputs((expl.logits,), [p.shape[:2] for p in pictures], options)
+    display_tf = build_display_transform(task.data_config)
+    out = []
+    for j, (picture, record) in enumerate(zip(pictures, records, strict=True)):
+        display = display_tf(picture)
+        caption = f"{record['pred']} {record['score']:.2f}"
+        if truths is not None:
+            caption = f"{truths[j]} -> {caption}"
+        panel = explanation_panel(display, expl.maps, j, caption, options.alpha)
+        out.append(Explained(record, panel, _report_item(expl, j, display, caption, panel), {"explanation": expl}))
+    return out
 
 
 def _add_deletion_curves(task, images: torch.Tensor, expl, steps: int, report, total: int) -> None:
@@ -186,26 +209,22 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
     metrics: dict[str, float] = {}
     n_over = min(options.num_overlays, len(dataset))
     if n_over > 0:
-        display_tf = build_display_transform(task.data_config)
         written = 0
         chosen = select_images(len(dataset), n_over, options.overlay_selection, options.seed)
         for images, labels, idx in _batches(dataset, chosen, options.batch_size):
-            expl = explain_classifier(task, images.to(device), options.methods, head_fusion=options.head_fusion,
-                                      discard_ratio=options.discard_ratio)
-            probs = expl.logits.float().softmax(-1)
-            for j, i in enumerate(idx.tolist()):  # dataset indices (ImageFolderDataset returns them)
-                rel, _ = dataset.samples[i]
-                display = display_tf(read_image(dataset.root / rel))
-                pred = int(expl.target[j])
-                caption = f"{names[labels[j]]} -> {names[pred]} {probs[j, pred]:.2f}"
-                panel = explanation_panel(display, expl.maps, j, caption, options.alpha)
-                save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{names[labels[j]]}_{Path(rel).stem}.png"), panel,
+            rels = [dataset.samples[i][0] for i in idx.tolist()]  # dataset indices (ImageFolderDataset returns them)
+            pictures = [read_image(dataset.root / rel) for rel in rels]
+            truths = [names[int(lab)] for lab in labels]
+            explained = task.explain_batch(images.to(device), pictures, options, truths)
+            for i, rel, truth, e in zip(idx.tolist(), rels, truths, explained, strict=True):
+                save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{truth}_{Path(rel).stem}.png"), e.panel,
                          root=out_dir)
                 written += 1
                 if report is not None:
-                    report.items.append(_report_item(expl, j, display, rel, caption, panel))
-            if report is not None:
-                _add_deletion_curves(task, images.to(device), expl, options.steps, report, len(chosen))
+                    report.items.append({"name": str(rel), **e.report_item})
+            if report is not None and explained:
+                _add_deletion_curves(task, images.to(device), explained[0].extras["explanation"], options.steps,
+                                     report, len(chosen))
         log.info("wrote %d overlays to %s", written, out_dir / "overlays")
     picked = select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection, options.seed)
     if options.faithfulness and picked:

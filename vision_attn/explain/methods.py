@@ -116,7 +116,8 @@ def explain_classifier(
     result = Explanation(logits=logits.detach(), target=target, grid=out.grid,
                          attentions=[a.detach() for a in attn], num_prefix_tokens=p, token_index=token_index)
     if need_grad:
-        score = logits.gather(1, target.view(-1, 1)).sum()
+        with torch.enable_grad():  # also under a caller's no_grad (Lightning's predict loop)
+            score = logits.gather(1, target.view(-1, 1)).sum()
         grads = torch.autograd.grad(score, attn)
         result.maps["relevance"] = gradient_relevance(attn, grads, out.grid, p, token_index, start_layer)
     for method in methods:

@@ -45,6 +45,41 @@ CHECKPOINT_FORMAT = 2  # 2: optimisation settings grouped in "optim", out of the
 RUNTIME_ARGS = ("compile", "optim")  # constructor arguments that describe the run, not the model
 
 
+@dataclasses.dataclass
+class Explained:
+    """One explained image (:meth:`VisionTask.explain_batch`).
+
+    Attributes:
+        record: its ``predictions.json`` record of the folder commands (without ``file``).
+        panel: the overlay picture (uint8 RGB) written as a PNG.
+        report_item: its entry of ``report.html`` (see :func:`vision_attn.explain.report.write_report`).
+        extras: what a task's own metrics need (e.g. captioning's words and maps).
+    """
+
+    record: dict[str, Any]
+    panel: Any = None
+    report_item: dict[str, Any] | None = None
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+TASKS: dict[str, type[VisionTask]] = {}
+"""The registry: task name -> task class (:func:`register_task`)."""
+
+
+def register_task(cls: type[VisionTask]) -> type[VisionTask]:
+    """Class decorator: register a :class:`VisionTask` under its ``task_name``, so checkpoints
+    and commands can name it. A task of your own module (imported with ``--allow_import``)
+    registers itself the same way."""
+    name = getattr(cls, "task_name", "")
+    if not (isinstance(cls, type) and issubclass(cls, VisionTask)) or not name:
+        raise TypeError(f"register_task needs a VisionTask subclass with a task_name, got {cls!r}")
+    known = TASKS.get(name)
+    if known is not None and f"{known.__module__}.{known.__qualname__}" != f"{cls.__module__}.{cls.__qualname__}":
+        raise ValueError(f"task name {name!r} is already registered by {known.__module__}.{known.__qualname__}")
+    TASKS[name] = cls
+    return cls
+
+
 class VisionTask(L.LightningModule):
     """Base system: an encoder, the optimisation settings, self-describing checkpoints.
 
@@ -56,9 +91,16 @@ class VisionTask(L.LightningModule):
             unchanged) when training or evaluation starts.
     """
 
-    task_name: str = ""
+    task_name: str = ""  # the registry's name (:func:`register_task`); stored in checkpoints
     built_from: str = "class names"  # what the data gives the head (checkpoints store it)
     monitor: tuple[str, str] = ("val/loss", "min")
+    # Inference preprocessing: timm's centre crop (``crop_pct``), or the whole image resized
+    # (detection and captioning: a crop would cut objects off). See :meth:`inference_data_config`.
+    crop_at_inference: bool = True
+    export_output_names: tuple[str, ...] = ()  # names of :meth:`export_forward`'s outputs (ONNX)
+    onnx_predicts: bool = True  # whether :meth:`predictions_from_outputs` can run on ONNX outputs
+    headline_metrics: tuple[str, ...] = ()  # the metrics a summary shows first (demo, report)
+    overlay_description: str = ""  # what one overlay panel shows (demo, README)
 
     def __init__(
         self,
@@ -125,6 +167,83 @@ class VisionTask(L.LightningModule):
         """The preprocessing this model expects (timm data config; saved in checkpoints)."""
         return self.encoder.data_config
 
+    # ------------------------------------------------------------------ inference, export, explanation
+    # What the commands ask of a task (``eval.py``, ``vision-attn predict / explain / export``,
+    # the demo and the report): none of them knows which task it runs.
+    def inference_data_config(self) -> dict[str, Any]:
+        """The preprocessing of single images at inference: :attr:`data_config`, without the
+        centre crop when the task must see the whole image (:attr:`crop_at_inference`)."""
+        return self.data_config if self.crop_at_inference else {**self.data_config, "crop_pct": 1.0}
+
+    def export_forward(self, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The tensors-in, tensors-out forward that ONNX holds (:attr:`export_output_names`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define export_forward")
+
+    def predictions_from_outputs(self, outputs: tuple[torch.Tensor, ...], sizes: list[tuple[int, int]],
+                                 options: Any = None) -> list[dict[str, Any]]:
+        """One ``predictions.json`` record per image (without ``file``) of the folder commands,
+        from :meth:`export_forward`'s outputs for images of original ``(height, width)``
+        ``sizes`` (``options``: an :class:`~vision_attn.explain.evaluate.ExplainOptions`, e.g.
+        detection's ``score_threshold``). Needs only the model's description (labels), not its
+        weights, so it serves ONNX models too (:attr:`onnx_predicts`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define predictions_from_outputs")
+
+    def explain_batch(self, images: torch.Tensor, pictures: list[Any], options: Any,
+                      truths: list[str] | None = None) -> list[Explained]:
+        """Predictions, overlay panels and report items of a batch: the one code path behind the
+        overlays of ``eval.py`` and of the folder commands.
+
+        Args:
+            images: ``[B, 3, H, W]`` preprocessed as the model expects.
+            pictures: the ``B`` original RGB images (uint8 ``[h, w, 3]``) the panels are drawn on.
+            options: an :class:`~vision_attn.explain.evaluate.ExplainOptions`.
+            truths: the ground truth of each image as text, drawn on the panel when given.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define explain_batch")
+
+    def eval_results(self, dataset: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """``(metrics, predictions)`` of the last ``trainer.test`` run on ``dataset``, in the
+        task's ``metrics.json`` / ``predictions.json`` formats."""
+        raise NotImplementedError(f"{type(self).__name__} does not define eval_results")
+
+    def explain_eval(self, dataset: Any, options: Any, out_dir: Path, report: Any = None) -> dict[str, float]:
+        """Overlays of the evaluated split into ``out_dir/overlays`` (drawn by
+        :meth:`explain_batch`) and the explanation metrics; fills ``report`` when given."""
+        return {}
+
+    # Set by the folder commands (vision_attn.predict): an ExplainOptions, and whether to draw.
+    predict_options: Any = None
+    predict_overlays: bool = False
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0) -> dict[str, Any]:
+        """Lightning's predict step of the folder commands.
+
+        Args:
+            batch: ``{"images": [B, 3, H, W], "pictures": [B original RGB arrays], "files": [B
+                names], "skipped": [{"file", "reason"}]}`` (:mod:`vision_attn.predict`).
+
+        Returns:
+            ``{"files", "records", "panels", "report_items", "skipped"}``: per image its record
+            (:meth:`predictions_from_outputs`) and, when :attr:`predict_overlays` is true, its
+            panel and report item (:meth:`explain_batch`; options: :attr:`predict_options`).
+        """
+        files, pictures = batch["files"], batch["pictures"]
+        if not files:
+            return {"files": [], "records": [], "panels": [], "report_items": [], "skipped": batch["skipped"]}
+        if self.predict_overlays:
+            explained = self.explain_batch(batch["images"], pictures, self.predict_options)
+            records = [e.record for e in explained]
+            panels = [e.panel for e in explained]
+            items = [e.report_item for e in explained]
+        else:
+            with torch.no_grad():
+                outputs = self.export_forward(batch["images"])
+            records = self.predictions_from_outputs(outputs, [tuple(p.shape[:2]) for p in pictures],
+                                                    self.predict_options)
+            panels, items = [None] * len(files), [None] * len(files)
+        return {"files": files, "records": records, "panels": panels, "report_items": items,
+                "skipped": batch["skipped"]}
+
     # ------------------------------------------------------------------ optimisation
     def no_weight_decay_names(self) -> set[str]:
         """Names of the parameters that are not decayed (see :class:`Optimization`)."""
@@ -180,6 +299,8 @@ class VisionTask(L.LightningModule):
                              schedule.last_epoch, schedule.end_step, old_end)
 
     # ------------------------------------------------------------------ checkpoints
+    run_data: dict[str, Any] | None = None  # the data settings of the run (set by ``fit``; saved)
+
     def task_init_args(self) -> dict[str, Any]:
         """Constructor arguments other than the encoder (from ``hparams``); run-time switches
         such as ``compile`` are left out."""
@@ -196,40 +317,91 @@ class VisionTask(L.LightningModule):
             },
             "data_config": {k: list(v) if isinstance(v, tuple) else v for k, v in self.data_config.items()},
             "optim": dataclasses.asdict(self.optim),
+            **({"data": self.run_data} if self.run_data else {}),
         }
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = self.checkpoint_meta()
 
 
-def resolve_class(class_path: str, base: type, what: str) -> type:
-    """The class that ``class_path`` names, which must be a ``base`` defined in vision_attn.
+def _allowed(module: str, allow_import: tuple[str, ...]) -> bool:
+    parts = module.split(".")
+    return parts[0] == "vision_attn" or any(parts[: len(p.split("."))] == p.split(".") for p in allow_import)
 
-    Only modules of vision_attn are imported (importing a module runs its code): any other
-    path is refused before anything is imported.
+
+def resolve_class(class_path: str, base: type, what: str, allow_import: tuple[str, ...] = ()) -> type:
+    """The class that ``class_path`` names, which must be a ``base`` defined in vision_attn or
+    in a module the user allowed (``allow_import``: module prefixes, from ``--allow_import``).
+
+    Importing a module runs its code: any other path is refused before anything is imported.
 
     Raises:
-        CheckpointError: naming ``what``, for a path outside vision_attn, one that does not
+        CheckpointError: naming ``what``, for a path outside those modules, one that does not
             exist, or a class that is not a ``base``.
     """
     parts = class_path.split(".") if isinstance(class_path, str) else []
-    if len(parts) < 2 or parts[0] != "vision_attn" or not all(p.isidentifier() for p in parts):
-        raise CheckpointError(
-            f"{what}: class {class_path!r} is not part of vision_attn; refusing to build it"
-        )
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        raise CheckpointError(f"{what}: {class_path!r} is not a class path; refusing to build it")
     module_name, _, name = class_path.rpartition(".")
+    if not _allowed(module_name, allow_import):
+        raise CheckpointError(
+            f"{what}: class {class_path!r} is not part of vision_attn; refusing to import it. If you trust "
+            f"that code, allow it explicitly with --allow_import {parts[0]}"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise CheckpointError(f"{what}: class {class_path!r} does not exist in vision_attn ({err})") from err
+        raise CheckpointError(f"{what}: class {class_path!r} cannot be imported ({err})") from err
     cls = getattr(module, name, None)
-    ours = isinstance(cls, type) and cls.__module__.split(".")[0] == "vision_attn"
+    ours = isinstance(cls, type) and _allowed(cls.__module__, allow_import)
     if not (ours and issubclass(cls, base)):
-        raise CheckpointError(f"{what}: {class_path!r} is not a {base.__name__} of vision_attn")
+        raise CheckpointError(f"{what}: {class_path!r} is not a {base.__name__} of vision_attn or an allowed module")
     return cls
 
 
-def _checked_model_config(model_cfg: Any, what: str) -> tuple[type, type, dict[str, Any]]:
+def _check_plain(value: Any, key: str, what: str) -> None:
+    """Refuse anything but plain data (numbers, strings, lists, mappings without class paths)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{key}[{i}]", what)
+        return
+    if isinstance(value, dict) and "class_path" not in value:
+        for k, v in value.items():
+            _check_plain(v, f"{key}.{k}", what)
+        return
+    kind = "a class path" if isinstance(value, dict) else type(value).__name__
+    raise CheckpointError(f"{what}: {key} is {kind}, not plain data; refusing to build from it")
+
+
+def _class_spec(cfg: Any, key: str, what: str) -> dict[str, Any]:
+    if not isinstance(cfg, dict) or set(cfg) - {"class_path", "init_args"}:
+        raise CheckpointError(
+            f"{what}: {key} is not a {{class_path, init_args}} mapping; "
+            "use a checkpoint written by train.py"
+        )
+    if not isinstance(cfg.get("init_args", {}), dict):
+        raise CheckpointError(f"{what}: {key}.init_args is not a mapping")
+    return cfg
+
+
+def checked_data_settings(meta: dict[str, Any], what: str) -> dict[str, Any] | None:
+    """The data settings a checkpoint was trained with (``{"class_path", "init_args"}``, plain
+    data only; the class path is checked by the command line's import policy when parsed), or
+    ``None`` for checkpoints written before they were saved (format 1)."""
+    data = meta.get("data")
+    if data is None:
+        return None
+    data = _class_spec(data, f"{CHECKPOINT_KEY}.data", what)
+    if not isinstance(data.get("class_path"), str):
+        raise CheckpointError(f"{what}: {CHECKPOINT_KEY}.data.class_path is not a string")
+    _check_plain(data.get("init_args") or {}, "data.init_args", what)
+    return {"class_path": data["class_path"], "init_args": dict(data.get("init_args") or {})}
+
+
+def _checked_model_config(model_cfg: Any, what: str,
+                          allow_import: tuple[str, ...] = ()) -> tuple[type, type, dict[str, Any]]:
     """``(task class, encoder class, model config)`` of a checkpoint's ``model`` entry, checked
     before anything is built from it: the task and encoder class paths must be vision_attn
     classes, no other class path may appear, the task's arguments must be plain data that its
@@ -237,37 +409,13 @@ def _checked_model_config(model_cfg: Any, what: str) -> tuple[type, type, dict[s
     :meth:`~vision_attn.models.ViTEncoder.checked_architecture_args` (no pretrained weights, no
     weights file, only architecture arguments for timm)."""
 
-    def check_plain(value: Any, key: str) -> None:
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return
-        if isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                check_plain(v, f"{key}[{i}]")
-            return
-        if isinstance(value, dict) and "class_path" not in value:
-            for k, v in value.items():
-                check_plain(v, f"{key}.{k}")
-            return
-        kind = "a class path" if isinstance(value, dict) else type(value).__name__
-        raise CheckpointError(f"{what}: {key} is {kind}, not plain data; refusing to build from it")
-
-    def class_spec(cfg: Any, key: str) -> dict[str, Any]:
-        if not isinstance(cfg, dict) or set(cfg) - {"class_path", "init_args"}:
-            raise CheckpointError(
-                f"{what}: {key} is not a {{class_path, init_args}} mapping; "
-                "use a checkpoint written by train.py"
-            )
-        if not isinstance(cfg.get("init_args", {}), dict):
-            raise CheckpointError(f"{what}: {key}.init_args is not a mapping")
-        return cfg
-
-    model_cfg = class_spec(model_cfg, f"{CHECKPOINT_KEY}.model")
-    cls = resolve_class(model_cfg.get("class_path"), VisionTask, what)
+    model_cfg = _class_spec(model_cfg, f"{CHECKPOINT_KEY}.model", what)
+    cls = resolve_class(model_cfg.get("class_path"), VisionTask, what, allow_import)
     init_args = dict(model_cfg.get("init_args") or {})
     for key in (*RUNTIME_ARGS, *V1_OPTIMIZATION_KEYS):  # how it was trained (format 1 kept lr etc. here)
         init_args.pop(key, None)
-    enc_cfg = class_spec(init_args.pop("encoder", None), "model.init_args.encoder")
-    enc_cls = resolve_class(enc_cfg.get("class_path"), ViTEncoder, what)
+    enc_cfg = _class_spec(init_args.pop("encoder", None), "model.init_args.encoder", what)
+    enc_cls = resolve_class(enc_cfg.get("class_path"), ViTEncoder, what, allow_import)
     enc_args = enc_cls.checked_architecture_args(enc_cfg.get("init_args") or {}, what)
     params = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -279,13 +427,13 @@ def _checked_model_config(model_cfg: Any, what: str) -> tuple[type, type, dict[s
             "use a checkpoint written by train.py"
         )
     for key, value in init_args.items():
-        check_plain(value, f"model.init_args.{key}")
+        _check_plain(value, f"model.init_args.{key}", what)
     encoder = {"class_path": enc_cfg["class_path"], "init_args": enc_args}
     model = {"class_path": model_cfg["class_path"], "init_args": {**init_args, "encoder": encoder}}
     return cls, enc_cls, model
 
 
-def read_task_meta(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_task_meta(path: str | Path, allow_import: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(meta, checkpoint)`` of a vision_attn checkpoint, with clear errors for foreign files.
 
     The file is read without executing pickled code, and its metadata is checked before
@@ -301,15 +449,16 @@ def read_task_meta(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     meta = ckpt[CHECKPOINT_KEY]
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {path}: its {CHECKPOINT_KEY!r} entry is not a mapping")
-    _, _, model_cfg = _checked_model_config(meta.get("model"), f"checkpoint {path}")
+    _, _, model_cfg = _checked_model_config(meta.get("model"), f"checkpoint {path}", allow_import)
     return {**meta, "model": model_cfg}, ckpt
 
 
-def build_task_from_meta(meta: dict[str, Any], what: str = "checkpoint") -> VisionTask:
+def build_task_from_meta(meta: dict[str, Any], what: str = "checkpoint",
+                         allow_import: tuple[str, ...] = ()) -> VisionTask:
     """Instantiate the task described by a checkpoint's metadata (random weights), after
     checking it: vision_attn classes only, no pretrained or file weights, plain arguments."""
     model_cfg = meta.get("model") if isinstance(meta, dict) else None
-    cls, enc_cls, model_cfg = _checked_model_config(model_cfg, what)
+    cls, enc_cls, model_cfg = _checked_model_config(model_cfg, what, allow_import)
     init_args = dict(model_cfg["init_args"])
     enc_cfg = init_args.pop("encoder")
     encoder = enc_cls(**enc_cfg["init_args"])
@@ -341,19 +490,22 @@ def restore_from_checkpoint(task: VisionTask, meta: dict[str, Any], ckpt: dict[s
     return task.eval()
 
 
-def load_task(path: str | Path, expected_task: str | None = None, map_location: str = "cpu") -> VisionTask:
+def load_task(path: str | Path, expected_task: str | None = None, map_location: str = "cpu",
+              allow_import: tuple[str, ...] = ()) -> VisionTask:
     """Rebuild a trained task from a checkpoint written by ``train.py`` (or ``Trainer.save_checkpoint``).
 
     Args:
         path: the ``.ckpt`` file.
         expected_task: ``"classification"`` etc.; a checkpoint of another task is an error.
         map_location: device for the weights.
+        allow_import: module prefixes (besides vision_attn) whose task and encoder classes the
+            checkpoint may name (``--allow_import``); importing a module runs its code.
     """
-    meta, ckpt = read_task_meta(path)
+    meta, ckpt = read_task_meta(path, allow_import)
     if expected_task is not None and meta.get("task") != expected_task:
         raise CheckpointError(
             f"checkpoint {path} holds a {meta.get('task')!r} model, not a {expected_task!r} one"
         )
     what = f"checkpoint {path}"
-    task = restore_from_checkpoint(build_task_from_meta(meta, what), meta, ckpt, what)
+    task = restore_from_checkpoint(build_task_from_meta(meta, what, allow_import), meta, ckpt, what)
     return task.to(map_location)

@@ -16,7 +16,7 @@ from vision_attn.distributed import mean_across_processes
 from vision_attn.errors import CheckpointError, DataError
 from vision_attn.models.captioner import CaptionDecoder, Generation, GenerationOptions
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
-from vision_attn.tasks.base import VisionTask, gather_objects
+from vision_attn.tasks.base import VisionTask, gather_objects, register_task
 from vision_attn.tasks.optim import Optimization
 
 CAPTIONING_OPTIM = Optimization(lr=5e-4)
@@ -26,6 +26,7 @@ __all__ = ["CaptioningTask"]
 log = logging.getLogger(__name__)
 
 
+@register_task
 class CaptioningTask(VisionTask):
     """Image captioning on a ViT encoder.
 
@@ -57,6 +58,11 @@ class CaptioningTask(VisionTask):
     task_name = "captioning"
     built_from = "tokenizer vocabulary"
     monitor = ("val/cider", "max")
+    crop_at_inference = False  # a centre crop would cut objects off: the whole image, resized
+    export_output_names = ("tokens",)  # the encoder's; beam search stays in PyTorch
+    onnx_predicts = False
+    headline_metrics = ("bleu1", "bleu4", "cider", "pointing_acc", "pointing_acc_random")
+    overlay_description = "the caption, then each word's cross-attention over the image"
 
     def __init__(
         self,
@@ -147,9 +153,32 @@ class CaptioningTask(VisionTask):
     def generate(self, images: Tensor, beam_size: int | None = None, return_attention: bool = False,
                  use_cache: bool = True) -> Generation:
         """Captions of normalised images (token ids; :meth:`decode` turns them into text)."""
+        return self.generate_encoded(self.encode(images), beam_size, return_attention, use_cache)
+
+    def generate_encoded(self, enc: EncoderOutput, beam_size: int | None = None, return_attention: bool = False,
+                         use_cache: bool = True) -> Generation:
+        """:meth:`generate` from the encoder's output."""
         g = self.generation
-        return self.head.generate(self.encode(images), self.tokenizer.bos_id, self.tokenizer.eos_id, g.max_length,
+        return self.head.generate(enc, self.tokenizer.bos_id, self.tokenizer.eos_id, g.max_length,
                                   beam_size or g.beam_size, g.length_penalty, use_cache, return_attention)
+
+    # ------------------------------------------------------------------ inference, export, explanation
+    def export_forward(self, images: Tensor) -> tuple[Tensor]:
+        return (self.encoder(images).tokens,)
+
+    def predictions_from_outputs(self, outputs, sizes, options=None) -> list[dict[str, Any]]:
+        """``{"caption"}`` per image, decoded (beam search) from the encoder's ``(tokens,)``."""
+        tokens = outputs[0]
+        _, h, w = self.data_config["input_size"]
+        enc = EncoderOutput(tokens, self.encoder.num_prefix_tokens, self.encoder.grid_for(int(h), int(w)))
+        with torch.no_grad():
+            gen = self.generate_encoded(enc)
+        return [{"caption": " ".join(self.tokenizer.decode_words(row.tolist()))} for row in gen.tokens]
+
+    def explain_batch(self, images, pictures, options, truths=None):
+        from vision_attn.explain.captioning import explain_captioning
+
+        return explain_captioning(self, images, pictures, options, truths)
 
     def decode(self, tokens: Tensor) -> list[str]:
         return [self.tokenizer.decode(row.tolist()) for row in tokens]

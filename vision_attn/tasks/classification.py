@@ -12,7 +12,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vision_attn.models.classifier import ClassificationHead, Pooling
 from vision_attn.models.encoder import ViTEncoder
-from vision_attn.tasks.base import VisionTask, gather_objects
+from vision_attn.tasks.base import VisionTask, gather_objects, register_task
 from vision_attn.tasks.optim import Optimization
 
 CLASSIFICATION_OPTIM = Optimization()
@@ -37,6 +37,7 @@ def classification_metrics(logits: Tensor, labels: Tensor) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.compute().items()}
 
 
+@register_task
 class ClassificationTask(VisionTask):
     """ViT image classifier.
 
@@ -60,6 +61,10 @@ class ClassificationTask(VisionTask):
 
     task_name = "classification"
     monitor = ("val/acc_top1", "max")
+    export_output_names = ("logits",)
+    headline_metrics = ("acc_top1", "acc_macro", "deletion_auc", "deletion_auc_random", "insertion_auc",
+                        "insertion_auc_random")
+    overlay_description = "input | one overlay per explanation method (rollout, relevance, raw attention)"
 
     def __init__(
         self,
@@ -169,6 +174,23 @@ class ClassificationTask(VisionTask):
                 }
             )
         return metrics, predictions
+
+    # ------------------------------------------------------------------ inference, export, explanation
+    def export_forward(self, images: Tensor) -> tuple[Tensor]:
+        return (self(images),)
+
+    def predictions_from_outputs(self, outputs, sizes, options=None) -> list[dict[str, Any]]:
+        """``{"pred", "score"}`` per image from ``(logits,)``."""
+        names = self.class_names or []
+        probs = outputs[0].float().softmax(-1)
+        score, pred = probs.max(-1)
+        return [{"pred": names[int(c)], "score": float(p)} for c, p in zip(pred, score, strict=True)]
+
+    def explain_batch(self, images, pictures, options, truths=None):
+        """The input (as the model sees it) and one overlay per method (``options.methods``)."""
+        from vision_attn.explain.evaluate import explain_classification
+
+        return explain_classification(self, images, pictures, options, truths)
 
     def explain_eval(self, dataset, options, out_dir, report=None) -> dict[str, float]:
         """Overlays of ``options.num_overlays`` images and faithfulness metrics (``eval.py``)."""

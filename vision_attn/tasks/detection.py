@@ -16,7 +16,7 @@ from vision_attn.losses.matcher import HungarianMatcher
 from vision_attn.losses.set_criterion import SetCriterion
 from vision_attn.models.detr import DETRHead, post_process
 from vision_attn.models.encoder import ViTEncoder
-from vision_attn.tasks.base import VisionTask, gather_objects
+from vision_attn.tasks.base import VisionTask, gather_objects, register_task
 from vision_attn.tasks.optim import Optimization
 
 DETECTION_OPTIM = Optimization(lr=1e-4, weight_decay=1e-4, warmup_fraction=0.0, min_lr_ratio=0.1)
@@ -56,6 +56,7 @@ def mean_average_precision(preds: list[dict[str, Tensor]], targets: list[dict[st
     return {k: float(res[k]) for k in ("map", "map_50", "map_75", "mar_100")}
 
 
+@register_task
 class DetectionTask(VisionTask):
     """DETR-style detector on a ViT encoder.
 
@@ -91,6 +92,10 @@ class DetectionTask(VisionTask):
 
     task_name = "detection"
     monitor = ("val/map", "max")
+    crop_at_inference = False  # a centre crop would cut objects off: the whole image, resized
+    export_output_names = ("pred_logits", "pred_boxes")
+    headline_metrics = ("map", "map_50", "map_75")
+    overlay_description = "boxes | cross-attention of each detected object's query"
 
     def __init__(
         self,
@@ -237,6 +242,33 @@ class DetectionTask(VisionTask):
                 results.append({"image_id": im["id"], "category_id": self.category_ids[label],
                                 "bbox": box, "score": score})
         return mean_average_precision(preds, targets), results
+
+    # ------------------------------------------------------------------ inference, export, explanation
+    def export_forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        out = self(images)
+        return out["pred_logits"], out["pred_boxes"]
+
+    def predictions_from_outputs(self, outputs, sizes, options=None) -> list[dict[str, Any]]:
+        """``{"detections": [{"label", "category_id", "bbox": [x, y, w, h] pixels, "score"}]}`` per
+        image from ``(pred_logits, pred_boxes)``: objects scoring at least
+        ``options.score_threshold`` (0.3 without options)."""
+        threshold = 0.3 if options is None else options.score_threshold
+        logits, boxes = outputs
+        dets = self.detect({"pred_logits": logits, "pred_boxes": boxes}, torch.tensor([tuple(s) for s in sizes]))
+        names, cat_ids = self.class_names or [], self.category_ids or []
+        records = []
+        for det in dets:
+            keep = (det["scores"] >= threshold).nonzero().flatten().tolist()
+            records.append({"detections": [
+                {"label": names[int(det["labels"][k])], "category_id": int(cat_ids[int(det["labels"][k])]),
+                 "bbox": box_xyxy_to_xywh(det["boxes"][k]).tolist(), "score": float(det["scores"][k])}
+                for k in keep]})
+        return records
+
+    def explain_batch(self, images, pictures, options, truths=None):
+        from vision_attn.explain.detection import explain_detection
+
+        return explain_detection(self, images, pictures, options, truths)
 
     def explain_eval(self, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
         from vision_attn.explain.detection import write_detection_overlays
