@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from vision_attn.cli import eval_main, train_main
+from vision_attn.errors import ConfigError, VisionAttnError
 
 from .conftest import REPO
 
@@ -238,3 +239,59 @@ def test_detection_train_and_eval_contract(tmp_path):
     assert {p["category_id"] for p in preds} <= {1, 2, 3, 4, 5}
     assert len(list((out / "eval" / "overlays").glob("*.png"))) == 2
     assert '"kind": "boxes"' in (out / "eval" / "report.html").read_text()
+
+
+def test_eval_from_the_checkpoint_alone_equals_eval_with_the_config(trained_run, shapes_root, tmp_path):
+    # the run saved its data settings in the checkpoint: eval.py needs no --config
+    ckpt = str(trained_run / "checkpoints" / "last.ckpt")
+    fast = ["--explain.num_overlays", "1", "--explain.faithfulness_images", "4", "--explain.steps", "4",
+            "--explain.report", "false"]
+    with_config = eval_main(["--config", CONFIG, "--data.init_args.root", str(shapes_root),
+                             "--data.init_args.num_workers", "0", *fast, "--ckpt_path", ckpt,
+                             "--output_dir", str(tmp_path / "a")])
+    alone = eval_main([*fast, "--ckpt_path", ckpt, "--output_dir", str(tmp_path / "b")])
+    assert alone == with_config
+    assert (tmp_path / "a" / "predictions.json").read_text() == (tmp_path / "b" / "predictions.json").read_text()
+    # any saved data setting can be overridden; a bare --overwrite (the switch spelling) works too
+    with pytest.raises((VisionAttnError, ValueError), match="absent"):  # jsonargparse wraps it
+        eval_main([*fast, "--ckpt_path", ckpt, "--output_dir", str(tmp_path / "b"), "--overwrite",
+                   "--data.init_args.root", str(tmp_path / "absent")])
+
+
+def test_validate_and_test_subcommands(trained_run, tmp_path, capsys):
+    from vision_attn.commands import main
+
+    ckpt = str(trained_run / "checkpoints" / "last.ckpt")
+    fast = ["--explain.num_overlays", "0", "--explain.faithfulness", "false", "--explain.report", "false"]
+    main(["validate", "--ckpt_path", ckpt, "--output_dir", str(tmp_path / "v"), *fast])
+    assert json.loads((tmp_path / "v" / "metrics.json").read_text())["acc_top1"] >= 0.0
+    # the shapes data has no test split: one clear line, exit status 2, nothing written
+    with pytest.raises(SystemExit) as ex:
+        main(["test", "--ckpt_path", ckpt, "--output_dir", str(tmp_path / "t"), *fast])
+    assert ex.value.code == 2
+    assert "test" in capsys.readouterr().err and not (tmp_path / "t" / "metrics.json").exists()
+
+
+def test_a_checkpoint_without_data_settings_asks_for_the_config(trained_run, tmp_path):
+    import torch
+
+    ckpt = torch.load(trained_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    del ckpt["vision_attn"]["data"]
+    old = tmp_path / "old.ckpt"
+    torch.save(ckpt, old)
+    with pytest.raises(ConfigError, match="holds no data settings.*--config CFG"):
+        eval_main(["--ckpt_path", str(old), "--output_dir", str(tmp_path / "o")])
+
+
+def test_optimizer_and_scheduler_are_chosen_on_the_command_line(shapes_root, tmp_path):
+    import torch
+
+    cli = train_main([*_tiny(shapes_root), "--trainer.max_epochs", "1", "--trainer.default_root_dir",
+                      str(tmp_path / "sgd"), "--optimizer", "SGD", "--optimizer.momentum", "0.8",
+                      "--lr_scheduler", "StepLR", "--lr_scheduler.step_size", "1"])
+    opt = cli.trainer.optimizers[0]
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.8
+    assert cli.model.optimizer_init["class_path"] == "torch.optim.SGD"
+    assert isinstance(cli.trainer.lr_scheduler_configs[0].scheduler, torch.optim.lr_scheduler.StepLR)
+    saved = yaml.safe_load((tmp_path / "sgd" / "config.yaml").read_text())
+    assert saved["optimizer"]["class_path"] == "torch.optim.SGD"

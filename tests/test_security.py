@@ -219,8 +219,10 @@ def test_nested_class_paths_in_a_checkpoint_are_refused_before_import(tmp_path, 
             "--output_dir", str(tmp_path / "ev")]
     with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: class '{mod}.Enc'"):
         eval_main(args)  # eval.py built the model from the stored config, importing the encoder's module
-    with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: class '{mod}.Enc'"):
-        eval_main([*args, "--allow_import", mod])  # an import is never allowed from a checkpoint
+    with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: class '{mod}.Enc'.*--allow_import {mod}"):
+        eval_main([*args, "--allow_import", "some_other_module"])  # only the prefix the user allowed
+    with pytest.raises(CheckpointError, match=rf"class '{mod}.Enc' is not part of vision_attn"):
+        load_task(ckpt, allow_import=(f"{mod}x",))  # a prefix is a whole module name, not a string prefix
     assert not marker.exists() and mod not in sys.modules
 
     def class_path_in_task_args(task_args, enc_args):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from vision_attn.cli import eval_main, train_main
 from vision_attn.outputs import write_json
+from vision_attn.tasks.base import load_task
 
 log = logging.getLogger("vision_attn.demo")
 
@@ -24,12 +25,6 @@ TASKS = {
     "classification": "configs/classification/shapes.yaml",  # about 2 minutes on 2 CPU cores
     "detection": "configs/detection/shapes.yaml",  # about 12 minutes on 2 CPU cores
     "captioning": "configs/captioning/shapes.yaml",  # about 9 minutes on 2 CPU cores
-}
-
-OVERLAYS = {
-    "classification": "input | rollout | relevance | raw attention",
-    "detection": "boxes | cross-attention of each detected object's query",
-    "captioning": "the caption, then each word's cross-attention over the image",
 }
 
 
@@ -44,15 +39,13 @@ def run_demo(output_dir: str, tasks: list[str], extra: list[str] | None = None) 
         t0 = time.perf_counter()
         train_main(["--config", config, "--trainer.default_root_dir", str(run_dir), *(extra or [])])
         seconds = time.perf_counter() - t0
-        metrics = eval_main(
-            [
-                "--config", config,
-                "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"),
-                "--output_dir", str(run_dir / "eval"),
-                "--explain.overlay_selection", "spread",
-            ]
-        )
-        results[task] = {"metrics": metrics, "train_seconds": round(seconds, 1), "dir": str(run_dir)}
+        ckpt = run_dir / "checkpoints" / "last.ckpt"
+        # the checkpoint holds the model and the data settings: no config needed
+        metrics = eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(run_dir / "eval"),
+                             "--explain.overlay_selection", "spread"])
+        model = type(load_task(ckpt))
+        results[task] = {"metrics": metrics, "train_seconds": round(seconds, 1), "dir": str(run_dir),
+                         "headline": list(model.headline_metrics), "overlays": model.overlay_description}
     write_json(base / "summary.json", results, root=base)
     return results
 
@@ -67,13 +60,11 @@ def main() -> None:
     results = run_demo(args.output_dir, args.tasks, extra)
     print("\n== vision_attn demo ==")
     for task, r in results.items():
-        shown = ("acc_top1", "acc_macro", "deletion_auc", "deletion_auc_random", "insertion_auc", "insertion_auc_random",
-                 "map", "map_50", "map_75", "bleu1", "bleu4", "cider", "pointing_acc", "pointing_acc_random")
-        metrics = ", ".join(f"{k}={r['metrics'][k]:.3f}" for k in shown if k in r["metrics"])
+        metrics = ", ".join(f"{k}={r['metrics'][k]:.3f}" for k in r["headline"] if k in r["metrics"])
         print(f"{task:15s} trained in {r['train_seconds']:.0f} s  {metrics}")
         print(f"{'':15s} run:     {r['dir']}  (config.yaml, checkpoints/last.ckpt, tensorboard/, csv/)")
         print(f"{'':15s} results: {r['dir']}/eval/metrics.json, {r['dir']}/eval/predictions.json")
-        print(f"{'':15s} overlays: {r['dir']}/eval/overlays/*.png ({OVERLAYS[task]})")
+        print(f"{'':15s} overlays: {r['dir']}/eval/overlays/*.png ({r['overlays']})")
     print(f"TensorBoard: {Path(args.output_dir)}  ->  tensorboard --logdir {args.output_dir}")
 
 

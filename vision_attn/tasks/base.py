@@ -449,7 +449,12 @@ def read_task_meta(path: str | Path, allow_import: tuple[str, ...] = ()) -> tupl
     meta = ckpt[CHECKPOINT_KEY]
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {path}: its {CHECKPOINT_KEY!r} entry is not a mapping")
-    _, _, model_cfg = _checked_model_config(meta.get("model"), f"checkpoint {path}", allow_import)
+    cls, _, model_cfg = _checked_model_config(meta.get("model"), f"checkpoint {path}", allow_import)
+    if TASKS.get(meta.get("task")) is not cls:  # the registry names the class the checkpoint names
+        raise CheckpointError(
+            f"checkpoint {path}: its task {meta.get('task')!r} is not the registered name of "
+            f"{model_cfg['class_path']} ({cls.task_name!r}); use a checkpoint written by vision-attn fit"
+        )
     return {**meta, "model": model_cfg}, ckpt
 
 
@@ -501,6 +506,8 @@ def load_task(path: str | Path, expected_task: str | None = None, map_location: 
         allow_import: module prefixes (besides vision_attn) whose task and encoder classes the
             checkpoint may name (``--allow_import``); importing a module runs its code.
     """
+    if expected_task is not None and expected_task not in TASKS:
+        raise ValueError(f"unknown task {expected_task!r}; registered tasks: {', '.join(sorted(TASKS))}")
     meta, ckpt = read_task_meta(path, allow_import)
     if expected_task is not None and meta.get("task") != expected_task:
         raise CheckpointError(
