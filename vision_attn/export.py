@@ -92,7 +92,7 @@ def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18, over
     _, h, w = task.data_config["input_size"]
     example = torch.zeros(2, 3, int(h), int(w))
     with atomic_output(output, suffix=".tmp.onnx") as tmp:
-        torch.onnx.export(_OnnxGraph(task), (example,), str(tmp), input_names=["images"],
+        torch.onnx.export(_OnnxGraph(task).eval(), (example,), str(tmp), input_names=["images"],
                           output_names=list(task.export_output_names), dynamic_shapes=({0: torch.export.Dim("batch")},),
                           dynamo=True, opset_version=opset, verbose=False)
         model = onnx.load(str(tmp))

@@ -1,5 +1,5 @@
-"""Explain every image of a folder with a trained classifier (``python -m vision_attn.predict``
-does the same for every task and for exported ONNX models):
+"""Explain every image of a folder with a trained model (= ``vision-attn explain``;
+``vision-attn predict`` also runs exported ONNX models):
 
     python -m vision_attn.overlay --ckpt_path CKPT --images DIR --output_dir OUT
 
@@ -8,7 +8,8 @@ writes, under ``OUT``:
 
 - ``overlays/<relative path>.png`` — the input and one attention overlay per method (the image's
   extension is kept: ``a.jpg`` -> ``a.jpg.png``; long names are shortened with a hash);
-- ``predictions.json`` — ``[{"file", "pred", "score"}]`` (``file`` relative to ``DIR``);
+- ``predictions.json`` — the task's records, e.g. ``[{"file", "pred", "score"}]`` (``file``
+  relative to ``DIR``);
 - ``skipped.json`` — files that could not be read, and FIFOs / devices (never opened), with the
   reason (they never abort the run).
 
@@ -38,17 +39,17 @@ def explain_folder(
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, list]:
-    """Overlays and predictions for every image under ``images`` with a classification checkpoint
-    (:func:`vision_attn.predict.predict_folder`, which serves every task).
+    """Overlays and predictions for every image under ``images`` with a checkpoint of any task
+    (:func:`vision_attn.predict.predict_folder`).
 
     Returns ``{"predictions": [...], "skipped": [{"file", "reason"}]}``.
     """
     return predict_folder(ckpt_path, images, output_dir, batch_size, True, tuple(methods), alpha=alpha, device=device,
-                          overwrite=overwrite, progress=progress, expected_task="classification")
+                          overwrite=overwrite, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(argv, "python -m vision_attn.overlay", __doc__, expected_task="classification", explain=True)
+    run_cli(argv, "python -m vision_attn.overlay", __doc__, explain=True)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
 """Run a trained model over a folder of images: predictions JSON and attention overlays.
 
-    python -m vision_attn.predict --model runs/x/checkpoints/last.ckpt --images photos/ --output_dir out/
+    vision-attn predict --ckpt_path runs/x/checkpoints/last.ckpt --images photos/ --output_dir out/
     python -m vision_attn.predict --model model.onnx --images photos/ --output_dir out/
 
-``--model`` is a checkpoint from ``train.py`` (any task; overlays included) or an ONNX file from
-``python -m vision_attn.export`` (classification and detection; ONNX holds no attention maps, so
-no overlays). The folder is walked recursively with a progress bar; unreadable files are listed
-in ``skipped.json`` and never abort the run. Writes into ``--output_dir``:
+``--ckpt_path`` (or ``--model``) is a checkpoint from training (any task; overlays included) or
+an ONNX file from ``vision-attn export`` (tasks whose predictions ONNX can make; ONNX holds no
+attention maps, so no overlays). Everything task specific is asked of the task
+(:meth:`~vision_attn.tasks.VisionTask.predict_step`). The images run through Lightning's predict
+loop: DataLoader workers decode them, ``--devices`` processes share them, a progress bar shows
+the run; unreadable files are listed in ``skipped.json`` and never abort it. Writes into
+``--output_dir``:
 
-- ``predictions.json``: classification ``[{"file", "pred", "score"}]``; detection ``[{"file",
-  "detections": [{"label", "category_id", "bbox": [x, y, w, h] pixels, "score"}]}]``;
-  captioning ``[{"file", "caption"}]`` (``file`` relative to ``--images``);
+- ``predictions.json``: the task's records, in file order (``file`` relative to ``--images``):
+  classification ``[{"file", "pred", "score"}]``; detection ``[{"file", "detections":
+  [{"label", "category_id", "bbox": [x, y, w, h] pixels, "score"}]}]``; captioning ``[{"file",
+  "caption"}]``;
 - ``overlays/<file>.png`` (checkpoints): the explanation maps, each detected object's query
   cross-attention, or the caption's per-word strip; ``<file>`` keeps its extension
   (``a.jpg.png`` and ``a.png.png`` never collide) and names are made safe and shortened

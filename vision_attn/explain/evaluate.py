@@ -161,7 +161,7 @@ def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray
     expl = explain_classifier(task, images, options.methods, head_fusion=options.head_fusion,
                               discard_ratio=options.discard_ratio)
     records = task.predictions_from_outputs((expl.logits,), [p.shape[:2] for p in pictures], options)
-    display_tf = build_display_transform(task.data_config)
+    display_tf = build_display_transform(task.inference_data_config())  # the pixels the model saw
     out = []
     for j, (picture, record) in enumerate(zip(pictures, records, strict=True)):
         display = display_tf(picture)
