@@ -1,10 +1,11 @@
 """The Lightning task's training step vs a plain PyTorch loop, and the data pipeline vs both.
 
 Same model (the demo classifier: conv-stem ViT, 32 px, dim 96, depth 4), same batches, same
-AdamW; the Lightning side is ``ClassificationTask`` run by ``Trainer.fit`` (metrics, logging and
-the schedule included), the plain side is forward, loss, backward, step. Throughput is images
-per second over the steps after a warm-up, medians of interleaved repeats. The data side
-decodes and transforms the embedded shapes images with 2 loader workers, as the demo does.
+AdamW over the task's parameter groups; the Lightning side is ``ClassificationTask`` run by
+``Trainer.fit`` (metrics, logging and the schedule included), the plain side is forward, loss,
+backward, step. Throughput is images per second over the steps after a warm-up, medians of
+interleaved repeats. The data side decodes and transforms the embedded shapes images with 2
+loader workers, as the demo does.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from vision_attn import create_encoder
 from vision_attn.tasks import ClassificationTask
+from vision_attn.tasks.optim import param_groups
 
 DEMO_ENCODER = dict(img_size=32, patch_size=4, embed_dim=96, depth=4, num_heads=3, mlp_ratio=2.0, stem="conv",
                     preprocess={"crop_pct": 1.0})
@@ -68,7 +70,7 @@ def lightning_throughput(steps: int = 30, warmup: int = 5, batch: int = 128, cla
 def plain_throughput(steps: int = 30, warmup: int = 5, batch: int = 128, classes: int = 5) -> float:
     task = _task(classes).train()
     model = torch.nn.ModuleDict({"encoder": task.encoder, "head": task.head})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(param_groups(model, task.optim), betas=(0.9, 0.999))  # the task's groups and lrs
     start, images = None, 0
     for i, (x, y, _) in enumerate(DataLoader(_batches(steps, batch, classes), batch_size=batch)):
         if i == warmup:

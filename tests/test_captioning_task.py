@@ -18,6 +18,7 @@ from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.data.tokenizer import normalize_caption
 from vision_attn.errors import CheckpointError
 from vision_attn.tasks import CaptioningTask
+from vision_attn.tasks.optim import Optimization
 
 from .conftest import REPO
 
@@ -41,7 +42,7 @@ def fitted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("capfit")
     dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp / "data"), batch_size=8, num_workers=0, max_length=24)
     L.seed_everything(0)  # the caption drawn per image comes from Python's random module
-    task = _task(lr=3e-3, beam_size=2)
+    task = _task(optim=Optimization(lr=3e-3), beam_size=2)
     trainer = _trainer(tmp, max_epochs=60, enable_checkpointing=False, check_val_every_n_epoch=60)
     trainer.fit(task, datamodule=dm)
     ckpt = tmp / "cap.ckpt"

@@ -13,6 +13,7 @@ from vision_attn.models import ClassificationHead, EncoderOutput
 from vision_attn.tasks import ClassificationTask
 from vision_attn.tasks.base import warmup_cosine
 from vision_attn.tasks.classification import classification_metrics
+from vision_attn.tasks.optim import Optimization
 
 from .conftest import TINY_VIT
 
@@ -61,7 +62,7 @@ def _task(**kw):
 
 def test_schedule_follows_trainer_length_and_checkpoint_roundtrip(shapes_root, tmp_path):
     dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
-    task = _task(lr=1e-3, warmup_fraction=0.2, min_lr_ratio=0.05)
+    task = _task(optim=Optimization(lr=1e-3, warmup_fraction=0.2, min_lr_ratio=0.05))
     trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(task, datamodule=dm)

@@ -95,7 +95,7 @@ def _task_args(task: str, data: Path) -> tuple[str, list[str], list[str]]:
         easy = ["--data.init_args.synthetic.max_objects", "1", "--data.init_args.synthetic.min_size", "0.5",
                 "--data.init_args.synthetic.max_size", "0.8", "--data.init_args.synthetic.noise", "0",
                 "--data.init_args.synthetic.clutter", "0", "--model.init_args.num_queries", "4",
-                "--model.init_args.lr", "0.002"]
+                "--model.init_args.optim.lr", "0.002"]
         return "detection/shapes.yaml", [*synth, *easy, *model], ["--explain.score_threshold", "0.0"]
     return "captioning/shapes.yaml", [*synth, *model], ["--generate.beam_size", "1"]
 

@@ -164,7 +164,7 @@ def test_class_paths_in_config_files_are_checked(tmp_path):
     assert cfg.trainer.strategy.class_path == "vision_attn.distributed.BlockFSDPStrategy"
 
 
-@pytest.mark.parametrize(("arg", "message"), [(["--model.init_args.lr", "abc"], 'Parser key "lr"'),
+@pytest.mark.parametrize(("arg", "message"), [(["--model.init_args.optim.lr", "abc"], "key='optim.lr', val='abc'"),
                                                (["--model.init_args.no_such_key", "3"], "no_such_key"),
                                                (["--trainer.max_epochs", "many"], "max_epochs")])
 def test_unknown_keys_and_wrong_types_are_rejected_before_anything_is_created(arg, message, tmp_path, capsys):

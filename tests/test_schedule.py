@@ -13,7 +13,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from vision_attn import create_encoder
 from vision_attn.data.classification import ImageFolderDataModule
 from vision_attn.tasks import CaptioningTask, ClassificationTask, DetectionTask
-from vision_attn.tasks.base import WarmupCosineSchedule, cosine_factor, warmup_cosine
+from vision_attn.tasks.optim import (
+    Optimization,
+    WarmupCosineSchedule,
+    cosine_factor,
+    param_groups,
+    warmup_cosine,
+)
 
 from .conftest import TINY_VIT
 
@@ -91,8 +97,8 @@ class _RecordLR(Callback):
 
 def _fit(root, tmp, max_epochs: int, batch_size: int = 8, accumulate: int = 1, ckpt=None, callbacks=()):
     torch.manual_seed(0)
-    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), lr=LR, warmup_fraction=0.2,
-                              min_lr_ratio=MIN_RATIO)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT),
+                              optim=Optimization(lr=LR, warmup_fraction=0.2, min_lr_ratio=MIN_RATIO))
     dm = ImageFolderDataModule(root=str(root), batch_size=batch_size, num_workers=0)
     record = _RecordLR()
     trainer = L.Trainer(max_epochs=max_epochs, accumulate_grad_batches=accumulate, logger=False,
@@ -149,10 +155,10 @@ def _encoder():
 
 def _not_decayed(task) -> set[str]:
     names = {id(p): n for n, p in task.named_parameters()}
-    groups = task._param_groups()
+    groups = param_groups(task, task.optim)
     assert sum(len(g["params"]) for g in groups) == len(names)  # every parameter in one group
     for g in groups:
-        assert g["weight_decay"] in (0.0, task.weight_decay)
+        assert g["weight_decay"] in (0.0, task.optim.weight_decay)
     return {names[id(p)] for g in groups if g["weight_decay"] == 0.0 for p in g["params"]}
 
 

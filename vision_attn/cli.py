@@ -437,6 +437,9 @@ class TrainCLI(_VisionAttnCLI):
         sys.stdout.write(yaml.safe_dump(cfg, sort_keys=False))
 
     def after_instantiate_classes(self) -> None:
+        if not hasattr(self, "model"):  # a parse-only subclass (tests) built nothing
+            return
+
         def spec(key: str) -> dict[str, Any] | None:
             value = self.config.get(key)
             return value.as_dict() if hasattr(value, "as_dict") else (dict(value) if value else None)

@@ -259,7 +259,8 @@ class VisionTask(L.LightningModule):
         # resumed run loads the checkpoint's plan over this one and on_train_start re-plans the
         # rest for the trainer now running (WarmupCosineSchedule).
         return build_optimizers(self, self.optim, self.trainer.estimated_stepping_batches,
-                                self.optimizer_init, self.lr_scheduler_init, monitor=self.monitor[0])
+                                self.optimizer_init, self.lr_scheduler_init, monitor=self.monitor[0],
+                                monitor_mode=self.monitor[1])
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The exponential moving average of the weights when ``optim.ema_decay`` is set."""
