@@ -86,7 +86,7 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
     return explained
 
 
-def write_detection_overlays(task, dataset, options, out_dir: Path, report=None) -> int:
+def write_detection_overlays(task, dataset, options, out_dir: Path, report=None, max_objects: int = 6) -> int:
     """Overlays (:func:`explain_detection`) of the first ``options.num_overlays`` images.
 
     Pictures come from ``dataset.read_rgb`` — the same read (orientation included, see
@@ -98,7 +98,7 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, report=None)
         idx = list(range(start, min(n, start + options.batch_size)))
         images = torch.stack([dataset[i][0] for i in idx]).to(device)
         pictures = [dataset.read_rgb(i) for i in idx]
-        for i, e in zip(idx, task.explain_batch(images, pictures, options), strict=True):
+        for i, e in zip(idx, explain_detection(task, images, pictures, options, max_objects=max_objects), strict=True):
             image_id = dataset.images[i]["id"]
             save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{image_id}.png"), e.panel, root=out_dir)
             if report is not None:
