@@ -99,6 +99,47 @@ def test_preprocessing_comes_from_the_model(shapes_root):
     assert x.shape == (3, 48, 48)
 
 
+@pytest.mark.parametrize("crop_mode", ["center", "squash", "border"])
+@pytest.mark.parametrize("size", [(224, 224), (160, 224)])
+def test_eval_transform_is_timms_evaluation_transform(crop_mode, size):
+    """Same tensor as ``timm.data.create_transform(**data_config)`` on the same decoded image:
+    ``center`` resizes the shorter side to ``size / crop_pct`` and centre-crops (not a squash)."""
+    import timm.data
+
+    from vision_attn.data.transforms import build_display_transform
+
+    rng = np.random.default_rng(0)
+    cfg = {"input_size": (3, *size), "interpolation": "bicubic", "mean": (0.485, 0.456, 0.406),
+           "std": (0.229, 0.224, 0.225), "crop_pct": 0.875, "crop_mode": crop_mode}
+    reference = timm.data.create_transform(**cfg)
+    for shape in ((300, 451, 3), (97, 33, 3)):
+        img = rng.integers(0, 256, shape, dtype=np.uint8)
+        expected = reference(Image.fromarray(img))
+        x = build_eval_transform(cfg)(img)
+        assert x.shape == expected.shape == (3, *size)
+        assert (x - expected).abs().max() < 1e-6
+        shown = build_display_transform(cfg)(img)  # the same pixels, before normalisation
+        mean, std = torch.tensor(cfg["mean"])[:, None, None], torch.tensor(cfg["std"])[:, None, None]
+        assert torch.allclose(torch.from_numpy(shown).permute(2, 0, 1) / 255, expected * std + mean, atol=1e-5)
+
+
+def test_crop_modes_keep_or_cut_the_borders():
+    """A wide image whose left and right fifths are white: ``center`` cuts them off (shorter side
+    resized), ``squash`` and configs without a crop_mode (older checkpoints) keep the whole
+    image, which :func:`whole_image` asks for."""
+    from vision_attn.data.transforms import build_display_transform, whole_image
+
+    img = np.zeros((30, 150, 3), np.uint8)
+    img[:, :30] = img[:, 120:] = 255
+    centre = build_display_transform({**PRE, "crop_mode": "center"})(img)
+    assert centre.max() == 0  # only the black middle is left
+    for pre in ({**PRE, "crop_mode": "squash"}, PRE, whole_image({**PRE, "crop_mode": "center", "crop_pct": 0.5})):
+        whole = build_display_transform(pre)(img)
+        assert whole.shape == (32, 32, 3) and whole[:, :2].min() >= 250 and whole[:, -2:].min() >= 250
+    with pytest.raises(ValueError, match="crop_mode"):
+        build_eval_transform({**PRE, "crop_mode": "zoom"})
+
+
 def test_transforms_shapes_and_normalisation():
     img = np.full((30, 50, 3), 255, np.uint8)
     x = build_eval_transform(PRE)(img)

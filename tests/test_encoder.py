@@ -131,6 +131,9 @@ def test_data_config_has_this_models_size_and_overrides():
     assert cfg["input_size"] == (3, 32, 32)
     assert cfg["crop_pct"] == 1.0
     assert len(cfg["mean"]) == 3 and len(cfg["std"]) == 3
+    assert cfg["crop_mode"] == "center"  # timm's, so evaluation crops as timm does
+    assert create_encoder("vit_tiny_patch16_224", preprocess={"crop_mode": "squash"}, **TINY_VIT).data_config[
+        "crop_mode"] == "squash"
     with pytest.raises(ValueError, match="unknown keys"):
         create_encoder("vit_tiny_patch16_224", preprocess={"scale": 2}, **TINY_VIT)
 

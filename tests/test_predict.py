@@ -34,7 +34,7 @@ def test_predict_from_a_checkpoint_writes_predictions_and_overlays(kind, folder,
     res = predict_folder(ckpt, folder, out, batch_size=1, score_threshold=0.0, progress=False)
     assert [p["file"] for p in res["predictions"]] == ["a.jpg", "sub/b.png"]
     assert [s["file"] for s in res["skipped"]] == ["broken.png"]
-    keys = {"classification": {"file", "pred", "score"}, "detection": {"file", "detections"},
+    keys = {"classification": {"file", "pred", "score", "topk"}, "detection": {"file", "detections"},
             "captioning": {"file", "caption"}}[kind]
     assert all(set(p) == keys for p in res["predictions"])
     if kind == "detection":
@@ -135,3 +135,25 @@ def test_onnx_runtime_errors_are_one_line_naming_the_file(folder, tmp_path, caps
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ONNX Runtime cannot load") and str(bad) in err and "\n" not in err
+
+
+def test_images_may_be_a_file_a_folder_or_a_glob(folder, tmp_path):
+    from vision_attn.errors import VisionAttnError
+    from vision_attn.predict import resolve_images
+
+    root, files, skipped = resolve_images(folder / "sub" / "b.png")  # one file: named by its name
+    assert root == folder / "sub" and files == [folder / "sub" / "b.png"] and skipped == []
+    root, files, skipped = resolve_images(folder)  # a folder, recursively; unreadable files come later
+    assert [p.relative_to(root).as_posix() for p in files] == ["a.jpg", "broken.png", "sub/b.png"]
+    root, files, _ = resolve_images(f"{folder}/**/*.png")  # a glob: rooted before the first wildcard
+    assert root == folder and [p.relative_to(root).as_posix() for p in files] == ["broken.png", "sub/b.png"]
+    (folder / "dir.png").mkdir()  # a folder that matches the pattern is not an image
+    _, files, skipped = resolve_images(f"{folder}/*.png")
+    assert [p.name for p in files] == ["broken.png"] and skipped == []
+    os.mkfifo(tmp_path / "pipe.png")  # listed, never opened
+    _, files, skipped = resolve_images(tmp_path / "pipe.png")
+    assert files == [] and skipped[0]["file"] == "pipe.png" and "not a regular file" in skipped[0]["reason"]
+    with pytest.raises(VisionAttnError, match="matches no image"):
+        resolve_images(f"{folder}/*.gif")
+    with pytest.raises(VisionAttnError, match="no such file or folder"):
+        resolve_images(tmp_path / "absent.jpg")

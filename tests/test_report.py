@@ -58,7 +58,7 @@ def _classification_report(shapes_root, out: Path) -> Path:
 
 def _coco_report(kind: str, out: Path, data: Path) -> Path:
     from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
-    from vision_attn.data.transforms import build_eval_transform
+    from vision_attn.data.transforms import build_eval_transform, whole_image
 
     root = ensure_shapes_coco(SceneSetConfig(image_size=32, num_train=4, num_val=3), data)
     torch.manual_seed(0)
@@ -82,7 +82,7 @@ def _coco_report(kind: str, out: Path, data: Path) -> Path:
                               num_heads=2, max_length=6, beam_size=1).eval()
         with torch.no_grad():  # make sure the untrained decoder says a few words before <eos>
             task.head.out_bias[task.tokenizer.eos_id] = -1e4
-        ds = CocoCaptions(root, "val", build_eval_transform({**task.data_config, "crop_pct": 1.0}),
+        ds = CocoCaptions(root, "val", build_eval_transform(whole_image(task.data_config)),
                           WordTokenizer(task.tokenizer.vocab))
         write_caption_overlays(task, ds, _options(), out, report=report)
     return write_report(out / "report.html", kind, {"map": 0.1}, {"model": "tiny"}, report.items, report.curves)

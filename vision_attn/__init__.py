@@ -15,9 +15,11 @@ Public API::
 import logging
 
 from vision_attn.attention import KVCache, MultiHeadAttention, scaled_dot_product_attention
+from vision_attn.explain.api import explain_images
 from vision_attn.explain.capture import AttentionCaptureError, capture_attention
 from vision_attn.explain.rollout import attention_rollout, gradient_relevance, last_layer_attention
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder, create_encoder
+from vision_attn.models.sources import load_model
 from vision_attn.tasks.base import load_task
 
 __version__ = "0.1.0"
@@ -35,6 +37,8 @@ __all__ = [
     "ViTEncoder",
     "capture_attention",
     "create_encoder",
+    "explain_images",
+    "load_model",
     "load_task",
     "scaled_dot_product_attention",
 ]

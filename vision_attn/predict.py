@@ -53,6 +53,7 @@ from vision_attn.data.imageio import (
 from vision_attn.data.transforms import build_eval_transform
 from vision_attn.distributed import gather_objects
 from vision_attn.errors import CheckpointError, RunExistsError, VisionAttnError
+from vision_attn.explain.methods import METHODS, TOKENS, resolve_target_class
 from vision_attn.explain.overlay import save_png
 from vision_attn.explain.report import write_report
 from vision_attn.outputs import safe_filename, write_json
@@ -92,6 +93,48 @@ def scan_folder(folder: Path) -> tuple[list[Path], list[dict[str, str]]]:
         elif is_image:
             images.append(p)
     return images, skipped
+
+
+GLOB_CHARS = frozenset("*?[")
+
+
+def resolve_images(spec: str | Path) -> tuple[Path, list[Path], list[dict[str, str]]]:
+    """``(root, image files, skipped)`` of ``--images``: a single file (its folder is the root,
+    so its record's ``file`` is its name), a folder searched recursively (:func:`scan_folder`),
+    or a glob such as ``photos/**/*.jpg`` (the root is the folder before the first wildcard;
+    ``**`` matches any depth).
+
+    Raises:
+        VisionAttnError: when nothing is there or nothing matches.
+    """
+    text = str(spec)
+    path = Path(text)
+    if path.is_dir():
+        return (path, *scan_folder(path))
+    if path.is_file() or (os.path.lexists(path) and not any(c in text for c in GLOB_CHARS)):
+        root = path.parent
+        mode = os.stat(path, follow_symlinks=True).st_mode if path.exists() else None
+        reason = not_regular_reason(mode) if mode is not None else "a link to nothing"
+        return (root, [], [{"file": path.name, "reason": reason}]) if reason else (root, [path], [])
+    if not any(c in text for c in GLOB_CHARS):
+        raise VisionAttnError(f"--images {text}: no such file or folder; give an image, a folder or a glob "
+                              "such as 'photos/*.jpg' (quoted)")
+    parts = path.parts
+    first = next(i for i, part in enumerate(parts) if any(c in part for c in GLOB_CHARS))
+    root = Path(*parts[:first]) if first else Path(".")
+    matches = sorted(p for p in root.glob(str(Path(*parts[first:]))) if p.suffix.lower() in IMAGE_EXTENSIONS)
+    files, skipped = [], []
+    for p in matches:
+        if p.is_dir():
+            continue
+        try:
+            reason = not_regular_reason(p.stat().st_mode)
+        except OSError as err:
+            reason = f"cannot access it ({err.strerror or err})"
+        (skipped.append({"file": str(p.relative_to(root)), "reason": reason}) if reason else files.append(p))
+    if not files and not skipped:
+        raise VisionAttnError(f"--images {text}: the pattern matches no image file")
+    return root, files, skipped
 
 
 def list_images(folder: Path) -> list[Path]:
@@ -261,6 +304,11 @@ def predict_folder(
     num_workers: int = 0,
     devices: int | str = 1,
     allow_import: tuple[str, ...] = (),
+    weights_file: str | Path | None = None,
+    class_names: str | Path | list[str] | None = None,
+    topk: int = 5,
+    target_class: str | None = None,
+    token: str = "auto",
 ) -> dict[str, list]:
     """Predictions (and overlays) for every image under ``images``, through Lightning's predict
     loop (DataLoader workers decode; ``devices`` processes share the images); returns
@@ -270,29 +318,38 @@ def predict_folder(
         device: ``cpu``, ``cuda`` or ``auto`` (default: a GPU when there is one).
         devices: processes / GPUs (Lightning's ``Trainer(devices=...)``).
         allow_import: module prefixes whose task classes the checkpoint may name (``--allow_import``).
+        weights_file: for ``timm:NAME`` models: a local weights file (else timm's hub).
+        class_names: for ``timm:NAME`` models whose head is not an ImageNet one: the names (a
+            list, or a text file with one per line).
+        topk: classification records list the ``topk`` best classes.
+        target_class: explain this class (name or index) instead of the prediction.
+        token: which prefix token's row the classification explanations follow (``auto``,
+            ``cls``, ``dist``, ``mean`` of the two for distilled DeiT).
     """
     from vision_attn.explain.evaluate import ExplainOptions
-    from vision_attn.tasks.base import load_task
+    from vision_attn.models.sources import load_model
 
-    images, out, model_path = Path(images), Path(output_dir), Path(model_path)
-    if not images.is_dir():
-        raise VisionAttnError(f"--images {images} is not a folder")
+    out, model_path = Path(output_dir), Path(str(model_path))
+    images, files, skipped = resolve_images(images)
     existing = [name for name in OUTPUTS if os.path.lexists(out / name)]
     if existing and not overwrite:
         raise RunExistsError(f"{out} already holds {', '.join(existing)}, which predict would overwrite; "
                              "pass another --output_dir or --overwrite")
     accelerator = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu"}.get(device or "auto", "auto")
-    options = ExplainOptions(methods=list(methods), alpha=alpha, score_threshold=score_threshold)
+    options = ExplainOptions(methods=list(methods), alpha=alpha, score_threshold=score_threshold, topk=topk,
+                             target_class=target_class, token=token)
     if model_path.suffix == ".onnx":
         model, overlays, accelerator = OnnxPredictor(model_path, allow_import), False, "cpu"
-    else:
-        model = load_task(model_path, expected_task=expected_task, allow_import=allow_import)
+    else:  # a checkpoint, or timm:NAME
+        model = load_model(str(model_path), weights_file=weights_file, class_names=class_names,
+                           allow_import=allow_import)
     kind = model.task_name
     if expected_task is not None and kind != expected_task:
         raise CheckpointError(f"{model_path} holds a {kind!r} model, not a {expected_task!r} one")
+    if target_class is not None and getattr(model, "class_names", None):  # fail before the first batch
+        resolve_target_class(target_class, model.class_names, len(model.class_names))
     model.predict_options = options
     model.predict_overlays = overlays
-    files, skipped = scan_folder(images)
     loader = DataLoader(FolderImages(images, files, build_eval_transform(model.inference_data_config())),
                         batch_size=batch_size, num_workers=num_workers, collate_fn=collate_folder,
                         persistent_workers=False)
@@ -314,10 +371,23 @@ def build_parser(prog: str, description: str, expected_task: str | None = None,
                  explain: bool = False) -> argparse.ArgumentParser:
     """The options of the folder commands (``predict``, ``explain``, ``vision_attn.overlay``)."""
     parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt_path", "--model", dest="model", metavar="CKPT",
-                        help="a .ckpt from training" + ("" if expected_task or explain else
-                                                        " or a .onnx from vision-attn export (--model is the same)"))
-    parser.add_argument("--images", help="folder of images (searched recursively)")
+    parser.add_argument("--ckpt_path", "--model", dest="model", metavar="SOURCE",
+                        help="a .ckpt from training, timm:NAME (any timm ViT / DeiT / register model, e.g. "
+                             "timm:vit_base_patch16_224.augreg_in21k_ft_in1k)" + ("" if expected_task or explain else
+                             ", or a .onnx from vision-attn export (--model is the same option)"))
+    parser.add_argument("--weights_file", default=None,
+                        help="timm:NAME: local weights (.safetensors / .pth state dict, read without executing "
+                             "pickles); without it the weights come from timm's hub (needs network access)")
+    parser.add_argument("--class_names", default=None, metavar="FILE",
+                        help="timm:NAME with a head that is not ImageNet's: a text file, one class name per line")
+    parser.add_argument("--topk", type=int, default=5, help="classification: the K best classes of each image")
+    parser.add_argument("--target_class", default=None, metavar="NAME|INDEX",
+                        help="classification: explain this class instead of the predicted one")
+    parser.add_argument("--token", default="auto", choices=list(TOKENS),
+                        help="classification: the token row explained (auto: what the head reads; distilled DeiT: "
+                             "cls, dist or their mean)")
+    parser.add_argument("--images", help="an image file, a folder (searched recursively) or a quoted glob "
+                                         "('photos/**/*.jpg')")
     parser.add_argument("--output_dir", help="where predictions.json, overlays/, skipped.json, report.html go")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the outputs of an earlier run (predictions.json, skipped.json, report.html, "
@@ -326,8 +396,9 @@ def build_parser(prog: str, description: str, expected_task: str | None = None,
     parser.add_argument("--num_workers", type=int, default=2, help="DataLoader processes decoding the images")
     if not explain:
         parser.add_argument("--no_overlays", action="store_true", help="predictions only")
-    parser.add_argument("--methods", nargs="+", default=["rollout", "relevance"], choices=["rollout", "relevance", "attention"],
-                        help="classification: explanation methods drawn")
+    parser.add_argument("--methods", nargs="+", default=["rollout", "relevance"], choices=list(METHODS),
+                        help="classification: explanation methods drawn, side by side: "
+                             + "; ".join(f"{name}: {spec.description}" for name, spec in METHODS.items()))
     parser.add_argument("--score_threshold", type=float, default=0.3, help="detection: keep boxes scoring at least this")
     parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity")
     parser.add_argument("--device", "--accelerator", dest="device", default="auto", choices=["auto", "cpu", "cuda", "gpu"],
@@ -355,7 +426,9 @@ def run_cli(argv: list[str] | None, prog: str, description: str, expected_task: 
         result = predict_folder(args.model, args.images, args.output_dir, args.batch_size,
                                 explain or not args.no_overlays, tuple(args.methods), args.score_threshold, args.alpha,
                                 args.device, args.overwrite, expected_task=expected_task, num_workers=args.num_workers,
-                                devices=devices, allow_import=tuple(args.allow_import))
+                                devices=devices, allow_import=tuple(args.allow_import), weights_file=args.weights_file,
+                                class_names=args.class_names, topk=args.topk, target_class=args.target_class,
+                                token=args.token)
     except VisionAttnError as err:
         sys.stderr.write(f"error: {err}\n")
         raise SystemExit(2) from None

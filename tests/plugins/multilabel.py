@@ -54,7 +54,7 @@ class ShapeSetsDataModule(SplitDataModule):
         self.class_names = ShapeSets(self.root, "val", None).class_names
 
     def dataset(self, split: str, train: bool = False) -> ShapeSets:
-        whole = {**transforms.model_preprocess(self), "crop_pct": 1.0}  # as the task predicts: no crop
+        whole = transforms.whole_image(transforms.model_preprocess(self))  # as the task predicts: no crop
         return ShapeSets(self.root, split, transforms.build_eval_transform(whole))
 
 

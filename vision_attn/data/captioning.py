@@ -52,6 +52,7 @@ from vision_attn.data.transforms import (
     build_eval_transform,
     build_train_transform,
     model_preprocess,
+    whole_image,
 )
 from vision_attn.errors import DataError
 
@@ -303,7 +304,7 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
 
     def dataset(self, split: str, train: bool = False) -> CocoCaptions:
         pre = model_preprocess(self)
-        tf = build_train_transform(pre, self.augment, hflip=False) if train else build_eval_transform({**pre, "crop_pct": 1.0})
+        tf = build_train_transform(pre, self.augment, hflip=False) if train else build_eval_transform(whole_image(pre))
         tokenizer, parsed = self.tokenizer, None
         if split == self.train_split:  # read once for the tokenizer; handed over, then freed
             parsed, self._train_captions = self._train_captions, None

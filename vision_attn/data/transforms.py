@@ -1,13 +1,30 @@
 """Image transforms built from the encoder's preprocessing (timm data config).
 
-The preprocessing that a model was trained with — input size, mean, std, interpolation,
-crop fraction — belongs to the model and travels in its checkpoint. These builders turn that
-dict into torchvision v2 pipelines, ``uint8 [H, W, 3]`` numpy in, normalised ``float32
+The preprocessing that a model was trained with (input size, mean, std, interpolation, crop
+fraction, crop mode) belongs to the model and travels in its checkpoint. These builders turn that
+dict into pipelines, ``uint8 [H, W, 3]`` numpy (or a PIL image) in, normalised ``float32
 [3, H, W]`` tensor out.
 
-Augmentation presets:
+Evaluation geometry is timm's own (``timm.data.create_transform(is_training=False)``, applied
+to the PIL image, so the tensor equals timm's to float rounding), chosen by ``crop_mode``:
 
-- ``none``: the evaluation pipeline;
+- ``center`` (timm's default): resize the *shorter side* to ``floor(size / crop_pct)`` keeping
+  the aspect ratio, then centre-crop ``size``: the borders of the longer side are cut off, even
+  at ``crop_pct = 1``;
+- ``squash``: resize *both sides* to ``floor(size / crop_pct)`` (aspect ratio not kept), then
+  centre-crop; with ``crop_pct = 1`` the whole image, resized to the input size;
+- ``border``: resize the *longer side*, pad with the mean colour, then centre-crop.
+
+A config without ``crop_mode`` (checkpoints written before it was stored) means ``squash``: the
+geometry those models were trained and evaluated with. Encoders built now store timm's
+``crop_mode`` (``center`` for nearly every model). Tasks that must see the whole image
+(detection, captioning: a crop would cut objects off, and boxes are mapped back to the original
+pixels axis by axis) use :func:`whole_image`: ``crop_pct = 1`` and ``squash``.
+
+Augmentation presets (training; ``small`` and ``none`` resize the whole image to the input
+size, like ``squash``):
+
+- ``none``: :func:`whole_image` evaluation geometry, no augmentation;
 - ``small``: for small images trained from scratch (CIFAR-style): reflect-pad + random crop,
   horizontal flip, light colour jitter;
 - ``finetune``: for fine-tuning pretrained models at 224 px: random-resized crop, flip,
@@ -17,23 +34,30 @@ Augmentation presets:
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Literal
 
+import numpy as np
+import timm.data
 import torch
+from PIL import Image
+from torch import Tensor
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
 __all__ = [
     "AugmentPreset",
+    "CROP_MODES",
     "DEFAULT_PREPROCESS",
     "build_display_transform",
     "build_eval_transform",
     "build_train_transform",
     "model_preprocess",
+    "whole_image",
 ]
 
 AugmentPreset = Literal["none", "small", "finetune"]
+CROP_MODES = ("center", "squash", "border")
+LEGACY_CROP_MODE = "squash"  # the geometry of configs that do not name one (see the module docstring)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +67,7 @@ DEFAULT_PREPROCESS: dict[str, Any] = {
     "mean": (0.5, 0.5, 0.5),
     "std": (0.5, 0.5, 0.5),
     "crop_pct": 0.9,
+    "crop_mode": "center",
 }
 
 
@@ -59,6 +84,13 @@ def model_preprocess(datamodule: Any) -> dict[str, Any]:
     return DEFAULT_PREPROCESS
 
 
+def whole_image(pre: dict[str, Any]) -> dict[str, Any]:
+    """``pre`` for tasks that must see the whole image: both sides resized to the input size
+    (``crop_pct = 1``, ``crop_mode = squash``), so nothing is cut off and a box maps back to
+    the original pixels by scaling each axis."""
+    return {**pre, "crop_pct": 1.0, "crop_mode": "squash"}
+
+
 def _interp(name: str) -> InterpolationMode:
     try:
         return InterpolationMode(name)
@@ -71,29 +103,71 @@ def _size(pre: dict[str, Any]) -> tuple[int, int]:
     return int(h), int(w)
 
 
+def _crop_mode(pre: dict[str, Any]) -> str:
+    mode = pre.get("crop_mode") or LEGACY_CROP_MODE
+    if mode not in CROP_MODES:
+        raise ValueError(f"preprocessing crop_mode must be one of {', '.join(CROP_MODES)}, got {mode!r}")
+    return mode
+
+
+def _to_float(image: Tensor) -> Tensor:
+    """uint8 ``[3, H, W]`` -> float32 in ``[0, 1]``, as ``ToTensor`` divides (bit-identical to timm)."""
+    return image.to(torch.float32).div(255)
+
+
+class _ToFloat(torch.nn.Module):
+    """uint8 image tensor -> float32 in ``[0, 1]`` (divided by 255, exactly as ``ToTensor``)."""
+
+    def forward(self, image: Tensor) -> Tensor:
+        return _to_float(torch.as_tensor(image))
+
+
 def _tail(pre: dict[str, Any]) -> list:
-    return [T.ToDtype(torch.float32, scale=True), T.Normalize(mean=list(pre["mean"]), std=list(pre["std"]))]
+    return [_ToFloat(), T.Normalize(mean=list(pre["mean"]), std=list(pre["std"]))]
 
 
-def _eval_geometry(pre: dict[str, Any]) -> list:
+class _ToPIL:
+    """uint8 ``[H, W, 3]`` numpy, uint8 ``[3, H, W]`` tensor or a PIL image -> an RGB PIL image."""
+
+    def __call__(self, image: Any) -> Image.Image:
+        if isinstance(image, Image.Image):
+            return image if image.mode == "RGB" else image.convert("RGB")
+        if isinstance(image, Tensor):
+            image = image.permute(1, 2, 0).numpy() if image.dim() == 3 else image.numpy()
+        array = np.asarray(image)
+        if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3:
+            raise ValueError(f"expected an RGB uint8 image [H, W, 3], got {array.dtype} {array.shape}")
+        return Image.fromarray(np.ascontiguousarray(array))
+
+
+def _eval_geometry(pre: dict[str, Any]) -> T.Compose:
+    """Decoded image -> uint8 ``[3, h, w]`` tensor by timm's evaluation resize and crop (on the
+    PIL image, as timm does), per ``crop_mode`` (see the module docstring)."""
     h, w = _size(pre)
-    crop_pct = float(pre.get("crop_pct", 1.0))
-    interp = _interp(pre.get("interpolation", "bicubic"))
-    if crop_pct >= 1.0:
-        return [T.Resize((h, w), interpolation=interp, antialias=True)]
-    scale = (math.floor(h / crop_pct), math.floor(w / crop_pct))
-    return [T.Resize(scale, interpolation=interp, antialias=True), T.CenterCrop((h, w))]
+    timm_geometry = timm.data.create_transform(
+        input_size=(3, h, w),
+        is_training=False,
+        interpolation=str(pre.get("interpolation", "bicubic")),
+        mean=tuple(pre["mean"]),
+        std=tuple(pre["std"]),
+        crop_pct=float(pre.get("crop_pct", 1.0)),
+        crop_mode=_crop_mode(pre),
+        use_prefetcher=True,  # geometry only: resize, crop, uint8 tensor (no normalisation)
+    )
+    return T.Compose([_ToPIL(), timm_geometry])
 
 
 def build_eval_transform(pre: dict[str, Any]) -> T.Compose:
-    """Resize to ``size / crop_pct`` (shorter side) then centre-crop ``size``, as timm evaluates."""
-    return T.Compose([T.ToImage()] + _eval_geometry(pre) + _tail(pre))
+    """The evaluation pipeline: timm's resize and crop for ``crop_mode`` (``center``: shorter side
+    to ``size / crop_pct``, then centre-crop ``size``), then ``/ 255`` and normalisation. On the
+    same decoded image it gives the tensor of ``timm.data.create_transform(**data_config)``."""
+    return T.Compose([_eval_geometry(pre), *_tail(pre)])
 
 
 def build_display_transform(pre: dict[str, Any]):
     """The evaluation geometry without normalisation: RGB ``uint8 [H, W, 3]`` in and out, so
     saliency maps of the model input can be drawn on exactly the pixels the model saw."""
-    geometry = T.Compose([T.ToImage()] + _eval_geometry(pre))
+    geometry = _eval_geometry(pre)
 
     def display(image):
         return geometry(image).permute(1, 2, 0).contiguous().numpy()
@@ -107,7 +181,7 @@ def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small",
     h, w = _size(pre)
     interp = _interp(pre.get("interpolation", "bicubic"))
     if augment == "none":
-        return build_eval_transform({**pre, "crop_pct": 1.0})
+        return build_eval_transform(whole_image(pre))
     if augment == "small":
         pad = max(1, h // 8)
         ops = [
@@ -124,4 +198,5 @@ def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small",
         ]
     else:
         raise ValueError(f"unknown augment preset {augment!r}; use 'none', 'small' or 'finetune'")
-    return T.Compose([T.ToImage()] + ops + _tail(pre))
+    return T.Compose([T.ToImage()] + ops + [T.ToDtype(torch.float32, scale=True),
+                                             T.Normalize(mean=list(pre["mean"]), std=list(pre["std"]))])

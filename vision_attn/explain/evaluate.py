@@ -24,7 +24,15 @@ from torch.utils.data import DataLoader, Subset
 
 from vision_attn.data.imageio import read_image
 from vision_attn.data.transforms import build_display_transform
-from vision_attn.explain.methods import METHODS, explain_classifier, faithfulness
+from vision_attn.errors import ConfigError
+from vision_attn.explain.methods import (
+    TOKENS,
+    Token,
+    check_methods,
+    explain_classifier,
+    faithful_methods,
+    faithfulness,
+)
 from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
 from vision_attn.outputs import safe_filename
 
@@ -69,10 +77,14 @@ class ExplainOptions:
     """What ``eval.py`` explains.
 
     Args:
-        methods: explanation methods drawn side by side; the first is *the* method whose
-            faithfulness is reported as ``deletion_auc`` / ``insertion_auc``. Choose from
-            ``rollout``, ``relevance`` (gradient-weighted, class specific), ``attention``
-            (raw last layer).
+        methods: explanation methods drawn side by side, names of the registry
+            :data:`vision_attn.explain.methods.METHODS`: ``rollout``, ``relevance``
+            (gradient-weighted, class specific), ``attention`` (raw last layer), ``gradcam``
+            (Grad-CAM on the last block's patch tokens), ``tokens`` (diagnostic: patch-token
+            norms, no faithfulness numbers), ``random`` (the baseline), and any method
+            registered with :func:`~vision_attn.explain.methods.register_method`. The first
+            method with faithfulness numbers is reported as ``deletion_auc`` /
+            ``insertion_auc``; the ``random`` baseline is always measured too.
         num_overlays: overlays written for N images of the split (0 = none).
         overlay_selection: ``first`` (the first N images), ``spread`` (N images evenly
             spread over the split, so every class shows up in a class-sorted folder) or
@@ -93,6 +105,12 @@ class ExplainOptions:
         query_layers: detection: cross-attention of the ``last`` decoder layer, or the
             ``mean`` over all layers (heads are averaged in both).
         report: also write ``report.html`` (self-contained, interactive) with the overlays.
+        target_class: classification: explain this class (a class name, or an index) instead
+            of the prediction; the faithfulness numbers then follow its probability.
+        token: classification: the token row explained: ``auto`` (what the head reads), or
+            for a distilled DeiT ``cls`` (class token), ``dist`` (distillation token), ``mean``
+            (their average).
+        topk: classification: the ``topk`` best classes listed per image in predictions.
     """
 
     methods: list[str] = field(default_factory=lambda: ["rollout", "relevance", "attention"])
@@ -110,13 +128,18 @@ class ExplainOptions:
     score_threshold: float = 0.3
     query_layers: Literal["last", "mean"] = "last"
     report: bool = True
+    target_class: str | None = None
+    token: Token = "auto"
+    topk: int = 5
 
     def __post_init__(self) -> None:
-        bad = [m for m in self.methods if m not in METHODS or m == "random"]
-        if not self.methods or bad:
-            raise ValueError(
-                f"explain.methods {self.methods} invalid; choose one or more of rollout, relevance, attention"
-            )
+        check_methods(self.methods, "explain.methods")
+        if self.token not in TOKENS:
+            raise ConfigError(f"explain.token {self.token!r} invalid; choose one of {', '.join(TOKENS)}")
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
+            raise ConfigError(f"explain.topk must be an integer >= 1, got {self.topk!r}")
+        if self.target_class is not None:
+            self.target_class = str(self.target_class)
 
 
 def explanation_panel(
@@ -159,13 +182,18 @@ def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray
     from vision_attn.tasks.base import Explained
 
     expl = explain_classifier(task, images, options.methods, head_fusion=options.head_fusion,
-                              discard_ratio=options.discard_ratio)
+                              discard_ratio=options.discard_ratio, target_class=options.target_class,
+                              token=options.token)
     records = task.predictions_from_outputs((expl.logits,), [p.shape[:2] for p in pictures], options)
+    names = task.class_names or []
     display_tf = build_display_transform(task.inference_data_config())  # the pixels the model saw
     out = []
     for j, (picture, record) in enumerate(zip(pictures, records, strict=True)):
         display = display_tf(picture)
         caption = f"{record['pred']} {record['score']:.2f}"
+        explained = int(expl.target[j])
+        if options.target_class is not None and explained < len(names) and names[explained] != record["pred"]:
+            caption = f"{caption} | explains {names[explained]}"
         if truths is not None:
             caption = f"{truths[j]} -> {caption}"
         panel = explanation_panel(display, expl.maps, j, caption, options.alpha)
@@ -181,7 +209,9 @@ def _add_deletion_curves(task, images: torch.Tensor, expl, steps: int, report, t
         with torch.no_grad():
             return task(x).float().softmax(-1)
 
-    maps = {**expl.maps, "random": torch.rand(images.shape[0], *expl.grid, generator=torch.Generator().manual_seed(0))}
+    maps = {m: expl.maps[m] for m in faithful_methods(expl.maps)}
+    if "random" not in maps:
+        maps["random"] = torch.rand(images.shape[0], *expl.grid, generator=torch.Generator().manual_seed(0))
     report.curves = report.curves or {}
     for method, sal in maps.items():
         curve = deletion_insertion_curve(proba, images, sal.to(images.device), expl.target, "deletion", steps).sum(0) / total
@@ -231,18 +261,20 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
         n = len(picked)
         gen = torch.Generator().manual_seed(0)
         sums: dict[str, float] = {}
-        methods = [*options.methods, "random"]
+        methods = list(dict.fromkeys([*faithful_methods(options.methods), "random"]))
         for images, _, _ in _batches(dataset, picked, options.batch_size):
             images = images.to(device)
             expl = explain_classifier(task, images, methods, head_fusion=options.head_fusion,
-                                      discard_ratio=options.discard_ratio, generator=gen)
+                                      discard_ratio=options.discard_ratio, generator=gen,
+                                      target_class=options.target_class, token=options.token)
             for method, aucs in faithfulness(task, images, expl, options.steps).items():
                 for key, values in aucs.items():
                     sums[f"{key}_{method}"] = sums.get(f"{key}_{method}", 0.0) + float(values.sum())
         metrics = {k: v / n for k, v in sums.items()}
-        chosen = options.methods[0]
-        metrics["deletion_auc"] = metrics[f"deletion_auc_{chosen}"]
-        metrics["insertion_auc"] = metrics[f"insertion_auc_{chosen}"]
+        asked = faithful_methods(options.methods)
+        if asked:  # the first method asked for that has faithfulness numbers is *the* method
+            metrics["deletion_auc"] = metrics[f"deletion_auc_{asked[0]}"]
+            metrics["insertion_auc"] = metrics[f"insertion_auc_{asked[0]}"]
         metrics["explain_images"] = float(n)
         metrics["explain_classes"] = float(len({dataset.samples[i][1] for i in picked}))
         log.info("faithfulness of %d images covering %d classes", n, int(metrics["explain_classes"]))

@@ -1,22 +1,46 @@
-"""Explaining a classifier's decisions: one call, several methods, batched.
+"""Explaining a classifier's decisions: one call, every method of one registry, batched.
 
     maps = explain_classifier(task, images, methods=("rollout", "relevance"))
     maps.maps["rollout"]   # [B, h, w] in [0, 1]
 
-The maps explain what the classifier's head reads: the class token's row with ``cls``
-pooling, the mean of the patch tokens' rows with ``mean`` pooling (also when the encoder has a
-class token, which a mean-pooling head never reads).
+**The registry.** :data:`METHODS` maps a method's name to a :class:`MethodSpec`: the function
+that turns a :class:`MethodInputs` into ``[B, h, w]`` maps over the patch grid, and what it
+needs from the forward pass (captured attention, the last block's output, their gradients).
+Adding a method is one function and one :func:`register_method` decorator; the options of
+``eval.py`` / ``predict``, their validation and the report read the registry::
+
+    @register_method("my_method", needs=("block_output",))
+    def my_method(inputs: MethodInputs) -> Tensor:
+        return inputs.block_output[:, inputs.num_prefix_tokens:].abs().sum(-1).view(-1, *inputs.grid)
+
+Built in: ``rollout`` (Abnar & Zuidema 2020), ``relevance`` (Chefer et al. 2021),
+``attention`` (raw last layer), ``gradcam`` (Grad-CAM on the patch tokens the last block
+reads),
+``random`` (the baseline) and ``tokens`` (a diagnostic: the norm of each patch token at the last
+block's output, which shows the high-norm artifact tokens that register tokens remove, Darcet
+et al. 2023; it explains no class, so it gets no faithfulness numbers).
+
+**Which row.** The maps explain what the classifier's head reads (``token="auto"``): the class
+token's row with ``cls`` pooling, the mean of the patch tokens' rows with ``mean`` pooling, the
+average of the class and distillation rows for a distilled DeiT's head. ``token="cls"``,
+``"dist"`` or ``"mean"`` choose for a distilled DeiT. Prefix tokens (class, distillation,
+register) are never drawn as patches.
+
+**Which class.** The prediction by default; ``target_class`` (a class name from
+``task.class_names`` or an index) or ``target`` (one class per image) explain another.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from vision_attn.errors import ConfigError
 from vision_attn.explain.capture import capture_attention
 from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
 from vision_attn.explain.rollout import (
@@ -25,20 +49,190 @@ from vision_attn.explain.rollout import (
     attention_rollout,
     gradient_relevance,
     last_layer_attention,
+    normalize_maps,
+    to_grid,
 )
 
-__all__ = ["METHODS", "Explanation", "Method", "explain_classifier", "explained_token", "faithfulness"]
+__all__ = [
+    "METHODS",
+    "TOKENS",
+    "Explanation",
+    "MethodInputs",
+    "MethodSpec",
+    "Need",
+    "Token",
+    "check_methods",
+    "explain_classifier",
+    "explained_token",
+    "faithful_methods",
+    "faithfulness",
+    "register_method",
+    "resolve_target_class",
+    "resolve_token",
+]
 
-Method = Literal["rollout", "relevance", "attention", "random"]
-METHODS: tuple[str, ...] = ("rollout", "relevance", "attention", "random")
+Need = Literal["attention", "attention_grad", "block_input", "block_input_grad", "block_output"]
+_NEEDS: frozenset[str] = frozenset({"attention", "attention_grad", "block_input", "block_input_grad",
+                                    "block_output"})
+Token = Literal["auto", "cls", "dist", "mean"]
+TOKENS: tuple[str, ...] = ("auto", "cls", "dist", "mean")
 
 
 @dataclass
+class MethodInputs:
+    """What a method's function receives (one batch).
+
+    Attributes:
+        images: ``[B, 3, H, W]`` model inputs.
+        logits: ``[B, C]`` (detached).
+        target: ``[B]`` the classes explained.
+        grid: patch grid ``(h, w)``; maps are ``[B, h, w]``.
+        num_prefix_tokens: ``P``: the class / distillation / register tokens in front of the
+            ``h * w`` patch tokens of every ``T = P + h * w`` sequence.
+        token_index: the row explained (see :mod:`vision_attn.explain.rollout`).
+        attentions: per block ``[B, heads, T, T]`` (with the ``attention`` need).
+        attention_grads: per block d(target logit)/d(attention) (``attention_grad``).
+        block_input: ``[B, T, D]`` the tokens the encoder's last block reads, after its first
+            LayerNorm (``blocks[-1].norm1``'s output; the block's input without one)
+            (``block_input``).
+        block_input_grad: d(target logit)/d(block_input) (``block_input_grad``).
+        block_output: ``[B, T, D]`` output of the encoder's last block, before the final norm
+            (``block_output``).
+        head_fusion, discard_ratio, start_layer: options of the attention methods.
+        generator: randomness (the ``random`` baseline).
+    """
+
+    images: Tensor
+    logits: Tensor
+    target: Tensor
+    grid: tuple[int, int]
+    num_prefix_tokens: int
+    token_index: TokenIndex
+    attentions: list[Tensor] = field(default_factory=list)
+    attention_grads: list[Tensor] = field(default_factory=list)
+    block_input: Tensor | None = None
+    block_input_grad: Tensor | None = None
+    block_output: Tensor | None = None
+    head_fusion: HeadFusion = "mean"
+    discard_ratio: float = 0.0
+    start_layer: int = 0
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered explanation method.
+
+    Attributes:
+        fn: ``MethodInputs -> [B, h, w]`` non-negative maps (the suite scales each to max 1).
+        needs: what the forward pass must record (see :data:`Need`).
+        faithfulness: whether deletion / insertion numbers make sense (the map explains a class).
+        description: one line for help texts.
+    """
+
+    fn: Callable[[MethodInputs], Tensor]
+    needs: frozenset[str] = frozenset()
+    faithfulness: bool = True
+    description: str = ""
+
+
+METHODS: dict[str, MethodSpec] = {}
+"""The registry: method name -> :class:`MethodSpec`, in the order methods were registered."""
+
+
+def register_method(
+    name: str, needs: Iterable[str] = (), faithfulness: bool = True, description: str = ""
+) -> Callable[[Callable[[MethodInputs], Tensor]], Callable[[MethodInputs], Tensor]]:
+    """Decorator adding ``fn`` to :data:`METHODS` under ``name`` (replacing one of that name).
+
+    Args:
+        name: the method's name (``--methods NAME``).
+        needs: any of ``attention``, ``attention_grad``, ``block_input``,
+            ``block_input_grad``, ``block_output`` (see :class:`MethodInputs`).
+        faithfulness: ``False`` for diagnostics that explain no class (no deletion / insertion).
+        description: one line for help texts.
+    """
+    needs = frozenset(needs)
+    if needs - _NEEDS:
+        raise ValueError(f"method {name!r}: unknown needs {sorted(needs - _NEEDS)}; choose from {sorted(_NEEDS)}")
+
+    def add(fn: Callable[[MethodInputs], Tensor]) -> Callable[[MethodInputs], Tensor]:
+        METHODS[name] = MethodSpec(fn, needs, faithfulness, description)
+        return fn
+
+    return add
+
+
+def faithful_methods(methods: Iterable[str]) -> list[str]:
+    """The methods of ``methods`` that get faithfulness numbers (unregistered names included)."""
+    return [m for m in methods if m not in METHODS or METHODS[m].faithfulness]
+
+
+def check_methods(methods: Sequence[str], what: str = "methods") -> None:
+    """Raise :class:`~vision_attn.errors.ConfigError` for names not in :data:`METHODS`."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ConfigError(f"{what} {list(methods)} invalid: unknown {unknown}; choose one or more of "
+                          f"{', '.join(METHODS)}")
+
+
+# ---------------------------------------------------------------------------- the methods
+@register_method("rollout", needs=("attention",), description="attention rollout (Abnar & Zuidema 2020)")
+def _rollout(x: MethodInputs) -> Tensor:
+    return attention_rollout(x.attentions, x.grid, x.num_prefix_tokens, x.head_fusion, x.discard_ratio,
+                             x.start_layer, x.token_index)
+
+
+@register_method("relevance", needs=("attention", "attention_grad"),
+                 description="gradient-weighted relevance, class specific (Chefer et al. 2021)")
+def _relevance(x: MethodInputs) -> Tensor:
+    return gradient_relevance(x.attentions, x.attention_grads, x.grid, x.num_prefix_tokens, x.token_index,
+                              x.start_layer)
+
+
+@register_method("attention", needs=("attention",), description="raw attention of the last block")
+def _attention(x: MethodInputs) -> Tensor:
+    return last_layer_attention(x.attentions, x.grid, x.num_prefix_tokens, x.head_fusion, x.token_index)
+
+
+@register_method("gradcam", needs=("block_input", "block_input_grad"),
+                 description="Grad-CAM on the last block's patch tokens, class specific")
+def _gradcam(x: MethodInputs) -> Tensor:
+    """``relu(sum_c w_c A_c)`` with ``A`` the patch tokens ``[B, N, D]`` the last block reads
+    (after its ``norm1``: pytorch-grad-cam's ViT recipe, ``target_layers=[blocks[-1].norm1]``)
+    and ``w_c`` the gradient of the target logit w.r.t. channel ``c`` averaged over the patches.
+
+    Not the block's *output*: a class-token head reads only the class token of the last
+    block's output, so the gradient w.r.t. its patch tokens is exactly zero.
+    """
+    p = x.num_prefix_tokens
+    tokens = x.block_input[:, p:].float()  # (B, N, D): prefix tokens dropped
+    weights = x.block_input_grad[:, p:].float().mean(dim=1, keepdim=True)  # (B, 1, D)
+    cam = (weights * tokens).sum(dim=-1).clamp(min=0)  # (B, N)
+    return to_grid(cam, x.grid, 0)
+
+
+@register_method("tokens", needs=("block_output",), faithfulness=False,
+                 description="diagnostic: norm of each patch token at the last block (artifact tokens)")
+def _token_norms(x: MethodInputs) -> Tensor:
+    norms = x.block_output.float().norm(dim=-1)  # (B, T)
+    return to_grid(norms, x.grid, x.num_prefix_tokens)
+
+
+@register_method("random", description="uniform noise: the baseline of the faithfulness numbers")
+def _random(x: MethodInputs) -> Tensor:
+    rand = torch.rand((x.images.shape[0], *x.grid), generator=x.generator)
+    return rand.to(x.images.device)
+
+
+# ---------------------------------------------------------------------------- target and token
+@dataclass
 class Explanation:
     """Saliency maps of a batch. ``maps[method]`` is ``[B, h, w]`` in ``[0, 1]``; ``attentions``
-    the captured attention of every block ``[B, heads, T, T]`` (detached), ``num_prefix_tokens``
-    how many of the ``T`` tokens are not patches, ``token_index`` the row explained (a prefix
-    token's index, or ``"patches"``: the mean of the patch tokens' rows)."""
+    the captured attention of every block ``[B, heads, T, T]`` (detached; empty when no method
+    needed attention), ``num_prefix_tokens`` how many of the ``T`` tokens are not patches,
+    ``token_index`` the row explained (a prefix token's index, a tuple of them — the mean of
+    their rows — or ``"patches"``: the mean of the patch tokens' rows)."""
 
     logits: Tensor
     target: Tensor
@@ -55,8 +249,10 @@ _MEAN_POOLING = ("mean", "avg")
 
 def explained_token(head, num_prefix_tokens: int) -> TokenIndex:
     """The row that explains what ``head`` reads: ``0`` (the class token) for ``cls`` pooling,
-    ``"patches"`` (the mean of the patch tokens' rows) for ``mean`` pooling; ``auto`` and heads
-    without a ``pooling`` attribute read the class token when there is one, else the mean.
+    ``(0, 1)`` (the mean of the class and distillation rows) for a distilled head
+    (``head.distilled``: a DeiT's head averages its two classifiers), ``"patches"`` (the mean of
+    the patch tokens' rows) for ``mean`` pooling; ``auto`` and heads without a ``pooling``
+    attribute read the class token when there is one, else the mean.
 
     Raises:
         ValueError: a pooling no row describes (e.g. attention pooling).
@@ -65,7 +261,7 @@ def explained_token(head, num_prefix_tokens: int) -> TokenIndex:
     if pooling == "auto":
         pooling = "cls" if num_prefix_tokens > 0 else "mean"
     if pooling in _CLS_POOLING:
-        return 0
+        return (0, 1) if getattr(head, "distilled", False) and num_prefix_tokens >= 2 else 0
     if pooling in _MEAN_POOLING:
         return "patches"
     raise ValueError(
@@ -74,6 +270,90 @@ def explained_token(head, num_prefix_tokens: int) -> TokenIndex:
     )
 
 
+def _prefix_layout(encoder: nn.Module, num_prefix_tokens: int) -> tuple[bool, bool]:
+    """``(has_class_token, distilled)`` of a timm ViT (a ViTEncoder's ``model``): timm puts the
+    class token first, then a DeiT's distillation token, then the register tokens."""
+    model = getattr(encoder, "model", encoder)
+    has_cls = getattr(model, "cls_token", None) is not None if hasattr(model, "cls_token") else num_prefix_tokens > 0
+    distilled = getattr(model, "dist_token", None) is not None
+    return has_cls, distilled
+
+
+def resolve_token(task, num_prefix_tokens: int, token: str = "auto") -> TokenIndex:
+    """The row explained for ``token``: ``auto`` (what the head reads, :func:`explained_token`),
+    ``cls`` (the class token), ``dist`` (a distilled DeiT's distillation token) or ``mean`` (the
+    average of the class and distillation rows).
+
+    Raises:
+        ConfigError: an unknown ``token``, or one the model does not have.
+    """
+    if token not in TOKENS:
+        raise ConfigError(f"token {token!r} invalid; choose one of {', '.join(TOKENS)}")
+    if token == "auto":
+        return explained_token(task.head, num_prefix_tokens)
+    has_cls, distilled = _prefix_layout(task.encoder, num_prefix_tokens)
+    if token == "cls":
+        if not has_cls:
+            raise ConfigError(f"token='cls': this model has no class token ({num_prefix_tokens} prefix tokens); "
+                              "use token='auto'")
+        return 0
+    if not distilled:
+        raise ConfigError(f"token={token!r} needs a distilled model (DeiT *_distilled_*: class and distillation "
+                          "tokens); this one has none: use token='auto' or 'cls'")
+    return 1 if token == "dist" else (0, 1)
+
+
+def resolve_target_class(target_class: str | int, class_names: Sequence[str] | None, num_classes: int) -> int:
+    """The index of ``target_class``: a class name (from ``class_names``), an index, or a string
+    of digits that is not a class name (an index given on the command line).
+
+    Raises:
+        ConfigError: an unknown name (close names suggested) or an index out of range.
+    """
+    names = list(class_names or [])
+    if isinstance(target_class, str):
+        if names.count(target_class) > 1:  # ImageNet-1k has two "crane"s (bird and machine)
+            where = [i for i, n in enumerate(names) if n == target_class]
+            raise ConfigError(f"target_class {target_class!r} names several classes of this model (indices "
+                              f"{where}); give the index instead")
+        if target_class in names:
+            return names.index(target_class)
+        if not target_class.strip().lstrip("-").isdigit():
+            close = difflib.get_close_matches(target_class, names, n=3, cutoff=0.6)
+            hint = f" Did you mean: {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ConfigError(f"target_class {target_class!r} is not a class name of this model "
+                              f"({len(names)} classes: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''})."
+                              f"{hint} Give a class name or an index 0..{num_classes - 1}.")
+        target_class = int(target_class)
+    if isinstance(target_class, bool) or not isinstance(target_class, int) or not 0 <= target_class < num_classes:
+        raise ConfigError(f"target_class {target_class!r} is not a class index 0..{num_classes - 1} of this model")
+    return target_class
+
+
+def _last_block(encoder: nn.Module) -> nn.Module:
+    model = getattr(encoder, "model", encoder)
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or len(blocks) == 0:
+        raise ValueError(f"{type(model).__name__} has no `blocks`: gradcam / tokens need a ViT's last block")
+    return blocks[-1]
+
+
+def _record_last_block(encoder: nn.Module, needs: frozenset[str], seen: dict[str, Tensor]) -> list:
+    """Hooks filling ``seen["block_input"]`` / ``seen["block_output"]`` (see :class:`MethodInputs`)."""
+    block = _last_block(encoder)
+    handles = []
+    if "block_input" in needs:
+        norm1 = getattr(block, "norm1", None)
+        if isinstance(norm1, nn.Module):
+            handles.append(norm1.register_forward_hook(lambda _m, _i, out: seen.__setitem__("block_input", out)))
+        else:
+            handles.append(block.register_forward_pre_hook(lambda _m, i: seen.__setitem__("block_input", i[0])))
+    if "block_output" in needs:
+        handles.append(block.register_forward_hook(lambda _m, _i, out: seen.__setitem__("block_output", out)))
+    return handles
+
+
+# ---------------------------------------------------------------------------- one call
 def explain_classifier(
     task,
     images: Tensor,
@@ -84,56 +364,98 @@ def explain_classifier(
     start_layer: int = 0,
     token_index: TokenIndex | None = None,
     generator: torch.Generator | None = None,
+    target_class: str | int | None = None,
+    token: str = "auto",
 ) -> Explanation:
     """Saliency maps of a classification task for a batch of normalised images.
 
     Args:
-        task: a :class:`~vision_attn.tasks.ClassificationTask` (``encoder`` + ``head``).
+        task: a classifier with ``encoder`` (a :class:`~vision_attn.ViTEncoder`) and ``head``
+            (``EncoderOutput -> [B, C]`` logits), e.g. a
+            :class:`~vision_attn.tasks.ClassificationTask`.
         images: ``[B, 3, H, W]`` model inputs.
-        methods: any of ``rollout``, ``relevance`` (gradient-weighted, class specific),
-            ``attention`` (raw last-layer attention) and ``random`` (a baseline).
-        target: ``[B]`` classes to explain for ``relevance`` (default: the predicted ones).
+        methods: names in :data:`METHODS` (``rollout``, ``relevance``, ``attention``,
+            ``gradcam``, ``tokens``, ``random``, and any registered later).
+        target: ``[B]`` classes to explain (default: the predicted ones).
         head_fusion: head fusion of ``rollout`` and ``attention``.
         discard_ratio: ``rollout``'s discard ratio.
         start_layer: first block used by ``rollout`` and ``relevance``.
-        token_index: the row explained: default what the head reads (see
-            :func:`explained_token`: the class token for ``cls`` pooling, the mean of the patch
-            tokens' rows for ``mean`` pooling); or a prefix token's index, or ``"patches"``.
+        token_index: the row explained, overriding ``token``: a prefix token's index, a tuple
+            of them, or ``"patches"``.
         generator: randomness of the ``random`` baseline.
+        target_class: one class for every image, by name (``task.class_names``) or index;
+            excludes ``target``.
+        token: ``auto`` (what the head reads), or for a distilled DeiT ``cls``, ``dist`` or
+            ``mean`` (see :func:`resolve_token`). ``gradcam`` and ``tokens`` do not depend on it.
+
+    Raises:
+        ConfigError: unknown methods, target class or token.
     """
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown explanation methods {unknown}; choose from {', '.join(METHODS)}")
-    need_grad = "relevance" in methods
-    with torch.set_grad_enabled(need_grad), capture_attention(task.encoder, keep_grad=need_grad) as attn:
-        out = task.encoder(images)
-        logits = task.head(out)
+    check_methods(methods)
+    if target is not None and target_class is not None:
+        raise ConfigError("give either target (one class per image) or target_class, not both")
+    specs = [METHODS[m] for m in methods]
+    needs = frozenset().union(*(s.needs for s in specs))
+    if "block_input_grad" in needs:
+        needs |= {"block_input"}
+    grad_inputs = {"attention_grad", "block_input_grad"} & needs
+    seen: dict[str, Tensor] = {}
+    handles = _record_last_block(task.encoder, needs, seen) if {"block_input", "block_output"} & needs else []
+    try:
+        with torch.set_grad_enabled(bool(grad_inputs)):
+            if {"attention", "attention_grad"} & needs:
+                with capture_attention(task.encoder, keep_grad="attention_grad" in needs) as attn:
+                    out = task.encoder(images)
+            else:
+                attn = []
+                out = task.encoder(images)
+            logits = task.head(out)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if target_class is not None:
+        index = resolve_target_class(target_class, getattr(task, "class_names", None), logits.shape[1])
+        target = torch.full((logits.shape[0],), index, dtype=torch.long, device=logits.device)
     if target is None:
         target = logits.detach().argmax(dim=1)
     p = out.num_prefix_tokens
     if token_index is None:
-        token_index = explained_token(task.head, p)
-    result = Explanation(logits=logits.detach(), target=target, grid=out.grid,
-                         attentions=[a.detach() for a in attn], num_prefix_tokens=p, token_index=token_index)
-    if need_grad:
+        token_index = resolve_token(task, p, token)
+    inputs = MethodInputs(images=images, logits=logits.detach(), target=target, grid=out.grid,
+                          num_prefix_tokens=p, token_index=token_index, attentions=list(attn),
+                          block_input=seen.get("block_input"), block_output=seen.get("block_output"),
+                          head_fusion=head_fusion, discard_ratio=discard_ratio, start_layer=start_layer,
+                          generator=generator)
+    if grad_inputs:
         with torch.enable_grad():  # also under a caller's no_grad (Lightning's predict loop)
             score = logits.gather(1, target.view(-1, 1)).sum()
-        grads = torch.autograd.grad(score, attn)
-        result.maps["relevance"] = gradient_relevance(attn, grads, out.grid, p, token_index, start_layer)
-    for method in methods:
-        if method == "rollout":
-            result.maps[method] = attention_rollout(attn, out.grid, p, head_fusion, discard_ratio, start_layer, token_index)
-        elif method == "attention":
-            result.maps[method] = last_layer_attention(attn, out.grid, p, head_fusion, token_index)
-        elif method == "random":
-            rand = torch.rand((images.shape[0], *out.grid), generator=generator)
-            result.maps[method] = rand.to(images.device)
-    result.maps = {m: result.maps[m] for m in methods}  # in the order asked for
+        wrt = list(attn) if "attention_grad" in needs else []
+        if "block_input_grad" in needs:
+            wrt.append(inputs.block_input)
+        grads = torch.autograd.grad(score, wrt)
+        if "attention_grad" in needs:
+            inputs.attention_grads = list(grads[: len(attn)])
+        if "block_input_grad" in needs:
+            inputs.block_input_grad = grads[-1]
+    inputs.attentions = [a.detach() for a in inputs.attentions]
+    for name in ("block_input", "block_output"):
+        if getattr(inputs, name) is not None:
+            setattr(inputs, name, getattr(inputs, name).detach())
+    result = Explanation(logits=logits.detach(), target=target, grid=out.grid, attentions=inputs.attentions,
+                         num_prefix_tokens=p, token_index=token_index)
+    b, (h, w) = images.shape[0], out.grid
+    for method, spec in zip(methods, specs, strict=True):
+        sal = spec.fn(inputs)
+        if tuple(sal.shape) != (b, h, w):
+            raise ValueError(f"explanation method {method!r} returned maps of shape {tuple(sal.shape)}, "
+                             f"expected [B, h, w] = {(b, h, w)}")
+        result.maps[method] = normalize_maps(sal.detach().float())
     return result
 
 
 def faithfulness(task, images: Tensor, explanation: Explanation, steps: int = 16) -> dict[str, dict[str, Tensor]]:
-    """Per-image deletion and insertion AUC of every map in ``explanation``.
+    """Per-image deletion and insertion AUC of every map in ``explanation`` that explains a
+    class (not the ``tokens`` diagnostic: :func:`faithful_methods`).
 
     Returns ``{method: {"deletion_auc": [B], "insertion_auc": [B]}}`` for the class in
     ``explanation.target``.
@@ -143,7 +465,8 @@ def faithfulness(task, images: Tensor, explanation: Explanation, steps: int = 16
         return task(x).float().softmax(dim=-1)
 
     out: dict[str, dict[str, Tensor]] = {}
-    for method, sal in explanation.maps.items():
+    for method in faithful_methods(explanation.maps):
+        sal = explanation.maps[method]
         out[method] = {
             f"{mode}_auc": auc(deletion_insertion_curve(proba, images, sal, explanation.target, mode, steps))
             for mode in ("deletion", "insertion")

@@ -12,10 +12,16 @@ tokens in front) and return maps ``[B, h, w]`` in ``[0, 1]``, each scaled to a m
 - :func:`last_layer_attention` — the raw attention of the chosen token in the last block.
 
 Which row is explained (``token_index``): a prefix token's (0 = the class token, what a
-``cls``-pooling head reads) or ``"patches"``, the mean of the patch tokens' rows — what a
-mean-pooling head reads, since the mean of the patch tokens' outputs is linear in the rows
+``cls``-pooling head reads; 1 = a distilled DeiT's distillation token), a tuple of prefix
+tokens (the mean of their rows: ``(0, 1)`` is what a distilled DeiT's head reads, the average
+of its class and distillation heads) or ``"patches"``, the mean of the patch tokens' rows — what
+a mean-pooling head reads, since the mean of the patch tokens' outputs is linear in the rows
 (the rollout / relevance of the mean is the mean of the rows). Without prefix tokens the mean
 row is explained whatever ``token_index`` says.
+
+Prefix tokens (class, distillation, register tokens) are never drawn as patches: the maps hold
+the ``h * w`` patch tokens only, and rollout's ``discard_ratio`` never discards attention *to*
+a prefix token.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ __all__ = [
 ]
 
 HeadFusion = Literal["mean", "max", "min"]
-TokenIndex = int | Literal["patches"]
+TokenIndex = int | tuple[int, ...] | Literal["patches"]
 
 
 def fuse_heads(attn: Tensor, head_fusion: HeadFusion = "mean") -> Tensor:
@@ -78,7 +84,8 @@ def _check(attentions: Sequence[Tensor], token_index: TokenIndex, num_prefix_tok
         raise ValueError("no attention maps given (capture_attention recorded nothing?)")
     if token_index == "patches":
         return
-    if isinstance(token_index, str) or not 0 <= token_index < max(1, num_prefix_tokens):
+    rows = token_index if isinstance(token_index, tuple) else (token_index,)
+    if not rows or any(isinstance(r, str) or not 0 <= r < max(1, num_prefix_tokens) for r in rows):
         raise ValueError(
             f"token_index {token_index} is not a prefix token (the model has {num_prefix_tokens}); "
             "for models without prefix tokens use token_index=0 with mean-pooled explanations; "
@@ -116,7 +123,8 @@ def _row_through(layers: list[Tensor], like: Tensor, token_index: TokenIndex, nu
     if _explains_patches(token_index, num_prefix_tokens):
         row[:, 0, num_prefix_tokens:] = 1.0 / (t - num_prefix_tokens)
     else:
-        row[:, 0, token_index] = 1.0
+        rows = list(token_index) if isinstance(token_index, tuple) else [token_index]
+        row[:, 0, rows] = 1.0 / len(rows)  # the mean of these rows (the chain is linear)
     for m in reversed(layers):
         row = row @ m  # (B, 1, T)
     return row[:, 0]
@@ -139,11 +147,13 @@ def attention_rollout(
         num_prefix_tokens: ``P`` (cls, distillation, register tokens).
         head_fusion: ``mean``, ``max`` or ``min`` over heads.
         discard_ratio: share of the lowest fused attentions zeroed per layer and image (the
-            columns of prefix tokens are never discarded).
+            columns of prefix tokens — class, distillation and register tokens — are never
+            discarded).
         start_layer: skip the blocks before this one.
         token_index: which prefix token's row to explain (0 = class token; 1 = DeiT's
-            distillation token), or ``"patches"``: the mean of the patch tokens' rows (a
-            mean-pooling head). With ``P = 0`` the mean over all token rows is explained.
+            distillation token; a tuple: the mean of those rows), or ``"patches"``: the mean of
+            the patch tokens' rows (a mean-pooling head). With ``P = 0`` the mean over all token
+            rows is explained.
     """
     _check(attentions, token_index, num_prefix_tokens)
     if not 0 <= start_layer < len(attentions):
@@ -215,5 +225,6 @@ def last_layer_attention(
     if _explains_patches(token_index, num_prefix_tokens):
         row = fused[:, num_prefix_tokens:].mean(dim=1)
     else:
-        row = fused[:, token_index]
+        rows = list(token_index) if isinstance(token_index, tuple) else [token_index]
+        row = fused[:, rows].mean(dim=1)
     return to_grid(row, grid, num_prefix_tokens)

@@ -1,4 +1,10 @@
-"""Classification head: pool the encoder's tokens, then a linear layer."""
+"""Classification heads: pool the encoder's tokens, then a linear layer.
+
+:class:`ClassificationHead` is the suite's own (trained with the task); :class:`TimmHead` runs
+the timm model's own pooling and classifier (``forward_head``), so a pretrained timm ViT
+predicts exactly as timm does (class or mean pooling, ``fc_norm``, the averaged class and
+distillation heads of a distilled DeiT, register tokens left out of the mean).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,10 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from vision_attn.models.encoder import EncoderOutput
+from vision_attn.errors import EncoderError
+from vision_attn.models.encoder import EncoderOutput, ViTEncoder
 
-__all__ = ["ClassificationHead", "Pooling"]
+__all__ = ["ClassificationHead", "Pooling", "TimmHead"]
 
 Pooling = Literal["auto", "cls", "mean"]
 
@@ -52,3 +59,51 @@ class ClassificationHead(nn.Module):
 
     def forward(self, out: EncoderOutput) -> Tensor:
         return self.fc(self.dropout(self.pool(out)))
+
+
+class TimmHead(nn.Module):
+    """Logits ``[B, C]`` from encoder tokens through the timm model's own ``forward_head``.
+
+    The classifier's weights stay where timm keeps them, in the encoder's timm model
+    (``encoder.model.head`` ...), so a timm state dict loads into the encoder unchanged; this
+    module holds no parameters and only a plain (unregistered) reference to the encoder.
+
+    Attributes:
+        pooling: timm's ``global_pool``: ``token`` (the class token; a distilled DeiT averages
+            the class and distillation heads), ``avg`` (the mean of the patch tokens, prefix and
+            register tokens left out), or ``map`` (attention pooling: predicts, but no token
+            row explains it).
+        distilled: a distilled DeiT: the logits are the mean of the class-token head and the
+            distillation-token head (prefix tokens 0 and 1).
+        num_classes: ``C``.
+
+    Args:
+        encoder: a :class:`~vision_attn.models.ViTEncoder` built with timm's classifier
+            (``num_classes > 0``).
+
+    Raises:
+        EncoderError: the encoder has no timm classifier.
+    """
+
+    def __init__(self, encoder: ViTEncoder) -> None:
+        super().__init__()
+        model = encoder.model
+        num_classes = int(getattr(model, "num_classes", 0) or 0)
+        if num_classes < 1 or not hasattr(model, "forward_head"):
+            raise EncoderError(
+                f"head='timm' needs the timm model's own classifier, but encoder {encoder.name!r} was built "
+                "with num_classes=0; build it with the pretrained classifier's size (e.g. num_classes=1000)"
+            )
+        self.num_classes = num_classes
+        self.pooling: str = str(getattr(model, "global_pool", "token") or "")
+        self.distilled: bool = hasattr(model, "head_dist")
+        # A plain attribute (not a sub-module): the weights are the encoder's, saved once.
+        self.__dict__["_timm_model"] = model
+
+    @property
+    def global_pool(self) -> str:
+        """timm's name of :attr:`pooling`."""
+        return self.pooling
+
+    def forward(self, out: EncoderOutput) -> Tensor:
+        return self._timm_model.forward_head(out.tokens)  # (B, C)

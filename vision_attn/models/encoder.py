@@ -8,8 +8,9 @@ tokens together with what downstream code needs to interpret them:
 - ``num_prefix_tokens``: ``P``, the class / distillation / register tokens in front;
 - ``grid``: ``(h, w)`` patch grid of the *actual* input, so ``N = h * w`` (dynamic image size).
 
-Preprocessing (input size, mean, std, interpolation, crop fraction) comes from timm's data
-config and is kept in ``data_config``; tasks store it in their checkpoints.
+Preprocessing (input size, mean, std, interpolation, crop fraction, crop mode) comes from
+timm's data config and is kept in ``data_config``; tasks store it in their checkpoints
+(:mod:`vision_attn.data.transforms` applies it exactly as timm evaluates).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 from vision_attn.checkpoint_io import load_state_dict_file
 from vision_attn.errors import CheckpointError, EncoderError
 
-__all__ = ["CHECKPOINT_TIMM_KWARGS", "ConvStem", "EncoderOutput", "ViTEncoder", "create_encoder"]
+__all__ = ["CHECKPOINT_TIMM_KWARGS", "ConvStem", "EncoderOutput", "ViTEncoder", "create_encoder", "suggest_model_names"]
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,14 @@ def _plain_data(value: Any) -> bool:
     return False
 
 
-def _suggest(name: str) -> str:
-    candidates = timm.list_models("vit_*") + timm.list_models("deit*")
-    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
+PREPROCESS_KEYS = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")
+
+
+def suggest_model_names(name: str) -> str:
+    """" Did you mean: ...?" with close timm model names (ViT family first), and where to list them."""
+    vit_family = timm.list_models("vit_*") + timm.list_models("deit*")
+    close = difflib.get_close_matches(name, vit_family, n=3, cutoff=0.5)
+    close = close or difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
     return hint + " List the available names with `timm.list_models('vit_*')`."
 
@@ -141,7 +147,8 @@ class ViTEncoder(nn.Module):
         stem: ``patch`` (timm's linear patch embedding, needed for pretrained weights) or
             ``conv`` (:class:`ConvStem`, for small models trained from scratch).
         preprocess: overrides of timm's data config (``input_size``, ``mean``, ``std``,
-            ``interpolation``, ``crop_pct``), e.g. ``{"crop_pct": 1.0}`` for small images.
+            ``interpolation``, ``crop_pct``, ``crop_mode``), e.g. ``{"crop_pct": 1.0}`` for small
+            images.
     """
 
     def __init__(
@@ -192,13 +199,15 @@ class ViTEncoder(nn.Module):
         )
         arch = name.split(".")[0]
         if not timm.is_model(arch):
-            raise EncoderError(f"Unknown timm model name {name!r}.{_suggest(arch)}")
+            raise EncoderError(f"Unknown timm model name {name!r}.{suggest_model_names(arch)}")
         try:
             model = timm.create_model(name, pretrained=pretrained, **kwargs)
         except TypeError as err:
             raise EncoderError(
-                f"timm model {name!r} does not accept these arguments {sorted(kwargs)}: {err}. "
-                "Is it a ViT-family model (vit_*, deit_*)?"
+                f"timm model {name!r} is not a Vision Transformer that vision_attn can read: "
+                f"timm.create_model refused the arguments {sorted(kwargs)} ({err}). Use a ViT-family "
+                "model such as vit_tiny_patch16_224, deit_small_distilled_patch16_224 or "
+                "vit_base_patch16_reg4_gap_256 (list them with timm.list_models('vit_*'))."
             ) from err
         except (OSError, RuntimeError) as err:
             if not pretrained:
@@ -288,11 +297,9 @@ class ViTEncoder(nn.Module):
     # ------------------------------------------------------------------ preprocessing
     def _resolve_data_config(self, overrides: dict[str, Any]) -> dict[str, Any]:
         """timm's data config, with the input size of *this* model (not of the pretrained tag)."""
-        unknown = set(overrides) - {"input_size", "interpolation", "mean", "std", "crop_pct"}
+        unknown = set(overrides) - set(PREPROCESS_KEYS)
         if unknown:
-            raise EncoderError(
-                f"preprocess has unknown keys {sorted(unknown)}; allowed: input_size, interpolation, mean, std, crop_pct"
-            )
+            raise EncoderError(f"preprocess has unknown keys {sorted(unknown)}; allowed: {', '.join(PREPROCESS_KEYS)}")
         cfg = dict(timm.data.resolve_model_data_config(self.model))
         img_size = self.model.patch_embed.img_size
         if img_size is not None:
@@ -304,6 +311,7 @@ class ViTEncoder(nn.Module):
             "mean": tuple(float(m) for m in cfg["mean"]),
             "std": tuple(float(s) for s in cfg["std"]),
             "crop_pct": float(cfg.get("crop_pct", 1.0)),
+            "crop_mode": str(cfg.get("crop_mode") or "center"),
         }
 
     # ------------------------------------------------------------------ weights
@@ -315,7 +323,16 @@ class ViTEncoder(nn.Module):
         checkpoint filter. A classifier head whose shape differs from this model's is dropped
         (with a warning) so the weights can be fine-tuned on another label set.
         """
-        state = load_state_dict_file(path)
+        self.load_state(load_state_dict_file(path), str(path))
+
+    def classifier_keys(self) -> tuple[str, ...]:
+        """Names of timm's classifier modules (``head``; ``head``, ``head_dist`` for distilled DeiT)."""
+        classifier = self.model.pretrained_cfg.get("classifier", "head")
+        return (classifier,) if isinstance(classifier, str) else tuple(classifier)
+
+    def load_state(self, state: dict[str, Tensor], path: str = "weights") -> None:
+        """Load a timm state dict already read (see :meth:`load_weights`; ``path`` names it in
+        messages)."""
         own = self.model.state_dict()
         for prefix in ("module.", "model.", "encoder.model."):
             if state and not any(k in own for k in state) and all(k.startswith(prefix) for k in state):
@@ -323,8 +340,7 @@ class ViTEncoder(nn.Module):
         filter_fn = getattr(importlib.import_module(type(self.model).__module__), "checkpoint_filter_fn", None)
         if filter_fn is not None:
             state = filter_fn(state, self.model)
-        classifier = self.model.pretrained_cfg.get("classifier", "head")
-        heads = (classifier,) if isinstance(classifier, str) else tuple(classifier)
+        heads = self.classifier_keys()
         for key in list(state):
             if key.split(".")[0] not in heads:
                 continue

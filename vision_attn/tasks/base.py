@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from vision_attn.checkpoint_io import CheckpointError, load_checkpoint_file
+from vision_attn.data.transforms import whole_image
 from vision_attn.distributed import gather_objects
 from vision_attn.errors import DataError, TrainingDivergedError
 from vision_attn.models.encoder import ViTEncoder
@@ -173,7 +174,7 @@ class VisionTask(L.LightningModule):
     def inference_data_config(self) -> dict[str, Any]:
         """The preprocessing of single images at inference: :attr:`data_config`, without the
         centre crop when the task must see the whole image (:attr:`crop_at_inference`)."""
-        return self.data_config if self.crop_at_inference else {**self.data_config, "crop_pct": 1.0}
+        return self.data_config if self.crop_at_inference else whole_image(self.data_config)
 
     def export_forward(self, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The tensors-in, tensors-out forward that ONNX holds (:attr:`export_output_names`)."""
@@ -485,7 +486,7 @@ def restore_from_checkpoint(task: VisionTask, meta: dict[str, Any], ckpt: dict[s
         raise CheckpointError(f"{what}: weights do not fit the model it describes: {err}") from err
     stored = meta.get("data_config")
     if stored:
-        allowed = {"input_size", "interpolation", "mean", "std", "crop_pct"}
+        allowed = {"input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode"}
         if not isinstance(stored, dict) or set(stored) - allowed or not all(
                 isinstance(v, (int, float, str, list, tuple)) for v in stored.values()):
             raise CheckpointError(

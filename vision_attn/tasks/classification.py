@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -10,14 +10,17 @@ from torch import Tensor
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from vision_attn.models.classifier import ClassificationHead, Pooling
+from vision_attn.errors import EncoderError
+from vision_attn.models.classifier import ClassificationHead, Pooling, TimmHead
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks.base import VisionTask, gather_objects, register_task
 from vision_attn.tasks.optim import Optimization
 
 CLASSIFICATION_OPTIM = Optimization()
 
-__all__ = ["ClassificationTask", "classification_metrics"]
+__all__ = ["ClassificationTask", "HeadKind", "classification_metrics"]
+
+HeadKind = Literal["linear", "timm"]
 
 
 def _metric_collection(num_classes: int) -> MetricCollection:
@@ -51,7 +54,11 @@ class ClassificationTask(VisionTask):
         pooling: ``auto`` (class token if any, else mean), ``cls`` or ``mean`` (over the patch
             tokens). The explanations explain what the head reads: the class token's row, or
             the mean of the patch tokens' rows.
-        head_dropout: dropout before the classifier.
+        head_dropout: dropout before the classifier (``linear`` head).
+        head: ``linear`` (the suite's :class:`~vision_attn.models.classifier.ClassificationHead`,
+            built from the data) or ``timm`` (the timm model's own pooling and classifier,
+            :class:`~vision_attn.models.classifier.TimmHead`: a pretrained timm ViT as timm runs
+            it; ``num_classes`` is the encoder's classifier size, ``pooling`` is timm's).
         label_smoothing: label smoothing of the training loss.
         optim: learning rates, weight decay and schedule (default ``CLASSIFICATION_OPTIM``;
             ``--model.optim.lr`` etc.).
@@ -76,14 +83,20 @@ class ClassificationTask(VisionTask):
         label_smoothing: float = 0.1,
         optim: Optimization = CLASSIFICATION_OPTIM,
         compile: bool = False,
+        head: HeadKind = "linear",
     ) -> None:
         super().__init__(encoder, optim, compile)
         self.save_hyperparameters(ignore=["encoder", "optim"])  # optim: a dataclass, kept out of pickled state
+        if head not in ("linear", "timm"):
+            raise ValueError(f"head must be 'linear' or 'timm', got {head!r}")
+        self.head_kind = head
         self.pooling = pooling
         self.head_dropout = head_dropout
         self.label_smoothing = label_smoothing
         self.class_names: list[str] | None = None
-        self.head: ClassificationHead | None = None
+        self.head: ClassificationHead | TimmHead | None = None
+        if head == "timm" and num_classes is None and class_names is None:
+            num_classes = int(getattr(encoder.model, "num_classes", 0) or 0)
         if class_names is not None or num_classes is not None:
             self._build_head(num_classes, class_names)
         self.eval_records: list[dict[str, Any]] = []
@@ -93,9 +106,21 @@ class ClassificationTask(VisionTask):
             raise ValueError(f"num_classes={num_classes} but {len(class_names)} class_names were given")
         if class_names is None:
             class_names = [str(i) for i in range(int(num_classes))]
+        n = len(class_names)
+        if self.head_kind == "timm":
+            head = TimmHead(self.encoder)
+            if head.num_classes != n:
+                raise EncoderError(
+                    f"head='timm': the timm model's classifier has {head.num_classes} classes but "
+                    f"{n} class names were given; give {head.num_classes} names"
+                )
+            self.head = head
+        else:
+            pooling = self.pooling
+            if pooling == "auto":  # the class token when there is one (register-only models have none)
+                pooling = "cls" if getattr(self.encoder.model, "cls_token", None) is not None else "mean"
+            self.head = ClassificationHead(self.encoder.embed_dim, n, pooling, self.head_dropout)
         self.class_names = list(class_names)
-        n = len(self.class_names)
-        self.head = ClassificationHead(self.encoder.embed_dim, n, self.pooling, self.head_dropout)
         self.hparams["num_classes"] = n
         self.hparams["class_names"] = self.class_names
         # ("train" cannot be a ModuleDict key: it would shadow nn.Module.train)
@@ -180,11 +205,18 @@ class ClassificationTask(VisionTask):
         return (self(images),)
 
     def predictions_from_outputs(self, outputs, sizes, options=None) -> list[dict[str, Any]]:
-        """``{"pred", "score"}`` per image from ``(logits,)``."""
+        """``{"pred", "score", "topk"}`` per image from ``(logits,)``: the top-1 class and its
+        softmax probability, and ``topk``: ``[{"label", "score"}]`` of the ``k`` most probable
+        classes, top-1 first (``k = options.topk``, default 5, at most ``C``)."""
         names = self.class_names or []
-        probs = outputs[0].float().softmax(-1)
-        score, pred = probs.max(-1)
-        return [{"pred": names[int(c)], "score": float(p)} for c, p in zip(pred, score, strict=True)]
+        probs = outputs[0].float().softmax(-1)  # (B, C)
+        k = max(1, min(int(getattr(options, "topk", 5) or 5), probs.shape[-1]))
+        scores, classes = probs.topk(k, dim=-1)  # (B, k), sorted: top-1 first
+        records = []
+        for top_scores, top_classes in zip(scores.tolist(), classes.tolist(), strict=True):
+            topk = [{"label": names[c], "score": float(p)} for c, p in zip(top_classes, top_scores, strict=True)]
+            records.append({"pred": topk[0]["label"], "score": topk[0]["score"], "topk": topk})
+        return records
 
     def explain_batch(self, images, pictures, options, truths=None):
         """The input (as the model sees it) and one overlay per method (``options.methods``)."""
