@@ -157,3 +157,58 @@ def test_images_may_be_a_file_a_folder_or_a_glob(folder, tmp_path):
         resolve_images(f"{folder}/*.gif")
     with pytest.raises(VisionAttnError, match="no such file or folder"):
         resolve_images(tmp_path / "absent.jpg")
+
+
+@pytest.fixture(scope="module")
+def timm_weights(tmp_path_factory):
+    """A timm ViT made and saved by plain timm code (random weights, ImageNet-1k head)."""
+    import safetensors.torch
+    import timm
+    import torch
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+    path = tmp_path_factory.mktemp("timm") / "vit.safetensors"
+    safetensors.torch.save_file(model.state_dict(), str(path))
+    return path
+
+
+def test_predict_any_timm_vit_by_name_contract(timm_weights, folder, tmp_path):
+    import timm
+
+    photo = folder / "a.jpg"
+    out = tmp_path / "out"
+    weights = timm_weights
+    main(["--model", "timm:vit_tiny_patch16_224", "--weights_file", str(weights), "--images", str(photo),
+          "--output_dir", str(out), "--topk", "3", "--methods", "gradcam", "tokens", "--num_workers", "0"])
+    preds = json.loads((out / "predictions.json").read_text())
+    assert len(preds) == 1 and preds[0]["file"] == "a.jpg"  # a single file: its name
+    topk = preds[0]["topk"]
+    assert len(topk) == 3 and topk[0] == {"label": preds[0]["pred"], "score": preds[0]["score"]}
+    assert [t["score"] for t in topk] == sorted((t["score"] for t in topk), reverse=True)
+    info = timm.data.ImageNetInfo()
+    names = {info.index_to_description(i) for i in range(1000)}
+    assert all(t["label"] in names for t in topk)  # ImageNet descriptions, not indices
+    assert (out / "overlays" / "a.jpg.png").is_file() and (out / "report.html").is_file()
+    assert json.loads((out / "skipped.json").read_text()) == []
+    # --no_overlays: predictions only; a folder gives paths relative to it
+    main(["--model", "timm:vit_tiny_patch16_224", "--weights_file", str(weights), "--images", str(folder),
+          "--output_dir", str(tmp_path / "o2"), "--no_overlays", "--num_workers", "0"])
+    assert not (tmp_path / "o2" / "overlays").exists()
+    assert [p["file"] for p in json.loads((tmp_path / "o2" / "predictions.json").read_text())] == ["a.jpg",
+                                                                                                   "sub/b.png"]
+
+
+def test_a_pretrained_name_offline_without_weights_is_one_line_and_status_2(folder, tmp_path, capsys, monkeypatch):
+    import timm.models._builder as builder
+
+    def offline(*args, **kwargs):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(builder, "load_pretrained", offline)
+    with pytest.raises(SystemExit) as ex:
+        main(["--model", "timm:vit_tiny_patch16_224.augreg_in21k_ft_in1k", "--images", str(folder),
+              "--output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and "--weights_file" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

@@ -166,10 +166,12 @@ def _report_item(expl, j: int, display: np.ndarray, caption: str, panel: np.ndar
     """Image ``j`` of an explained batch for report.html: every patch's attention row, per layer and head."""
     from vision_attn.explain.report import Report, png_data_uri, quantise
 
+    item = {"text": caption, "image": Report.display_image(display), "panels": [png_data_uri(panel)]}
+    if not expl.attentions:  # only methods that need no attention (gradcam, tokens): no patch view
+        return item
     p = expl.num_prefix_tokens
     rows = torch.stack([a[j, :, p:, p:] for a in expl.attentions])  # (L, H, N, N): patch -> patch
-    return {"text": caption, "image": Report.display_image(display), "panels": [png_data_uri(panel)],
-            "kind": "patches", "grid": list(expl.grid), "layers": rows.shape[0], "heads": rows.shape[1],
+    return {**item, "kind": "patches", "grid": list(expl.grid), "layers": rows.shape[0], "heads": rows.shape[1],
             "maps": quantise(rows)}
 
 
