@@ -107,6 +107,10 @@ def test_eval_points_at_the_named_objects(fitted, tmp_path):
     assert {"pointing_acc", "pointing_acc_random", "pointing_words"} <= set(saved)
     assert saved["pointing_words"] >= 1 and 0.0 < saved["pointing_acc_random"] < 1.0
     assert saved["pointing_acc"] > saved["pointing_acc_random"]  # the named object's attention peaks on it
+    # every decoder method gets its own pointing score; the old names are raw attention's
+    assert {"pointing_attention", "pointing_relevance", "pointing_random"} <= set(saved)
+    assert saved["pointing_acc"] == saved["pointing_attention"]
+    assert saved["pointing_random"] == saved["pointing_acc_random"]
 
 
 def test_checkpoint_restores_tokenizer_and_generation(fitted):

@@ -39,8 +39,10 @@ def word_attention_maps(attention: torch.Tensor, num_words: int, grid: tuple[int
     return normalize_maps(fused.reshape(-1, *grid))
 
 
-def caption_strip(rgb: np.ndarray, words: list[str], maps: torch.Tensor, alpha: float = 0.5, cols: int = 8) -> np.ndarray:
-    """The image, then one overlay per word titled with the word; the caption written above."""
+def caption_strip(rgb: np.ndarray, words: list[str], maps: torch.Tensor, alpha: float = 0.5, cols: int = 8,
+                  title: str | None = None) -> np.ndarray:
+    """The image, then one overlay per word titled with the word; the caption (after ``title``,
+    e.g. the method, when given) written above."""
     side = max(rgb.shape[:2])
     if side < 128:  # enlarge small images so the heat maps can be seen
         f = int(np.ceil(128 / side))
@@ -48,7 +50,8 @@ def caption_strip(rgb: np.ndarray, words: list[str], maps: torch.Tensor, alpha: 
     tiles = [rgb] + [overlay_saliency(rgb, m, alpha=alpha) for m in maps]
     grid = image_grid(tiles, ["image", *words], cols=min(cols, len(tiles)))
     band = np.full((22, grid.shape[1], 3), 255, np.uint8)
-    cv2.putText(band, " ".join(words) or "(empty caption)", (4, 16), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1, cv2.LINE_AA)
+    caption = " ".join(words) or "(empty caption)"
+    cv2.putText(band, f"{title}: {caption}" if title else caption, (4, 16), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1, cv2.LINE_AA)
     return np.concatenate([band, grid], axis=0)
 
 
@@ -105,22 +108,32 @@ def pointing_game(words: list[str], maps: torch.Tensor, boxes: list[tuple[set[st
 
 def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], options, truths=None) -> list:
     """:meth:`~vision_attn.tasks.VisionTask.explain_batch` of a captioner: per image the record
-    ``{"caption"}``, the per-word strip (:func:`caption_strip`) and its report item;
-    ``extras`` holds the ``words`` and their ``maps`` (for the pointing game)."""
+    ``{"caption"}``, the per-word strip (:func:`caption_strip`) of each method of
+    :func:`~vision_attn.explain.detection.decoder_methods` (stacked) and its report item (the
+    first method's maps); ``extras`` holds the ``words`` and ``maps`` ``{method: [T, h, w]}``."""
+    from vision_attn.explain.decoder_relevance import caption_relevance
+    from vision_attn.explain.detection import decoder_methods
     from vision_attn.explain.report import Report, png_data_uri, quantise
     from vision_attn.tasks.base import Explained
 
     with torch.no_grad():
         gen = task.generate(images, return_attention=True)
     grid = task.encoder.grid_for(*images.shape[-2:])
+    captions = [task.tokenizer.decode_words(gen.tokens[j].tolist()) for j in range(len(pictures))]
+    methods = decoder_methods(options)
+    relevance = (caption_relevance(task, images, [gen.tokens[j][: len(w)] for j, w in enumerate(captions)])
+                 if "relevance" in methods else None)
     explained = []
-    for j, picture in enumerate(pictures):
-        words = task.tokenizer.decode_words(gen.tokens[j].tolist())
-        maps = word_attention_maps(gen.attention[j].cpu(), len(words), grid, options.query_layers)
-        strip = caption_strip(picture, words, maps, options.alpha)
+    for j, (picture, words) in enumerate(zip(pictures, captions, strict=True)):
+        maps = {m: relevance[j] if m == "relevance" else
+                word_attention_maps(gen.attention[j].cpu(), len(words), grid, options.query_layers) for m in methods}
+        strips = [caption_strip(picture, words, maps[m], options.alpha, title=m if len(methods) > 1 else None)
+                  for m in methods]
+        strip = np.concatenate(strips, axis=0)
         text = " ".join(words) if truths is None else f"{' '.join(words)} (reference: {truths[j]})"
+        first = maps[methods[0]]
         item = {"text": text, "image": Report.display_image(picture), "panels": [png_data_uri(strip)], "kind": "words",
-                "grid": list(grid), "words": words, "maps": quantise(maps.flatten(1)) if words else ""}
+                "grid": list(grid), "words": words, "maps": quantise(first.flatten(1)) if words else ""}
         explained.append(Explained({"caption": " ".join(words)}, strip, item, {"words": words, "maps": maps}))
     return explained
 
@@ -137,7 +150,8 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
                                  options.seed)) if boxes is not None else set())
     todo = sorted(chosen | pointed)
     device = next(task.parameters()).device
-    hits = total = 0
+    hits: dict[str, int] = {}
+    total = 0
     chance = 0.0
     written = 0
     for start in range(0, len(todo), options.batch_size):
@@ -153,11 +167,17 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
                 if report is not None:
                     report.items.append({"name": f"image id {image_id}", **e.report_item})
             if boxes is not None and i in pointed:
-                h, t, c = pointing_game(e.extras["words"], e.extras["maps"], boxes.get(image_id, []))
-                hits, total, chance = hits + h, total + t, chance + c
+                for method, maps in e.extras["maps"].items():
+                    h, t, c = pointing_game(e.extras["words"], maps, boxes.get(image_id, []))
+                    hits[method] = hits.get(method, 0) + h
+                total, chance = total + t, chance + c
     if written:
         log.info("wrote %d per-word attention strips to %s", written, out_dir / "overlays")
     if not total:
         return {}
-    return {"pointing_acc": hits / total, "pointing_acc_random": chance / total, "pointing_words": float(total),
+    metrics = {f"pointing_{m}": h / total for m, h in hits.items()}
+    # the names of the previous version, kept one more version: raw attention's hit rate
+    alias = "attention" if "attention" in hits else next(iter(hits))
+    return {**metrics, "pointing_random": chance / total, "pointing_acc": hits[alias] / total,
+            "pointing_acc_random": chance / total, "pointing_words": float(total),
             "explain_images": float(len(pointed))}
