@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from vision_attn.errors import ConfigError
 from vision_attn.explain.capture import capture_attention
 from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
+from vision_attn.explain.lrp import lrp_relevance
 from vision_attn.explain.rollout import (
     HeadFusion,
     TokenIndex,
@@ -100,6 +101,8 @@ class MethodInputs:
             (``block_output``).
         head_fusion, discard_ratio, start_layer: options of the attention methods.
         generator: randomness (the ``random`` baseline).
+        task: the classifier explained (``encoder`` + ``head``), for methods that run their own
+            passes through it (``lrp``).
     """
 
     images: Tensor
@@ -117,6 +120,7 @@ class MethodInputs:
     discard_ratio: float = 0.0
     start_layer: int = 0
     generator: torch.Generator | None = None
+    task: object | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,13 @@ def _gradcam(x: MethodInputs) -> Tensor:
     weights = x.block_input_grad[:, p:].float().mean(dim=1, keepdim=True)  # (B, 1, D)
     cam = (weights * tokens).sum(dim=-1).clamp(min=0)  # (B, N)
     return to_grid(cam, x.grid, 0)
+
+
+@register_method("lrp", description="conservative relevance, AttnLRP (Achtibat et al. 2024), class specific")
+def _lrp(x: MethodInputs) -> Tensor:
+    """AttnLRP relevance of the pixels summed per patch (:mod:`vision_attn.explain.lrp`); its own
+    forward and backward pass with the LRP rules, explaining the logit (``token`` plays no role)."""
+    return lrp_relevance(x.task, x.images, x.target).maps
 
 
 @register_method("tokens", needs=("block_output",), faithfulness=False,
@@ -425,7 +436,7 @@ def explain_classifier(
                           num_prefix_tokens=p, token_index=token_index, attentions=list(attn),
                           block_input=seen.get("block_input"), block_output=seen.get("block_output"),
                           head_fusion=head_fusion, discard_ratio=discard_ratio, start_layer=start_layer,
-                          generator=generator)
+                          generator=generator, task=task)
     if grad_inputs:
         with torch.enable_grad():  # also under a caller's no_grad (Lightning's predict loop)
             score = logits.gather(1, target.view(-1, 1)).sum()
