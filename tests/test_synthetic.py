@@ -108,3 +108,30 @@ def test_coco_layout_is_valid_for_pycocotools_style_readers(tmp_path):
         names = [kinds[a["category_id"]] for a in inst["annotations"] if a["image_id"] == im["id"]]
         for c in (c["caption"] for c in caps["annotations"] if c["image_id"] == im["id"]):
             assert all(n in c for n in names)
+
+
+def test_classification_data_writes_the_boxes_of_every_image(tmp_path):
+    """ROOT/annotations/instances_<split>.json: one box per image of its class's shape, file_name
+    relative to ROOT (as predictions.json names images), loadable by the localisation reader."""
+    from vision_attn.explain.localisation import load_image_boxes
+
+    cfg = ShapesConfig(image_size=32, num_train=10, num_val=5, num_test=0, seed=1, noise=0, clutter=0)
+    root = ensure_shapes_classification(cfg, tmp_path)
+    assert "-v2-" in root.name  # a v1 cache (no boxes) is not reused
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["annotations"] == {"train": "annotations/instances_train.json",
+                                       "val": "annotations/instances_val.json"}
+    coco = json.loads((root / "annotations" / "instances_val.json").read_text())
+    assert [c["name"] for c in coco["categories"]] == list(SHAPES)
+    files = sorted(p.relative_to(root).as_posix() for p in (root / "val").rglob("*.png"))
+    assert sorted(im["file_name"] for im in coco["images"]) == files
+    boxes = load_image_boxes(root / manifest["annotations"]["val"])
+    from vision_attn.data.imageio import read_image
+
+    for rel in files:
+        (kind, (x0, y0, x1, y1)), = boxes[rel]
+        assert kind == rel.split("/")[1]  # the class folder
+        img = read_image(root / rel).astype(int)
+        bg = np.median(img.reshape(-1, 3), axis=0)
+        ys, xs = np.nonzero(np.abs(img - bg).sum(-1) > 60)  # the shape's pixels lie in its box
+        assert xs.min() >= x0 - 1 and xs.max() <= x1 + 1 and ys.min() >= y0 - 1 and ys.max() <= y1 + 1

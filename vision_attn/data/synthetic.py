@@ -55,6 +55,8 @@ COLOURS: dict[str, tuple[int, int, int]] = {  # RGB
 }
 _SUPERSAMPLE = 4  # draw at 4x and downsample: smooth edges at 32 px
 _FORMAT_VERSION = 1
+# Per family: shapes 2 adds the boxes (ROOT/annotations/instances_<split>.json); glyphs stay 1.
+_FAMILY_VERSIONS = {"shapes": 2}
 _COCO_FORMAT_VERSION = 2  # 2: captions list objects left to right
 
 
@@ -300,7 +302,7 @@ class ShapesConfig:
     def key(self, task: str, family: str = "shapes") -> str:
         c = self
         return (
-            f"{family}-{task}-v{_FORMAT_VERSION}-s{c.image_size}-n{c.num_train}-{c.num_val}-{c.num_test}"
+            f"{family}-{task}-v{_FAMILY_VERSIONS.get(family, _FORMAT_VERSION)}-s{c.image_size}-n{c.num_train}-{c.num_val}-{c.num_test}"
             f"-seed{c.seed}-noise{c.noise:g}-clutter{c.clutter}-size{c.min_size:g}-{c.max_size:g}"
         )
 
@@ -347,23 +349,51 @@ def _ensure_imagefolder(
     seed_base: int,
 ) -> Path:
     """Write ``ROOT/<split>/<class>/<index>.png`` once (atomically); image ``i`` has class
-    ``i % len(classes)`` (balanced) and pixels ``render(rng, class_index)``."""
+    ``i % len(classes)`` (balanced) and pixels ``render(rng, class_index)``. A ``render`` that
+    returns ``(pixels, scene)`` also gets ``ROOT/annotations/instances_<split>.json``: the
+    scene's boxes in COCO format, ``file_name`` = the image's path relative to ``ROOT``."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / config.key("cls", family=family)
+    categories = [{"id": i + 1, "name": name, "supercategory": family} for i, name in enumerate(classes)]
 
     def build(tmp: Path) -> None:
         log.info("generating %s classification data into %s", family, target)
         splits = {"train": config.num_train, "val": config.num_val, "test": config.num_test}
+        annotation_files: dict[str, str] = {}
+        image_id, ann_id = 1, 1
         for offset, (split, count) in enumerate(splits.items()):
             if count <= 0:
                 continue
             rng = np.random.default_rng([config.seed, seed_base + offset])
             for name in classes:
                 (tmp / split / name).mkdir(parents=True, exist_ok=True)
+            images, boxes = [], []
             for i in range(count):
                 label = i % len(classes)
-                _write_png(tmp / split / classes[label] / f"{i:06d}.png", render(rng, label))
+                rendered = render(rng, label)
+                pixels, scene = rendered if isinstance(rendered, tuple) else (rendered, None)
+                rel = f"{split}/{classes[label]}/{i:06d}.png"
+                _write_png(tmp / rel, pixels)
+                if scene is None:
+                    continue
+                images.append({"id": image_id, "file_name": rel, "width": scene.width, "height": scene.height})
+                for obj in scene.objects:
+                    x, y, w, h = (round(v, 2) for v in obj.box_xywh)
+                    boxes.append({"id": ann_id, "image_id": image_id, "category_id": classes.index(obj.kind) + 1,
+                                  "bbox": [x, y, w, h], "area": round(w * h, 2), "iscrowd": 0,
+                                  "colour": obj.colour})
+                    ann_id += 1
+                image_id += 1
+            if images:
+                info = {"description": f"vision_attn synthetic {family}: boxes of the classification images",
+                        "config": asdict(config)}
+                annotation_files[split] = f"annotations/instances_{split}.json"
+                (tmp / "annotations").mkdir(exist_ok=True)
+                coco = {"info": info, "images": images, "annotations": boxes, "categories": categories}
+                (tmp / annotation_files[split]).write_text(json.dumps(coco))
         manifest = {"task": "classification", "classes": classes, "config": asdict(config)}
+        if annotation_files:
+            manifest["annotations"] = annotation_files
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
     return _atomic_dataset(target, build)
@@ -373,14 +403,18 @@ def ensure_shapes_classification(config: ShapesConfig | None = None, cache_dir: 
     """The shapes classification dataset as an ImageFolder root, generated on first use.
 
     Layout: ``ROOT/{train,val[,test]}/<shape>/<index>.png`` with one main shape per image whose
-    kind is the class, plus clutter lines. Returns ``ROOT``.
+    kind is the class, plus clutter lines, and ``ROOT/annotations/instances_<split>.json``: each
+    image's shape box in COCO format (``file_name`` = the path relative to ``ROOT``, as
+    ``predictions.json`` names it; categories 1..5 in the order of :data:`SHAPES`), named in
+    ``manifest.json`` under ``"annotations"`` (``eval.py`` finds them there for the
+    localisation metrics). Returns ``ROOT``.
     """
     config = config or ShapesConfig()
 
     def render(rng: np.random.Generator, label: int) -> np.ndarray:
         size = config.image_size
         scene = random_scene(rng, size, size, 1, config.min_size, config.max_size, kinds=(SHAPES[label],))
-        return render_scene(scene, rng, noise=config.noise, clutter=config.clutter)
+        return render_scene(scene, rng, noise=config.noise, clutter=config.clutter), scene
 
     return _ensure_imagefolder(config, cache_dir, "shapes", list(SHAPES), render, seed_base=0)
 

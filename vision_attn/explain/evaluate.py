@@ -1,10 +1,27 @@
-"""Explanations at evaluation time: overlays and faithfulness numbers of a chosen set of images.
+"""Explanations at evaluation time: overlays, faithfulness, localisation and sanity numbers.
 
 Which images: :func:`select_images`. By default the faithfulness numbers come from a seeded
 random sample spread over the whole split (one image drawn from each of ``N`` equal
 consecutive strata), so a class-sorted split (ImageFolder) is covered class by class rather
 than through its first classes only; ``metrics.json`` reports how many images
-(``explain_images``) and classes (``explain_classes``) that sample covered.
+(``explain_images``) and classes (``explain_classes``) that sample covered. The localisation
+and sanity numbers and the saved maps use the same images.
+
+**Localisation** (when boxes are known: ``--explain.annotations FILE``, or the embedded shapes
+data's own boxes): ``pointing_<method>`` and ``energy_<method>`` for every method asked for and
+``random`` (:mod:`vision_attn.explain.localisation`), over the explained images that have a
+box of their labelled class. Class-specific methods explain the *labelled* class here (not the
+prediction, nor ``--explain.target_class``): the boxes are those of that class.
+
+**Sanity** (``--explain.sanity true``): ``sanity_<method>``, the mean Spearman correlation
+between the maps of the trained model and of its fully randomised encoder
+(:mod:`vision_attn.explain.sanity`; labelled class), and ``OUT/sanity.json`` with the curve
+over the cascade (top block first).
+
+**Maps** (``--explain.save_maps true``): the localisation maps (labelled class, original image
+pixels) as ``OUT/maps/<method>/<NNNNN>.npy`` (float32 ``[H, W]``, ``NNNNN`` the image's index
+in the split, as the overlays name it) and ``OUT/maps/index.json``
+(``[{"index", "file", "label"}]``, ``file`` as in ``predictions.json``).
 
 Used by ``eval.py`` (options under ``--explain.*``) and by the folder command
 ``python -m vision_attn.overlay``.
@@ -12,6 +29,7 @@ Used by ``eval.py`` (options under ``--explain.*``) and by the folder command
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +42,8 @@ from torch.utils.data import DataLoader, Subset
 
 from vision_attn.data.imageio import read_image
 from vision_attn.data.transforms import build_display_transform
-from vision_attn.errors import ConfigError
+from vision_attn.errors import ConfigError, DataError
+from vision_attn.explain.localisation import grid_to_image, load_image_boxes, localisation
 from vision_attn.explain.methods import (
     TOKENS,
     Token,
@@ -34,7 +53,8 @@ from vision_attn.explain.methods import (
     faithfulness,
 )
 from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
-from vision_attn.outputs import safe_filename
+from vision_attn.explain.sanity import sanity_check
+from vision_attn.outputs import safe_filename, write_json, write_npy
 
 __all__ = ["ExplainOptions", "Selection", "explain_eval_split", "explanation_panel", "select_images"]
 
@@ -111,6 +131,17 @@ class ExplainOptions:
             for a distilled DeiT ``cls`` (class token), ``dist`` (distillation token), ``mean``
             (their average).
         topk: classification: the ``topk`` best classes listed per image in predictions.
+        annotations: a COCO instances file with the boxes of the evaluated images, for the
+            localisation numbers (``pointing_<method>``, ``energy_<method>``): its
+            ``file_name``s are the image paths relative to the data root, as in
+            ``predictions.json`` (``val/cat/1.png``); the category names are the class names.
+            Unset: the embedded shapes data's own boxes (``ROOT/annotations/instances_<split>
+            .json``, named in its ``manifest.json``) when evaluating on it, else no
+            localisation numbers.
+        save_maps: write the maps of the localisation numbers in original image pixels to
+            ``OUT/maps/<method>/<NNNNN>.npy`` with ``OUT/maps/index.json``.
+        sanity: the model-randomisation sanity check (Adebayo et al. 2018): ``sanity_<method>``
+            and ``OUT/sanity.json``.
     """
 
     methods: list[str] = field(default_factory=lambda: ["rollout", "relevance", "attention"])
@@ -131,6 +162,9 @@ class ExplainOptions:
     target_class: str | None = None
     token: Token = "auto"
     topk: int = 5
+    annotations: str | None = None
+    save_maps: bool = False
+    sanity: bool = False
 
     def __post_init__(self) -> None:
         check_methods(self.methods, "explain.methods")
@@ -259,25 +293,135 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
                                      report, len(chosen))
         log.info("wrote %d overlays to %s", written, out_dir / "overlays")
     picked = select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection, options.seed)
-    if options.faithfulness and picked:
-        n = len(picked)
-        gen = torch.Generator().manual_seed(0)
-        sums: dict[str, float] = {}
-        methods = list(dict.fromkeys([*faithful_methods(options.methods), "random"]))
-        for images, _, _ in _batches(dataset, picked, options.batch_size):
-            images = images.to(device)
-            expl = explain_classifier(task, images, methods, head_fusion=options.head_fusion,
-                                      discard_ratio=options.discard_ratio, generator=gen,
-                                      target_class=options.target_class, token=options.token)
-            for method, aucs in faithfulness(task, images, expl, options.steps).items():
-                for key, values in aucs.items():
-                    sums[f"{key}_{method}"] = sums.get(f"{key}_{method}", 0.0) + float(values.sum())
-        metrics = {k: v / n for k, v in sums.items()}
-        asked = faithful_methods(options.methods)
-        if asked:  # the first method asked for that has faithfulness numbers is *the* method
-            metrics["deletion_auc"] = metrics[f"deletion_auc_{asked[0]}"]
-            metrics["insertion_auc"] = metrics[f"insertion_auc_{asked[0]}"]
-        metrics["explain_images"] = float(n)
+    if not picked:
+        return dict(sorted(metrics.items()))
+    ran = False
+    if options.faithfulness:
+        metrics.update(_faithfulness_metrics(task, dataset, picked, options))
+        ran = True
+    box_file = _annotation_file(dataset, options)
+    if box_file is not None or options.save_maps or options.sanity:
+        metrics.update(_localisation_and_sanity(task, dataset, picked, options, out_dir, box_file))
+        ran = True
+    if ran:
+        metrics["explain_images"] = float(len(picked))
         metrics["explain_classes"] = float(len({dataset.samples[i][1] for i in picked}))
-        log.info("faithfulness of %d images covering %d classes", n, int(metrics["explain_classes"]))
+        log.info("explanations measured on %d images covering %d classes", len(picked),
+                 int(metrics["explain_classes"]))
     return dict(sorted(metrics.items()))
+
+
+def _faithfulness_metrics(task, dataset, picked: list[int], options: ExplainOptions) -> dict[str, float]:
+    """Mean deletion / insertion AUC of every method and ``random`` over the ``picked`` images."""
+    device = next(task.parameters()).device
+    n = len(picked)
+    gen = torch.Generator().manual_seed(0)
+    sums: dict[str, float] = {}
+    methods = list(dict.fromkeys([*faithful_methods(options.methods), "random"]))
+    for images, _, _ in _batches(dataset, picked, options.batch_size):
+        images = images.to(device)
+        expl = explain_classifier(task, images, methods, head_fusion=options.head_fusion,
+                                  discard_ratio=options.discard_ratio, generator=gen,
+                                  target_class=options.target_class, token=options.token)
+        for method, aucs in faithfulness(task, images, expl, options.steps).items():
+            for key, values in aucs.items():
+                sums[f"{key}_{method}"] = sums.get(f"{key}_{method}", 0.0) + float(values.sum())
+    metrics = {k: v / n for k, v in sums.items()}
+    asked = faithful_methods(options.methods)
+    if asked:  # the first method asked for that has faithfulness numbers is *the* method
+        metrics["deletion_auc"] = metrics[f"deletion_auc_{asked[0]}"]
+        metrics["insertion_auc"] = metrics[f"insertion_auc_{asked[0]}"]
+    return metrics
+
+
+def _annotation_file(dataset, options: ExplainOptions) -> Path | None:
+    """``options.annotations``, else the boxes the embedded shapes data names in its
+    ``manifest.json`` for this split, else ``None``."""
+    if options.annotations:
+        return Path(options.annotations).expanduser()
+    root = Path(dataset.root)
+    try:
+        manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    rel = manifest.get("annotations", {}).get(getattr(dataset, "split", "")) if isinstance(manifest, dict) else None
+    if not isinstance(rel, str):
+        return None
+    path = root / rel
+    if not path.is_file() or not path.resolve().is_relative_to(root.resolve()):
+        return None
+    log.info("localisation: boxes of the embedded data from %s", path)
+    return path
+
+
+def _limits(dataset) -> dict:
+    return {"max_pixels": dataset.max_pixels} if hasattr(dataset, "max_pixels") else {}
+
+
+def _localisation_and_sanity(task, dataset, picked: list[int], options: ExplainOptions, out_dir: Path,
+                             box_file: Path | None) -> dict[str, float]:
+    """Pointing / energy (with ``box_file``), saved maps (``options.save_maps``) and sanity
+    correlations (``options.sanity``) of every method and ``random``, over the ``picked``
+    images, each map explaining the image's labelled class."""
+    device = next(task.parameters()).device
+    names = task.class_names or []
+    methods = list(dict.fromkeys([*options.methods, "random"]))
+    pre = task.inference_data_config()
+    boxes = load_image_boxes(box_file) if box_file is not None else None
+    gen = torch.Generator().manual_seed(options.seed)
+    hits = dict.fromkeys(methods, 0)
+    energy = dict.fromkeys(methods, 0.0)
+    scored, index = 0, []
+    correlations: dict[str, dict[str, float]] = {m: {} for m in methods}
+    kwargs = {"head_fusion": options.head_fusion, "discard_ratio": options.discard_ratio, "token": options.token}
+    for images, labels, idx in _batches(dataset, picked, options.batch_size):
+        images, labels = images.to(device), labels.to(device)
+        if boxes is not None or options.save_maps:
+            expl = explain_classifier(task, images, methods, target=labels, generator=gen, **kwargs)
+            for j, i in enumerate(idx.tolist()):
+                rel = Path(dataset.samples[i][0]).as_posix()
+                size = read_image(Path(dataset.root) / rel, **_limits(dataset)).shape[:2]
+                maps = {m: grid_to_image(expl.maps[m][j], size, pre) for m in methods}  # (H, W) each
+                label = names[int(labels[j])] if int(labels[j]) < len(names) else str(int(labels[j]))
+                if options.save_maps:
+                    for m, image_map in maps.items():
+                        write_npy(out_dir / "maps" / safe_filename(m) / f"{i:05d}.npy", image_map, root=out_dir)
+                    index.append({"index": i, "file": rel, "label": label})
+                own = [box for name, box in (boxes or {}).get(rel, []) if name == label]
+                if not own:
+                    continue
+                scored += 1
+                for m, image_map in maps.items():
+                    hit, share = localisation(image_map, own)
+                    hits[m] += int(hit)
+                    energy[m] += share
+        if options.sanity:
+            for m, steps in sanity_check(task, images, methods, labels, seed=options.seed, **kwargs).items():
+                for step, rho in steps.items():
+                    correlations[m][step] = correlations[m].get(step, 0.0) + float(rho.sum())
+    metrics: dict[str, float] = {}
+    if options.save_maps:
+        write_json(out_dir / "maps" / "index.json", index, root=out_dir)
+        log.info("wrote the maps of %d images to %s", len(index), out_dir / "maps")
+    if boxes is not None:
+        if scored == 0:
+            raise DataError(
+                f"annotation file {box_file}: none of the {len(picked)} explained images has a box of its labelled "
+                f"class; its file_names must be the image paths relative to the data root, as in predictions.json "
+                f"(e.g. {Path(dataset.samples[picked[0]][0]).as_posix()!r}), and its category names the class names"
+            )
+        if scored < len(picked):
+            log.warning("localisation: %d of the %d explained images have no box of their labelled class in %s; "
+                        "measured on the other %d", len(picked) - scored, len(picked), box_file, scored)
+        for m in methods:
+            metrics[f"pointing_{m}"] = hits[m] / scored
+            metrics[f"energy_{m}"] = energy[m] / scored
+    if options.sanity:
+        n = len(picked)
+        curves = {m: {step: total / n for step, total in steps.items()} for m, steps in correlations.items()}
+        for m, curve in curves.items():
+            metrics[f"sanity_{m}"] = curve["all"]
+        write_json(out_dir / "sanity.json", {"measure": "mean Spearman correlation with the trained model's maps",
+                                             "steps": list(next(iter(curves.values()))), "methods": curves},
+                   root=out_dir)
+    return metrics

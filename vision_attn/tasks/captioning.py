@@ -62,7 +62,7 @@ class CaptioningTask(VisionTask):
     export_output_names = ("tokens",)  # the encoder's; beam search stays in PyTorch
     onnx_predicts = False
     headline_metrics = ("bleu1", "bleu4", "cider", "pointing_acc", "pointing_acc_random")
-    overlay_description = "the caption, then each word's cross-attention over the image"
+    overlay_description = "the caption, then each word's map: relevance and raw cross-attention (one strip each)"
 
     def __init__(
         self,

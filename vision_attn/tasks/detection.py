@@ -95,7 +95,7 @@ class DetectionTask(VisionTask):
     crop_at_inference = False  # a centre crop would cut objects off: the whole image, resized
     export_output_names = ("pred_logits", "pred_boxes")
     headline_metrics = ("map", "map_50", "map_75")
-    overlay_description = "boxes | cross-attention of each detected object's query"
+    overlay_description = "boxes | per detected object: its relevance and its query's raw cross-attention"
 
     def __init__(
         self,

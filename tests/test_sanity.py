@@ -1,0 +1,76 @@
+"""Sanity checks by cascading model randomisation (Adebayo et al. 2018): Spearman against scipy,
+the real model untouched, a weight-blind method scores 1, a weight-dependent one less."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import spearmanr
+from torch import nn
+
+from vision_attn import create_encoder
+from vision_attn.explain.methods import METHODS, register_method
+from vision_attn.explain.sanity import cascading_randomisation, sanity_check, spearman
+from vision_attn.tasks import ClassificationTask
+
+from .conftest import TINY_VIT
+
+
+def test_spearman_equals_scipy_with_ties():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.rand(6, 4, 4, generator=gen)
+    b = a + 0.3 * torch.rand(6, 4, 4, generator=gen)
+    a[0, :2] = 0.5  # ties
+    b[1] = torch.randint(0, 3, (4, 4), generator=gen).float()  # many ties
+    b[2] = -a[2]
+    ours = spearman(a, b)
+    ref = [spearmanr(a[i].flatten().numpy(), b[i].flatten().numpy()).statistic for i in range(6)]
+    np.testing.assert_allclose(ours.numpy(), ref, atol=1e-12)
+    assert ours[2] == pytest.approx(-1.0)
+    flat = torch.zeros(2, 3, 3)
+    assert spearman(flat, flat).tolist() == [1.0, 1.0]  # the same constant map: unchanged
+    assert spearman(flat, a[:2, :3, :3]).tolist() == [0.0, 0.0]
+
+
+def _task() -> ClassificationTask:
+    torch.manual_seed(0)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=list("abc"))
+    nn.init.normal_(task.head.fc.weight, std=1.0)
+    return task.eval()
+
+
+def test_cascade_randomises_top_block_first_and_leaves_the_model_alone():
+    task = _task()
+    before = {k: v.clone() for k, v in task.encoder.state_dict().items()}
+    steps = []
+    for step, enc in cascading_randomisation(task.encoder, seed=1):
+        changed = {k for k, v in enc.state_dict().items() if not torch.equal(v, before[k])}
+        steps.append((step, changed))
+    assert [s for s, _ in steps] == ["block1", "block0", "all"]
+    assert steps[0][1] and all(".blocks.1." in k for k in steps[0][1])  # the top block only
+    assert any(".blocks.0." in k for k in steps[1][1]) and steps[0][1] <= steps[1][1]
+    assert any("pos_embed" in k for k in steps[2][1]) and any("patch_embed" in k for k in steps[2][1])
+    assert all(torch.equal(v, before[k]) for k, v in task.encoder.state_dict().items())  # untouched
+    again = dict(cascading_randomisation(task.encoder, seed=1))["all"].state_dict()
+    assert all(torch.equal(v, steps_v) for v, steps_v in zip(again.values(), enc.state_dict().values(),
+                                                             strict=True))  # seeded
+
+
+def test_weight_blind_method_scores_one_and_relevance_lower():
+    @register_method("fixed_map", description="test: the same map whatever the model")
+    def _fixed(x):
+        ramp = torch.arange(x.grid[0] * x.grid[1], dtype=torch.float32).view(1, *x.grid)
+        return ramp.expand(x.images.shape[0], -1, -1).to(x.images.device)
+
+    try:
+        task = _task()
+        images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+        target = torch.tensor([0, 1, 2, 0])
+        out = sanity_check(task, images, ["fixed_map", "relevance", "random"], target, seed=0)
+    finally:
+        METHODS.pop("fixed_map")
+    assert list(out["relevance"]) == ["block1", "block0", "all"]
+    assert all(torch.allclose(v, torch.ones(4, dtype=torch.float64)) for v in out["fixed_map"].values())
+    assert all(torch.allclose(v, torch.ones(4, dtype=torch.float64)) for v in out["random"].values())  # same noise
+    assert out["relevance"]["all"].mean() < 0.8
