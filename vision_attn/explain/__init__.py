@@ -7,7 +7,9 @@ from vision_attn.explain.capture import (
     capture_attention,
     extract_attention,
 )
+from vision_attn.explain.decoder_relevance import caption_relevance, detection_relevance
 from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
+from vision_attn.explain.localisation import grid_to_image, load_image_boxes, localisation
 from vision_attn.explain.methods import (
     METHODS,
     Explanation,
@@ -18,8 +20,16 @@ from vision_attn.explain.methods import (
 )
 from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
 from vision_attn.explain.rollout import attention_rollout, gradient_relevance, last_layer_attention
+from vision_attn.explain.sanity import sanity_check, spearman
 
 __all__ = [
+    "spearman",
+    "sanity_check",
+    "localisation",
+    "load_image_boxes",
+    "grid_to_image",
+    "detection_relevance",
+    "caption_relevance",
     "METHODS",
     "AttentionCaptureError",
     "Explanation",
