@@ -231,7 +231,8 @@ def test_detection_train_and_eval_contract(tmp_path):
                 "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out)])
     assert "val/map" in (out / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     metrics = eval_main([*common, "--ckpt_path", str(out / "checkpoints" / "last.ckpt"), "--output_dir", str(out / "eval"),
-                         "--explain.num_overlays", "2", "--explain.score_threshold", "0.0"])
+                         "--explain.num_overlays", "2", "--explain.score_threshold", "0.0",
+                         "--explain.faithfulness_images", "2", "--explain.steps", "4"])
     saved = json.loads((out / "eval" / "metrics.json").read_text())
     assert saved == metrics and {"map", "map_50", "map_75"} <= set(saved)
     preds = json.loads((out / "eval" / "predictions.json").read_text())

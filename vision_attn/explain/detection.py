@@ -1,19 +1,67 @@
-"""Cross-attention per detected object: where each kept query looked in the image."""
+"""Maps per detected object (where each kept query looked in the image) and their measures.
+
+Overlays: :func:`write_detection_overlays`. Measures at evaluation
+(:func:`detection_explain_metrics`, called by ``DetectionTask.explain_eval``) over the images
+of :func:`~vision_attn.explain.evaluate.select_images` (``--explain.faithfulness_images`` /
+``faithfulness_selection`` / ``seed``), for every method of :func:`decoder_methods` and
+``random`` (uniform noise on the patch grid), each *item* being one kept detection (score at
+least ``--explain.score_threshold``, at most ``max_objects`` per image, best first):
+
+- **localisation** (``pointing_<method>``, ``energy_<method>``): each detection is matched to
+  a ground-truth box (``dataset.scoring_target``, original pixels) by
+  :func:`match_detections` — greedy in score order, as COCOeval at IoU 0.5: a detection takes
+  the unmatched non-crowd box of its class with the highest IoU, if that IoU is at least 0.5.
+  The matched detections are scored with
+  :func:`~vision_attn.explain.localisation.localisation` on their map in original image pixels
+  (:func:`~vision_attn.explain.localisation.grid_to_image` through
+  ``task.inference_data_config()``) against their matched box; unmatched ones are not scored
+  (their number is logged). No key when no detection matched.
+- **faithfulness** (``--explain.faithfulness``; ``deletion_auc_<method>``,
+  ``insertion_auc_<method>``, and ``deletion_auc`` / ``insertion_auc`` of the first method):
+  the detection's score — the same query's probability of its label (softmax over classes and
+  "no object", or the focal head's sigmoid), as post-processing scored it — as patches are
+  deleted / inserted (:func:`~vision_attn.explain.faithfulness.deletion_insertion_curve`, one
+  row per detection), averaged over all kept detections.
+- **sanity** (``--explain.sanity``; ``sanity_<method>`` and ``OUT/sanity.json``): the mean
+  Spearman correlation between each detection's map from the trained model and from the model
+  whose encoder is randomised from the top block down
+  (:func:`~vision_attn.explain.sanity.cascading_randomisation`; decoder kept), with the trained
+  model's detections (query, label); ``sanity_<method>`` is the fully randomised step ``all``.
+- **maps** (``--explain.save_maps``): ``OUT/maps/<method>/<NNNNN>_<k>.npy``, float32 ``[H, W]``
+  in original image pixels (uncovered pixels 0), ``NNNNN`` the image's index in the split (as
+  the overlays name it), ``k`` the detection's rank among the image's kept detections (0 =
+  best); ``OUT/maps/index.json``: ``[{"index", "detection" (k), "file" (image path relative to
+  the data root), "image_id" (as in predictions.json), "query", "label" (class name),
+  "category_id", "score", "box" ([x0, y0, x1, y1] pixels), "truth" (the matched ground-truth
+  box [x0, y0, x1, y1], or null)}]``.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import cv2
 import numpy as np
 import torch
+from torch import nn
 
 from vision_attn.explain.overlay import draw_box, image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename
 
-__all__ = ["DECODER_METHODS", "decoder_methods", "explain_detection", "query_attention_maps", "write_detection_overlays"]
+__all__ = [
+    "DECODER_METHODS",
+    "decoder_methods",
+    "detection_explain_metrics",
+    "detection_maps",
+    "detection_probabilities",
+    "explain_detection",
+    "match_detections",
+    "query_attention_maps",
+    "write_detection_overlays",
+]
 
 log = logging.getLogger(__name__)
 
@@ -129,3 +177,223 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, report=None,
             written += 1
     log.info("wrote %d detection overlays to %s", written, out_dir / "overlays")
     return written
+
+
+# ---------------------------------------------------------------------------- measures at evaluation
+def match_detections(boxes: torch.Tensor, labels: torch.Tensor, truth_boxes: torch.Tensor,
+                     truth_labels: torch.Tensor, truth_crowd: torch.Tensor | None = None,
+                     iou_threshold: float = 0.5) -> list[int]:
+    """The ground-truth box each detection explains: greedy in the given (score) order, as
+    COCOeval matches at one IoU threshold.
+
+    Args:
+        boxes: ``[K, 4]`` detections, xyxy pixels, best first.
+        labels: ``[K]`` their classes.
+        truth_boxes: ``[G, 4]`` ground-truth boxes, xyxy pixels.
+        truth_labels: ``[G]`` their classes.
+        truth_crowd: ``[G]`` crowd flags: crowd regions are never matched.
+        iou_threshold: the least IoU of a match.
+
+    Returns:
+        Per detection the index of its ground-truth box, or ``-1``: each detection takes the
+        unmatched non-crowd box of its class with the highest IoU (first on ties) when that
+        IoU is at least ``iou_threshold``; each box is matched once.
+    """
+    from torchvision.ops import box_iou
+
+    boxes, truth_boxes = boxes.detach().float().reshape(-1, 4).cpu(), truth_boxes.detach().float().reshape(-1, 4).cpu()
+    if len(boxes) == 0:
+        return []
+    if len(truth_boxes) == 0:
+        return [-1] * len(boxes)
+    iou = box_iou(boxes, truth_boxes)  # (K, G)
+    free = torch.ones(len(truth_boxes), dtype=torch.bool)
+    if truth_crowd is not None:
+        free &= truth_crowd.cpu().reshape(-1) == 0
+    truth_labels = truth_labels.cpu().reshape(-1)
+    out = []
+    for k, label in enumerate(labels.cpu().reshape(-1).tolist()):
+        cand = torch.where(free & (truth_labels == label), iou[k], torch.full_like(iou[k], -1.0))
+        g = int(cand.argmax())
+        if float(cand[g]) >= iou_threshold:
+            free[g] = False
+            out.append(g)
+        else:
+            out.append(-1)
+    return out
+
+
+def detection_probabilities(model) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """``(proba, width)``: ``proba(images)`` is ``[n, Q * width]``, every query's class
+    probabilities flattened (softmax over the ``C`` classes and "no object", ``width = C + 1``;
+    a focal head's sigmoid, ``width = C``), so detection ``(query q, label c)`` is column
+    ``q * width + c`` and its value the score post-processing gave it."""
+    focal = bool(getattr(model.head, "focal", False))
+    width = int(model.head.num_classes) + (0 if focal else 1)
+
+    def proba(images: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model.head(model.encoder(images))["pred_logits"].float()  # (n, Q, width)
+        return (logits.sigmoid() if focal else logits.softmax(-1)).flatten(1)  # (n, Q * width)
+
+    return proba, width
+
+
+def detection_maps(model, images: torch.Tensor, queries: list[torch.Tensor], labels: list[torch.Tensor],
+                   methods: list[str], query_layers: str = "last", seed: int = 0) -> dict[str, list[torch.Tensor]]:
+    """``{method: per image [K_b, h, w]}`` maps (CPU, float32) of the given detections.
+
+    Args:
+        model: anything with a detection ``encoder`` and DETR ``head`` (a task, or a stand-in
+            with a randomised encoder).
+        images: ``[B, 3, H, W]`` model inputs.
+        queries: per image ``[K_b]`` query indices.
+        labels: per image ``[K_b]`` classes.
+        methods: among :data:`DECODER_METHODS` and ``random``.
+        query_layers: of ``attention`` (see :func:`query_attention_maps`).
+        seed: of ``random`` (the same seed gives the same noise whatever the model).
+    """
+    from vision_attn.explain.decoder_relevance import detection_relevance
+
+    grid = model.encoder.grid_for(*images.shape[-2:])
+    out: dict[str, list[torch.Tensor]] = {}
+    if "attention" in methods:
+        with torch.no_grad():
+            attn = model.head(model.encoder(images), need_weights=True)["cross_attn"]
+        out["attention"] = [query_attention_maps([a[j : j + 1] for a in attn], q.cpu(), grid, query_layers).cpu()
+                            if len(q) else torch.zeros(0, *grid) for j, q in enumerate(queries)]
+    if "relevance" in methods:
+        out["relevance"] = [m.cpu() for m in detection_relevance(model, images, queries, labels)]
+    if "random" in methods:
+        gen = torch.Generator().manual_seed(seed)
+        out["random"] = [torch.rand(len(q), *grid, generator=gen) for q in queries]
+    return {m: out[m] for m in methods}
+
+
+class _StandIn(nn.Module):
+    """The task's decoder head on another encoder (the sanity check's randomised copies)."""
+
+    def __init__(self, encoder: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.encoder, self.head = encoder, head
+
+
+def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects: int = 20) -> dict[str, float]:
+    """Localisation, faithfulness and sanity numbers of the detection maps, and the saved maps
+    (see the module docstring).
+
+    Args:
+        task: a :class:`~vision_attn.tasks.DetectionTask` in eval mode.
+        dataset: a :class:`~vision_attn.data.detection.CocoDetection` with the evaluation
+            transform (items ``(image, target)`` with ``target["orig_size"]``).
+        options: an :class:`~vision_attn.explain.evaluate.ExplainOptions`.
+        out_dir: the evaluation output folder.
+        max_objects: most detections measured per image (the best ones).
+    """
+    from vision_attn.explain.evaluate import select_images
+    from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
+    from vision_attn.explain.localisation import grid_to_image, localisation
+    from vision_attn.explain.sanity import cascading_randomisation, spearman
+    from vision_attn.outputs import write_json, write_npy
+
+    picked = select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection, options.seed)
+    if not picked:
+        return {}
+    device = next(task.parameters()).device
+    methods = list(dict.fromkeys([*decoder_methods(options), "random"]))
+    pre = task.inference_data_config()
+    names = task.class_names or []
+    proba, width = detection_probabilities(task)
+    hits, energy = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0)
+    sums: dict[str, float] = {}
+    correlations: dict[str, dict[str, float]] = {m: {} for m in methods}
+    index: list[dict] = []
+    measured = matched = capped = 0
+    for start in range(0, len(picked), options.batch_size):
+        idx = picked[start : start + options.batch_size]
+        items = [dataset[i] for i in idx]
+        images = torch.stack([it[0] for it in items]).to(device)
+        sizes = [(int(it[1]["orig_size"][0]), int(it[1]["orig_size"][1])) for it in items]
+        with torch.no_grad():
+            dets = task.detect(task(images), torch.tensor(sizes))
+        keeps = [(d["scores"] >= options.score_threshold).nonzero().flatten() for d in dets]
+        capped += sum(max(0, len(k) - max_objects) for k in keeps)
+        keeps = [k[:max_objects] for k in keeps]
+        queries = [d["queries"][k] for d, k in zip(dets, keeps, strict=True)]
+        labels = [d["labels"][k] for d, k in zip(dets, keeps, strict=True)]
+        seed = options.seed + start
+        maps = detection_maps(task, images, queries, labels, methods, options.query_layers, seed)
+        for j, i in enumerate(idx):
+            image_id = dataset.images[i]["id"]
+            truth = dataset.scoring_target(image_id)
+            det, keep = dets[j], keeps[j]
+            match = match_detections(det["boxes"][keep], labels[j], truth["boxes"], truth["labels"], truth["iscrowd"])
+            for k, g in enumerate(match):
+                measured += 1
+                image_maps = {m: grid_to_image(maps[m][j][k], sizes[j], pre) for m in methods}  # (H, W) each
+                own = truth["boxes"][g].tolist() if g >= 0 else None
+                if options.save_maps:
+                    for m, image_map in image_maps.items():
+                        write_npy(out_dir / "maps" / safe_filename(m) / f"{i:05d}_{k}.npy", image_map, root=out_dir)
+                    c = int(labels[j][k])
+                    index.append({"index": i, "detection": k, "file": dataset.relative_file(i), "image_id": image_id,
+                                  "query": int(queries[j][k]), "label": names[c] if c < len(names) else str(c),
+                                  "category_id": int(task.category_ids[c]) if task.category_ids else c,
+                                  "score": float(det["scores"][keep[k]]),
+                                  "box": [float(v) for v in det["boxes"][keep[k]].tolist()], "truth": own})
+                if own is None:
+                    continue
+                matched += 1
+                for m, image_map in image_maps.items():
+                    hit, share = localisation(image_map, [own])
+                    hits[m] += int(hit)
+                    energy[m] += share
+        rows = torch.tensor([j for j, q in enumerate(queries) for _ in range(len(q))], dtype=torch.long)
+        if options.faithfulness and len(rows):
+            target = torch.cat([q.cpu() * width + c.cpu() for q, c in zip(queries, labels, strict=True)]).to(device)
+            for m in methods:
+                sal = torch.cat(maps[m]).to(device)  # (R, h, w): one row per detection
+                for mode in ("deletion", "insertion"):
+                    curve = deletion_insertion_curve(proba, images[rows.to(device)], sal, target, mode, options.steps)
+                    key = f"{mode}_auc_{m}"
+                    sums[key] = sums.get(key, 0.0) + float(auc(curve).sum())
+        if options.sanity and len(rows):
+            trained = {m: torch.cat(v).flatten(1) for m, v in maps.items()}  # (R, h * w)
+            for step, encoder in cascading_randomisation(task.encoder, seed=options.seed):
+                randomised = detection_maps(_StandIn(encoder, task.head), images, queries, labels, methods,
+                                            options.query_layers, seed)
+                for m in methods:
+                    rho = spearman(trained[m], torch.cat(randomised[m]).flatten(1))
+                    correlations[m][step] = correlations[m].get(step, 0.0) + float(rho.sum())
+    if capped:
+        log.info("explanation measures: %d detections above the threshold beyond the best %d per image were left out",
+                 capped, max_objects)
+    log.info("explanation measures: %d detections on %d images, %d matched to a ground-truth box",
+             measured, len(picked), matched)
+    metrics: dict[str, float] = {}
+    if options.save_maps:
+        write_json(out_dir / "maps" / "index.json", index, root=out_dir)
+        log.info("wrote the maps of %d detections to %s", len(index), out_dir / "maps")
+    if measured == 0:
+        log.warning("explanation measures: no detection scored at least %s on the %d images measured; no "
+                    "localisation, faithfulness or sanity numbers", options.score_threshold, len(picked))
+        return metrics
+    if matched:
+        for m in methods:
+            metrics[f"pointing_{m}"] = hits[m] / matched
+            metrics[f"energy_{m}"] = energy[m] / matched
+    else:
+        log.warning("localisation: none of the %d detections matches a ground-truth box of its class (IoU >= 0.5); "
+                    "no pointing / energy numbers", measured)
+    if options.faithfulness:
+        metrics.update({k: v / measured for k, v in sums.items()})
+        metrics["deletion_auc"] = metrics[f"deletion_auc_{methods[0]}"]
+        metrics["insertion_auc"] = metrics[f"insertion_auc_{methods[0]}"]
+    if options.sanity:
+        curves = {m: {step: total / measured for step, total in steps.items()} for m, steps in correlations.items()}
+        for m, curve in curves.items():
+            metrics[f"sanity_{m}"] = curve["all"]
+        write_json(out_dir / "sanity.json", {"measure": "mean Spearman correlation with the trained model's maps",
+                                             "steps": list(next(iter(curves.values()))), "methods": curves},
+                   root=out_dir)
+    return dict(sorted(metrics.items()))

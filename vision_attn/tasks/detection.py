@@ -271,7 +271,13 @@ class DetectionTask(VisionTask):
         return explain_detection(self, images, pictures, options, truths)
 
     def explain_eval(self, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
-        from vision_attn.explain.detection import write_detection_overlays
+        """Overlays of the first ``options.num_overlays`` images, then the localisation,
+        faithfulness and sanity numbers of every decoder method and ``random`` (and the saved
+        maps): :func:`~vision_attn.explain.detection.detection_explain_metrics`."""
+        from vision_attn.explain.detection import (
+            detection_explain_metrics,
+            write_detection_overlays,
+        )
 
         write_detection_overlays(self, dataset, options, out_dir, report=report)
-        return {}
+        return detection_explain_metrics(self, dataset, options, out_dir)
