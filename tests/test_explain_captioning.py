@@ -1,4 +1,4 @@
-"""Per-word attention maps, strips and the pointing game, on hand-built cases."""
+"""Per-word attention maps, strips and the pointing game (original image pixels), on hand-built cases."""
 
 from __future__ import annotations
 
@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from vision_attn.explain.captioning import caption_strip, pointing_game, word_attention_maps
+from vision_attn.explain.captioning import (
+    caption_strip,
+    named_words,
+    pointing_game,
+    random_word_maps,
+    word_attention_maps,
+)
+from vision_attn.explain.localisation import grid_to_image
 
 
 def test_word_maps_pick_the_layer_and_normalise():
@@ -22,18 +29,54 @@ def test_word_maps_pick_the_layer_and_normalise():
     assert mean[0, 0, 0] == pytest.approx(1.0) and mean[0, 1, 2] == pytest.approx(1.0)
 
 
-def test_pointing_game_hits_misses_and_chance():
-    maps = torch.zeros(3, 4, 4)
-    maps[0, 0, 0] = 1  # "circle" peaks in the top-left patch
-    maps[1, 3, 3] = 1  # "red" peaks bottom-right
-    maps[2, 0, 0] = 1  # "and" names nothing: not counted
-    boxes = [({"circle", "blue"}, [0.0, 0.0, 0.5, 0.5]), ({"square", "red"}, [0.5, 0.5, 1.0, 1.0])]
-    hits, total, chance = pointing_game(["circle", "red", "and"], maps, boxes)
-    assert (hits, total) == (2, 2)
-    assert chance == pytest.approx(4 / 16 + 4 / 16)  # each box covers 4 of 16 patch centres
-    hits, total, _ = pointing_game(["square", "blue", "and"], maps, boxes)  # peaks on the other objects
-    assert (hits, total) == (0, 2)
+def test_pointing_game_scores_maps_in_original_pixels():
+    """Maps over a 40 x 60 original image; boxes in its pixels (x0, y0, x1, y1)."""
+    maps = np.zeros((3, 40, 60), np.float32)
+    maps[0, 5, 5] = 1  # "circle" peaks at pixel centre (5.5, 5.5): inside its box
+    maps[1, 30, 45] = 1  # "red" peaks inside the square's box
+    maps[2, 5, 5] = 1  # "and" names nothing: not counted
+    boxes = [({"circle", "blue"}, [0.0, 0.0, 20.0, 20.0]), ({"square", "red"}, [30.0, 20.0, 60.0, 40.0])]
+    hits, total, energy = pointing_game(["circle", "red", "and"], maps, boxes)
+    assert (hits, total) == (2, 2) and energy == pytest.approx(2.0)  # all mass inside, both words
+    hits, total, energy = pointing_game(["square", "blue", "and"], maps, boxes)  # peaks on the other objects
+    assert (hits, total, energy) == (0, 2, 0.0)
     assert pointing_game(["circle"], maps[:1], []) == (0, 0, 0.0)
+
+
+def test_pointing_game_first_maximum_and_one_pixel_tolerance():
+    box = [({"circle"}, [10.0, 10.0, 20.0, 20.0])]
+    flat = np.ones((1, 30, 30), np.float32)  # ties everywhere: the first index (0, 0) is the maximum
+    assert pointing_game(["circle"], flat, box)[:2] == (0, 1)
+    flat[0, :, :] = 0
+    flat[0, 10, 20] = 1  # centre (20.5, 10.5): 0.5 px right of the box -> a hit
+    assert pointing_game(["circle"], flat, box)[:2] == (1, 1)
+    flat[0, 10, 20], flat[0, 10, 21] = 0, 1  # centre (21.5, 10.5): 1.5 px away -> a miss
+    assert pointing_game(["circle"], flat, box)[:2] == (0, 1)
+    half = np.zeros((1, 30, 30), np.float32)
+    half[0, 10:20, 10:20], half[0, 0, 0] = 1.0, 100.0  # peak outside, 100 of 200 mass inside
+    hits, total, energy = pointing_game(["circle"], half, box)
+    assert (hits, total) == (0, 1) and energy == pytest.approx(0.5)
+
+
+def test_named_words_lists_each_words_own_boxes():
+    boxes = [({"circle", "red"}, [0, 0, 1, 1]), ({"circle", "blue"}, [2, 2, 3, 3])]
+    assert named_words(["a", "red", "circle", "dog"], boxes) == [(1, [[0, 0, 1, 1]]),
+                                                                 (2, [[0, 0, 1, 1], [2, 2, 3, 3]])]
+
+
+def test_random_baseline_points_at_about_the_box_share():
+    """The random map, mapped to original pixels, hits a box and puts mass in it at about the
+    box's share of the image."""
+    gen = torch.Generator().manual_seed(0)
+    grid = random_word_maps(2000, (4, 4), gen)
+    pre = {"input_size": (3, 32, 32), "crop_pct": 1.0, "crop_mode": "squash"}
+    maps = grid_to_image(grid, (48, 48), pre)  # (2000, 48, 48)
+    assert maps.shape == (2000, 48, 48)
+    box = [({"circle"}, [0.0, 0.0, 24.0, 24.0])]  # a quarter of the image
+    hit_rate = sum(pointing_game(["circle"], m[None], box)[0] for m in maps) / len(maps)
+    share = sum(pointing_game(["circle"], m[None], box)[2] for m in maps) / len(maps)
+    assert hit_rate == pytest.approx(0.25, abs=0.04)
+    assert share == pytest.approx(0.25, abs=0.02)
 
 
 def test_caption_strip_has_a_tile_per_word():

@@ -1,35 +1,77 @@
-"""Per-word cross-attention of generated captions ("Show, Attend and Tell" strips) and a pointing check.
+"""Per-word cross-attention of generated captions ("Show, Attend and Tell" strips), and how
+well the per-word maps localise and explain.
 
-For every generated word, the map is the decoder's cross-attention over the patch grid at the
-step that *produced* the word (heads averaged; the last layer, or the mean over layers).
+For every generated word, the ``attention`` map is the decoder's cross-attention over the patch
+grid at the step that *produced* the word (heads averaged; the last layer, or the mean over
+layers); ``relevance`` is Chefer et al. 2021b through decoder and encoder
+(:func:`~vision_attn.explain.decoder_relevance.caption_relevance`).
 
-Pointing game: when the split also has boxes (``ROOT/annotations/instances_<split>.json``, as
-the embedded shapes data and COCO do), every generated word that names a box — its category
-("circle", "dog") or, where annotations carry one, its ``colour`` ("red"; the embedded data
-does) — is a hit if its map's peak patch lies inside a box it names. ``pointing_acc`` is the
-hit rate; ``pointing_acc_random`` the rate a uniformly random patch would reach on the same
-words (the share of patch centres inside such boxes).
+Measured by ``eval.py`` (:func:`write_caption_overlays`) on a seeded sample of the split (the
+faithfulness images, :func:`~vision_attn.explain.evaluate.select_images`), for every method of
+:func:`~vision_attn.explain.detection.decoder_methods` and a ``random`` baseline (seeded
+uniform maps over the patch grid: its localisation numbers are the mean over
+:data:`RANDOM_DRAWS` maps per word, its faithfulness and saved map the first of them):
+
+- **Localisation** (when the split has boxes, ``ROOT/annotations/instances_<split>.json`` as
+  the embedded shapes data and COCO do): the explained words are the generated words that name
+  an object of the image — its category ("circle", "dog") or, where annotations carry one, its
+  ``colour`` ("red"). Each word's map is mapped to the original image's pixels
+  (:func:`~vision_attn.explain.localisation.grid_to_image` through the evaluation
+  preprocessing) and scored against the boxes of the objects the word names
+  (:func:`~vision_attn.explain.localisation.localisation`): ``pointing_<method>`` is the share
+  of words whose map maximum (first index on ties) lies within 1 px of such a box,
+  ``energy_<method>`` the mean share of the map's mass inside them. ``pointing_words`` counts
+  the words. ``pointing_acc`` / ``pointing_acc_random`` are the previous version's names of
+  ``pointing_attention`` / ``pointing_random`` (kept for one version).
+- **Faithfulness** (``--explain.faithfulness``): ``deletion_auc_<method>`` /
+  ``insertion_auc_<method>`` over the same words (every generated word when the split has no
+  boxes): the patches are removed (deletion; replaced by the normalisation mean) or put back
+  into a blurred image (insertion) in the order of the word's map, and the curve follows the
+  word's *probability* ``exp(log p(word | <bos>, earlier words, image))``, teacher-forced on
+  the generated caption. Probabilities lie in ``[0, 1]``, so the AUCs do too (log-probabilities
+  would not: unbounded below). Lower deletion / higher insertion is better.
+  ``deletion_auc`` / ``insertion_auc`` are the first method's; ``explain_words`` counts the
+  words.
+- **Maps** (``--explain.save_maps true``): every explained word's map of every method, float32
+  ``[H, W]`` in original image pixels, as ``OUT/maps/<method>/<NNNNN>.npy`` (``NNNNN`` a running
+  number over the explained words) and ``OUT/maps/index.json``: ``[{"index": NNNNN, "file":
+  <the image_id, as in predictions.json>, "image_index": <the image's index in the split, as
+  the overlays name it>, "word", "position": <the word's index in the caption>}]``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import cv2
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from vision_attn.data.detection import load_coco_annotations
 from vision_attn.data.imageio import read_image
 from vision_attn.data.tokenizer import normalize_caption
+from vision_attn.explain.faithfulness import auc, blur
+from vision_attn.explain.localisation import grid_to_image, localisation
 from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
-from vision_attn.outputs import safe_filename
+from vision_attn.outputs import safe_filename, write_json, write_npy
 
-__all__ = ["caption_strip", "explain_captioning", "pointing_game", "word_attention_maps", "write_caption_overlays"]
+__all__ = ["RANDOM_DRAWS", "caption_strip", "explain_captioning", "named_words", "pointing_game", "random_word_maps",
+           "word_attention_maps", "word_probability_curves", "write_caption_overlays"]
 
 log = logging.getLogger(__name__)
+
+RANDOM_DRAWS = 16
+"""Seeded random maps per explained word whose mean pointing / energy is ``random``'s (a
+steadier estimate of the chance level than one draw); the first is also its faithfulness map."""
+
+Box = Sequence[float]
+NamedBoxes = list[tuple[set[str], list[float]]]
 
 
 def word_attention_maps(attention: torch.Tensor, num_words: int, grid: tuple[int, int], layers: str = "last") -> torch.Tensor:
@@ -60,57 +102,144 @@ def _is_box(value) -> bool:
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
 
 
-def _split_boxes(dataset) -> dict[int, list[tuple[set[str], list[float]]]] | None:
-    """``{image id: [(words naming the box, xyxy fractions)]}`` from the split's instances file, if any."""
+def _split_boxes(dataset) -> dict[int, NamedBoxes] | None:
+    """``{image id: [(words naming the box, [x0, y0, x1, y1] original pixels)]}`` from the
+    split's instances file, if any."""
     path = dataset.root / "annotations" / f"instances_{dataset.split}.json"
     if not path.is_file():
         return None
     data = load_coco_annotations(path)
     names = {c.get("id"): normalize_caption(str(c.get("name", ""))) for c in data.get("categories") or []
              if isinstance(c, dict)}
-    sizes = {im.get("id"): (im.get("width"), im.get("height")) for im in data.get("images") or []
-             if isinstance(im, dict)}
-    out: dict[int, list[tuple[str, list[float]]]] = {}
+    images = {im.get("id") for im in data.get("images") or [] if isinstance(im, dict)}
+    out: dict[int, NamedBoxes] = {}
     for a in data.get("annotations") or []:
-        # the pointing game only reads well-formed boxes (the data reader counts the others)
-        if not isinstance(a, dict) or not _is_box(a.get("bbox")):
+        # localisation only reads well-formed boxes (the data reader counts the others)
+        if not isinstance(a, dict) or not _is_box(a.get("bbox")) or min(a["bbox"][2:]) < 0:
             continue
-        w, h = sizes.get(a.get("image_id"), (None, None)) if isinstance(a.get("image_id"), int) else (None, None)
-        if not w or not h or a.get("category_id") not in names:
+        if a.get("image_id") not in images or a.get("category_id") not in names:
             continue
-        x, y, bw, bh = a["bbox"]
+        x, y, bw, bh = (float(v) for v in a["bbox"])
         words = {names[a["category_id"]]} | ({normalize_caption(a["colour"])} if isinstance(a.get("colour"), str) else set())
-        out.setdefault(a["image_id"], []).append((words, [x / w, y / h, (x + bw) / w, (y + bh) / h]))
+        out.setdefault(a["image_id"], []).append((words, [x, y, x + bw, y + bh]))
     return out
 
 
-def pointing_game(words: list[str], maps: torch.Tensor, boxes: list[tuple[set[str], list[float]]]) -> tuple[int, int, float]:
-    """``(hits, category words, expected random hits)`` for one caption (see the module docstring)."""
-    gh, gw = maps.shape[-2:]
-    cy = (torch.arange(gh, dtype=torch.float32) + 0.5) / gh
-    cx = (torch.arange(gw, dtype=torch.float32) + 0.5) / gw
-    named = set().union(*(names for names, _ in boxes)) if boxes else set()
-    hits = total = 0
-    chance = 0.0
-    for word, m in zip(words, maps, strict=True):
-        if word not in named:
-            continue
-        inside = torch.zeros(gh, gw, dtype=torch.bool)
-        for names, (x0, y0, x1, y1) in boxes:
-            if word in names:
-                inside |= ((cy[:, None] >= y0) & (cy[:, None] <= y1)) & ((cx[None, :] >= x0) & (cx[None, :] <= x1))
-        peak = int(m.flatten().argmax())
-        hits += int(inside.flatten()[peak])
-        total += 1
-        chance += float(inside.float().mean())
-    return hits, total, chance
+def named_words(words: list[str], boxes: NamedBoxes) -> list[tuple[int, list[list[float]]]]:
+    """``[(position, boxes it names)]`` of the ``words`` that name one of the image's ``boxes``
+    (``[(names, xyxy)]``), in caption order."""
+    out = []
+    for t, word in enumerate(words):
+        own = [box for names, box in boxes if word in names]
+        if own:
+            out.append((t, own))
+    return out
+
+
+def pointing_game(words: list[str], maps: np.ndarray | Tensor, boxes: NamedBoxes, tolerance: float = 1.0
+                  ) -> tuple[int, int, float]:
+    """``(hits, object words, summed energy share)`` of one caption.
+
+    Args:
+        words: the caption's words.
+        maps: ``[len(words), H, W]`` one map per word in original image pixels.
+        boxes: the image's ``[(words naming the box, [x0, y0, x1, y1] pixels)]``.
+        tolerance: of the hit, in pixels (:func:`~vision_attn.explain.localisation.pointing_hit`).
+    """
+    hits, energy = 0, 0.0
+    named = named_words(words, boxes)
+    for t, own in named:
+        hit, share = localisation(np.asarray(maps[t]), own, tolerance)
+        hits += int(hit)
+        energy += share
+    return hits, len(named), energy
+
+
+def random_word_maps(n: int, grid: tuple[int, int], generator: torch.Generator) -> Tensor:
+    """The ``random`` baseline: ``[n, h, w]`` uniform values over the patch grid."""
+    return torch.rand(n, *grid, generator=generator)
+
+
+@torch.no_grad()
+def word_probability_curves(
+    task,
+    images: Tensor,
+    tokens: Sequence[Tensor],
+    items: Sequence[tuple[int, int]],
+    saliency: Tensor,
+    mode: Literal["deletion", "insertion"] = "deletion",
+    steps: int = 16,
+    chunk: int = 128,
+) -> Tensor:
+    """The probability of explained words as patches are deleted (or inserted) in map order.
+
+    The captioning counterpart of
+    :func:`~vision_attn.explain.faithfulness.deletion_insertion_curve`: the same patch ranking
+    (most salient first, ties by position), baselines (deletion: ``0`` = the normalisation mean;
+    insertion: the blurred image) and curve points; the score is the word's probability given
+    ``<bos>`` and the caption's earlier words (teacher-forced), so it lies in ``[0, 1]``.
+
+    Args:
+        task: a :class:`~vision_attn.tasks.CaptioningTask` in eval mode.
+        images: ``[B, 3, H, W]`` normalised model inputs.
+        tokens: per image the caption's ids without ``<bos>`` (``[T_b]``).
+        items: ``R`` explained words as ``(image b, position t)``: the word ``tokens[b][t]``.
+        saliency: ``[R, h, w]`` the words' maps over the patch grid.
+        mode: ``deletion`` or ``insertion``.
+        steps: curve points after the start (``steps + 1`` in all).
+        chunk: (word, curve point) rows per model call.
+
+    Returns:
+        ``[R, steps + 1]`` probabilities at ``0, 1/steps, ..., 1`` of the patches changed.
+    """
+    r_total = len(items)
+    _, _, H, W = images.shape
+    h, w = saliency.shape[-2:]
+    if H % h or W % w:
+        raise ValueError(f"image size {H}x{W} is not a multiple of the saliency grid {h}x{w}")
+    if saliency.shape[0] != r_total:
+        raise ValueError(f"{r_total} words but {saliency.shape[0]} maps")
+    device = images.device
+    if r_total == 0:
+        return torch.zeros(0, steps + 1, device=device)
+    b_idx = torch.tensor([b for b, _ in items], device=device)
+    t_idx = torch.tensor([t for _, t in items], device=device)
+    seqs = [torch.as_tensor(tokens[b]).long().flatten().cpu() for b, _ in items]
+    longest = max(int(t) for _, t in items) + 1  # the inputs up to the explained word suffice (causal)
+    full = torch.full((r_total, longest + 1), task.tokenizer.pad_id, dtype=torch.long)
+    full[:, 0] = task.tokenizer.bos_id
+    for r, s in enumerate(seqs):
+        full[r, 1 : min(len(s), longest) + 1] = s[:longest]
+    full = full.to(device)  # (R, 1 + longest): <bos> w_0 .. ; inputs [:, :-1], word t = full[:, t + 1]
+    target = full[torch.arange(r_total, device=device), t_idx + 1]
+    base = torch.zeros_like(images) if mode == "deletion" else blur(images)
+    n = h * w
+    order = saliency.reshape(r_total, n).float().argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(n, device=order.device).expand(r_total, n))
+    rank = rank.to(device)
+    counts = torch.tensor([round(k * n / steps) for k in range(steps + 1)], device=device)
+    probs = torch.empty(r_total, steps + 1, device=device)
+    pairs = [(r, k) for k in range(steps + 1) for r in range(r_total)]  # (word, curve point)
+    for start in range(0, len(pairs), chunk):
+        rr = torch.tensor([p[0] for p in pairs[start : start + chunk]], device=device)
+        kk = torch.tensor([p[1] for p in pairs[start : start + chunk]], device=device)
+        changed = (rank[rr] < counts[kk, None]).view(-1, 1, h, w).to(images.dtype)
+        changed = F.interpolate(changed, size=(H, W), mode="nearest")  # (n, 1, H, W)
+        img, bas = images[b_idx[rr]], base[b_idx[rr]]
+        x = img * (1 - changed) + bas * changed if mode == "deletion" else bas * (1 - changed) + img * changed
+        logits = task(x, full[rr, :-1])  # (n, longest, V)
+        logp = F.log_softmax(logits[torch.arange(len(rr), device=device), t_idx[rr]].float(), dim=-1)
+        probs[rr, kk] = logp.gather(1, target[rr, None]).squeeze(1).exp()
+    return probs
 
 
 def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], options, truths=None) -> list:
     """:meth:`~vision_attn.tasks.VisionTask.explain_batch` of a captioner: per image the record
     ``{"caption"}``, the per-word strip (:func:`caption_strip`) of each method of
     :func:`~vision_attn.explain.detection.decoder_methods` (stacked) and its report item (the
-    first method's maps); ``extras`` holds the ``words`` and ``maps`` ``{method: [T, h, w]}``."""
+    first method's maps); ``extras`` holds the ``words``, their ids ``tokens`` (``[T]``, no
+    ``<bos>``) and ``maps`` ``{method: [T, h, w]}`` over the patch grid."""
     from vision_attn.explain.decoder_relevance import caption_relevance
     from vision_attn.explain.detection import decoder_methods
     from vision_attn.explain.report import Report, png_data_uri, quantise
@@ -121,8 +250,8 @@ def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], o
     grid = task.encoder.grid_for(*images.shape[-2:])
     captions = [task.tokenizer.decode_words(gen.tokens[j].tolist()) for j in range(len(pictures))]
     methods = decoder_methods(options)
-    relevance = (caption_relevance(task, images, [gen.tokens[j][: len(w)] for j, w in enumerate(captions)])
-                 if "relevance" in methods else None)
+    word_ids = [gen.tokens[j][: len(w)] for j, w in enumerate(captions)]
+    relevance = caption_relevance(task, images, word_ids) if "relevance" in methods else None
     explained = []
     for j, (picture, words) in enumerate(zip(pictures, captions, strict=True)):
         maps = {m: relevance[j] if m == "relevance" else
@@ -134,31 +263,121 @@ def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], o
         first = maps[methods[0]]
         item = {"text": text, "image": Report.display_image(picture), "panels": [png_data_uri(strip)], "kind": "words",
                 "grid": list(grid), "words": words, "maps": quantise(first.flatten(1)) if words else ""}
-        explained.append(Explained({"caption": " ".join(words)}, strip, item, {"words": words, "maps": maps}))
+        extras = {"words": words, "tokens": word_ids[j].cpu(), "maps": maps}
+        explained.append(Explained({"caption": " ".join(words)}, strip, item, extras))
     return explained
+
+
+class _Tally:
+    """Sums of the localisation and faithfulness numbers over the explained words."""
+
+    def __init__(self, methods: list[str]) -> None:
+        self.methods = methods
+        self.hits = dict.fromkeys(methods, 0.0)
+        self.energy = dict.fromkeys(methods, 0.0)
+        self.auc = {f"{key}_{m}": 0.0 for m in methods for key in ("deletion_auc", "insertion_auc")}
+        self.pointed = self.faithful = 0
+
+    def metrics(self, first: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.pointed:
+            for m in self.methods:
+                out[f"pointing_{m}"] = self.hits[m] / self.pointed
+                out[f"energy_{m}"] = self.energy[m] / self.pointed
+            alias = "attention" if "attention" in self.methods else first
+            # the previous version's names, kept one more version: raw attention's and random's
+            out.update(pointing_acc=out[f"pointing_{alias}"], pointing_acc_random=out["pointing_random"],
+                       pointing_words=float(self.pointed))
+        if self.faithful:
+            out.update({k: v / self.faithful for k, v in self.auc.items()})
+            out["deletion_auc"] = out[f"deletion_auc_{first}"]
+            out["insertion_auc"] = out[f"insertion_auc_{first}"]
+            out["explain_words"] = float(self.faithful)
+        return out
+
+
+def _measure_batch(task, images: Tensor, explained: list, rows: list[tuple[int, int, int, np.ndarray]],
+                   boxes: dict[int, NamedBoxes] | None, options, tally: _Tally, generator: torch.Generator,
+                   out_dir: Path, index: list[dict]) -> None:
+    """Localisation, faithfulness and saved maps of the batch's explained images.
+
+    ``rows``: ``(batch position j, split index i, image id, original picture)`` per image to measure."""
+    pre = task.inference_data_config()
+    grid = task.encoder.grid_for(*images.shape[-2:])
+    items, grids = [], {m: [] for m in tally.methods}
+    for j, i, image_id, picture in rows:
+        e = explained[j]
+        words = e.extras["words"]
+        if boxes is not None:
+            named = named_words(words, boxes.get(image_id, []))
+        else:
+            named = [(t, []) for t in range(len(words))]
+        if not named:
+            continue
+        positions = [t for t, _ in named]
+        maps = {m: e.extras["maps"][m][positions].float() for m in tally.methods if m != "random"}
+        draws = random_word_maps(RANDOM_DRAWS * len(positions), grid, generator).view(RANDOM_DRAWS, -1, *grid)
+        maps["random"] = draws[0]  # (K, h, w): the draw of the faithfulness curves and saved maps
+        size = picture.shape[:2]
+        image_maps = {m: grid_to_image(g, size, pre) for m, g in maps.items()}  # (K, H, W) each
+        more = grid_to_image(draws[1:].flatten(0, 1), size, pre).reshape(RANDOM_DRAWS - 1, len(positions), *size)
+        for k, (t, own) in enumerate(named):
+            if boxes is not None:
+                for m in tally.methods:
+                    others = more[:, k] if m == "random" else []
+                    for image_map in [image_maps[m][k], *others]:  # random: the mean over its draws
+                        hit, share = localisation(image_map, own)
+                        tally.hits[m] += int(hit) / (1 + len(others))
+                        tally.energy[m] += share / (1 + len(others))
+                tally.pointed += 1
+            if options.save_maps:
+                n = len(index)
+                for m in tally.methods:
+                    write_npy(out_dir / "maps" / safe_filename(m) / f"{n:05d}.npy", image_maps[m][k], root=out_dir)
+                index.append({"index": n, "file": image_id, "image_index": i, "word": words[t], "position": t})
+        items += [(j, t) for t in positions]
+        for m in tally.methods:
+            grids[m].append(maps[m])
+    if not options.faithfulness or not items:
+        return
+    tokens = [e.extras["tokens"] for e in explained]
+    for m in tally.methods:
+        sal = torch.cat(grids[m]).to(images.device)  # (R, h, w)
+        for key, mode in (("deletion_auc", "deletion"), ("insertion_auc", "insertion")):
+            curves = word_probability_curves(task, images, tokens, items, sal, mode, options.steps)
+            tally.auc[f"{key}_{m}"] += float(auc(curves).sum())
+    tally.faithful += len(items)
 
 
 def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
     """Write a per-word strip (:func:`explain_captioning`) for ``options.num_overlays`` images into
-    ``out_dir/overlays`` and, when the split has boxes and ``options.faithfulness`` is on,
-    return the pointing metrics of up to ``options.faithfulness_images`` images."""
+    ``out_dir/overlays`` and return the localisation (when the split has boxes) and faithfulness
+    (``options.faithfulness``) metrics of up to ``options.faithfulness_images`` images, saving
+    their maps with ``options.save_maps`` (see the module docstring)."""
+    from vision_attn.explain.detection import decoder_methods
     from vision_attn.explain.evaluate import select_images
 
     chosen = set(select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed))
-    boxes = _split_boxes(dataset) if options.faithfulness else None
-    pointed = (set(select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection,
-                                 options.seed)) if boxes is not None else set())
-    todo = sorted(chosen | pointed)
+    boxes = _split_boxes(dataset)
+    measured = boxes is not None or options.faithfulness or options.save_maps
+    picked = (set(select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection,
+                                options.seed)) if measured else set())
+    todo = sorted(chosen | picked)
     device = next(task.parameters()).device
-    hits: dict[str, int] = {}
-    total = 0
-    chance = 0.0
+    methods = decoder_methods(options)
+    tally = _Tally(list(dict.fromkeys([*methods, "random"])))
+    generator = torch.Generator().manual_seed(options.seed)
+    index: list[dict] = []
+    max_pixels = getattr(dataset, "max_pixels", None)
     written = 0
     for start in range(0, len(todo), options.batch_size):
         idx = todo[start : start + options.batch_size]
         images = torch.stack([dataset[i][0] for i in idx]).to(device)
-        pictures = [read_image(dataset.image_path(i)) for i in idx]
-        for i, e in zip(idx, task.explain_batch(images, pictures, options), strict=True):
+        pictures = [read_image(dataset.image_path(i), **({"max_pixels": max_pixels} if max_pixels else {}))
+                    for i in idx]
+        explained = task.explain_batch(images, pictures, options)
+        rows = []
+        for j, (i, e) in enumerate(zip(idx, explained, strict=True)):
             image_id = dataset.images[i]["id"]
             if i in chosen:
                 # The id comes from the annotation file: one safe, short name under out_dir, always.
@@ -166,18 +385,19 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
                 written += 1
                 if report is not None:
                     report.items.append({"name": f"image id {image_id}", **e.report_item})
-            if boxes is not None and i in pointed:
-                for method, maps in e.extras["maps"].items():
-                    h, t, c = pointing_game(e.extras["words"], maps, boxes.get(image_id, []))
-                    hits[method] = hits.get(method, 0) + h
-                total, chance = total + t, chance + c
+            if i in picked:
+                rows.append((j, i, image_id, pictures[j]))
+        if rows:
+            _measure_batch(task, images, explained, rows, boxes, options, tally, generator, out_dir, index)
     if written:
         log.info("wrote %d per-word attention strips to %s", written, out_dir / "overlays")
-    if not total:
-        return {}
-    metrics = {f"pointing_{m}": h / total for m, h in hits.items()}
-    # the names of the previous version, kept one more version: raw attention's hit rate
-    alias = "attention" if "attention" in hits else next(iter(hits))
-    return {**metrics, "pointing_random": chance / total, "pointing_acc": hits[alias] / total,
-            "pointing_acc_random": chance / total, "pointing_words": float(total),
-            "explain_images": float(len(pointed))}
+    if options.save_maps and picked:
+        write_json(out_dir / "maps" / "index.json", index, root=out_dir)
+        log.info("wrote the maps of %d words to %s", len(index), out_dir / "maps")
+    if boxes is not None and picked and not tally.pointed:
+        log.warning("localisation: no generated word of the %d explained images names an object of its image; "
+                    "no pointing / energy numbers", len(picked))
+    metrics = tally.metrics(methods[0])
+    if metrics or (options.save_maps and picked):
+        metrics["explain_images"] = float(len(picked))
+    return metrics

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["auc", "deletion_insertion_curve"]
+__all__ = ["auc", "blur", "deletion_insertion_curve"]
 
 
-def _blur(images: Tensor, kernel: int = 11, sigma: float = 5.0) -> Tensor:
+def blur(images: Tensor, kernel: int = 11, sigma: float = 5.0) -> Tensor:
     x = torch.arange(kernel, dtype=images.dtype, device=images.device) - kernel // 2
     g = torch.exp(-(x**2) / (2 * sigma**2))
     g = g / g.sum()
@@ -67,7 +67,7 @@ def deletion_insertion_curve(
     if H % h or W % w:
         raise ValueError(f"image size {H}x{W} is not a multiple of the saliency grid {h}x{w}")
     baseline = baseline or ("zero" if mode == "deletion" else "blur")
-    base = torch.zeros_like(images) if baseline == "zero" else _blur(images)
+    base = torch.zeros_like(images) if baseline == "zero" else blur(images)
     n = h * w
     # Rank of each patch in saliency order (0 = most salient); ties broken by position.
     order = saliency.reshape(b, n).float().argsort(dim=1, descending=True, stable=True)

@@ -61,7 +61,7 @@ class CaptioningTask(VisionTask):
     crop_at_inference = False  # a centre crop would cut objects off: the whole image, resized
     export_output_names = ("tokens",)  # the encoder's; beam search stays in PyTorch
     onnx_predicts = False
-    headline_metrics = ("bleu1", "bleu4", "cider", "pointing_acc", "pointing_acc_random")
+    headline_metrics = ("bleu1", "bleu4", "cider", "pointing_relevance", "pointing_attention", "pointing_random")
     overlay_description = "the caption, then each word's map: relevance and raw cross-attention (one strip each)"
 
     def __init__(
@@ -254,6 +254,10 @@ class CaptioningTask(VisionTask):
         return self._score(dataset, self.eval_records), predictions
 
     def explain_eval(self, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
+        """Per-word strips, and on the seeded sample of ``options.faithfulness_images`` images the
+        localisation of object words (``pointing_<method>``, ``energy_<method>``, original image
+        pixels), the deletion / insertion AUC of the words' probabilities and the saved maps
+        (:func:`~vision_attn.explain.captioning.write_caption_overlays`)."""
         from vision_attn.explain.captioning import write_caption_overlays
 
         return write_caption_overlays(self, dataset, options, out_dir, report)

@@ -1,0 +1,125 @@
+"""Captioning explanations at evaluation time: localisation in original pixels, word
+faithfulness curves (against the classifier's per-image reference), saved maps."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vision_attn import create_encoder
+from vision_attn.data.captioning import CaptioningDataModule
+from vision_attn.data.imageio import read_image
+from vision_attn.data.synthetic import SceneSetConfig
+from vision_attn.explain.captioning import (
+    _split_boxes,
+    word_probability_curves,
+    write_caption_overlays,
+)
+from vision_attn.explain.evaluate import ExplainOptions
+from vision_attn.explain.faithfulness import deletion_insertion_curve
+from vision_attn.tasks import CaptioningTask
+
+TINY_DATA = SceneSetConfig(image_size=32, num_train=24, num_val=4)
+
+
+@pytest.fixture(scope="module")
+def captioner(tmp_path_factory):
+    """An untrained tiny captioner on the embedded scenes' validation split, whose boxes are
+    renamed after each image's generated caption (its last word), so the captions name objects
+    without a slow training; returns ``(task, val dataset, {image id: caption words})``."""
+    tmp = tmp_path_factory.mktemp("capexplain")
+    dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp / "data"), batch_size=8, num_workers=0,
+                              max_length=8)
+    torch.manual_seed(0)
+    enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
+    task = CaptioningTask(enc, hidden_dim=32, num_layers=2, num_heads=2, mlp_ratio=2.0, dropout=0.0, max_length=8,
+                          beam_size=1)
+    dm.prepare_data()
+    task.build_from_data(dm)
+    task.configure_datamodule(dm)
+    dm.setup("validate")
+    task.eval()
+    val = dm.datasets["val"]
+    with torch.no_grad():
+        tokens = task.generate(torch.stack([val[i][0] for i in range(len(val))])).tokens
+    words = {im["id"]: task.tokenizer.decode_words(row.tolist()) for im, row in zip(val.images, tokens, strict=True)}
+    path = val.root / "annotations" / f"instances_{val.split}.json"
+    data = json.loads(path.read_text())
+    names = sorted({w[-1] for w in words.values() if w})
+    data["categories"] = [{"id": k + 1, "name": name} for k, name in enumerate(names)]
+    for a in data["annotations"]:
+        a.pop("colour", None)
+        a["category_id"] = names.index(words[a["image_id"]][-1]) + 1 if words[a["image_id"]] else 0
+    path.write_text(json.dumps(data))
+    return task, val, words
+
+
+def _options(**kw) -> ExplainOptions:
+    return ExplainOptions(methods=["relevance", "attention"], num_overlays=1, steps=4, batch_size=3, report=False,
+                          **kw)
+
+
+def test_eval_metrics_and_saved_maps(captioner, tmp_path):
+    task, val, words = captioner
+    metrics = write_caption_overlays(task, val, _options(save_maps=True), tmp_path)
+    methods = ("relevance", "attention", "random")
+    keys = {f"{k}_{m}" for m in methods for k in ("pointing", "energy", "deletion_auc", "insertion_auc")}
+    assert keys <= set(metrics)
+    assert {"pointing_acc", "pointing_acc_random", "pointing_words", "deletion_auc", "insertion_auc",
+            "explain_words", "explain_images"} <= set(metrics)
+    assert metrics["explain_images"] == len(val)
+    assert metrics["pointing_words"] == sum(w.count(w[-1]) for w in words.values() if w) > 0  # the object words
+    assert metrics["pointing_acc"] == metrics["pointing_attention"]  # the old names, one more version
+    assert metrics["pointing_acc_random"] == metrics["pointing_random"]
+    assert metrics["deletion_auc"] == metrics["deletion_auc_relevance"]  # the first method asked for
+    assert all(0.0 <= metrics[k] <= 1.0 for k in keys)  # probabilities, not log-probabilities
+    # the same words are measured and saved (boxes known: the object words)
+    assert metrics["explain_words"] == metrics["pointing_words"]
+    index = json.loads((tmp_path / "maps" / "index.json").read_text())
+    assert len(index) == metrics["pointing_words"]
+    assert [e["index"] for e in index] == list(range(len(index)))
+    boxes = _split_boxes(val)
+    ids = [im["id"] for im in val.images]
+    for entry in index:
+        i = ids.index(entry["file"])  # "file": the image_id, as in predictions.json
+        assert entry["image_index"] == i
+        assert any(entry["word"] in names for names, _ in boxes[entry["file"]])  # a word naming an object
+        h, w = read_image(val.image_path(i)).shape[:2]
+        for m in methods:
+            arr = np.load(tmp_path / "maps" / m / f"{entry['index']:05d}.npy")
+            assert arr.dtype == np.float32 and arr.shape == (h, w)
+    assert len(list((tmp_path / "overlays").glob("*.png"))) == 1
+
+
+def test_without_faithfulness_only_localisation(captioner, tmp_path):
+    task, val, _ = captioner
+    metrics = write_caption_overlays(task, val, _options(faithfulness=False, faithfulness_images=2), tmp_path)
+    assert "pointing_relevance" in metrics and "energy_random" in metrics
+    assert not any(k.startswith(("deletion", "insertion")) for k in metrics)
+    assert metrics["explain_images"] == 2
+    assert not (tmp_path / "maps").exists()
+
+
+@pytest.mark.parametrize("mode", ["deletion", "insertion"])
+def test_word_curves_match_a_per_word_reference(captioner, mode):
+    """The batched word curves equal, word by word, the classifier's curve function fed the
+    word's probability distribution (teacher-forced on the caption) as its 'class' scores."""
+    task, val, _ = captioner
+    images = torch.stack([val[i][0] for i in range(2)])
+    tokens = [torch.tensor([5, 7, 9]), torch.tensor([6, 8])]
+    items = [(0, 0), (0, 2), (1, 1)]
+    sal = torch.rand(len(items), 4, 4, generator=torch.Generator().manual_seed(1))
+    got = word_probability_curves(task, images, tokens, items, sal, mode, steps=4, chunk=5)
+    assert got.shape == (3, 5)
+    bos = task.tokenizer.bos_id
+    for r, (b, t) in enumerate(items):
+        prefix = torch.cat([torch.tensor([bos]), tokens[b][:t]])[None]  # (1, t + 1)
+
+        def proba(x, prefix=prefix, t=t):
+            return task(x, prefix.expand(len(x), -1))[:, t].float().softmax(-1)
+
+        ref = deletion_insertion_curve(proba, images[b : b + 1], sal[r : r + 1], tokens[b][t : t + 1], mode, 4)
+        torch.testing.assert_close(got[r], ref[0], rtol=1e-5, atol=1e-6)
