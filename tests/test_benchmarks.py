@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.explain_overhead import run
 
 
@@ -26,3 +28,80 @@ def test_benchmark_suite_runs_tiny_and_reports_every_pair():
     assert len(pairs) == 10 and len(set(pairs)) == 10
     assert all(r["ratio"] > 0 and isinstance(r["met"], bool) for r in result["rows"])
     assert format_table(result).count("\n") == 11
+
+
+def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
+    """``python -m benchmarks.explanations`` on a classifier, a detector and a captioner trained
+    here for one or two epochs: one table with a row per task and method, the metrics of
+    eval.py, ``—`` where a task has none, the best method per column, and the JSON."""
+    import json
+
+    from benchmarks.explanations import COLUMNS, main, task_methods
+    from vision_attn.cli import train_main
+
+    from .conftest import REPO
+
+    enc = "--model.init_args.encoder.init_args."
+    quiet = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+    small = [f"{enc}embed_dim", "32", f"{enc}depth", "1", f"{enc}num_heads", "2"]
+    decoder = ["--model.init_args.hidden_dim", "32", "--model.init_args.num_layers", "1",
+               "--model.init_args.num_heads", "2"]
+    ckpts = {}
+    train_main(["--config", str(REPO / "configs" / "classification" / "shapes.yaml"),
+                "--data.init_args.root", str(shapes_root), "--data.init_args.num_workers", "0",
+                "--data.init_args.batch_size", "16", *small, f"{enc}patch_size", "8", "--trainer.max_epochs", "1",
+                *quiet, "--trainer.default_root_dir", str(tmp_path / "cls")])
+    ckpts["classification"] = tmp_path / "cls" / "checkpoints" / "last.ckpt"
+    for task, n_train, extra in (("detection", 8, ["--model.init_args.num_queries", "4"]), ("captioning", 8, [])):
+        train_main(["--config", str(REPO / "configs" / task / "shapes.yaml"),
+                    "--data.init_args.synthetic.num_train", str(n_train), "--data.init_args.synthetic.num_val", "3",
+                    "--data.init_args.synthetic.image_size", "32", "--data.init_args.num_workers", "0",
+                    "--data.init_args.cache_dir", str(tmp_path / "data"), f"{enc}img_size", "32", *small,
+                    *decoder, *extra, "--trainer.max_epochs", "1", *quiet,
+                    "--trainer.default_root_dir", str(tmp_path / task)])
+        ckpts[task] = tmp_path / task / "checkpoints" / "last.ckpt"
+    out = tmp_path / "explanations.json"
+    args = [a for task, c in ckpts.items() for a in (f"--{task}", str(c))]
+    capsys.readouterr()
+    result = main([*args, "--images", "2", "--score_threshold", "0", "--json", str(out),
+                   "--work_dir", str(tmp_path / "eval")])
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
+    assert table[0] == "| task | method | pointing ↑ | energy ↑ | deletion ↓ | insertion ↑ | sanity →0 |"
+    assert len(table) == 2 + (6 + 1) + 2 * (3 + 1)  # header, rule, methods and a best row per task
+    assert table[2].startswith("| classification | rollout | ") and table[-1].startswith("| captioning | **best** |")
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert list(result["tasks"]) == ["classification", "detection", "captioning"]
+    assert task_methods("classification") == ["rollout", "relevance", "attention", "gradcam", "lrp", "random"]
+    assert task_methods("detection") == task_methods("captioning") == ["attention", "relevance", "random"]
+    for task, entry in result["tasks"].items():
+        assert list(entry["methods"]) == task_methods(task)
+        for method, values in entry["methods"].items():
+            for col, (prefix, _) in COLUMNS.items():  # exactly what eval returned, None where it has no key
+                assert values[col] == entry["metrics"].get(f"{prefix}_{method}")
+    cls = result["tasks"]["classification"]
+    # the embedded shapes data has boxes: every column is measured for the classifier
+    assert all(v is not None for values in cls["methods"].values() for v in values.values())
+    assert cls["methods"]["random"]["sanity"] == pytest.approx(1.0)  # the baseline ignores the model
+    pointing = {m: round(v["pointing"], 3) for m, v in cls["methods"].items()}
+    assert cls["best"]["pointing"] == [m for m, v in pointing.items() if v == max(pointing.values())]
+    deletion = {m: round(v["deletion"], 3) for m, v in cls["methods"].items()}
+    assert cls["best"]["deletion"] == [m for m, v in deletion.items() if v == min(deletion.values())]
+    assert result["tasks"]["detection"]["methods"]["relevance"]["deletion"] is not None
+    assert result["tasks"]["captioning"]["methods"]["attention"]["pointing"] is not None
+
+
+def test_explanations_best_per_column_as_printed_and_dashes_for_missing_metrics():
+    from benchmarks.explanations import best_methods, format_table, task_rows
+
+    metrics = {"pointing_attention": 0.5, "pointing_relevance": 0.9, "pointing_random": 0.90004,
+               "deletion_auc_attention": 0.2, "deletion_auc_relevance": 0.1, "deletion_auc_random": 0.3,
+               "sanity_attention": 0.7, "sanity_relevance": -0.2, "sanity_random": 1.0, "bleu4": 0.3}
+    rows = task_rows("detection", metrics)
+    assert rows["relevance"] == {"pointing": 0.9, "energy": None, "deletion": 0.1, "insertion": None, "sanity": -0.2}
+    best = best_methods(rows)
+    # a tie as printed (3 decimals) names both; deletion: lowest; sanity: closest to 0; no value: none
+    assert best == {"pointing": ["relevance", "random"], "energy": [], "deletion": ["relevance"], "insertion": [],
+                    "sanity": ["relevance"]}
+    table = format_table({"tasks": {"detection": {"methods": rows, "best": best}}}).splitlines()
+    assert table[3] == "| detection | relevance | 0.900 | — | 0.100 | — | -0.200 |"
+    assert table[-1] == "| detection | **best** | relevance / random | — | relevance | — | relevance |"

@@ -1,0 +1,214 @@
+"""One table of the explanation numbers of the three demo checkpoints (``make bench``).
+
+    python -m benchmarks.explanations [--classification CKPT] [--detection CKPT]
+        [--captioning CKPT] [--images 200] [--seed 0]
+        [--json benchmarks/results/explanations.json]
+
+Trains nothing. Each checkpoint given (default: the newest
+``runs/demo/*/<task>/checkpoints/last.ckpt`` of each task, when there is one) is evaluated by
+``eval.py``'s own code (:func:`vision_attn.cli.eval_main`, data from the settings saved in the
+checkpoint) with every explanation method of its task, the sanity check on and
+``--explain.faithfulness_images N``; the table reads the metrics it returns, per task and
+method (the ``random`` baseline included):
+
+- ``pointing``: ``pointing_<method>``, share of explained items whose map maximum lies in a
+  ground-truth box of the explained object (higher is better);
+- ``energy``: ``energy_<method>``, share of the map's mass in those boxes (higher is better);
+- ``deletion``: ``deletion_auc_<method>`` (lower is better);
+- ``insertion``: ``insertion_auc_<method>`` (higher is better);
+- ``sanity``: ``sanity_<method>``, Spearman correlation between the maps of the trained and of
+  the fully randomised model (closest to 0 is best: the map depends on the model).
+
+A metric the evaluation did not return shows as ``—``. Under each task, the ``best`` row names
+the best method of each column (``random`` included, ties joined with ``/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from benchmarks.common import machine, write_result
+
+log = logging.getLogger("benchmarks.explanations")
+
+TASKS = ("classification", "detection", "captioning")
+COLUMNS = {  # column -> (metric key prefix, better)
+    "pointing": ("pointing", "higher"),
+    "energy": ("energy", "higher"),
+    "deletion": ("deletion_auc", "lower"),
+    "insertion": ("insertion_auc", "higher"),
+    "sanity": ("sanity", "closer to 0"),
+}
+COUNTS = ("explain_images", "explain_classes", "explain_words", "explain_detections")
+"""Metrics that count what the numbers were measured on (printed under the table when present)."""
+ARROWS = {"higher": "↑", "lower": "↓", "closer to 0": "→0"}
+
+
+def task_methods(task: str) -> list[str]:
+    """The explanation methods measured for ``task`` (``random`` last): every registered
+    classifier method with faithfulness numbers, or the decoder heads' methods."""
+    from vision_attn.explain.detection import DECODER_METHODS
+    from vision_attn.explain.methods import METHODS
+
+    if task == "classification":
+        methods = [m for m, spec in METHODS.items() if spec.faithfulness and m != "random"]
+    else:
+        methods = list(DECODER_METHODS)
+    return [*methods, "random"]
+
+
+def newest_checkpoint(demo_dir: str | Path, task: str) -> Path | None:
+    """The most recently written ``DEMO_DIR/*/<task>/checkpoints/last.ckpt``, or ``None``."""
+    found = sorted(Path(demo_dir).glob(f"*/{task}/checkpoints/last.ckpt"), key=lambda p: (p.stat().st_mtime, str(p)))
+    return found[-1] if found else None
+
+
+def evaluate(task: str, ckpt: str | Path, images: int, seed: int, out_dir: Path,
+             score_threshold: float | None = None) -> dict[str, float]:
+    """``eval_main`` on ``ckpt`` with every method of ``task`` and the sanity check; its metrics.
+
+    ``score_threshold``: detection: the detections explained score at least this much
+    (default: eval's ``--explain.score_threshold``).
+
+    Raises:
+        CheckpointError: ``ckpt`` is not a vision_attn checkpoint of ``task``.
+    """
+    from vision_attn.cli import eval_main
+    from vision_attn.errors import CheckpointError
+    from vision_attn.tasks.base import read_task_meta
+
+    meta, _ = read_task_meta(ckpt)
+    if meta.get("task") != task:
+        raise CheckpointError(f"--{task} {ckpt}: the checkpoint holds a {meta.get('task')!r} model, not {task!r}")
+    methods = [m for m in task_methods(task) if m != "random"]  # random: always measured
+    threshold = [] if score_threshold is None else ["--explain.score_threshold", str(score_threshold)]
+    return eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(out_dir), *threshold,
+                      "--seed_everything", str(seed),
+                      "--explain.methods", f"[{', '.join(methods)}]",
+                      "--explain.sanity", "true",
+                      "--explain.faithfulness_images", str(images),
+                      "--explain.seed", str(seed),
+                      "--explain.num_overlays", "0", "--explain.report", "false",
+                      "--trainer.enable_progress_bar", "false"])
+
+
+def task_rows(task: str, metrics: dict[str, float]) -> dict[str, dict[str, float | None]]:
+    """``{method: {column: value or None}}`` read from ``metrics``."""
+    rows = {}
+    for m in task_methods(task):
+        rows[m] = {}
+        for col, (prefix, _) in COLUMNS.items():
+            value = metrics.get(f"{prefix}_{m}")
+            rows[m][col] = None if value is None else float(value)
+    return rows
+
+
+def best_methods(rows: dict[str, dict[str, float | None]], digits: int = 3) -> dict[str, list[str]]:
+    """Per column, the methods with the best value as printed (rounded to ``digits``; several on a
+    tie, none when no method has a value)."""
+    best = {}
+    for col, (_, better) in COLUMNS.items():
+        scored = {m: round(v[col], digits) for m, v in rows.items() if v[col] is not None}
+        if not scored:
+            best[col] = []
+            continue
+        key = {"higher": lambda x: -x, "lower": lambda x: x, "closer to 0": abs}[better]
+        top = min(key(x) for x in scored.values())
+        best[col] = [m for m, x in scored.items() if key(x) == top]
+    return best
+
+
+def format_table(result: dict) -> str:
+    """One markdown table: a row per task and method, then per task the best method of each column."""
+    head = ["task", "method", *(f"{c} {ARROWS[b]}" for c, (_, b) in COLUMNS.items())]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for task, entry in result["tasks"].items():
+        for method, values in entry["methods"].items():
+            cells = ["—" if values[c] is None else f"{values[c]:.3f}" for c in COLUMNS]
+            lines.append(f"| {task} | {method} | " + " | ".join(cells) + " |")
+        cells = [" / ".join(entry["best"][c]) or "—" for c in COLUMNS]
+        lines.append(f"| {task} | **best** | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(checkpoints: dict[str, str | Path], images: int = 200, seed: int = 0,
+        work_dir: str | Path | None = None, score_threshold: float | None = None) -> dict:
+    """Evaluate each ``{task: checkpoint}``; the result :func:`format_table` prints.
+
+    Args:
+        checkpoints: a checkpoint per task (any subset of :data:`TASKS`).
+        images: faithfulness / localisation / sanity images per task.
+        seed: of the image sample, the random baseline and the randomised models.
+        work_dir: where the evaluations write (``<work_dir>/<task>``); default a temporary folder.
+        score_threshold: detection: explain detections scoring at least this (default: eval's).
+    """
+    t0 = time.perf_counter()
+    tasks = {}
+    with tempfile.TemporaryDirectory(prefix="explanations-") as tmp:
+        base = Path(work_dir) if work_dir is not None else Path(tmp)
+        for task in TASKS:
+            if task not in checkpoints:
+                continue
+            t1 = time.perf_counter()
+            metrics = evaluate(task, checkpoints[task], images, seed, base / task, score_threshold)
+            rows = task_rows(task, metrics)
+            tasks[task] = {
+                "checkpoint": str(checkpoints[task]),
+                "counts": {k: int(v) for k, v in metrics.items() if k in COUNTS},
+                "methods": rows,
+                "best": best_methods(rows),
+                "metrics": {k: float(v) for k, v in metrics.items()},
+                "seconds": round(time.perf_counter() - t1, 1),
+            }
+    return {"tasks": tasks, "images": images, "seed": seed,
+            "better": {c: b for c, (_, b) in COLUMNS.items()},
+            "machine": machine(), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for task in TASKS:
+        p.add_argument(f"--{task}", metavar="CKPT", default=None,
+                       help=f"{task} checkpoint (default: the newest DEMO_DIR/*/{task}/checkpoints/last.ckpt)")
+    p.add_argument("--demo_dir", default="runs/demo", help="where `make demo` writes its runs")
+    p.add_argument("--images", type=int, default=200, help="images per task for the explanation numbers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="benchmarks/results/explanations.json")
+    p.add_argument("--score_threshold", type=float, default=None,
+                   help="detection: explain detections scoring at least this (default: eval's 0.3)")
+    p.add_argument("--work_dir", default=None, help="keep the evaluations' outputs here (default: temporary)")
+    a = p.parse_args(argv)
+    given = {t: getattr(a, t) for t in TASKS if getattr(a, t)}
+    checkpoints = given or {t: c for t in TASKS if (c := newest_checkpoint(a.demo_dir, t)) is not None}
+    if not checkpoints:
+        p.error(f"no checkpoint: none given and no {a.demo_dir}/*/<task>/checkpoints/last.ckpt; run `make demo` "
+                "or pass --classification / --detection / --captioning CKPT")
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from vision_attn.errors import VisionAttnError
+
+    try:
+        result = run(checkpoints, a.images, a.seed, a.work_dir, a.score_threshold)
+    except VisionAttnError as err:  # a wrong or unreadable checkpoint, data not found: one clear line
+        p.exit(2, f"{p.prog}: error: {err}\n")
+    print(format_table(result))
+    print()
+    for task, entry in result["tasks"].items():
+        counts = ", ".join(f"{v} {k.removeprefix('explain_')}" for k, v in entry["counts"].items())
+        print(f"{task}: {entry['checkpoint']}; {counts or 'no counts reported'}; {entry['seconds']} s")
+    m = result["machine"]
+    print(f"{m['cpu']}, {m['threads']} threads, torch {m['torch']}, CUDA: {m['cuda']}; {result['seconds']} s")
+    write_result(a.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
