@@ -66,7 +66,7 @@ def test_eval_writes_contract_outputs(trained_run, shapes_root, tmp_path):
     assert saved == metrics
     assert {"acc_top1", "acc_macro", "acc_top5", "deletion_auc", "deletion_auc_random", "insertion_auc",
             "insertion_auc_random", "deletion_auc_rollout", "deletion_auc_relevance"} <= set(saved)
-    assert saved["deletion_auc"] == saved["deletion_auc_rollout"]  # the first method is "the" method
+    assert saved["deletion_auc"] == saved["deletion_auc_relevance"]  # the first method is "the" method
     overlays = sorted((out / "overlays").glob("*.png"))
     assert len(overlays) == 3 and overlays[0].name.startswith("00000_")
     page = (out / "report.html").read_text()
