@@ -293,7 +293,7 @@ def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects
     from vision_attn.explain.evaluate import select_images
     from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
     from vision_attn.explain.localisation import grid_to_image, localisation
-    from vision_attn.explain.sanity import cascading_randomisation, spearman
+    from vision_attn.explain.sanity import cascading_randomisation, sanity_metrics, spearman
     from vision_attn.outputs import write_json, write_npy
 
     picked = select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection, options.seed)
@@ -390,10 +390,5 @@ def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects
         metrics["deletion_auc"] = metrics[f"deletion_auc_{methods[0]}"]
         metrics["insertion_auc"] = metrics[f"insertion_auc_{methods[0]}"]
     if options.sanity:
-        curves = {m: {step: total / measured for step, total in steps.items()} for m, steps in correlations.items()}
-        for m, curve in curves.items():
-            metrics[f"sanity_{m}"] = curve["all"]
-        write_json(out_dir / "sanity.json", {"measure": "mean Spearman correlation with the trained model's maps",
-                                             "steps": list(next(iter(curves.values()))), "methods": curves},
-                   root=out_dir)
+        metrics.update(sanity_metrics(correlations, measured, out_dir))
     return dict(sorted(metrics.items()))

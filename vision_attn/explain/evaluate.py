@@ -53,7 +53,7 @@ from vision_attn.explain.methods import (
     faithfulness,
 )
 from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
-from vision_attn.explain.sanity import sanity_check
+from vision_attn.explain.sanity import sanity_check, sanity_metrics
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
 __all__ = ["ExplainOptions", "Selection", "explain_eval_split", "explanation_panel", "select_images"]
@@ -421,11 +421,5 @@ def _localisation_and_sanity(task, dataset, picked: list[int], options: ExplainO
             metrics[f"pointing_{m}"] = hits[m] / scored
             metrics[f"energy_{m}"] = energy[m] / scored
     if options.sanity:
-        n = len(picked)
-        curves = {m: {step: total / n for step, total in steps.items()} for m, steps in correlations.items()}
-        for m, curve in curves.items():
-            metrics[f"sanity_{m}"] = curve["all"]
-        write_json(out_dir / "sanity.json", {"measure": "mean Spearman correlation with the trained model's maps",
-                                             "steps": list(next(iter(curves.values()))), "methods": curves},
-                   root=out_dir)
+        metrics.update(sanity_metrics(correlations, len(picked), out_dir))
     return metrics

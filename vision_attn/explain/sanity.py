@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from vision_attn.errors import ConfigError
 
-__all__ = ["cascading_randomisation", "randomise_", "sanity_check", "spearman"]
+__all__ = ["cascading_randomisation", "randomise_", "sanity_check", "sanity_metrics", "spearman"]
 
 INIT_STD = 0.02
 
@@ -149,3 +149,16 @@ def sanity_check(
         for method, randomised in maps(stand_in).items():
             out[method][step] = spearman(trained[method], randomised)
     return out
+
+
+def sanity_metrics(correlations: dict[str, dict[str, float]], count: int, out_dir) -> dict[str, float]:
+    """``{"sanity_<method>": mean correlation after full randomisation}`` from the summed
+    ``correlations[method][step]`` of ``count`` explained items; writes the per-depth curves to
+    ``out_dir/sanity.json`` (through :mod:`vision_attn.outputs`)."""
+    from vision_attn.outputs import write_json
+
+    curves = {m: {step: total / count for step, total in steps.items()} for m, steps in correlations.items()}
+    write_json(out_dir / "sanity.json", {"measure": "mean Spearman correlation with the trained model's maps",
+                                         "steps": list(next(iter(curves.values()))), "methods": curves},
+               root=out_dir)
+    return {f"sanity_{m}": curve["all"] for m, curve in curves.items()}
