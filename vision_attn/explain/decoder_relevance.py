@@ -231,6 +231,16 @@ def _check_head(task: nn.Module, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------- detection
+def _item_maps(target: Tensor, records: dict, num_prefix_tokens: int, rows: Tensor,
+               grid: tuple[int, int]) -> Tensor:
+    """The explained rows' patch maps: gradients of the summed ``target`` scores w.r.t. the
+    recorded attentions, propagated by the rules (:func:`_relevance_rows`)."""
+    grads = _gradients(target, records)
+    relevance = _relevance_rows({k: [a.detach() for a in v] for k, v in records.items()}, grads,
+                                num_prefix_tokens, rows)
+    return _to_maps(relevance, grid, num_prefix_tokens)
+
+
 def detection_relevance(
     task: nn.Module,
     images: Tensor,
@@ -298,10 +308,7 @@ def detection_relevance(
             if score == "probability":
                 per_query = per_query.sigmoid() if focal else per_query.softmax(-1)
             target = per_query.gather(1, c_idx[:, None]).sum()
-            grads = _gradients(target, records)
-            rows_qi = _relevance_rows({k: [a.detach() for a in v] for k, v in records.items()}, grads,
-                                      enc.num_prefix_tokens, q_idx)
-            maps.append(_to_maps(rows_qi, grid, enc.num_prefix_tokens))
+            maps.append(_item_maps(target, records, enc.num_prefix_tokens, q_idx, grid))
     flat = torch.cat(maps) if maps else torch.zeros(0, *grid)
     return _split(flat, counts, grid)
 
@@ -368,9 +375,6 @@ def caption_relevance(
             r = torch.arange(len(t_idx), device=logits.device)
             logp = F.log_softmax(logits[r, t_idx].float(), dim=-1)  # (R, V)
             target = logp.gather(1, tgt[r, t_idx][:, None]).sum()
-            grads = _gradients(target, records)
-            rows_ti = _relevance_rows({k: [a.detach() for a in v] for k, v in records.items()}, grads,
-                                      enc.num_prefix_tokens, t_idx)
-            maps.append(_to_maps(rows_ti, grid, enc.num_prefix_tokens))
+            maps.append(_item_maps(target, records, enc.num_prefix_tokens, t_idx, grid))
     flat = torch.cat(maps) if maps else torch.zeros(0, *grid)
     return _split(flat, counts, grid)
