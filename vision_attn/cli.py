@@ -498,17 +498,19 @@ class EvalCLI(_VisionAttnCLI):
 
         argv = normalize_flags(list(sys.argv[1:] if args is None else args), valued_bools=("--overwrite",))
         self.default_split = default_split
+        self._read: tuple[str, dict[str, Any], dict[str, Any]] | None = None  # (path, meta, checkpoint)
         super().__init__(save_config_callback=None, args=self._from_checkpoint(argv))
 
-    @staticmethod
-    def _from_checkpoint(argv: list[str]) -> list[str]:
+    def _from_checkpoint(self, argv: list[str]) -> list[str]:
         """``argv`` with the checkpoint's model (and its saved data settings, unless a config
-        names data or ``--data`` is given) in front, so no ``--config`` is needed."""
+        names data or ``--data`` is given) in front, so no ``--config`` is needed. The file is
+        read once; building the model reuses what was read here."""
         rest, allowed = split_allow_import(argv)
         ckpt = _option_value(rest, "--ckpt_path")
         if not ckpt or any(a in ("-h", "--help") for a in rest) or ckpt == "last":
             return argv
-        meta, _ = read_task_meta(ckpt, allowed)
+        meta, checkpoint = read_task_meta(ckpt, allowed)
+        self._read = (ckpt, meta, checkpoint)
         front = ["--model", json.dumps(meta["model"])]
         has_data = "data" in _config_class_paths(rest) or any(a == "--data" or a.startswith("--data=") for a in rest)
         if not has_data:
@@ -539,7 +541,11 @@ class EvalCLI(_VisionAttnCLI):
         ckpt = self.config.ckpt_path
         if ckpt == "last" and self.config.trainer.get("default_root_dir"):
             ckpt = str(Path(self.config.trainer.default_root_dir) / "checkpoints" / "last.ckpt")
-        self.ckpt_meta, self.ckpt = read_task_meta(ckpt, self.allow_import)
+        if self._read is not None and self._read[0] == ckpt:
+            self.ckpt_meta, self.ckpt = self._read[1:]
+            self._read = None
+        else:
+            self.ckpt_meta, self.ckpt = read_task_meta(ckpt, self.allow_import)
         self.ckpt_file = ckpt
         out = Path(self.config.output_dir)
         _check_writable(out)
