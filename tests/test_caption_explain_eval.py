@@ -15,11 +15,13 @@ from vision_attn.data.imageio import read_image
 from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.explain.captioning import (
     _split_boxes,
+    teacher_forced_word_maps,
     word_probability_curves,
     write_caption_overlays,
 )
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.faithfulness import deletion_insertion_curve
+from vision_attn.explain.sanity import cascading_randomisation, spearman
 from vision_attn.tasks import CaptioningTask
 
 TINY_DATA = SceneSetConfig(image_size=32, num_train=24, num_val=4)
@@ -123,3 +125,50 @@ def test_word_curves_match_a_per_word_reference(captioner, mode):
 
         ref = deletion_insertion_curve(proba, images[b : b + 1], sal[r : r + 1], tokens[b][t : t + 1], mode, 4)
         torch.testing.assert_close(got[r], ref[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_teacher_forced_maps_equal_the_generation_maps(captioner, beam_size):
+    """The sanity check's teacher-forced maps of the trained model are the maps the overlays
+    drew from the generation (greedy and beam search), so only the weights can change them."""
+    task, val, _ = captioner
+    images = torch.stack([val[i][0] for i in range(3)])
+    task.beam_size = beam_size
+    try:
+        explained = task.explain_batch(images, [np.zeros((32, 32, 3), np.uint8)] * 3, _options())
+    finally:
+        task.beam_size = 1
+    tokens = [e.extras["tokens"] for e in explained]
+    assert sum(len(t) for t in tokens) > 0
+    maps = teacher_forced_word_maps(task, images, tokens, ["attention", "relevance"])
+    for b, e in enumerate(explained):
+        for m in ("attention", "relevance"):
+            torch.testing.assert_close(maps[m][b], e.extras["maps"][m].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_sanity_correlations(captioner, tmp_path):
+    """--explain.sanity: per method the mean Spearman correlation over the measured words between
+    the trained and the fully randomised model's maps, equal to a per-word recomputation."""
+    task, val, _ = captioner
+    options = _options(sanity=True, faithfulness=False)
+    metrics = write_caption_overlays(task, val, options, tmp_path)
+    assert metrics["sanity_random"] == pytest.approx(1.0)  # the baseline ignores the model
+    curves = json.loads((tmp_path / "sanity.json").read_text())
+    assert curves["steps"][-1] == "all" and curves["steps"][0] == "block0"  # depth 1: block0, then all
+    # reference: the object words of every image, trained vs fully randomised encoder, one by one
+    from vision_attn.explain.captioning import named_words
+    from vision_attn.explain.detection import StandIn
+
+    boxes = _split_boxes(val)
+    images = torch.stack([val[i][0] for i in range(len(val))])
+    explained = task.explain_batch(images, [np.zeros((32, 32, 3), np.uint8)] * len(val), options)
+    *_, (step, encoder) = cascading_randomisation(task.encoder, seed=options.seed)
+    randomised = teacher_forced_word_maps(StandIn(encoder, task.head, tokenizer=task.tokenizer), images,
+                                          [e.extras["tokens"] for e in explained], ["attention", "relevance"])
+    for m in ("attention", "relevance"):
+        rhos = []
+        for b, e in enumerate(explained):
+            for t, _ in named_words(e.extras["words"], boxes.get(val.images[b]["id"], [])):
+                rhos.append(float(spearman(e.extras["maps"][m][t][None].float(), randomised[m][b][t][None])))
+        assert rhos and metrics[f"sanity_{m}"] == pytest.approx(sum(rhos) / len(rhos), abs=1e-5)
+        assert metrics[f"sanity_{m}"] < 0.99  # the maps depend on the weights

@@ -32,6 +32,14 @@ uniform maps over the patch grid: its localisation numbers are the mean over
   would not: unbounded below). Lower deletion / higher insertion is better.
   ``deletion_auc`` / ``insertion_auc`` are the first method's; ``explain_words`` counts the
   words.
+- **Sanity** (``--explain.sanity true``; ``sanity_<method>`` and ``OUT/sanity.json``): the
+  mean Spearman correlation, over the same words, between each word's map from the trained
+  model and from the model whose encoder is randomised from the top block down
+  (:func:`~vision_attn.explain.sanity.cascading_randomisation`; decoder kept). The randomised
+  models explain the trained model's caption, teacher-forced (:func:`teacher_forced_word_maps`:
+  ``attention`` is the cross-attention of the position that predicts the word, as during
+  generation; ``relevance`` the word's log-probability). ``sanity_<method>`` is the fully
+  randomised step ``all``; ``random`` scores 1 by construction (the same seeded draws).
 - **Maps** (``--explain.save_maps true``): every explained word's map of every method, float32
   ``[H, W]`` in original image pixels, as ``OUT/maps/<method>/<NNNNN>.npy`` (``NNNNN`` a running
   number over the explained words) and ``OUT/maps/index.json``: ``[{"index": NNNNN, "file":
@@ -62,7 +70,7 @@ from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
 __all__ = ["RANDOM_DRAWS", "caption_strip", "explain_captioning", "named_words", "pointing_game", "random_word_maps",
-           "word_attention_maps", "word_probability_curves", "write_caption_overlays"]
+           "teacher_forced_word_maps", "word_attention_maps", "word_probability_curves", "write_caption_overlays"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +87,40 @@ def word_attention_maps(attention: torch.Tensor, num_words: int, grid: tuple[int
     att = attention[:num_words].float()
     fused = att[:, -1] if layers == "last" else att.mean(1)  # (T, N)
     return normalize_maps(fused.reshape(-1, *grid))
+
+
+def teacher_forced_word_maps(model, images: Tensor, tokens: Sequence[Tensor], methods: Sequence[str],
+                             layers: str = "last") -> dict[str, list[Tensor]]:
+    """Per decoder method, one ``[T_b, h, w]`` map per image for the given captions, teacher-forced.
+
+    ``model``: a captioner (``encoder``, ``head``, ``tokenizer``; the task or a stand-in with
+    another encoder). ``tokens``: per image the word ids without ``<bos>`` (``[T_b]``).
+    ``attention``: heads averaged, at the position whose output predicts word ``t`` (the query
+    of generation's step ``t``, so equal to :func:`word_attention_maps` of the generation;
+    causal decoder), the last layer or the mean over layers (``layers``). ``relevance``:
+    :func:`~vision_attn.explain.decoder_relevance.caption_relevance`.
+    """
+    from vision_attn.explain.decoder_relevance import caption_relevance
+
+    out: dict[str, list[Tensor]] = {}
+    grid = model.encoder.grid_for(*images.shape[-2:])
+    seqs = [torch.as_tensor(t).long().flatten().cpu() for t in tokens]
+    if "attention" in methods:
+        longest = max((len(q) for q in seqs), default=0)
+        full = torch.full((len(seqs), longest + 1), model.head.pad_id, dtype=torch.long)
+        full[:, 0] = model.tokenizer.bos_id
+        for b, q in enumerate(seqs):
+            full[b, 1 : len(q) + 1] = q
+        with torch.no_grad():
+            _, weights = model.head(model.encoder(images), full[:, :-1].to(images.device), need_weights=True)
+        att = torch.stack(weights, dim=1).mean(dim=2).transpose(1, 2).cpu()  # (B, T, L, N)
+        out["attention"] = [word_attention_maps(att[b], len(q), grid, layers) for b, q in enumerate(seqs)]
+    if "relevance" in methods:
+        out["relevance"] = caption_relevance(model, images, seqs)
+    unknown = [m for m in methods if m not in out]
+    if unknown:
+        raise ValueError(f"teacher_forced_word_maps: no captioning method {unknown}; known: attention, relevance")
+    return out
 
 
 def caption_strip(rgb: np.ndarray, words: list[str], maps: torch.Tensor, alpha: float = 0.5, cols: int = 8,
@@ -276,10 +318,15 @@ class _Tally:
         self.hits = dict.fromkeys(methods, 0.0)
         self.energy = dict.fromkeys(methods, 0.0)
         self.auc = {f"{key}_{m}": 0.0 for m in methods for key in ("deletion_auc", "insertion_auc")}
-        self.pointed = self.faithful = 0
+        self.correlations: dict[str, dict[str, float]] = {m: {} for m in methods}
+        self.pointed = self.faithful = self.sane = 0
 
-    def metrics(self, first: str) -> dict[str, float]:
+    def metrics(self, first: str, out_dir: Path) -> dict[str, float]:
+        from vision_attn.explain.sanity import sanity_metrics
+
         out: dict[str, float] = {}
+        if self.sane:
+            out.update(sanity_metrics(self.correlations, self.sane, out_dir))
         if self.pointed:
             for m in self.methods:
                 out[f"pointing_{m}"] = self.hits[m] / self.pointed
@@ -338,6 +385,8 @@ def _measure_batch(task, images: Tensor, explained: list, rows: list[tuple[int, 
         items += [(j, t) for t in positions]
         for m in tally.methods:
             grids[m].append(maps[m])
+    if options.sanity and items:
+        _sanity(task, images, explained, items, grids, options, tally)
     if not options.faithfulness or not items:
         return
     tokens = [e.extras["tokens"] for e in explained]
@@ -347,6 +396,32 @@ def _measure_batch(task, images: Tensor, explained: list, rows: list[tuple[int, 
             curves = word_probability_curves(task, images, tokens, items, sal, mode, options.steps)
             tally.auc[f"{key}_{m}"] += float(auc(curves).sum())
     tally.faithful += len(items)
+
+
+def _sanity(task, images: Tensor, explained: list, items: list[tuple[int, int]], grids: dict[str, list[Tensor]],
+            options, tally: _Tally) -> None:
+    """Add the Spearman correlations of the ``items`` ``(batch position, word position)`` between
+    the trained maps (``grids``, in the order of ``items``) and the maps of the cascadingly
+    randomised encoders to ``tally`` (see the module docstring)."""
+    from vision_attn.explain.detection import StandIn
+    from vision_attn.explain.sanity import cascading_randomisation, spearman
+
+    rows = sorted({j for j, _ in items})  # the measured images of the batch
+    where = {j: r for r, j in enumerate(rows)}
+    tokens = [explained[j].extras["tokens"] for j in rows]
+    trained = {m: torch.cat(grids[m]).flatten(1) for m in tally.methods}  # (R, h * w)
+    methods = [m for m in tally.methods if m != "random"]
+    for step, encoder in cascading_randomisation(task.encoder, seed=options.seed):
+        stand_in = StandIn(encoder, task.head, tokenizer=task.tokenizer)
+        maps = teacher_forced_word_maps(stand_in, images[rows], tokens, methods, options.query_layers)
+        for m in tally.methods:
+            if m == "random":  # the model is not asked: the same draws, correlation 1
+                randomised = trained[m]
+            else:
+                randomised = torch.stack([maps[m][where[j]][t] for j, t in items]).flatten(1)
+            rho = spearman(trained[m], randomised)
+            tally.correlations[m][step] = tally.correlations[m].get(step, 0.0) + float(rho.sum())
+    tally.sane += len(items)
 
 
 def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
@@ -359,7 +434,7 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
 
     chosen = set(select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed))
     boxes = _split_boxes(dataset)
-    measured = boxes is not None or options.faithfulness or options.save_maps
+    measured = boxes is not None or options.faithfulness or options.save_maps or options.sanity
     picked = (set(select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection,
                                 options.seed)) if measured else set())
     todo = sorted(chosen | picked)
@@ -397,7 +472,7 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
     if boxes is not None and picked and not tally.pointed:
         log.warning("localisation: no generated word of the %d explained images names an object of its image; "
                     "no pointing / energy numbers", len(picked))
-    metrics = tally.metrics(methods[0])
+    metrics = tally.metrics(methods[0], out_dir)
     if metrics or (options.save_maps and picked):
         metrics["explain_images"] = float(len(picked))
     return metrics

@@ -270,12 +270,15 @@ def detection_maps(model, images: torch.Tensor, queries: list[torch.Tensor], lab
     return {m: out[m] for m in methods}
 
 
-class _StandIn(nn.Module):
-    """The task's decoder head on another encoder (the sanity check's randomised copies)."""
+class StandIn(nn.Module):
+    """The task's decoder head on another encoder (the sanity check's randomised copies);
+    ``attributes`` (e.g. the captioner's ``tokenizer``) are set as plain attributes."""
 
-    def __init__(self, encoder: nn.Module, head: nn.Module) -> None:
+    def __init__(self, encoder: nn.Module, head: nn.Module, **attributes) -> None:
         super().__init__()
         self.encoder, self.head = encoder, head
+        for name, value in attributes.items():
+            setattr(self, name, value)
 
 
 def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects: int = 20) -> dict[str, float]:
@@ -360,7 +363,7 @@ def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects
         if options.sanity and len(rows):
             trained = {m: torch.cat(v).flatten(1) for m, v in maps.items()}  # (R, h * w)
             for step, encoder in cascading_randomisation(task.encoder, seed=options.seed):
-                randomised = detection_maps(_StandIn(encoder, task.head), images, queries, labels, methods,
+                randomised = detection_maps(StandIn(encoder, task.head), images, queries, labels, methods,
                                             options.query_layers, seed)
                 for m in methods:
                     rho = spearman(trained[m], torch.cat(randomised[m]).flatten(1))
