@@ -19,24 +19,44 @@ an image to a class moves at most one other image of that class across. Both par
 ``train/...`` paths (``predictions.json`` names files relative to ``ROOT`` as always). Setting
 ``val_fraction`` while ``ROOT/val/`` exists is an error: say which validation set you mean
 (drop the option, or move ``val/`` away).
+
+Batch size from the data (``--data.batch_size auto``): the number of optimizer steps, not of
+epochs, sets how far a small model gets, and a fixed batch of 128 gives a 1k-image dataset 8
+steps per epoch. With ``auto`` the training batch (per process) is the largest power of two that
+leaves ``min_steps_per_epoch`` optimizer steps per epoch on every process, within
+``[min_batch_size, max_batch_size]`` (:func:`~vision_attn.data.loading.auto_batch_size`; e.g.
+with 40 steps, bounds 8..256: 500 images -> 8, 1.3k -> 32, 5k -> 64, 10k -> 128). It is
+resolved when training starts (``setup("fit")``, before the learning-rate schedule is planned
+from the loader's length), logged once, kept in :attr:`ImageFolderDataModule.resolved_batch_size`
+and in the datamodule's ``hparams`` (``batch_size``, ``train_images``, ``batches_per_epoch``:
+what the loggers record and the checkpoint holds). The rule's parameters are constructor
+arguments, so ``--print_config`` and the saved ``config.yaml`` show them. Under DDP the rule
+works per process: each process sees ``ceil(images / processes)`` images per epoch, so more
+GPUs give a smaller per-process batch and the same number of steps (the global batch is the
+per-process one times the processes). ``trainer.accumulate_grad_batches`` is counted: steps
+are optimizer steps. The learning rate is used as given (no scaling rule with the batch).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, read_image
 from vision_attn.data.loading import (
     PathRefusals,
+    RepeatedAugmentationSampler,
     SkipUnreadable,
     SplitDataModule,
+    auto_batch_size,
+    distributed_world,
     image_path_inside,
 )
 from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
@@ -90,6 +110,23 @@ def stratified_holdout(files: Collection[str], fraction: float, seed: int) -> se
         ranked = sorted(names, key=lambda f: (hashlib.sha256(f"{seed}/{f}".encode()).hexdigest(), f))
         held.update(ranked[:k])
     return held
+
+
+def _check_sizing(batch_size: Any, min_steps: int, min_batch: int, max_batch: int, eval_batch: int | None,
+                  repeats: int) -> None:
+    """Clear errors for batch-size settings that cannot work, naming the key."""
+    if batch_size != "auto" and not (isinstance(batch_size, int) and not isinstance(batch_size, bool)
+                                     and batch_size >= 1):
+        raise DataError(f"--data.batch_size must be a positive integer or 'auto', got {batch_size!r}")
+    for key, value in (("min_steps_per_epoch", min_steps), ("min_batch_size", min_batch),
+                       ("max_batch_size", max_batch), ("repeated_augmentation", repeats)):
+        if not isinstance(value, int) or value < 1:
+            raise DataError(f"--data.{key} must be a positive integer, got {value!r}")
+    if max_batch < min_batch:
+        raise DataError(f"--data.max_batch_size {max_batch} is below --data.min_batch_size {min_batch}; "
+                        "raise max_batch_size or lower min_batch_size")
+    if eval_batch is not None and (not isinstance(eval_batch, int) or eval_batch < 1):
+        raise DataError(f"--data.eval_batch_size must be a positive integer (or unset), got {eval_batch!r}")
 
 
 class ImageFolderDataset(SkipUnreadable, Dataset):
@@ -196,12 +233,27 @@ class ImageFolderDataModule(SplitDataModule):
         train_split: training split folder name.
         val_split: validation split folder name.
         test_split: test split folder name (used when it exists).
-        batch_size: images per batch (per process).
-        eval_batch_size: images per batch in validation/test (default ``batch_size``).
+        batch_size: training images per batch (per process), or ``auto``: sized from the
+            training set by the rule below (see the module docstring).
+        min_steps_per_epoch: ``auto`` only: optimizer steps every epoch makes at least (the
+            batch is the largest power of two <= images per process / this).
+        min_batch_size: ``auto`` only: the smallest batch the rule picks.
+        max_batch_size: ``auto`` only: the largest batch the rule picks (memory bound); also
+            the evaluation batch when ``eval_batch_size`` is unset.
+        eval_batch_size: images per batch in validation/test (default ``batch_size``; with
+            ``auto``, ``max_batch_size``: evaluation results do not depend on it).
         num_workers: data-loading worker processes.
         augment: training augmentation preset: ``none``, ``small`` (from scratch, small
             images) or ``finetune`` (pretrained models at 224 px).
         hflip: random horizontal flips in training (turn off for text and digits).
+        randaugment_ops: RandAugment operations per training image (``0``: none); default:
+            the preset's (``small``: 0, ``finetune``: 2).
+        randaugment_magnitude: RandAugment magnitude (0..30, torchvision's bins).
+        repeated_augmentation: ``k``: every training epoch shows ``len / k`` distinct images
+            ``k`` times each, in the same batch (differently augmented), keeping the epoch's
+            length (DeiT's repeated augmentation;
+            :class:`~vision_attn.data.loading.RepeatedAugmentationSampler`, seeded by
+            ``seed_everything`` and the epoch). ``1``: off.
         max_pixels: images declaring more pixels are refused.
         follow_symlinks: follow symbolic links inside a split folder that lead outside it
             (refused by default: training skips such images, evaluation stops).
@@ -219,17 +271,25 @@ class ImageFolderDataModule(SplitDataModule):
         train_split: str = "train",
         val_split: str = "val",
         test_split: str = "test",
-        batch_size: int = 64,
+        batch_size: int | Literal["auto"] = 64,
+        min_steps_per_epoch: int = 40,
+        min_batch_size: int = 8,
+        max_batch_size: int = 256,
         eval_batch_size: int | None = None,
         num_workers: int = 2,
         augment: AugmentPreset = "small",
         hflip: bool = True,
+        randaugment_ops: int | None = None,
+        randaugment_magnitude: int = 9,
+        repeated_augmentation: int = 1,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         follow_symlinks: bool = False,
         val_fraction: float | None = None,
         val_seed: int = 0,
     ) -> None:
         super().__init__()
+        _check_sizing(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size,
+                      repeated_augmentation)
         self.follow_symlinks = follow_symlinks
         if root is None:
             root = str(ensure_shapes_classification(synthetic or ShapesConfig(), cache_dir))
@@ -240,11 +300,16 @@ class ImageFolderDataModule(SplitDataModule):
                 "train/<class>/ and val/<class>/ image folders (or leave it unset for the embedded shapes data)."
             )
         self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
+        self.batch_size = batch_size  # as configured: an int or "auto"
+        self.min_steps_per_epoch, self.min_batch_size, self.max_batch_size = (
+            min_steps_per_epoch, min_batch_size, max_batch_size)
+        self.resolved_batch_size: int | None = batch_size if isinstance(batch_size, int) else None
+        self.eval_batch_size = eval_batch_size or (batch_size if isinstance(batch_size, int) else max_batch_size)
         self.num_workers = num_workers
         self.augment = augment
         self.hflip = hflip
+        self.randaugment_ops, self.randaugment_magnitude = randaugment_ops, randaugment_magnitude
+        self.repeated_augmentation = repeated_augmentation
         self.max_pixels = max_pixels
         self.class_names: list[str] = find_classes(self.root / train_split)
         if val_fraction is not None:
@@ -282,7 +347,8 @@ class ImageFolderDataModule(SplitDataModule):
         """The dataset of ``split`` with the training or the evaluation transform (with
         ``val_fraction``, the validation split is the held-out part of the training folder)."""
         pre = model_preprocess(self)
-        transform = build_train_transform(pre, self.augment, self.hflip) if train else build_eval_transform(pre)
+        transform = (build_train_transform(pre, self.augment, self.hflip, self.randaugment_ops,
+                                           self.randaugment_magnitude) if train else build_eval_transform(pre))
         folder, files = split, None
         if self.val_fraction is not None and split in (self.train_split, self.val_split):
             folder, files = self.train_split, self.holdout()[split == self.val_split]
@@ -296,10 +362,56 @@ class ImageFolderDataModule(SplitDataModule):
     def setup(self, stage: str | None = None) -> None:
         if stage in ("fit", None):
             self.datasets["train"] = self.dataset(self.train_split, train=True)
+            self.resolve_batch_size()  # before the schedule is planned from the loader's length
         if stage in ("fit", "validate", None):
             self.datasets["val"] = self.dataset(self.val_split)
         if stage in ("test", None) and (self.root / self.test_split).is_dir():
             self.datasets["test"] = self.dataset(self.test_split)
+
+    def resolve_batch_size(self) -> int:
+        """The training batch per process: ``batch_size``, or the ``auto`` rule applied to the
+        training split and the attached trainer's processes and gradient accumulation (see
+        the module docstring). Logs it and records it in :attr:`hparams`."""
+        if "train" not in self.datasets:
+            self.datasets["train"] = self.dataset(self.train_split, train=True)
+        images = len(self.datasets["train"])
+        trainer = self.trainer
+        processes = trainer.world_size if trainer is not None else distributed_world()[0]
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        if self.batch_size == "auto":
+            batch = auto_batch_size(images, self.min_steps_per_epoch, self.min_batch_size, self.max_batch_size,
+                                    processes, accumulate)
+        else:
+            batch = int(self.batch_size)
+        per_process = -(-images // processes)
+        batches = per_process // batch if per_process > batch else 1  # training drops the last partial batch
+        if self.resolved_batch_size != batch or not self.hparams:
+            if trainer is None or trainer.is_global_zero:
+                rule = (f"auto: largest power of two <= {per_process} images per process / "
+                        f"(min_steps_per_epoch {self.min_steps_per_epoch} x accumulate_grad_batches {accumulate}), "
+                        f"within [{self.min_batch_size}, {self.max_batch_size}]"
+                        if self.batch_size == "auto" else "fixed")
+                log.info("training batch size %d per process (%s): %d training images, %d process(es), "
+                         "%d batches per epoch", batch, rule, images, processes, batches)
+            self.save_hyperparameters({"batch_size": batch, "batch_size_rule": str(self.batch_size),
+                                       "train_images": images, "batches_per_epoch": batches})
+        self.resolved_batch_size = batch
+        return batch
+
+    def train_batch_size(self) -> int:
+        return self.resolve_batch_size() if self.resolved_batch_size is None else self.resolved_batch_size
+
+    def evaluation_batch_size(self) -> int:
+        return self.eval_batch_size
+
+    def train_sampler(self, ds: Dataset) -> Sampler | None:
+        """:class:`~vision_attn.data.loading.RepeatedAugmentationSampler` with
+        ``repeated_augmentation > 1`` (seeded by ``seed_everything``'s seed, as Lightning seeds
+        its own distributed sampler), else ``None`` (shuffled)."""
+        if self.repeated_augmentation <= 1:
+            return None
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return RepeatedAugmentationSampler(ds, self.repeated_augmentation, seed=seed)
 
     def test_dataloader(self) -> DataLoader:
         if "test" not in self.datasets:

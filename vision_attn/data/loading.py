@@ -23,18 +23,29 @@ folder that is a symlink is fine. Training skips a refused image with one counte
 evaluation stops with an error naming it (:class:`PathRefusals`). Outputs name an image file
 relative to the data root, or relative to its split's images folder when that folder was given
 outside the root (:func:`relative_file`).
+
+Batch size from the data. :func:`auto_batch_size` is the rule behind ``batch_size: auto``: the
+largest power of two that still gives every process ``min_steps_per_epoch`` optimizer steps per
+epoch, within ``[min_batch_size, max_batch_size]``. A small dataset thus gets small batches and
+enough steps to train, a large one large batches (see :class:`~vision_attn.data.ImageFolderDataModule`).
+
+Repeated augmentation (Hoffer et al. 2020, DeiT): :class:`RepeatedAugmentationSampler` yields
+each chosen image ``k`` times per epoch, next to each other (same batch on one process, same
+step across processes), so the random transform sees it ``k`` times; the epoch keeps the
+dataset's length, i.e. it holds about ``len / k`` distinct images.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from vision_attn.data.imageio import ImageReadError
 from vision_attn.errors import DataError
@@ -42,9 +53,12 @@ from vision_attn.errors import DataError
 __all__ = [
     "MAX_UNREADABLE_IN_A_ROW",
     "PathRefusals",
+    "RepeatedAugmentationSampler",
     "SkipUnreadable",
     "SplitDataModule",
     "UnpaddedDistributedSampler",
+    "auto_batch_size",
+    "distributed_world",
     "eval_sampler",
     "image_path_inside",
     "make_loader",
@@ -187,13 +201,107 @@ def eval_sampler(dataset: Dataset) -> UnpaddedDistributedSampler | None:
     return None
 
 
+def distributed_world() -> tuple[int, int]:
+    """``(number of processes, this process's rank)`` of the initialised default process group,
+    ``(1, 0)`` when not running distributed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0
+
+
+def auto_batch_size(train_images: int, min_steps_per_epoch: int, min_batch_size: int, max_batch_size: int,
+                    processes: int = 1, accumulate_grad_batches: int = 1) -> int:
+    """The per-process training batch size of ``batch_size: auto``.
+
+    The largest power of two ``b`` with ``b <= images per process / (min_steps_per_epoch *
+    accumulate_grad_batches)``, clamped to ``[min_batch_size, max_batch_size]``. Images per
+    process are ``ceil(train_images / processes)``: under DDP each process sees its share of an
+    epoch, so the rule gives every process (and so the run) ``min_steps_per_epoch`` optimizer
+    steps per epoch whatever the number of GPUs. Training drops the last partial batch, so an
+    epoch makes ``floor(images per process / b) >= min_steps_per_epoch`` batches unless the
+    clamp to ``min_batch_size`` wins (datasets smaller than ``min_steps_per_epoch *
+    min_batch_size`` images).
+
+    Args:
+        train_images: images in the training split (all processes together).
+        min_steps_per_epoch: optimizer steps every epoch must make at least.
+        min_batch_size: lower bound (statistics of tiny batches are too noisy).
+        max_batch_size: upper bound (memory; large datasets need no larger batches).
+        processes: number of training processes (``trainer.world_size``).
+        accumulate_grad_batches: batches per optimizer step (``trainer.accumulate_grad_batches``).
+    """
+    per_process = math.ceil(train_images / max(1, processes))
+    fits = per_process // max(1, min_steps_per_epoch * accumulate_grad_batches)
+    power = 1 << (fits.bit_length() - 1) if fits >= 1 else 1
+    return max(min_batch_size, min(max_batch_size, power))
+
+
+class RepeatedAugmentationSampler(DistributedSampler):
+    """Training sampler for repeated augmentation: each epoch, ``ceil(len / repeats)`` images
+    drawn at random, each ``repeats`` times in a row, cut to the dataset's length and dealt out
+    to the processes in turn (see the module docstring).
+
+    The order is a seeded function of ``(seed, epoch)`` only (call :meth:`set_epoch` every
+    epoch; Lightning does), identical on every process, which then takes positions ``rank,
+    rank + num_replicas, ...``: the copies of one image go to neighbouring ranks at the same
+    position of their batch (one process: into the same batch). Every process yields
+    ``ceil(len / num_replicas)`` indices, so processes never wait for each other (with
+    ``repeats = 1`` and a length the processes do not divide, the order wraps around and a few
+    images are shown twice, as ``DistributedSampler`` pads).
+
+    It is a ``DistributedSampler``, so Lightning keeps it under DDP instead of inserting its own;
+    ``num_replicas`` and ``rank`` default to the initialised process group (one process when
+    there is none).
+
+    Args:
+        dataset: the training dataset (only its length is used).
+        repeats: ``k``, how many times a chosen image appears in an epoch (``1``: a plain
+            shuffled epoch).
+        num_replicas: number of processes (default: the process group's, else 1).
+        rank: this process (default: the process group's, else 0).
+        seed: base seed of the permutations (the same on every process).
+    """
+
+    def __init__(self, dataset: Dataset, repeats: int, num_replicas: int | None = None, rank: int | None = None,
+                 seed: int = 0) -> None:
+        if int(repeats) < 1:
+            raise DataError(f"--data.repeated_augmentation must be >= 1 (1 = off), got {repeats}")
+        world, here = distributed_world()
+        num_replicas = world if num_replicas is None else num_replicas
+        rank = here if rank is None else rank
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        self.repeats = int(repeats)
+        self.num_samples = math.ceil(len(dataset) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def epoch_order(self) -> torch.Tensor:
+        """The whole epoch's order of dataset indices (all processes together, ``total_size`` long)."""
+        n = len(self.dataset)
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        distinct = math.ceil(self.total_size / self.repeats)
+        chosen = torch.randperm(n, generator=g)
+        if distinct > n:  # fewer images than processes: cycle through them
+            chosen = chosen.repeat(math.ceil(distinct / n))
+        return chosen[:distinct].repeat_interleave(self.repeats)[: self.total_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.epoch_order()[self.rank : self.total_size : self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int,
-                collate_fn: Callable | None = None) -> DataLoader:
-    """Training: shuffled, last partial batch dropped (Lightning adds its distributed sampler
-    under DDP). Evaluation: in order, every sample once (unpadded under DDP)."""
-    sampler = None if train else eval_sampler(dataset)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=train, sampler=sampler,
-                      drop_last=train and len(dataset) > batch_size, num_workers=num_workers,
+                collate_fn: Callable | None = None, sampler: Sampler | None = None) -> DataLoader:
+    """Training: shuffled (or ``sampler``'s order), last partial batch dropped (Lightning adds its
+    distributed sampler under DDP unless ``sampler`` is a ``DistributedSampler``). Evaluation: in
+    order, every sample once (unpadded under DDP)."""
+    if sampler is None and not train:
+        sampler = eval_sampler(dataset)
+    length = len(sampler) if sampler is not None else len(dataset)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=train and sampler is None, sampler=sampler,
+                      drop_last=train and length > batch_size, num_workers=num_workers,
                       persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
                       collate_fn=collate_fn)
 
@@ -218,9 +326,23 @@ class SplitDataModule(L.LightningDataModule):
         if stage in ("fit", "validate", "test", None):
             self.datasets["val"] = self.dataset(self.val_split)
 
+    def train_batch_size(self) -> int:
+        """Images per training batch and process (subclasses may compute it from the data)."""
+        return self.batch_size
+
+    def evaluation_batch_size(self) -> int:
+        """Images per evaluation batch and process (``eval_batch_size``, else the training one)."""
+        return self.eval_batch_size or self.batch_size
+
+    def train_sampler(self, ds: Dataset) -> Sampler | None:
+        """The training loader's sampler; ``None``: shuffled (Lightning's sampler under DDP)."""
+        return None
+
     def _loader(self, ds: Dataset, train: bool) -> DataLoader:
-        batch = self.batch_size if train else (self.eval_batch_size or self.batch_size)
-        return make_loader(ds, batch, train, self.num_workers, self.collate_fn())
+        if train:
+            return make_loader(ds, self.train_batch_size(), True, self.num_workers, self.collate_fn(),
+                               sampler=self.train_sampler(ds))
+        return make_loader(ds, self.evaluation_batch_size(), False, self.num_workers, self.collate_fn())
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.datasets["train"], True)

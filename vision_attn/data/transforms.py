@@ -26,9 +26,13 @@ size, like ``squash``):
 
 - ``none``: :func:`whole_image` evaluation geometry, no augmentation;
 - ``small``: for small images trained from scratch (CIFAR-style): reflect-pad + random crop,
-  horizontal flip, light colour jitter;
+  horizontal flip, light colour jitter; optionally RandAugment after the flip
+  (``randaugment_ops > 0``, off by default);
 - ``finetune``: for fine-tuning pretrained models at 224 px: random-resized crop, flip,
-  RandAugment (timm/DeiT style).
+  RandAugment (timm/DeiT style; 2 operations unless ``randaugment_ops`` says otherwise).
+
+RandAugment is torchvision's (``T.RandAugment(num_ops, magnitude)``, 31 magnitude bins, on the
+``uint8`` image; its translations scale with the image size, so it suits 32 px images too).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ __all__ = [
     "AugmentPreset",
     "CROP_MODES",
     "DEFAULT_PREPROCESS",
+    "RANDAUGMENT_OPS",
     "build_display_transform",
     "build_eval_transform",
     "build_train_transform",
@@ -175,28 +180,56 @@ def build_display_transform(pre: dict[str, Any]):
     return display
 
 
-def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small", hflip: bool = True) -> T.Compose:
+RANDAUGMENT_OPS = {"none": 0, "small": 0, "finetune": 2}
+"""Each preset's RandAugment operations per image when ``randaugment_ops`` is ``None``."""
+
+
+def _randaugment(ops: int, magnitude: int) -> list:
+    if ops < 0:
+        raise ValueError(f"--data.randaugment_ops must be >= 0 (0 = off), got {ops}")
+    if not 0 <= magnitude <= 30:
+        raise ValueError(f"--data.randaugment_magnitude must lie in 0..30 (torchvision's 31 bins), got {magnitude}")
+    return [T.RandAugment(num_ops=ops, magnitude=magnitude)] if ops else []
+
+
+def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small", hflip: bool = True,
+                          randaugment_ops: int | None = None, randaugment_magnitude: int = 9) -> T.Compose:
     """Training pipeline for ``augment`` (see the module docstring); ``hflip=False`` for
-    data whose mirror image is another class (text, digits)."""
+    data whose mirror image is another class (text, digits).
+
+    Args:
+        pre: the model's preprocessing (timm data config).
+        augment: the preset.
+        hflip: random horizontal flips.
+        randaugment_ops: RandAugment operations per image (``0``: none); ``None``: the
+            preset's own (:data:`RANDAUGMENT_OPS`). Not allowed with ``none``.
+        randaugment_magnitude: RandAugment's magnitude (0..30).
+    """
     h, w = _size(pre)
     interp = _interp(pre.get("interpolation", "bicubic"))
+    if augment not in RANDAUGMENT_OPS:
+        raise ValueError(f"unknown augment preset {augment!r}; use 'none', 'small' or 'finetune'")
+    ra_ops = RANDAUGMENT_OPS[augment] if randaugment_ops is None else int(randaugment_ops)
     if augment == "none":
+        if ra_ops:
+            raise ValueError(f"--data.randaugment_ops {ra_ops} needs an augmenting preset: --data.augment small "
+                             "(or finetune), or drop randaugment_ops")
         return build_eval_transform(whole_image(pre))
+    randaugment = _randaugment(ra_ops, int(randaugment_magnitude))
     if augment == "small":
         pad = max(1, h // 8)
         ops = [
             T.Resize((h, w), interpolation=interp, antialias=True),
             T.RandomCrop((h, w), padding=pad, padding_mode="reflect"),
             T.RandomHorizontalFlip(0.5 if hflip else 0.0),
+            *randaugment,
             T.ColorJitter(brightness=0.2, contrast=0.2),
         ]
-    elif augment == "finetune":
+    else:  # finetune
         ops = [
             T.RandomResizedCrop((h, w), scale=(0.08, 1.0), interpolation=interp, antialias=True),
             T.RandomHorizontalFlip(0.5 if hflip else 0.0),
-            T.RandAugment(num_ops=2, magnitude=9),
+            *randaugment,
         ]
-    else:
-        raise ValueError(f"unknown augment preset {augment!r}; use 'none', 'small' or 'finetune'")
     return T.Compose([T.ToImage()] + ops + [T.ToDtype(torch.float32, scale=True),
                                              T.Normalize(mean=list(pre["mean"]), std=list(pre["std"]))])

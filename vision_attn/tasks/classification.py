@@ -1,4 +1,24 @@
-"""Image classification system: ViT encoder + pooling head, label-smoothed cross-entropy."""
+"""Image classification system: ViT encoder + pooling head, label-smoothed cross-entropy.
+
+Mixup and CutMix (``--model.mixup ALPHA``, ``--model.cutmix ALPHA``: DeiT's small-data
+regularisers) are timm's :class:`timm.data.Mixup` applied to the training batch in
+``training_step`` only, one ``lam`` per batch (timm's ``batch`` mode: image ``i`` is mixed with
+image ``B - 1 - i``), with the label smoothing passed to it and timm's
+:class:`~timm.loss.SoftTargetCrossEntropy` as the loss. Validation and test are unchanged (hard
+labels, plain cross-entropy). With both alphas at 0 nothing is mixed and the training loss is
+the label-smoothed cross-entropy as before.
+
+Details:
+
+- timm's ``Mixup`` needs an even batch. Training drops the last partial batch, but a batch can
+  still be odd (an odd ``batch_size``, or a dataset smaller than one batch): then the first
+  ``B - 1`` images are mixed and the last one is kept as it is, with its label-smoothed one-hot
+  target (every image still counts; the same loss that an unmixed image gets).
+- ``train/acc_*`` with mixing compares the predictions with each mixed target's dominant class
+  (its argmax: the image whose weight is larger), so it reads lower than without mixing and is
+  not comparable with ``val/acc_*``.
+- timm draws ``lam`` from NumPy's global generator, which ``seed_everything`` seeds.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +26,9 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from timm.data import Mixup
+from timm.data.mixup import mixup_target
+from timm.loss import SoftTargetCrossEntropy
 from torch import Tensor
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
@@ -17,6 +40,7 @@ from vision_attn.tasks.base import VisionTask, gather_objects, register_task
 from vision_attn.tasks.optim import Optimization
 
 CLASSIFICATION_OPTIM = Optimization()
+SOFT_TARGET_CROSS_ENTROPY = SoftTargetCrossEntropy()  # the loss of mixed targets (no state: shared)
 
 __all__ = ["ClassificationTask", "HeadKind", "classification_metrics"]
 
@@ -51,15 +75,21 @@ class ClassificationTask(VisionTask):
         encoder: the ViT encoder.
         num_classes: number of classes (default: from the datamodule).
         class_names: class names in label order (default: from the datamodule).
-        pooling: ``auto`` (class token if any, else mean), ``cls`` or ``mean`` (over the patch
-            tokens). The explanations explain what the head reads: the class token's row, or
-            the mean of the patch tokens' rows.
+        pooling: ``auto`` (class token if any, else mean), ``cls``, ``mean`` (over the patch
+            tokens) or ``seq`` (CCT's sequence pooling, see
+            :class:`~vision_attn.models.classifier.ClassificationHead`). The explanations explain
+            what the head reads: the class token's row, or the pooling's mixture of the patch
+            tokens' rows.
         head_dropout: dropout before the classifier (``linear`` head).
         head: ``linear`` (the suite's :class:`~vision_attn.models.classifier.ClassificationHead`,
             built from the data) or ``timm`` (the timm model's own pooling and classifier,
             :class:`~vision_attn.models.classifier.TimmHead`: a pretrained timm ViT as timm runs
             it; ``num_classes`` is the encoder's classifier size, ``pooling`` is timm's).
-        label_smoothing: label smoothing of the training loss.
+        label_smoothing: label smoothing of the training loss (with mixing: of the mixed targets).
+        mixup: mixup's Beta(alpha, alpha) parameter (``0``: off; DeiT uses 0.8).
+        cutmix: CutMix's Beta(alpha, alpha) parameter (``0``: off; DeiT uses 1.0).
+        mix_prob: probability that a training batch is mixed at all (mixup or CutMix).
+        mix_switch_prob: with both on, probability that a mixed batch uses CutMix rather than mixup.
         optim: learning rates, weight decay and schedule (default ``CLASSIFICATION_OPTIM``;
             ``--model.optim.lr`` etc.).
         compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
@@ -84,15 +114,27 @@ class ClassificationTask(VisionTask):
         optim: Optimization = CLASSIFICATION_OPTIM,
         compile: bool = False,
         head: HeadKind = "linear",
+        mixup: float = 0.0,
+        cutmix: float = 0.0,
+        mix_prob: float = 1.0,
+        mix_switch_prob: float = 0.5,
     ) -> None:
         super().__init__(encoder, optim, compile)
         self.save_hyperparameters(ignore=["encoder", "optim"])  # optim: a dataclass, kept out of pickled state
         if head not in ("linear", "timm"):
             raise ValueError(f"head must be 'linear' or 'timm', got {head!r}")
+        for key, value in (("mixup", mixup), ("cutmix", cutmix)):
+            if not value >= 0:
+                raise ValueError(f"--model.{key} is a Beta distribution's alpha: >= 0 (0 = off), got {value}")
+        for key, value in (("mix_prob", mix_prob), ("mix_switch_prob", mix_switch_prob)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"--model.{key} is a probability: between 0 and 1, got {value}")
         self.head_kind = head
         self.pooling = pooling
         self.head_dropout = head_dropout
         self.label_smoothing = label_smoothing
+        self.mixup, self.cutmix, self.mix_prob, self.mix_switch_prob = mixup, cutmix, mix_prob, mix_switch_prob
+        self.mixer: Mixup | None = None  # built with the head (it needs the number of classes)
         self.class_names: list[str] | None = None
         self.head: ClassificationHead | TimmHead | None = None
         if head == "timm" and num_classes is None and class_names is None:
@@ -121,6 +163,11 @@ class ClassificationTask(VisionTask):
                 pooling = "cls" if getattr(self.encoder.model, "cls_token", None) is not None else "mean"
             self.head = ClassificationHead(self.encoder.embed_dim, n, pooling, self.head_dropout)
         self.class_names = list(class_names)
+        self.mixer = None
+        if self.mixup > 0 or self.cutmix > 0:
+            self.mixer = Mixup(mixup_alpha=self.mixup, cutmix_alpha=self.cutmix, prob=self.mix_prob,
+                               switch_prob=self.mix_switch_prob, mode="batch", correct_lam=True,
+                               label_smoothing=self.label_smoothing, num_classes=n)
         self.hparams["num_classes"] = n
         self.hparams["class_names"] = self.class_names
         # ("train" cannot be a ModuleDict key: it would shadow nn.Module.train)
@@ -137,11 +184,33 @@ class ClassificationTask(VisionTask):
             raise RuntimeError("the classification head is not built yet: pass num_classes or class_names")
         return self.head(self.encoder(images))
 
+    def mix(self, images: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Mixup / CutMix of a training batch (see the module docstring): ``(mixed images
+        [B, 3, H, W], soft targets [B, C])``, label smoothing included. ``images`` may be changed
+        in place (timm's ``Mixup`` mixes in place). An odd batch mixes its first ``B - 1`` images; the last
+        keeps its image and its label-smoothed one-hot target."""
+        if self.mixer is None:
+            raise RuntimeError("mixing is off (mixup = cutmix = 0) or the head is not built yet")
+        even = len(images) - len(images) % 2
+        if even == len(images):
+            return self.mixer(images, labels)
+        if even == 0:  # a batch of one: nothing to mix with
+            return images, mixup_target(labels, self.mixer.num_classes, 1.0, self.label_smoothing)
+        mixed, targets = self.mixer(images[:even], labels[:even])
+        last = mixup_target(labels[even:], self.mixer.num_classes, 1.0, self.label_smoothing)
+        return torch.cat([mixed, images[even:]]), torch.cat([targets, last])
+
     def _shared_step(self, batch: tuple[Tensor, Tensor, Tensor], stage: str) -> Tensor:
         images, labels, index = batch
-        logits = self(images)
-        smoothing = self.label_smoothing if stage == "train" else 0.0
-        loss = F.cross_entropy(logits, labels, label_smoothing=smoothing)
+        if stage == "train" and self.mixer is not None:
+            images, targets = self.mix(images, labels)
+            logits = self(images)
+            loss = SOFT_TARGET_CROSS_ENTROPY(logits, targets)
+            labels = targets.argmax(-1)  # the dominant class of each mixed target (train/acc_*)
+        else:
+            logits = self(images)
+            smoothing = self.label_smoothing if stage == "train" else 0.0
+            loss = F.cross_entropy(logits, labels, label_smoothing=smoothing)
         if stage == "train":
             self.check_finite(loss, {"cross_entropy": loss})
         metrics = self.metrics[f"{stage}_metrics"]
