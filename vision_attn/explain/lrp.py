@@ -18,6 +18,9 @@ operation's backward is modified, so one autograd pass yields the relevance of e
   the product's relevance, i.e. half the gradient. The gradient is halved where the factors
   are made: at the query / key / value projections' outputs and at the attention weights
   (where :func:`~vision_attn.explain.capture.capture_attention` records them).
+- **Sequence pooling** (CCT's ``sum_i w_i x_i`` with ``w = softmax(Linear(x))``) — a one-query
+  attention: its softmax keeps its ordinary backward (recorded for the ledger) and the product
+  ``w x`` gets the uniform rule, half the gradient to the weights and half to the tokens.
 - **Linear layers, convolutions, residual sums, pooling** — epsilon rule with epsilon -> 0,
   i.e. the plain gradient times the input; biases (and position embeddings, class / register
   tokens, which the network adds in) keep their share.
@@ -58,6 +61,7 @@ from torch import Tensor, nn
 
 from vision_attn.attention import MultiHeadAttention
 from vision_attn.errors import ConfigError
+from vision_attn.models.smalldata import SequencePooling
 
 __all__ = ["LRPResult", "LRPTrace", "lrp_relevance", "lrp_rules", "relevance_budget"]
 
@@ -179,7 +183,8 @@ class LRPTrace:
 
     Attributes:
         probabilities: per attention call the softmax output ``[B, heads, Tq, Tk]``, kept in
-            the autograd graph (for the softmax's share in :func:`relevance_budget`).
+            the autograd graph (for the softmax's share in :func:`relevance_budget`); a
+            sequence-pooling head (``pooling="seq"``) adds its pooling weights ``[B, N]`` last.
     """
 
     probabilities: list[Tensor] = field(default_factory=list)
@@ -271,9 +276,13 @@ def lrp_rules(task, rules: bool = True, trace: bool = False) -> Iterator[LRPTrac
                 m.fused_attn = False
                 if trace or rules:
                     handles.append(m.attn_drop.register_forward_pre_hook(weights))
+            if isinstance(m, SequencePooling) and (trace or rules):  # w of w x: recorded, halved
+                handles.append(m.weights_point.register_forward_pre_hook(weights))
             if not rules:
                 continue
-            if is_attention:  # Q, K (of Q Kᵀ) and V (of A V): half each
+            if isinstance(m, SequencePooling):  # x of w x: half
+                handles.append(m.values_point.register_forward_hook(scaled(half)))
+            elif is_attention:  # Q, K (of Q Kᵀ) and V (of A V): half each
                 projections = (m.qkv,) if isinstance(m, _TIMM_ATTENTION) else (m.q_proj, m.k_proj, m.v_proj)
                 handles.extend(proj.register_forward_hook(scaled(half)) for proj in projections)
             elif isinstance(m, nn.LayerNorm) and type(m).__name__ != "LayerNorm2d":

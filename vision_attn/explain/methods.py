@@ -22,7 +22,9 @@ et al. 2023; it explains no class, so it gets no faithfulness numbers).
 
 **Which row.** The maps explain what the classifier's head reads (``token="auto"``): the class
 token's row with ``cls`` pooling, the mean of the patch tokens' rows with ``mean`` pooling, the
-average of the class and distillation rows for a distilled DeiT's head. ``token="cls"``,
+mixture of the patch tokens' rows with each image's pooling weights with ``seq`` pooling (CCT's
+sequence pooling reads ``sum_i w_i x_i``, linear in the rows for given weights), the average of
+the class and distillation rows for a distilled DeiT's head. ``token="cls"``,
 ``"dist"`` or ``"mean"`` choose for a distilled DeiT. Prefix tokens (class, distillation,
 register) are never drawn as patches.
 
@@ -243,7 +245,8 @@ class Explanation:
     the captured attention of every block ``[B, heads, T, T]`` (detached; empty when no method
     needed attention), ``num_prefix_tokens`` how many of the ``T`` tokens are not patches,
     ``token_index`` the row explained (a prefix token's index, a tuple of them — the mean of
-    their rows — or ``"patches"``: the mean of the patch tokens' rows)."""
+    their rows —, ``"patches"``: the mean of the patch tokens' rows, or a ``[B, T]`` tensor of
+    row weights: a sequence-pooling head's weights, per image)."""
 
     logits: Tensor
     target: Tensor
@@ -256,17 +259,25 @@ class Explanation:
 
 _CLS_POOLING = ("cls", "token")  # ClassificationHead's and timm's names
 _MEAN_POOLING = ("mean", "avg")
+_SEQ_POOLING = ("seq",)  # ClassificationHead's sequence pooling (CCT)
 
 
-def explained_token(head, num_prefix_tokens: int) -> TokenIndex:
+def explained_token(head, num_prefix_tokens: int, out=None) -> TokenIndex:
     """The row that explains what ``head`` reads: ``0`` (the class token) for ``cls`` pooling,
     ``(0, 1)`` (the mean of the class and distillation rows) for a distilled head
     (``head.distilled``: a DeiT's head averages its two classifiers), ``"patches"`` (the mean of
     the patch tokens' rows) for ``mean`` pooling; ``auto`` and heads without a ``pooling``
     attribute read the class token when there is one, else the mean.
 
+    ``seq`` pooling (:class:`~vision_attn.models.smalldata.SequencePooling`) reads
+    ``sum_i w_i x_i`` with weights ``w`` that depend on the image: its row is the ``[B, T]``
+    tensor ``head.token_weights(out)`` (detached; 0 on the prefix tokens), the weighted mixture
+    of the patch tokens' rows, so ``out`` (the batch's
+    :class:`~vision_attn.models.EncoderOutput`) is needed.
+
     Raises:
-        ValueError: a pooling no row describes (e.g. attention pooling).
+        ValueError: a pooling no row describes (e.g. attention pooling), or ``seq`` pooling
+            without ``out``.
     """
     pooling = getattr(head, "pooling", None) or getattr(head, "global_pool", None) or "auto"
     if pooling == "auto":
@@ -275,6 +286,11 @@ def explained_token(head, num_prefix_tokens: int) -> TokenIndex:
         return (0, 1) if getattr(head, "distilled", False) and num_prefix_tokens >= 2 else 0
     if pooling in _MEAN_POOLING:
         return "patches"
+    if pooling in _SEQ_POOLING:
+        if out is None:
+            raise ValueError("a sequence-pooling head's row depends on the image (its pooling weights): pass the "
+                             "encoder output, explained_token(head, num_prefix_tokens, out)")
+        return head.token_weights(out).detach()
     raise ValueError(
         f"cannot explain a head with pooling {pooling!r}: the explanations follow a class token ('cls') or the "
         "mean of the patch tokens ('mean'); pass token_index= to explain_classifier to choose a row"
@@ -290,8 +306,9 @@ def _prefix_layout(encoder: nn.Module, num_prefix_tokens: int) -> tuple[bool, bo
     return has_cls, distilled
 
 
-def resolve_token(task, num_prefix_tokens: int, token: str = "auto") -> TokenIndex:
-    """The row explained for ``token``: ``auto`` (what the head reads, :func:`explained_token`),
+def resolve_token(task, num_prefix_tokens: int, token: str = "auto", out=None) -> TokenIndex:
+    """The row explained for ``token``: ``auto`` (what the head reads, :func:`explained_token`;
+    ``out``, the batch's encoder output, is needed for a sequence-pooling head),
     ``cls`` (the class token), ``dist`` (a distilled DeiT's distillation token) or ``mean`` (the
     average of the class and distillation rows).
 
@@ -301,7 +318,7 @@ def resolve_token(task, num_prefix_tokens: int, token: str = "auto") -> TokenInd
     if token not in TOKENS:
         raise ConfigError(f"token {token!r} invalid; choose one of {', '.join(TOKENS)}")
     if token == "auto":
-        return explained_token(task.head, num_prefix_tokens)
+        return explained_token(task.head, num_prefix_tokens, out)
     has_cls, distilled = _prefix_layout(task.encoder, num_prefix_tokens)
     if token == "cls":
         if not has_cls:
@@ -392,7 +409,7 @@ def explain_classifier(
         discard_ratio: ``rollout``'s discard ratio.
         start_layer: first block used by ``rollout`` and ``relevance``.
         token_index: the row explained, overriding ``token``: a prefix token's index, a tuple
-            of them, or ``"patches"``.
+            of them, ``"patches"``, or ``[B, T]`` row weights.
         generator: randomness of the ``random`` baseline.
         target_class: one class for every image, by name (``task.class_names``) or index;
             excludes ``target``.
@@ -431,7 +448,7 @@ def explain_classifier(
         target = logits.detach().argmax(dim=1)
     p = out.num_prefix_tokens
     if token_index is None:
-        token_index = resolve_token(task, p, token)
+        token_index = resolve_token(task, p, token, out)
     inputs = MethodInputs(images=images, logits=logits.detach(), target=target, grid=out.grid,
                           num_prefix_tokens=p, token_index=token_index, attentions=list(attn),
                           block_input=seen.get("block_input"), block_output=seen.get("block_output"),

@@ -16,8 +16,10 @@ Which row is explained (``token_index``): a prefix token's (0 = the class token,
 tokens (the mean of their rows: ``(0, 1)`` is what a distilled DeiT's head reads, the average
 of its class and distillation heads) or ``"patches"``, the mean of the patch tokens' rows — what
 a mean-pooling head reads, since the mean of the patch tokens' outputs is linear in the rows
-(the rollout / relevance of the mean is the mean of the rows). Without prefix tokens the mean
-row is explained whatever ``token_index`` says.
+(the rollout / relevance of the mean is the mean of the rows) — or a ``[B, T]`` tensor of row
+weights, one mixture of the rows per image (what a sequence-pooling head reads: its pooling
+weights, 0 on the prefix tokens). Without prefix tokens the mean row is explained unless
+``token_index`` is such a tensor.
 
 Prefix tokens (class, distillation, register tokens) are never drawn as patches: the maps hold
 the ``h * w`` patch tokens only, and rollout's ``discard_ratio`` never discards attention *to*
@@ -44,7 +46,7 @@ __all__ = [
 ]
 
 HeadFusion = Literal["mean", "max", "min"]
-TokenIndex = int | tuple[int, ...] | Literal["patches"]
+TokenIndex = int | tuple[int, ...] | Literal["patches"] | Tensor
 
 
 def fuse_heads(attn: Tensor, head_fusion: HeadFusion = "mean") -> Tensor:
@@ -82,6 +84,11 @@ def to_grid(row: Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> Tenso
 def _check(attentions: Sequence[Tensor], token_index: TokenIndex, num_prefix_tokens: int) -> None:
     if len(attentions) == 0:
         raise ValueError("no attention maps given (capture_attention recorded nothing?)")
+    if isinstance(token_index, Tensor):
+        b, t = attentions[0].shape[0], attentions[0].shape[-1]
+        if tuple(token_index.shape) != (b, t):
+            raise ValueError(f"token_index as row weights must be [B, T] = {(b, t)}, got {tuple(token_index.shape)}")
+        return
     if token_index == "patches":
         return
     rows = token_index if isinstance(token_index, tuple) else (token_index,)
@@ -94,6 +101,8 @@ def _check(attentions: Sequence[Tensor], token_index: TokenIndex, num_prefix_tok
 
 
 def _explains_patches(token_index: TokenIndex, num_prefix_tokens: int) -> bool:
+    if isinstance(token_index, Tensor):
+        return False
     return token_index == "patches" or num_prefix_tokens == 0
 
 
@@ -116,11 +125,14 @@ def _discard_lowest(fused: Tensor, ratio: float, num_prefix_tokens: int) -> Tens
 
 
 def _row_through(layers: list[Tensor], like: Tensor, token_index: TokenIndex, num_prefix_tokens: int) -> Tensor:
-    """Row ``token_index`` (the mean of the patch rows for ``"patches"`` or ``P = 0``) of
-    ``layers[-1] @ ... @ layers[0]``: ``[B, T]``."""
+    """Row ``token_index`` (the mean of the patch rows for ``"patches"`` or ``P = 0``; the
+    weighted mixture of the rows for a ``[B, T]`` tensor) of ``layers[-1] @ ... @ layers[0]``:
+    ``[B, T]``."""
     b, t = like.shape[0], like.shape[-1]
     row = torch.zeros(b, 1, t, device=like.device, dtype=torch.float32)
-    if _explains_patches(token_index, num_prefix_tokens):
+    if isinstance(token_index, Tensor):
+        row = token_index.detach().to(device=like.device, dtype=torch.float32).unsqueeze(1)  # (B, 1, T)
+    elif _explains_patches(token_index, num_prefix_tokens):
         row[:, 0, num_prefix_tokens:] = 1.0 / (t - num_prefix_tokens)
     else:
         rows = list(token_index) if isinstance(token_index, tuple) else [token_index]
@@ -152,8 +164,9 @@ def attention_rollout(
         start_layer: skip the blocks before this one.
         token_index: which prefix token's row to explain (0 = class token; 1 = DeiT's
             distillation token; a tuple: the mean of those rows), or ``"patches"``: the mean of
-            the patch tokens' rows (a mean-pooling head). With ``P = 0`` the mean over all token
-            rows is explained.
+            the patch tokens' rows (a mean-pooling head), or a ``[B, T]`` tensor of row weights
+            (per image, e.g. a sequence-pooling head's weights). With ``P = 0`` and no tensor the
+            mean over all token rows is explained.
     """
     _check(attentions, token_index, num_prefix_tokens)
     if not 0 <= start_layer < len(attentions):
@@ -219,10 +232,13 @@ def last_layer_attention(
     token_index: TokenIndex = 0,
 ) -> Tensor:
     """The last block's (head-fused) attention of one prefix token over the patches (or, with
-    ``token_index="patches"``, the mean of the patch tokens' attention rows)."""
+    ``token_index="patches"``, the mean of the patch tokens' attention rows; with ``[B, T]`` row
+    weights, their mixture of the rows)."""
     _check(attentions, token_index, num_prefix_tokens)
     fused = fuse_heads(attentions[-1].float(), head_fusion)
-    if _explains_patches(token_index, num_prefix_tokens):
+    if isinstance(token_index, Tensor):
+        row = (token_index.detach().to(fused).unsqueeze(1) @ fused)[:, 0]  # (B, 1, T) @ (B, T, T) -> (B, T)
+    elif _explains_patches(token_index, num_prefix_tokens):
         row = fused[:, num_prefix_tokens:].mean(dim=1)
     else:
         rows = list(token_index) if isinstance(token_index, tuple) else [token_index]

@@ -1,5 +1,9 @@
 """Classification heads: pool the encoder's tokens, then a linear layer.
 
+Pooling: the class token (``cls``), the mean of the patch tokens (``mean``) or sequence pooling
+(``seq``: a learned, input-dependent weighted mean of the patch tokens, Hassani et al. 2021,
+:class:`~vision_attn.models.smalldata.SequencePooling`).
+
 :class:`ClassificationHead` is the suite's own (trained with the task); :class:`TimmHead` runs
 the timm model's own pooling and classifier (``forward_head``), so a pretrained timm ViT
 predicts exactly as timm does (class or mean pooling, ``fc_norm``, the averaged class and
@@ -14,10 +18,12 @@ from torch import Tensor, nn
 
 from vision_attn.errors import EncoderError
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
+from vision_attn.models.smalldata import SequencePooling
 
-__all__ = ["ClassificationHead", "Pooling", "TimmHead"]
+__all__ = ["POOLINGS", "ClassificationHead", "Pooling", "TimmHead"]
 
-Pooling = Literal["auto", "cls", "mean"]
+Pooling = Literal["auto", "cls", "mean", "seq"]
+POOLINGS: tuple[str, ...] = ("auto", "cls", "mean", "seq")
 
 
 class ClassificationHead(nn.Module):
@@ -27,10 +33,12 @@ class ClassificationHead(nn.Module):
         embed_dim: token width ``D``.
         num_classes: ``C``.
         pooling: ``cls`` takes the first prefix token, ``mean`` averages the patch tokens
-            (prefix tokens left out, as timm's ``avg`` pool), ``auto`` is ``cls`` when the
-            encoder has prefix tokens and ``mean`` otherwise. Explanations follow it
-            (:func:`~vision_attn.explain.methods.explained_token`): the class token's row, or
-            the mean of the patch tokens' rows.
+            (prefix tokens left out, as timm's ``avg`` pool), ``seq`` is CCT's sequence pooling
+            over the patch tokens (prefix tokens left out; :attr:`seq_pool` learns the weights),
+            ``auto`` is ``cls`` when the encoder has prefix tokens and ``mean`` otherwise.
+            Explanations follow it (:func:`~vision_attn.explain.methods.explained_token`): the
+            class token's row, the mean of the patch tokens' rows, or for ``seq`` their mixture
+            with each image's pooling weights (:meth:`token_weights`).
         dropout: dropout before the linear layer.
     """
 
@@ -38,9 +46,10 @@ class ClassificationHead(nn.Module):
         super().__init__()
         if num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-        if pooling not in ("auto", "cls", "mean"):
-            raise ValueError(f"pooling must be 'auto', 'cls' or 'mean', got {pooling!r}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
         self.pooling = pooling
+        self.seq_pool = SequencePooling(embed_dim) if pooling == "seq" else None
         self.dropout = nn.Dropout(dropout)
         self.fc = nn.Linear(embed_dim, num_classes)
         nn.init.trunc_normal_(self.fc.weight, std=0.02)
@@ -55,7 +64,28 @@ class ClassificationHead(nn.Module):
             if out.num_prefix_tokens == 0:
                 raise ValueError("pooling='cls' needs an encoder with a class token; use pooling='mean'")
             return out.tokens[:, 0]
+        if mode == "seq":
+            return self.seq_pool(out.patch_tokens)
         return out.patch_tokens.mean(dim=1)
+
+    def token_weights(self, out: EncoderOutput) -> Tensor:
+        """``[B, T]``: how much of each token the pooled feature holds, ``pool(out) = w @ tokens``
+        (0 for the tokens it does not read): one-hot on the class token for ``cls``, uniform over
+        the patch tokens for ``mean``, the pooling weights for ``seq``. The row an explanation
+        of this head follows."""
+        b, t = out.tokens.shape[:2]
+        p = out.num_prefix_tokens
+        mode = self.pooling if self.pooling != "auto" else ("cls" if p > 0 else "mean")
+        weights = out.tokens.new_zeros(b, t)
+        if mode == "cls":
+            if p == 0:
+                raise ValueError("pooling='cls' needs an encoder with a class token; use pooling='mean'")
+            weights[:, 0] = 1.0
+        elif mode == "seq":
+            weights[:, p:] = self.seq_pool.weights(out.patch_tokens)
+        else:
+            weights[:, p:] = 1.0 / (t - p)
+        return weights
 
     def forward(self, out: EncoderOutput) -> Tensor:
         return self.fc(self.dropout(self.pool(out)))

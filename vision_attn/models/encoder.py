@@ -28,6 +28,11 @@ from torch import Tensor, nn
 
 from vision_attn.checkpoint_io import load_state_dict_file
 from vision_attn.errors import CheckpointError, EncoderError
+from vision_attn.models.smalldata import (
+    LSA_TEMPERATURE_KEY,
+    ShiftedPatchTokenizer,
+    apply_locality_self_attention,
+)
 
 __all__ = ["CHECKPOINT_TIMM_KWARGS", "ConvStem", "EncoderOutput", "ViTEncoder", "create_encoder", "suggest_model_names"]
 
@@ -144,11 +149,22 @@ class ViTEncoder(nn.Module):
         dynamic_img_size: accept any input size (multiple of the patch size), resampling the
             position embeddings on the fly.
         timm_kwargs: further keyword arguments for ``timm.create_model``.
-        stem: ``patch`` (timm's linear patch embedding, needed for pretrained weights) or
-            ``conv`` (:class:`ConvStem`, for small models trained from scratch).
+        stem: how pixels become tokens (all three give the same ``p x p`` token grid):
+            ``patch`` (timm's linear patch embedding: what pretrained timm weights need),
+            ``conv`` (:class:`ConvStem`, Xiao et al. 2021) or ``spt`` (shifted patch
+            tokenization, :class:`~vision_attn.models.smalldata.ShiftedPatchTokenizer`, Lee et
+            al. 2021), both for small models trained from scratch. ``conv`` and ``spt`` replace
+            timm's ``patch_embed.proj``: with ``pretrained=True`` that projection's weights are
+            dropped (a warning says so), and a ``weights_file`` must come from an encoder with
+            the same stem (a plain timm file is refused with a clear error).
         preprocess: overrides of timm's data config (``input_size``, ``mean``, ``std``,
             ``interpolation``, ``crop_pct``, ``crop_mode``), e.g. ``{"crop_pct": 1.0}`` for small
             images.
+        lsa: locality self-attention (Lee et al. 2021) in every block
+            (:class:`~vision_attn.models.smalldata.LocalitySelfAttention`: a learned temperature
+            per block and no attention of a token to itself), for small models trained from
+            scratch. Pretrained and ``weights_file`` weights load into it (a file without the
+            temperatures starts them at timm's ``1 / sqrt(d_head)``).
     """
 
     def __init__(
@@ -167,8 +183,9 @@ class ViTEncoder(nn.Module):
         drop_path_rate: float = 0.0,
         dynamic_img_size: bool = True,
         timm_kwargs: dict[str, Any] | None = None,
-        stem: Literal["patch", "conv"] = "patch",
+        stem: Literal["patch", "conv", "spt"] = "patch",
         preprocess: dict[str, Any] | None = None,
+        lsa: bool = False,
     ) -> None:
         super().__init__()
         # The constructor arguments, minus where the weights came from: enough to rebuild the
@@ -178,6 +195,7 @@ class ViTEncoder(nn.Module):
             "depth": depth, "num_heads": num_heads, "mlp_ratio": mlp_ratio, "num_classes": num_classes,
             "drop_rate": drop_rate, "drop_path_rate": drop_path_rate, "dynamic_img_size": dynamic_img_size,
             "timm_kwargs": dict(timm_kwargs or {}), "stem": stem, "preprocess": dict(preprocess or {}),
+            "lsa": bool(lsa),
         }
         if pretrained and weights_file:
             raise EncoderError("Give either pretrained=True (timm hub) or weights_file=PATH, not both.")
@@ -225,12 +243,21 @@ class ViTEncoder(nn.Module):
                 "vision_attn encoders need a ViT-family model such as vit_tiny_patch16_224 or "
                 "deit_small_patch16_224."
             )
-        if stem == "conv":
-            model.patch_embed.proj = ConvStem(model.patch_embed.patch_size[0], model.embed_dim)
+        stems = {"conv": ConvStem, "spt": ShiftedPatchTokenizer}
+        if stem in stems:
+            if pretrained:
+                log.warning("stem=%r replaces the pretrained linear patch embedding of %s by a freshly "
+                            "initialised one (stem='patch' keeps it)", stem, name)
+            in_chans = model.patch_embed.proj.in_channels
+            model.patch_embed.proj = stems[stem](model.patch_embed.patch_size[0], model.embed_dim, in_chans)
         elif stem != "patch":
-            raise EncoderError(f"stem must be 'patch' or 'conv', got {stem!r}")
+            raise EncoderError(f"stem must be 'patch', 'conv' or 'spt', got {stem!r}")
+        if lsa:
+            apply_locality_self_attention(model)
         self.model = model
         self.name = name
+        self.stem = stem
+        self.lsa = bool(lsa)
         if weights_file:
             self.load_weights(weights_file)
         self.embed_dim: int = model.embed_dim
@@ -337,6 +364,7 @@ class ViTEncoder(nn.Module):
         for prefix in ("module.", "model.", "encoder.model."):
             if state and not any(k in own for k in state) and all(k.startswith(prefix) for k in state):
                 state = {k[len(prefix) :]: v for k, v in state.items()}
+        self._check_stem_and_lsa(state, path)
         filter_fn = getattr(importlib.import_module(type(self.model).__module__), "checkpoint_filter_fn", None)
         if filter_fn is not None:
             state = filter_fn(state, self.model)
@@ -355,6 +383,11 @@ class ViTEncoder(nn.Module):
                 del state[key]
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if k.split(".")[0] not in heads]
+        lsa_missing = [k for k in missing if k.endswith("." + LSA_TEMPERATURE_KEY)]
+        if lsa_missing:  # a plain ViT's weights in an LSA encoder: the temperatures start at timm's scale
+            log.info("weights %s: no locality self-attention temperatures; %d blocks start at 1/sqrt(d_head)",
+                     path, len(lsa_missing))
+            missing = [k for k in missing if k not in lsa_missing]
         if missing or unexpected:
             raise EncoderError(
                 f"weights file {path} does not fit timm model {self.name!r}: "
@@ -363,6 +396,28 @@ class ViTEncoder(nn.Module):
                 "Check that the file was saved from the same architecture and sizes."
             )
         log.info("loaded encoder weights from %s", path)
+
+    def _check_stem_and_lsa(self, state: dict[str, Tensor], path: str) -> None:
+        """Clear errors for weights of another stem or attention kind than this encoder's."""
+        stem = getattr(self, "stem", "patch")
+        has_linear_patch = any(k.endswith("patch_embed.proj.weight") for k in state)
+        if stem != "patch" and has_linear_patch:
+            raise EncoderError(
+                f"weights file {path} holds timm's linear patch embedding (patch_embed.proj.weight), but this encoder "
+                f"was built with stem={stem!r}, which replaces it. Build it with stem='patch' to use these weights, "
+                f"or give a weights file saved from an encoder with stem={stem!r}."
+            )
+        if stem == "patch" and any(k.startswith("patch_embed.proj.") for k in state) and not has_linear_patch:
+            raise EncoderError(
+                f"weights file {path} holds a replaced patch embedding (patch_embed.proj.* without timm's "
+                "patch_embed.proj.weight): it was saved from an encoder with stem='conv' or 'spt'; build this one "
+                "with the same stem."
+            )
+        if not getattr(self, "lsa", False) and any(k.endswith("." + LSA_TEMPERATURE_KEY) for k in state):
+            raise EncoderError(
+                f"weights file {path} holds locality self-attention temperatures (*.attn.{LSA_TEMPERATURE_KEY}): it "
+                "was saved from an encoder with lsa=True; build this one with lsa=True too."
+            )
 
     # ------------------------------------------------------------------ forward
     def grid_for(self, height: int, width: int) -> tuple[int, int]:
