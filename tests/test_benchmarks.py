@@ -105,3 +105,29 @@ def test_explanations_best_per_column_as_printed_and_dashes_for_missing_metrics(
     table = format_table({"tasks": {"detection": {"methods": rows, "best": best}}}).splitlines()
     assert table[3] == "| detection | relevance | 0.900 | — | 0.100 | — | -0.200 |"
     assert table[-1] == "| detection | **best** | relevance / random | — | relevance | — | relevance |"
+
+
+def test_recipes_reads_runs_and_prints_tables(tmp_path):
+    """benchmarks.recipes: the last logged top-1 of the newest CSV version, a grey copy with
+    one channel, and a row per run in each table (the trainings themselves are not run here)."""
+    import cv2
+
+    from benchmarks.recipes import glyph_root, last_metric, markdown
+
+    run = tmp_path / "run"
+    for version, rows in ((0, ["0,,0.5", "1,2.0,"]), (1, ["0,,0.25", "1,1.5,0.75", "2,1.2,"])):
+        f = run / "csv" / f"version_{version}" / "metrics.csv"
+        f.parent.mkdir(parents=True)
+        f.write_text("epoch,train/loss,val/acc_top1\n" + "\n".join(rows) + "\n")
+    assert last_metric(run) == 0.75
+    assert last_metric(tmp_path / "nothing") is None
+    grey = glyph_root(tmp_path, 20, 32, "grey")
+    png = next(grey.glob("train/*/*.png"))
+    assert cv2.imread(str(png), cv2.IMREAD_UNCHANGED).ndim == 2  # single channel, as many real sets
+    assert len(list(grey.glob("*/*/*.png"))) == 20 + 1000
+    sweep = markdown("sweep", [{"train_images": 500, "colour": "grey", "image_size": 32, "top1": 0.9, "seconds": 12.0},
+                               {"train_images": 1000, "colour": "colour", "image_size": 32, "top1": None,
+                                "seconds": 3.0}])
+    assert sweep.count("\n") == 3 and "0.900" in sweep and "—" in sweep
+    gain = markdown("finetune", [{"train_images": 200, "scratch": {"top1": 0.5}, "finetune": {"top1": 0.75}}])
+    assert "+25.0 pts" in gain
