@@ -19,7 +19,7 @@ import torch
 from benchmarks.caption_kv_cache import run as kv_cache
 from benchmarks.common import machine, write_result
 from benchmarks.reference_pairs import attention_paths, capture_memory, encoder_pairs, map_backends
-from benchmarks.training_loop import training_pairs
+from benchmarks.training_loop import augmentation_pair, training_pairs
 
 
 def run_all(repeats: int = 7, quick: bool = False) -> dict:
@@ -34,6 +34,7 @@ def run_all(repeats: int = 7, quick: bool = False) -> dict:
         kv = kv_cache(tokens=6, batch=2, beam=3, hidden=16, layers=1, heads=2, vocab=20, grid=2, in_dim=8, repeats=1)
         rows.append(map_backends(images=10, repeats=1))
         rows += training_pairs(repeats=1, steps=7, batch=8)
+        rows.append(augmentation_pair(repeats=1, images=4))
     else:
         rows += encoder_pairs(repeats=repeats)
         rows.append(attention_paths(repeats=2 * repeats))
@@ -41,6 +42,7 @@ def run_all(repeats: int = 7, quick: bool = False) -> dict:
         kv = kv_cache(tokens=30, batch=8, beam=3, repeats=repeats)
         rows.append(map_backends(images=500, repeats=3))
         rows += training_pairs(repeats=5, steps=40)
+        rows.append(augmentation_pair(repeats=repeats))
     rows.insert(5, {"pair": "caption generation, KV cache vs recomputing the prefix (30 tokens, beam 3)",
                     "ours": kv["median_s"]["cached"], "reference": kv["median_s"]["uncached"], "ratio": kv["speedup"],
                     "goal": ">= 3x faster", "met": kv["speedup"] >= 3.0 and kv["same_tokens"],

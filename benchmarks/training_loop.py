@@ -116,3 +116,35 @@ def training_pairs(repeats: int = 3, steps: int = 30, batch: int = 128) -> list[
          "goal": "> 1 (data never the bottleneck)", "met": data / lt > 1.0,
          "detail": f"images/s: loader {data:.0f} vs training {lt:.0f}"},
     ]
+
+
+def augmentation_pair(repeats: int = 7, images: int = 300) -> dict:
+    """The ``small`` preset in one step (:class:`~vision_attn.data.transforms.SmallAugment`) vs
+    the torchvision chain it replaced (resize, reflect-pad crop, flip, colour jitter, to float,
+    normalise), per 32 px image on one thread, interleaved medians."""
+    import numpy as np
+    from torchvision.transforms import v2 as T
+
+    from benchmarks.common import interleaved_medians
+    from vision_attn.data.transforms import build_train_transform
+
+    pre = {"input_size": (3, 32, 32), "mean": (0.5,) * 3, "std": (0.5,) * 3, "interpolation": "bicubic",
+           "crop_pct": 1.0}
+    pictures = np.random.default_rng(0).integers(0, 256, (images, 32, 32, 3), dtype=np.uint8)
+    ours = build_train_transform(pre, "small", hflip=True)
+    chain = T.Compose([T.ToImage(), T.Resize((32, 32), antialias=True),
+                       T.RandomCrop((32, 32), padding=4, padding_mode="reflect"), T.RandomHorizontalFlip(),
+                       T.ColorJitter(brightness=0.2, contrast=0.2), T.ToDtype(torch.float32, scale=True),
+                       T.Normalize(mean=[0.5] * 3, std=[0.5] * 3)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    try:
+        med = interleaved_medians({"ours": lambda: [ours(p) for p in pictures],
+                                   "chain": lambda: [chain(p) for p in pictures]}, repeats=repeats, warmup=1)
+    finally:
+        torch.set_num_threads(threads)
+    ratio = med["ours"] / med["chain"]
+    return {"pair": "small augmentation in one step vs the torchvision chain", "ours": med["ours"],
+            "reference": med["chain"], "ratio": ratio, "goal": "<= 0.5", "met": ratio <= 0.5,
+            "detail": f"ms per 32 px image, one thread: {1e3 * med['ours'] / images:.3f} vs "
+                      f"{1e3 * med['chain'] / images:.3f}"}
