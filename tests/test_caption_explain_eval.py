@@ -172,3 +172,17 @@ def test_sanity_correlations(captioner, tmp_path):
                 rhos.append(float(spearman(e.extras["maps"][m][t][None].float(), randomised[m][b][t][None])))
         assert rhos and metrics[f"sanity_{m}"] == pytest.approx(sum(rhos) / len(rhos), abs=1e-5)
         assert metrics[f"sanity_{m}"] < 0.99  # the maps depend on the weights
+
+
+def test_each_head_has_its_measured_default_and_a_given_order_wins():
+    from vision_attn.explain.detection import DECODER_DEFAULTS, decoder_methods
+    from vision_attn.explain.evaluate import DEFAULT_METHODS
+
+    default = ExplainOptions()
+    assert default.methods == list(DEFAULT_METHODS) and default.methods_default
+    assert decoder_methods(default) == ["attention", "relevance"] == list(DECODER_DEFAULTS["detection"])
+    assert decoder_methods(default, "captioning") == ["relevance", "attention"]
+    given = ExplainOptions(methods=["rollout", "attention", "relevance"])
+    assert not given.methods_default
+    assert decoder_methods(given) == decoder_methods(given, "captioning") == ["attention", "relevance"]
+    assert decoder_methods(ExplainOptions(methods=["rollout"]), "captioning") == ["attention"]

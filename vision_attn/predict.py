@@ -293,7 +293,7 @@ def predict_folder(
     output_dir: str | Path,
     batch_size: int = 16,
     overlays: bool = True,
-    methods: tuple[str, ...] = ("rollout", "relevance"),
+    methods: tuple[str, ...] | None = None,
     score_threshold: float = 0.3,
     alpha: float = 0.5,
     device: str | None = None,
@@ -317,6 +317,8 @@ def predict_folder(
     Args:
         device: ``cpu``, ``cuda`` or ``auto`` (default: a GPU when there is one).
         devices: processes / GPUs (Lightning's ``Trainer(devices=...)``).
+        methods: explanation methods drawn side by side (``None``: each head's default, see
+            :class:`~vision_attn.explain.evaluate.ExplainOptions`).
         allow_import: module prefixes whose task classes the checkpoint may name (``--allow_import``).
         weights_file: for ``timm:NAME`` models: a local weights file (else timm's hub).
         class_names: for ``timm:NAME`` models whose head is not an ImageNet one: the names (a
@@ -336,7 +338,7 @@ def predict_folder(
         raise RunExistsError(f"{out} already holds {', '.join(existing)}, which predict would overwrite; "
                              "pass another --output_dir or --overwrite")
     accelerator = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu"}.get(device or "auto", "auto")
-    options = ExplainOptions(methods=list(methods), alpha=alpha, score_threshold=score_threshold, topk=topk,
+    options = ExplainOptions(methods=list(methods) if methods else None, alpha=alpha, score_threshold=score_threshold, topk=topk,
                              target_class=target_class, token=token)
     if model_path.suffix == ".onnx":
         model, overlays, accelerator = OnnxPredictor(model_path, allow_import), False, "cpu"
@@ -396,8 +398,10 @@ def build_parser(prog: str, description: str, expected_task: str | None = None,
     parser.add_argument("--num_workers", type=int, default=2, help="DataLoader processes decoding the images")
     if not explain:
         parser.add_argument("--no_overlays", action="store_true", help="predictions only")
-    parser.add_argument("--methods", nargs="+", default=["rollout", "relevance"], choices=list(METHODS),
-                        help="classification: explanation methods drawn, side by side: "
+    parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
+                        help="explanation methods drawn, side by side (default: each head's best measured "
+                             "first: classification relevance, rollout, attention; detection attention, relevance; "
+                             "captioning relevance, attention): "
                              + "; ".join(f"{name}: {spec.description}" for name, spec in METHODS.items()))
     parser.add_argument("--score_threshold", type=float, default=0.3, help="detection: keep boxes scoring at least this")
     parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity")
@@ -424,7 +428,7 @@ def run_cli(argv: list[str] | None, prog: str, description: str, expected_task: 
         split_allow_import([a for p in args.allow_import for a in ("--allow_import", p)])  # refuses risky prefixes
         devices = int(args.devices) if str(args.devices).isdigit() else args.devices
         result = predict_folder(args.model, args.images, args.output_dir, args.batch_size,
-                                explain or not args.no_overlays, tuple(args.methods), args.score_threshold, args.alpha,
+                                explain or not args.no_overlays, tuple(args.methods) if args.methods else None, args.score_threshold, args.alpha,
                                 args.device, args.overwrite, expected_task=expected_task, num_workers=args.num_workers,
                                 devices=devices, allow_import=tuple(args.allow_import), weights_file=args.weights_file,
                                 class_names=args.class_names, topk=args.topk, target_class=args.target_class,

@@ -291,7 +291,7 @@ def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], o
         gen = task.generate(images, return_attention=True)
     grid = task.encoder.grid_for(*images.shape[-2:])
     captions = [task.tokenizer.decode_words(gen.tokens[j].tolist()) for j in range(len(pictures))]
-    methods = decoder_methods(options)
+    methods = decoder_methods(options, "captioning")
     word_ids = [gen.tokens[j][: len(w)] for j, w in enumerate(captions)]
     relevance = caption_relevance(task, images, word_ids) if "relevance" in methods else None
     explained = []
@@ -439,7 +439,7 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
                                 options.seed)) if measured else set())
     todo = sorted(chosen | picked)
     device = next(task.parameters()).device
-    methods = decoder_methods(options)
+    methods = decoder_methods(options, "captioning")
     tally = _Tally(list(dict.fromkeys([*methods, "random"])))
     generator = torch.Generator().manual_seed(options.seed)
     index: list[dict] = []

@@ -52,6 +52,7 @@ from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename
 
 __all__ = [
+    "DECODER_DEFAULTS",
     "DECODER_METHODS",
     "decoder_methods",
     "detection_explain_metrics",
@@ -96,8 +97,22 @@ the explained query / word; ``relevance`` = Chefer et al. 2021b through decoder 
 (:mod:`vision_attn.explain.decoder_relevance`), over image patches."""
 
 
-def decoder_methods(options) -> list[str]:
-    """The decoder-head methods among ``options.methods`` in their order (``attention`` when none is)."""
+DECODER_DEFAULTS: dict[str, tuple[str, ...]] = {
+    "detection": ("attention", "relevance"),
+    "captioning": ("relevance", "attention"),
+}
+"""Each decoder head's methods, best first, when ``--explain.methods`` is not given: chosen from
+the measured table on the trained demo models (README "Against ground truth"). Detection: raw
+cross-attention points (0.93 vs 0.91), concentrates (energy 0.49 vs 0.35) and deletes (0.113 vs
+0.131) better than relevance; captioning: relevance points at the named object far more often
+(0.68 vs 0.49) and deletes faster (0.248 vs 0.283)."""
+
+
+def decoder_methods(options, head: str = "detection") -> list[str]:
+    """The decoder-head methods among ``options.methods`` in their order (``attention`` when none
+    is); ``head``'s :data:`DECODER_DEFAULTS` when the methods were not given."""
+    if getattr(options, "methods_default", False):
+        return list(DECODER_DEFAULTS[head])
     return [m for m in options.methods if m in DECODER_METHODS] or ["attention"]
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -92,6 +92,12 @@ def select_images(n_total: int, n: int, selection: Selection = "sample", seed: i
                                                                              strict=True)]
 
 
+DEFAULT_METHODS: tuple[str, ...] = ("relevance", "rollout", "attention")
+"""The classifier's methods when ``--explain.methods`` is not given, ``relevance`` first: on the
+trained demo classifier it points like raw attention (0.99), puts the most mass on the object
+(energy 0.79) and deletes faster than rollout and attention (README "Against ground truth")."""
+
+
 @dataclass
 class ExplainOptions:
     """What ``eval.py`` explains.
@@ -145,10 +151,10 @@ class ExplainOptions:
             and ``OUT/sanity.json``.
     """
 
-    # relevance first: on the trained demo classifier it points like raw attention (0.99), puts
-    # the most mass on the object (energy 0.79) and deletes faster than rollout and attention
-    # (README "Explanations against ground truth"; python -m benchmarks.explanations)
-    methods: list[str] = field(default_factory=lambda: ["relevance", "rollout", "attention"])
+    # None: each head's own default, chosen from the measured table (README "Against ground
+    # truth"; python -m benchmarks.explanations): DEFAULT_METHODS for the classifier, the
+    # decoder heads' DECODER_DEFAULTS (vision_attn.explain.detection).
+    methods: list[str] | None = None
     num_overlays: int = 16
     overlay_selection: Selection = "first"
     faithfulness: bool = True
@@ -171,6 +177,9 @@ class ExplainOptions:
     sanity: bool = False
 
     def __post_init__(self) -> None:
+        self.methods_default = self.methods is None  # whether the heads may put their own default first
+        if self.methods is None:
+            self.methods = list(DEFAULT_METHODS)
         check_methods(self.methods, "explain.methods")
         if self.token not in TOKENS:
             raise ConfigError(f"explain.token {self.token!r} invalid; choose one of {', '.join(TOKENS)}")
