@@ -180,7 +180,7 @@ def test_each_head_has_its_measured_default_and_a_given_order_wins():
 
     default = ExplainOptions()
     assert default.methods == list(DEFAULT_METHODS) and default.methods_default
-    assert decoder_methods(default) == ["attention", "relevance"] == list(DECODER_DEFAULTS["detection"])
+    assert decoder_methods(default) == ["relevance", "attention"] == list(DECODER_DEFAULTS["detection"])
     assert decoder_methods(default, "captioning") == ["relevance", "attention"]
     given = ExplainOptions(methods=["rollout", "attention", "relevance"])
     assert not given.methods_default
