@@ -400,7 +400,7 @@ def build_parser(prog: str, description: str, expected_task: str | None = None,
         parser.add_argument("--no_overlays", action="store_true", help="predictions only")
     parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
                         help="explanation methods drawn, side by side (default: each head's best measured "
-                             "first: classification relevance, rollout, attention; detection attention, relevance; "
+                             "first: classification relevance, rollout, attention; detection and "
                              "captioning relevance, attention): "
                              + "; ".join(f"{name}: {spec.description}" for name, spec in METHODS.items()))
     parser.add_argument("--score_threshold", type=float, default=0.3, help="detection: keep boxes scoring at least this")
