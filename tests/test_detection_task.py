@@ -250,3 +250,48 @@ def test_detection_overlay_of_an_exif_rotated_image_draws_the_box_on_the_object(
     x0, y0, x1, y1 = (round(v) for v in box)
     inner = image[y0 + 2 : y1 - 2, x0 + 2 : x1 - 2]
     assert inner.size and inner.mean() > 200  # the box lies on the white square
+
+
+# --- issue 20: training aids through the task ----------------------------------------------------------
+
+
+def test_training_aids_through_the_task_fit_log_and_reload(tmp_path):
+    """``DetectionTask`` passes the targets to the head only in training; the aids' terms are
+    logged; a checkpoint reloads with the switches; inference equals the same weights without
+    the training-only aids."""
+    dm = DetectionDataModule(synthetic=SceneSetConfig(num_train=8, num_val=4, image_size=32), batch_size=4,
+                             num_workers=0, cache_dir=str(tmp_path))
+    torch.manual_seed(0)
+    enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
+    aids = dict(dn_groups=2, dn_negatives=True, label_noise_ratio=0.2, box_noise_scale=0.4, query_selection=True,
+                look_forward_twice=True, o2m_groups=2, o2m_mode="hybrid", o2m_repeat=3)
+    task = DetectionTask(enc, num_queries=5, hidden_dim=32, num_layers=2, num_heads=2, box_refine=True, focal=True,
+                         **aids)
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, num_sanity_val_steps=0)
+    trainer.fit(task, datamodule=dm)
+    assert task.criterion.parts == ("dn_", "enc_", "o2m_") and task.criterion.o2m_repeat == 3
+    logged = set(trainer.callback_metrics)
+    assert {"train/loss_dn_ce", "train/loss_dn_giou", "train/loss_enc_bbox", "train/loss_o2m_ce"} <= logged
+    assert "val/loss_enc_ce" in logged and "val/loss_dn_ce" not in logged and "val/loss_o2m_ce" not in logged
+    ckpt = tmp_path / "aids.ckpt"
+    trainer.save_checkpoint(ckpt)
+    loaded = load_task(ckpt, expected_task="detection")
+    assert loaded.head.dn_groups == 2 and loaded.head.o2m_mode == "hybrid" and loaded.head.query_selection
+    x = torch.randn(2, 3, 32, 32)
+    task.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x)["pred_boxes"], task(x)["pred_boxes"])
+    # defaults: no aid, the criterion's weight table is DETR's
+    plain = DetectionTask(enc, class_names=["a"], num_queries=5, hidden_dim=32, num_layers=2, num_heads=2)
+    assert plain.criterion.parts == () and not hasattr(plain.head, "label_embed")
+
+
+def test_checkpoints_from_before_the_training_aids_build_without_them(tmp_path):
+    enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
+    task = DetectionTask(enc, class_names=["a", "b"], num_queries=4, hidden_dim=32, num_layers=1, num_heads=2)
+    for k in ("dn_groups", "label_noise_ratio", "box_noise_scale", "dn_negatives", "query_selection",
+              "look_forward_twice", "o2m_groups", "o2m_mode", "o2m_repeat"):
+        del task.hparams[k]  # as saved before issue 20
+    task._build(2, ["a", "b"], None)
+    assert task.head.dn_groups == 0 and task.head.o2m_groups == 0 and task.criterion.parts == ()

@@ -100,3 +100,57 @@ def test_query_attention_maps_last_and_mean():
     mean = query_attention_maps(layers, torch.tensor([2]), (2, 3), "mean")
     row = torch.stack([a[0].mean(0)[2] for a in layers]).mean(0).reshape(2, 3)
     assert torch.allclose(mean[0], row / row.max())
+
+
+# --- issue 20: the training aids switched off leave the head exactly as it was ----------------------
+
+
+def _pre_issue20_forward(head: DETRHead, enc: EncoderOutput) -> dict:
+    """The head's forward as written before the training aids existed, from its own modules."""
+    from vision_attn.models.detr import _box_sine_embedding, _inverse_sigmoid
+    from vision_attn.models.layers import sine_position_embedding_2d
+
+    memory = head.input_proj(enc.patch_tokens)
+    b = memory.shape[0]
+    memory_pos = sine_position_embedding_2d(enc.grid, head.hidden_dim).unsqueeze(0)
+    x = memory.new_zeros(b, head.num_queries, head.hidden_dim)
+    reference = head.anchors.unsqueeze(0).expand(b, -1, -1) if head.box_refine else None
+    outputs, weights = [], []
+    for i, layer in enumerate(head.layers):
+        if head.box_refine:
+            query_pos = head.pos_mlp(_box_sine_embedding(reference, head.hidden_dim))
+        else:
+            query_pos = head.query_embed.weight.unsqueeze(0)
+        x, w = layer(x, memory, query_pos=query_pos, memory_pos=memory_pos, need_weights=True)
+        weights.append(w)
+        if head.box_refine or i == len(head.layers) - 1 or head.training:
+            k = i if head.box_refine else 0
+            h = head.norm(x)
+            logits, delta = head.class_heads[k](h), head.box_heads[k](h)
+            boxes = (delta + _inverse_sigmoid(reference)).sigmoid() if head.box_refine else delta.sigmoid()
+            outputs.append({"pred_logits": logits, "pred_boxes": boxes})
+            if head.box_refine:
+                reference = boxes.detach()
+    return {**outputs[-1], "aux_outputs": outputs[:-1], "cross_attn": weights}
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("box_refine", [False, True])
+@pytest.mark.parametrize("focal", [False, True])
+def test_switches_off_is_exactly_the_pre_issue20_head(training, box_refine, focal):
+    torch.manual_seed(0)
+    head = DETRHead(24, 5, num_queries=7, hidden_dim=32, num_layers=3, num_heads=4, dropout=0.0, focal=focal,
+                    box_refine=box_refine).train(training)
+    names = {n.split(".")[0] for n, _ in head.named_parameters()}
+    assert names == {"input_proj", "layers", "norm", "class_heads", "box_heads"} | (
+        {"anchors", "pos_mlp"} if box_refine else {"query_embed"})
+    enc = _enc()
+    targets = [{"labels": torch.tensor([1]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.2]])}] * 2
+    out = head(enc, need_weights=True, targets=targets)  # targets are unused without denoising
+    ref = _pre_issue20_forward(head, enc)
+    assert set(out) == set(ref)
+    assert torch.equal(out["pred_logits"], ref["pred_logits"]) and torch.equal(out["pred_boxes"], ref["pred_boxes"])
+    assert len(out["aux_outputs"]) == len(ref["aux_outputs"]) == (2 if box_refine or training else 0)
+    for a, b in zip(out["aux_outputs"], ref["aux_outputs"], strict=True):
+        assert torch.equal(a["pred_logits"], b["pred_logits"]) and torch.equal(a["pred_boxes"], b["pred_boxes"])
+    assert all(torch.equal(a, b) for a, b in zip(out["cross_attn"], ref["cross_attn"], strict=True))

@@ -5,6 +5,24 @@
 is only logged) and owns the weight table ``weight_dict``; :meth:`SetCriterion.total` is the one
 place where the weighted sum is formed.
 
+The head's training aids (see :mod:`vision_attn.models.detr`) add terms of the same three kinds,
+present only when the head's outputs carry them:
+
+- ``loss_dn_ce``, ``loss_dn_bbox``, ``loss_dn_giou`` (+ ``_0`` ... per auxiliary layer): the
+  denoising queries' reconstruction (DN-DETR / DINO). No matching: each positive denoising
+  query is paired with the target it was made from (class + L1 + GIoU); DINO's negatives learn
+  "no object" (class term only); padding slots are ignored. Normalised by the box count times
+  the number of groups (each group holds every target once).
+- ``loss_enc_ce``, ``loss_enc_bbox``, ``loss_enc_giou``: the encoder tokens picked by mixed query
+  selection, Hungarian-matched like the decoder's output (DINO's two-stage loss).
+- ``loss_o2m_ce``, ``loss_o2m_bbox``, ``loss_o2m_giou`` (+ ``_0`` ...): the one-to-many query
+  sets, each Hungarian-matched on its own (Group DETR: one set per group, the terms summed over
+  groups) to the targets repeated ``o2m_repeat`` times (H-DETR; 1 for Group DETR).
+
+Each carries the weight of its base term (``weight_ce``, ``weight_bbox``, ``weight_giou``), and
+is in the weight table only when the criterion is built for it (``dn``, ``enc``, ``o2m``): with
+all three off the table, the terms and the total are exactly DETR's.
+
 Box overlaps and the sigmoid focal loss (Lin et al. 2017) are ``torchvision.ops``'
 (:func:`sigmoid_focal_loss` is re-exported here under the name the tests and users import).
 """
@@ -45,7 +63,15 @@ class SetCriterion(nn.Module):
         focal: sigmoid focal loss over ``C`` classes instead of softmax cross-entropy.
         focal_alpha: focal loss alpha, in ``[0, 1]`` (or ``-1``: no class weighting).
         focal_gamma: focal loss gamma.
+        dn: expect denoising outputs (``loss_dn_*`` terms).
+        enc: expect the encoder selection's outputs (``loss_enc_*`` terms).
+        o2m: expect one-to-many outputs (``loss_o2m_*`` terms).
+        o2m_repeat: times each target is repeated for the one-to-many sets (H-DETR's ``K``; 1
+            for Group DETR's independent groups).
     """
+
+    PARTS = ("", "dn_", "enc_", "o2m_")  # term name infixes: loss_ce, loss_dn_ce, loss_enc_ce, loss_o2m_ce
+    WITH_AUX = ("", "dn_", "o2m_")  # the encoder's selection is one output, without auxiliary layers
 
     def __init__(
         self,
@@ -58,9 +84,17 @@ class SetCriterion(nn.Module):
         focal: bool = False,
         focal_alpha: float = 0.25,
         focal_gamma: float = 2.0,
+        dn: bool = False,
+        enc: bool = False,
+        o2m: bool = False,
+        o2m_repeat: int = 1,
     ) -> None:
         super().__init__()
         check_focal_alpha(focal_alpha)
+        if o2m_repeat < 1:
+            raise ValueError(f"o2m_repeat must be >= 1 (1 = Group DETR's independent groups), got {o2m_repeat}")
+        self.o2m_repeat = o2m_repeat
+        self.parts = tuple(p for p, on in zip(self.PARTS[1:], (dn, enc, o2m), strict=True) if on)
         self.num_classes = num_classes
         self.matcher = matcher
         self.base_weights = {"loss_ce": weight_ce, "loss_bbox": weight_bbox, "loss_giou": weight_giou}
@@ -70,10 +104,21 @@ class SetCriterion(nn.Module):
         self.register_buffer("empty_weight", empty)
 
     def weight_dict(self, num_aux: int) -> dict[str, float]:
-        """Weights of every term, auxiliary layers included (``loss_ce_0``, ...)."""
+        """Weights of every term, auxiliary layers included (``loss_ce_0``, ...).
+
+        The main terms first, in the order they always had; then those of the training aids the
+        criterion was built for (``loss_dn_*``, ``loss_enc_*``, ``loss_o2m_*``), which count only
+        when present (the denoising and one-to-many outputs exist only in training).
+        """
         weights = dict(self.base_weights)
         for i in range(num_aux):
             weights.update({f"{k}_{i}": v for k, v in self.base_weights.items()})
+        for part in self.parts:
+            named = {_name(k, part): v for k, v in self.base_weights.items()}
+            weights.update(named)
+            if part in self.WITH_AUX:
+                for i in range(num_aux):
+                    weights.update({f"{k}_{i}": v for k, v in named.items()})
         return weights
 
     def total(self, terms: dict[str, Tensor], num_aux: int = 0) -> Tensor:
@@ -109,20 +154,87 @@ class SetCriterion(nn.Module):
             card = (n_pred.float() - n_true.float()).abs().mean()
         return {"loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou, "cardinality_error": card}
 
+    def _dn_terms(self, logits: Tensor, boxes: Tensor, targets: list[dict[str, Tensor]], meta: dict,
+                  num_boxes: float) -> dict[str, Tensor]:
+        """Reconstruction terms of the denoising queries (fixed pairing from ``meta``, no matching)."""
+        device = logits.device
+        norm = num_boxes * meta["groups"]
+        pos_b = torch.cat([torch.full_like(p, i) for i, (p, _) in enumerate(meta["positive"])]).to(device)
+        pos_q = torch.cat([p for p, _ in meta["positive"]]).to(device)
+        labels = torch.cat([t["labels"][j.to(t["labels"].device)] for t, (_, j) in
+                            zip(targets, meta["positive"], strict=True)]).to(device)
+        target_boxes = torch.cat([t["boxes"][j.to(t["boxes"].device)] for t, (_, j) in
+                                  zip(targets, meta["positive"], strict=True)]).to(device=device, dtype=boxes.dtype)
+        neg_b = torch.cat([torch.full_like(n, i) for i, n in enumerate(meta["negative"])]).to(device)
+        neg_q = torch.cat(list(meta["negative"])).to(device)
+        rows = torch.cat([logits[pos_b, pos_q], logits[neg_b, neg_q]])  # padding slots are left out
+        if len(rows) == 0:
+            zero = logits.sum() * 0 + boxes.sum() * 0  # keeps the graph (and DDP) whole
+            return {"loss_ce": zero, "loss_bbox": zero, "loss_giou": zero}
+        if self.focal:
+            onehot = torch.zeros_like(rows)
+            onehot[torch.arange(len(labels), device=device), labels] = 1.0  # negatives: all zeros
+            loss_ce = sigmoid_focal_loss(rows, onehot, self.focal_alpha, self.focal_gamma, reduction="sum") / norm
+        else:
+            classes = torch.cat([labels, torch.full((len(neg_q),), self.num_classes, dtype=torch.int64, device=device)])
+            loss_ce = F.cross_entropy(rows, classes, weight=self.empty_weight.to(logits.dtype))
+        src = boxes[pos_b, pos_q]
+        loss_bbox = F.l1_loss(src, target_boxes, reduction="none").sum() / norm
+        giou = generalized_box_iou(box_cxcywh_to_xyxy(src), box_cxcywh_to_xyxy(target_boxes)).diagonal()
+        loss_giou = (1 - giou).sum() / norm
+        return {"loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou}
+
+    def _layers(self, out: dict, part: str, terms_of) -> dict[str, Tensor]:
+        """``terms_of(logits, boxes)`` for ``out``'s final and auxiliary layers, named for ``part``."""
+        terms = {_name(k, part): v for k, v in terms_of(out["pred_logits"], out["pred_boxes"]).items()
+                 if k != "cardinality_error"}
+        for i, aux in enumerate(out.get("aux_outputs", [])):
+            aux_terms = terms_of(aux["pred_logits"], aux["pred_boxes"])
+            terms.update({f"{_name(k, part)}_{i}": v for k, v in aux_terms.items() if k != "cardinality_error"})
+        return terms
+
     def forward(self, outputs: dict, targets: list[dict[str, Tensor]], across_processes: bool = True) -> dict[str, Tensor]:
         """Loss terms of the final layer and of every ``outputs["aux_outputs"]`` layer.
 
         Args:
             outputs: ``pred_logits [B, Q, C(+1)]``, ``pred_boxes [B, Q, 4]`` (cxcywh in [0, 1]) and
                 optionally ``aux_outputs``: a list of such dicts, one per earlier decoder layer.
+                The training aids' outputs, when present: ``dn_outputs`` with ``dn_meta``,
+                ``enc_outputs``, ``o2m_outputs`` (see the module docstring).
             targets: per image ``labels [G]`` (0..C-1) and ``boxes [G, 4]`` (cxcywh in [0, 1]).
             across_processes: normalise by the box count averaged over processes (training
                 under DDP: the gradient of the global batch); ``False`` in evaluation, whose
                 steps must not synchronise per batch.
         """
+        for key, part, flag in (("dn_outputs", "dn_", "dn"), ("enc_outputs", "enc_", "enc"),
+                                ("o2m_outputs", "o2m_", "o2m")):
+            if key in outputs and part not in self.parts:
+                raise ValueError(f"the outputs carry {key} but the criterion has no weights for them: "
+                                 f"build SetCriterion with {flag}=True")
         num_boxes = _num_boxes(targets, outputs["pred_logits"].device, across_processes)
         terms = self._terms(outputs["pred_logits"], outputs["pred_boxes"], targets, num_boxes)
         for i, aux in enumerate(outputs.get("aux_outputs", [])):
             aux_terms = self._terms(aux["pred_logits"], aux["pred_boxes"], targets, num_boxes)
             terms.update({f"{k}_{i}": v for k, v in aux_terms.items() if k != "cardinality_error"})
+        if "enc_outputs" in outputs:
+            enc = outputs["enc_outputs"]
+            terms.update(self._layers({"pred_logits": enc["pred_logits"], "pred_boxes": enc["pred_boxes"]}, "enc_",
+                                      lambda lg, bx: self._terms(lg, bx, targets, num_boxes)))
+        if "o2m_outputs" in outputs:
+            k = self.o2m_repeat
+            repeated = [{"labels": t["labels"].repeat(k), "boxes": t["boxes"].repeat(k, 1)} for t in targets]
+            for n, out in enumerate(outputs["o2m_outputs"]):
+                group = self._layers(out, "o2m_", lambda lg, bx: self._terms(lg, bx, repeated, num_boxes * k))
+                terms.update(group if n == 0 else {name: terms[name] + v for name, v in group.items()})
+        if "dn_outputs" in outputs:
+            if "dn_meta" not in outputs:
+                raise KeyError("outputs has dn_outputs but no dn_meta (the denoising queries' targets)")
+            meta = outputs["dn_meta"]
+            terms.update(self._layers(outputs["dn_outputs"], "dn_",
+                                      lambda lg, bx: self._dn_terms(lg, bx, targets, meta, num_boxes)))
         return terms
+
+
+def _name(term: str, part: str) -> str:
+    """``loss_ce`` -> ``loss_dn_ce`` for part ``dn_`` (unchanged for the main part ``""``)."""
+    return term.replace("loss_", f"loss_{part}", 1)

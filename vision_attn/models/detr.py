@@ -11,6 +11,36 @@ Outputs (a dict, the same keys as DETR):
 a learned reference box (anchor, as in DAB-DETR), its positional query is the sine embedding of
 that box, and every layer predicts a correction of the previous layer's box in logit space
 (iterative refinement, Deformable DETR). The plain recipe stays available with ``False``.
+
+Further published training aids, each off by default (then the head is exactly the one above):
+
+- **Denoising queries** (``dn_groups > 0``; DN-DETR, Li et al. 2022; with ``dn_negatives``
+  DINO's contrastive denoising, Zhang et al. 2022). While training, and only when the forward
+  is given the targets, ``dn_groups`` copies of the ground truth with noised boxes
+  (:func:`noise_boxes`) and flipped labels (:func:`noise_labels`) are added as extra queries
+  (content: an embedding of the noised label; reference box: the noised box). Each must
+  reconstruct its original box and class; DINO's negatives (noised further) must say "no
+  object". A self-attention mask (:func:`query_group_mask`) keeps the matching queries from
+  seeing them and the groups from seeing each other. Output keys ``dn_outputs`` (logits, boxes
+  and ``aux_outputs`` of the denoising queries) and ``dn_meta`` (which query reconstructs which
+  target).
+- **Mixed query selection** (``query_selection``; DINO): every patch token predicts a class and
+  a box (a box two patches wide at the patch, corrected by an auxiliary head); the ``Q``
+  best-scoring tokens' boxes (detached) become the anchors, the query contents stay learned.
+  Output key ``enc_outputs`` (logits and boxes of the selected tokens), trained by the set
+  criterion with its own Hungarian matching.
+- **Look forward twice** (``look_forward_twice``; DINO): layer ``i``'s box is predicted from
+  layer ``i - 1``'s box *without* detaching it, so layer ``i - 1``'s box head also learns from
+  layer ``i``'s loss; the forward values are those of plain refinement.
+- **One-to-many auxiliary groups** (``o2m_groups > 0``): while training, ``o2m_groups`` extra
+  sets of ``Q`` queries run beside the ``Q`` matching ones, unseen by them.
+  ``o2m_mode="group"`` (Group DETR, Chen et al. 2022): each extra group is its own set, matched
+  one-to-one to the ground truth independently, the groups masked from each other.
+  ``o2m_mode="hybrid"`` (H-DETR, Jia et al. 2023): the extra queries form one set matched to
+  the ground truth repeated ``K`` times (the criterion's ``o2m_repeat``). Output key
+  ``o2m_outputs`` (a list of such sets). At inference only the first (matching) group runs.
+
+Query order inside the decoder while training: ``[Q matching | o2m_groups * Q | denoising]``.
 """
 
 from __future__ import annotations
@@ -20,11 +50,13 @@ import math
 import torch
 from torch import Tensor, nn
 
-from vision_attn.boxes import box_cxcywh_to_xyxy
+from vision_attn.boxes import box_cxcywh_to_xyxy, box_xyxy_to_cxcywh
 from vision_attn.models.encoder import EncoderOutput
 from vision_attn.models.layers import MLP, DecoderLayer, sine_position_embedding_2d
 
-__all__ = ["DETRHead", "post_process"]
+__all__ = ["DETRHead", "noise_boxes", "noise_labels", "post_process", "query_group_mask"]
+
+O2M_MODES = ("group", "hybrid")
 
 
 def _inverse_sigmoid(x: Tensor, eps: float = 1e-5) -> Tensor:
@@ -39,6 +71,76 @@ def _box_sine_embedding(boxes: Tensor, dim: int, temperature: float = 10000.0) -
     pos = boxes[..., None] * 2 * math.pi / freq  # (..., 4, dim/4)
     pos = torch.stack([pos[..., 0::2].sin(), pos[..., 1::2].cos()], dim=-1).flatten(-2)
     return pos.flatten(-2)
+
+
+def query_group_mask(
+    num_queries: int,
+    o2m_groups: int = 0,
+    o2m_mode: str = "group",
+    dn_groups: int = 0,
+    dn_group_size: int = 0,
+    device: torch.device | None = None,
+) -> Tensor:
+    """Self-attention keep-mask ``[T, T]`` (``True`` = query ``i`` may attend to query ``j``).
+
+    Queries are ordered ``[num_queries matching | o2m_groups * num_queries | dn_groups *
+    dn_group_size denoising]``. The matching queries see only each other, so they compute
+    exactly what they compute alone (the extra queries leak no ground truth and cost nothing at
+    inference). One-to-many queries see only their own group (``"group"``, Group DETR) or the
+    whole one-to-many set (``"hybrid"``, H-DETR). A denoising group sees itself and the matching
+    queries (DN-DETR), never another denoising group nor the one-to-many queries.
+    """
+    if o2m_mode not in O2M_MODES:
+        raise ValueError(f"o2m_mode must be one of {O2M_MODES}, got {o2m_mode!r}")
+    q, n_o2m, n_dn = num_queries, o2m_groups * num_queries, dn_groups * dn_group_size
+    total = q + n_o2m + n_dn
+    keep = torch.zeros(total, total, dtype=torch.bool, device=device)
+    keep[:q, :q] = True
+    if n_o2m:
+        if o2m_mode == "hybrid":
+            keep[q : q + n_o2m, q : q + n_o2m] = True
+        else:
+            for g in range(o2m_groups):
+                s = q + g * num_queries
+                keep[s : s + num_queries, s : s + num_queries] = True
+    for g in range(dn_groups):
+        s = q + n_o2m + g * dn_group_size
+        keep[s : s + dn_group_size, s : s + dn_group_size] = True
+        keep[s : s + dn_group_size, :q] = True
+    return keep
+
+
+def noise_labels(labels: Tensor, num_classes: int, ratio: float, generator: torch.Generator | None = None) -> Tensor:
+    """Each label replaced, with probability ``ratio``, by a class drawn uniformly from ``0..C-1``
+    (which may be the same class, as in DN-DETR / DINO)."""
+    if ratio <= 0:
+        return labels.clone()
+    flip = torch.rand(labels.shape, generator=generator, device=labels.device) < ratio
+    random = torch.randint(0, num_classes, labels.shape, generator=generator, device=labels.device)
+    return torch.where(flip, random, labels)
+
+
+def noise_boxes(boxes: Tensor, scale: float, negative: Tensor | None = None,
+                generator: torch.Generator | None = None) -> Tensor:
+    """Noised copies of ``cxcywh`` boxes ``[..., 4]``, clamped to the image.
+
+    Each corner of a box moves, per coordinate, by ``± u * scale`` times half the box's size, with
+    ``u`` uniform in ``[0, 1)`` — so the centre shifts by at most ``scale * w / 2`` (resp. ``h``) and
+    the size is scaled by a factor in ``[1 - scale, 1 + scale]`` (DN-DETR's centre-shift and
+    box-scale noise). Where ``negative`` (broadcastable to ``boxes[..., 0]``) is ``True``, ``u``
+    lies in ``[1, 2)`` instead: DINO's contrastive negatives, farther from the truth than any
+    positive.
+    """
+    if scale <= 0:
+        return boxes.clone()
+    xyxy = box_cxcywh_to_xyxy(boxes)
+    half = torch.cat([boxes[..., 2:], boxes[..., 2:]], dim=-1) / 2
+    u = torch.rand(boxes.shape, generator=generator, device=boxes.device, dtype=boxes.dtype)
+    if negative is not None:
+        u = u + negative[..., None].to(u.dtype)
+    sign = torch.rand(boxes.shape, generator=generator, device=boxes.device) < 0.5
+    shift = torch.where(sign, u, -u) * half * scale
+    return box_xyxy_to_cxcywh((xyxy + shift).clamp(0, 1))
 
 
 class DETRHead(nn.Module):
@@ -56,6 +158,17 @@ class DETRHead(nn.Module):
         focal: sigmoid classifier over ``C`` classes (no "no object" logit).
         box_refine: learned anchor boxes, box-conditioned positional queries and iterative
             per-layer box refinement (see the module docstring).
+        dn_groups: denoising groups (DN-DETR); 0 = off. Needs ``box_refine``.
+        label_noise_ratio: probability that a denoising query's label is replaced by a random one.
+        box_noise_scale: denoising box noise, as a fraction of the box's half size
+            (:func:`noise_boxes`).
+        dn_negatives: add DINO's contrastive negatives (a second, noisier copy per group that
+            must predict "no object").
+        query_selection: DINO's mixed query selection (anchors from the top-``Q`` patch tokens).
+            Needs ``box_refine``.
+        look_forward_twice: DINO's look-forward-twice box refinement. Needs ``box_refine``.
+        o2m_groups: extra one-to-many query groups for training (Group DETR / H-DETR); 0 = off.
+        o2m_mode: ``"group"`` (Group DETR) or ``"hybrid"`` (H-DETR), see the module docstring.
     """
 
     def __init__(
@@ -70,18 +183,42 @@ class DETRHead(nn.Module):
         dropout: float = 0.1,
         focal: bool = False,
         box_refine: bool = False,
+        dn_groups: int = 0,
+        label_noise_ratio: float = 0.5,
+        box_noise_scale: float = 1.0,
+        dn_negatives: bool = False,
+        query_selection: bool = False,
+        look_forward_twice: bool = False,
+        o2m_groups: int = 0,
+        o2m_mode: str = "group",
     ) -> None:
         super().__init__()
         if hidden_dim % 4:
             raise ValueError(f"hidden_dim must be divisible by 4, got {hidden_dim}")
+        for name, on in (("dn_groups", dn_groups > 0), ("query_selection", query_selection),
+                         ("look_forward_twice", look_forward_twice)):
+            if on and not box_refine:
+                raise ValueError(f"{name} needs reference boxes: set box_refine=True (or switch {name} off)")
+        if dn_groups < 0 or o2m_groups < 0:
+            raise ValueError(f"dn_groups ({dn_groups}) and o2m_groups ({o2m_groups}) must be >= 0")
+        if not 0 <= label_noise_ratio <= 1:
+            raise ValueError(f"label_noise_ratio must lie in [0, 1], got {label_noise_ratio}")
+        if box_noise_scale < 0:
+            raise ValueError(f"box_noise_scale must be >= 0, got {box_noise_scale}")
+        if o2m_mode not in O2M_MODES:
+            raise ValueError(f"o2m_mode must be one of {O2M_MODES}, got {o2m_mode!r}")
         self.num_classes, self.num_queries, self.hidden_dim = num_classes, num_queries, hidden_dim
         self.focal, self.box_refine = focal, box_refine
+        self.dn_groups, self.label_noise_ratio, self.box_noise_scale = dn_groups, label_noise_ratio, box_noise_scale
+        self.dn_negatives, self.query_selection, self.look_forward_twice = dn_negatives, query_selection, look_forward_twice
+        self.o2m_groups, self.o2m_mode = o2m_groups, o2m_mode
         self.input_proj = nn.Linear(in_dim, hidden_dim)
         self.layers = nn.ModuleList(DecoderLayer(hidden_dim, num_heads, mlp_ratio, dropout) for _ in range(num_layers))
         self.norm = nn.LayerNorm(hidden_dim)
         n_out = num_classes if focal else num_classes + 1
         if box_refine:
-            self.anchors = nn.Parameter(torch.rand(num_queries, 4) * 0.8 + 0.1)  # cx, cy, w, h in [0, 1]
+            if not query_selection:  # (with it, the anchors come from the encoder tokens)
+                self.anchors = nn.Parameter(torch.rand(num_queries, 4) * 0.8 + 0.1)  # cx, cy, w, h in [0, 1]
             self.pos_mlp = MLP(hidden_dim, hidden_dim, hidden_dim, 2)
             self.class_heads = nn.ModuleList(nn.Linear(hidden_dim, n_out) for _ in range(num_layers))
             self.box_heads = nn.ModuleList(MLP(hidden_dim, hidden_dim, 4, 3) for _ in range(num_layers))
@@ -95,37 +232,182 @@ class DETRHead(nn.Module):
         if focal:  # prior probability 0.01 per class, as in RetinaNet
             for head in self.class_heads:
                 nn.init.constant_(head.bias, -math.log((1 - 0.01) / 0.01))
+        # The switches' own parameters, created after all of the above so that a head with the
+        # switches off draws exactly the same initial weights as before they existed.
+        if query_selection:
+            self.query_content = nn.Embedding(num_queries, hidden_dim)  # learned contents (DINO: tgt_embed)
+            self.enc_proj = nn.Linear(hidden_dim, hidden_dim)
+            self.enc_norm = nn.LayerNorm(hidden_dim)
+            self.enc_class_head = nn.Linear(hidden_dim, n_out)
+            self.enc_box_head = MLP(hidden_dim, hidden_dim, 4, 3)
+            nn.init.zeros_(self.enc_box_head.layers[-1].weight)  # start at the patch's proposal box
+            nn.init.zeros_(self.enc_box_head.layers[-1].bias)
+            if focal:
+                nn.init.constant_(self.enc_class_head.bias, -math.log((1 - 0.01) / 0.01))
+        if o2m_groups:
+            if query_selection:  # the groups share the selected anchors, each has its own contents
+                self.o2m_content = nn.Parameter(torch.randn(o2m_groups, num_queries, hidden_dim))
+            elif box_refine:
+                self.o2m_anchors = nn.Parameter(torch.rand(o2m_groups, num_queries, 4) * 0.8 + 0.1)
+            else:
+                self.o2m_query_embed = nn.Parameter(torch.randn(o2m_groups, num_queries, hidden_dim))
+        if dn_groups:
+            self.label_embed = nn.Embedding(num_classes, hidden_dim)  # content of a denoising query
 
-    def _predict(self, i: int, h: Tensor, reference: Tensor | None) -> tuple[Tensor, Tensor]:
-        k = i if self.box_refine else 0
-        logits = self.class_heads[k](h)
-        delta = self.box_heads[k](h)
-        boxes = (delta + _inverse_sigmoid(reference)).sigmoid() if reference is not None else delta.sigmoid()
-        return logits, boxes
+    def no_weight_decay(self) -> set[str]:
+        """The switches' query embeddings (contents, anchors, label embedding) are not decayed,
+        like the head's own ``query_embed`` and ``anchors`` (timm's convention: names relative
+        to this module)."""
+        names = {"query_content.weight", "o2m_content", "o2m_anchors", "o2m_query_embed", "label_embed.weight"}
+        own = {n for n, _ in self.named_parameters()}
+        return names & own
 
-    def forward(self, enc: EncoderOutput, need_weights: bool = False) -> dict:
-        """Detections for encoder output ``enc`` (see the module docstring for the keys)."""
+    # ------------------------------------------------------------------ queries
+    def _proposals(self, grid: tuple[int, int], device: torch.device) -> Tensor:
+        """``[h * w, 4]`` one box per patch (row-major): centred on it, two patches wide and high."""
+        h, w = grid
+        cy = (torch.arange(h, device=device, dtype=torch.float32) + 0.5) / h
+        cx = (torch.arange(w, device=device, dtype=torch.float32) + 0.5) / w
+        centres = torch.stack([cx[None, :].expand(h, w), cy[:, None].expand(h, w)], dim=-1).reshape(h * w, 2)
+        size = torch.tensor([min(1.0, 2 / w), min(1.0, 2 / h)], device=device).expand(h * w, 2)
+        return torch.cat([centres, size], dim=-1)
+
+    def _select_queries(self, memory: Tensor, grid: tuple[int, int]) -> tuple[Tensor, dict]:
+        """DINO's mixed query selection: ``(anchors [B, Q, 4] detached, enc_outputs)``."""
+        b, n, _ = memory.shape
+        if n < self.num_queries:
+            raise ValueError(f"query_selection picks num_queries={self.num_queries} of the {n} patch tokens: "
+                             "lower num_queries, use more patches, or switch query_selection off")
+        out = self.enc_norm(self.enc_proj(memory))
+        logits = self.enc_class_head(out)  # (B, N, C(+1))
+        unsig = self.enc_box_head(out) + _inverse_sigmoid(self._proposals(grid, memory.device).to(memory.dtype))
+        with torch.no_grad():
+            score = logits.amax(-1) if self.focal else logits.softmax(-1)[..., :-1].amax(-1)
+            top = score.topk(self.num_queries, dim=1).indices  # (B, Q)
+        logits = torch.gather(logits, 1, top[..., None].expand(-1, -1, logits.shape[-1]))
+        boxes = torch.gather(unsig, 1, top[..., None].expand(-1, -1, 4)).sigmoid()
+        return boxes.detach(), {"pred_logits": logits, "pred_boxes": boxes}
+
+    def _denoising_queries(self, targets: list[dict[str, Tensor]], device: torch.device) -> tuple[Tensor, Tensor, Tensor, dict]:
+        """Noised ground truth as queries: ``(contents [B, D, hidden], boxes [B, D, 4], real [B, D], meta)``.
+
+        A group holds ``P = max_b G_b`` positive slots (and, with negatives, ``P`` negative slots
+        after them); image ``b`` fills the first ``G_b`` of each, the rest are padding (``real``
+        is ``False``: hidden from every query and from the loss). ``meta["positive"]`` gives per
+        image ``(query index, target index)`` (indices within the denoising queries, on the CPU),
+        ``meta["negative"]`` the query indices that must predict "no object"; ``meta["groups"]``
+        and ``meta["group_size"]`` the layout, ``meta["padded"]`` whether any slot is padding.
+        """
+        b = len(targets)
+        pad = max((len(t["labels"]) for t in targets), default=0)
+        size = pad * (2 if self.dn_negatives else 1)
+        n = self.dn_groups
+        labels = torch.zeros(b, n, size, dtype=torch.int64, device=device)
+        boxes = torch.full((b, n, size, 4), 0.5, device=device)
+        real = torch.zeros(b, n, size, dtype=torch.bool, device=device)
+        negative = torch.zeros(size, dtype=torch.bool, device=device)
+        negative[pad:] = True
+        positive_idx, negative_idx = [], []
+        for i, t in enumerate(targets):
+            g = len(t["labels"])
+            starts = torch.arange(n)[:, None] * size  # indices on the CPU, as the matcher's
+            slots = torch.arange(g)[None, :]
+            positive_idx.append(((starts + slots).flatten(), torch.arange(g).repeat(n)))
+            negative_idx.append((starts + pad + slots).flatten() if self.dn_negatives else
+                                torch.empty(0, dtype=torch.int64))
+            for offset in (0, pad) if self.dn_negatives else (0,):
+                labels[i, :, offset : offset + g] = t["labels"].to(device)
+                boxes[i, :, offset : offset + g] = t["boxes"].to(device=device, dtype=boxes.dtype)
+                real[i, :, offset : offset + g] = True
+        noised_labels = noise_labels(labels, self.num_classes, self.label_noise_ratio)
+        noised_boxes = noise_boxes(boxes, self.box_noise_scale, negative)
+        contents = self.label_embed(noised_labels).reshape(b, n * size, self.hidden_dim)
+        meta = {"groups": n, "group_size": size, "positive": positive_idx, "negative": negative_idx,
+                "padded": any(len(t["labels"]) < pad for t in targets)}
+        return contents, noised_boxes.reshape(b, n * size, 4), real.reshape(b, n * size), meta
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, enc: EncoderOutput, need_weights: bool = False,
+                targets: list[dict[str, Tensor]] | None = None) -> dict:
+        """Detections for encoder output ``enc`` (see the module docstring for the keys).
+
+        Args:
+            enc: the encoder's output.
+            need_weights: also return the cross-attention weights (of the matching queries).
+            targets: per image ``labels [G]`` and ``boxes [G, 4]`` (``cxcywh`` in ``[0, 1]``): the
+                denoising queries' source; used only while training with ``dn_groups > 0``.
+        """
         memory = self.input_proj(enc.patch_tokens)  # (B, N, hidden)
         b = memory.shape[0]
         memory_pos = sine_position_embedding_2d(enc.grid, self.hidden_dim, device=memory.device).to(memory.dtype)
         memory_pos = memory_pos.unsqueeze(0)  # (1, N, hidden)
-        x = memory.new_zeros(b, self.num_queries, self.hidden_dim)
-        reference = self.anchors.unsqueeze(0).expand(b, -1, -1) if self.box_refine else None
-        outputs, weights = [], []
-        for i, layer in enumerate(self.layers):
-            if self.box_refine:
-                query_pos = self.pos_mlp(_box_sine_embedding(reference, self.hidden_dim))
+        q = self.num_queries
+        result: dict = {}
+        if self.query_selection:
+            reference, result["enc_outputs"] = self._select_queries(memory, enc.grid)
+            x = self.query_content.weight.unsqueeze(0).expand(b, -1, -1)
+        else:
+            x = memory.new_zeros(b, q, self.hidden_dim)
+            reference = self.anchors.unsqueeze(0).expand(b, -1, -1) if self.box_refine else None
+        query_embed = None if self.box_refine else self.query_embed.weight.unsqueeze(0)
+        # training-only extra queries: one-to-many groups, then denoising groups
+        n_o2m = self.o2m_groups if self.training else 0
+        if n_o2m:
+            if self.query_selection:
+                x = torch.cat([x, self.o2m_content.reshape(1, -1, self.hidden_dim).expand(b, -1, -1)], dim=1)
+                reference = torch.cat([reference, reference.repeat(1, n_o2m, 1)], dim=1)
+            elif self.box_refine:
+                x = memory.new_zeros(b, q * (1 + n_o2m), self.hidden_dim)
+                reference = torch.cat([reference, self.o2m_anchors.reshape(1, -1, 4).expand(b, -1, -1)], dim=1)
             else:
-                query_pos = self.query_embed.weight.unsqueeze(0)
-            x, w = layer(x, memory, query_pos=query_pos, memory_pos=memory_pos, need_weights=need_weights)
-            weights.append(w)
-            if self.box_refine or i == len(self.layers) - 1 or self.training:
-                logits, boxes = self._predict(i, self.norm(x), reference)
+                x = memory.new_zeros(b, q * (1 + n_o2m), self.hidden_dim)
+                query_embed = torch.cat([query_embed, self.o2m_query_embed.reshape(1, -1, self.hidden_dim)], dim=1)
+        dn_meta, key_mask = None, None
+        if self.dn_groups and self.training and targets is not None:
+            contents, dn_boxes, real, dn_meta = self._denoising_queries(targets, memory.device)
+            x = torch.cat([x, contents.to(x.dtype)], dim=1)
+            reference = torch.cat([reference, dn_boxes.to(reference.dtype)], dim=1)
+            if dn_meta["padded"]:  # (known on the CPU: no device synchronisation)
+                key_mask = torch.cat([real.new_ones(b, x.shape[1] - real.shape[1]), real], dim=1)
+        mask = None
+        if x.shape[1] > q:
+            mask = query_group_mask(q, n_o2m, self.o2m_mode, dn_meta["groups"] if dn_meta else 0,
+                                    dn_meta["group_size"] if dn_meta else 0, memory.device)
+        outputs, weights = [], []
+        one_step = None  # look forward twice: the previous layer's box, differentiable through its own head
+        for i, layer in enumerate(self.layers):
+            query_pos = self.pos_mlp(_box_sine_embedding(reference, self.hidden_dim)) if self.box_refine else query_embed
+            x, w = layer(x, memory, query_pos=query_pos, memory_pos=memory_pos, need_weights=need_weights,
+                         key_mask=key_mask, self_attn_mask=mask)
+            weights.append(w if w is None or mask is None else w[:, :, :q])
+            if self.box_refine:
+                h = self.norm(x)
+                logits, delta = self.class_heads[i](h), self.box_heads[i](h)
+                boxes = (delta + _inverse_sigmoid(reference)).sigmoid()
+                if self.look_forward_twice and one_step is not None:
+                    # the same values; the gradient also reaches the previous layer's box head
+                    one_step, boxes = boxes, (delta + _inverse_sigmoid(one_step)).sigmoid()
+                else:
+                    one_step = boxes
                 outputs.append({"pred_logits": logits, "pred_boxes": boxes})
-                if self.box_refine:
-                    reference = boxes.detach()  # each layer refines the previous one's boxes
-        result = dict(outputs[-1])
-        result["aux_outputs"] = outputs[:-1]
+                reference = one_step.detach()  # each layer refines the previous one's boxes
+            elif i == len(self.layers) - 1 or self.training:
+                h = self.norm(x)
+                outputs.append({"pred_logits": self.class_heads[0](h), "pred_boxes": self.box_heads[0](h).sigmoid()})
+
+        def part(start: int, stop: int) -> dict:
+            out = {k: v[:, start:stop] for k, v in outputs[-1].items()}
+            out["aux_outputs"] = [{k: v[:, start:stop] for k, v in o.items()} for o in outputs[:-1]]
+            return out
+
+        result.update(part(0, q) if x.shape[1] > q else {**outputs[-1], "aux_outputs": outputs[:-1]})
+        if n_o2m:
+            sets = [(q, q * (1 + n_o2m))] if self.o2m_mode == "hybrid" else \
+                [(q * (1 + g), q * (2 + g)) for g in range(n_o2m)]
+            result["o2m_outputs"] = [part(s, e) for s, e in sets]
+        if dn_meta is not None:
+            result["dn_outputs"] = part(q * (1 + n_o2m), x.shape[1])
+            result["dn_meta"] = dn_meta
         if need_weights:
             result["cross_attn"] = weights
         return result

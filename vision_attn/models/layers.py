@@ -106,6 +106,7 @@ class DecoderLayer(nn.Module):
         memory_key_mask: Tensor | None = None,
         need_weights: bool = False,
         cache: LayerCache | None = None,
+        self_attn_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """``x [B, T, dim]`` attends to itself and to ``memory [B, N, memory_dim]``.
 
@@ -119,13 +120,17 @@ class DecoderLayer(nn.Module):
             memory_key_mask: ``[B, N]`` ``True`` for real image tokens.
             need_weights: return the cross-attention weights ``[B, heads, T, N]``.
             cache: incremental decoding (feed only the new tokens in ``x``).
+            self_attn_mask: keep-mask of the self-attention (``True`` = query ``i`` may attend to
+                query ``j``), ``[T, T]`` or ``[B, 1, T, T]``: DETR's denoising and auxiliary query
+                groups use it to hide groups from each other. Combined with ``key_mask`` and
+                ``causal``.
 
         Returns:
             ``(x, cross-attention weights or None)``.
         """
         h = self.norm1(x)
         q = h if query_pos is None else h + query_pos
-        a, _ = self.self_attn(q, q, h, key_mask=key_mask, is_causal=causal,
+        a, _ = self.self_attn(q, q, h, attn_mask=self_attn_mask, key_mask=key_mask, is_causal=causal,
                               cache=cache.self_attn if cache is not None else None)
         x = x + self.drop(a)
         h = self.norm2(x)

@@ -76,6 +76,17 @@ class DetectionTask(VisionTask):
         dropout: decoder dropout.
         focal: sigmoid focal-loss classification (remedy) instead of softmax + no-object.
         box_refine: anchor boxes + iterative box refinement (remedy).
+        dn_groups: denoising query groups while training (DN-DETR); 0 = off. Needs ``box_refine``.
+        label_noise_ratio: denoising: probability of a flipped label.
+        box_noise_scale: denoising: box noise as a fraction of the half box size.
+        dn_negatives: denoising with DINO's contrastive negatives ("no object" targets).
+        query_selection: DINO's mixed query selection (anchors from the top-k encoder tokens, with
+            their own matched loss). Needs ``box_refine``.
+        look_forward_twice: DINO's look-forward-twice box refinement. Needs ``box_refine``.
+        o2m_groups: extra one-to-many query groups while training; 0 = off.
+        o2m_mode: ``"group"`` (Group DETR: each group matched on its own) or ``"hybrid"``
+            (H-DETR: one set of extra queries matched to the targets repeated ``o2m_repeat`` times).
+        o2m_repeat: H-DETR's ``K`` (``o2m_mode="hybrid"`` only).
         cost_class: matcher class cost.
         cost_bbox: matcher L1 cost.
         cost_giou: matcher GIoU cost.
@@ -111,6 +122,15 @@ class DetectionTask(VisionTask):
         dropout: float = 0.0,
         focal: bool = False,
         box_refine: bool = False,
+        dn_groups: int = 0,
+        label_noise_ratio: float = 0.5,
+        box_noise_scale: float = 1.0,
+        dn_negatives: bool = False,
+        query_selection: bool = False,
+        look_forward_twice: bool = False,
+        o2m_groups: int = 0,
+        o2m_mode: str = "group",
+        o2m_repeat: int = 6,
         cost_class: float = 1.0,
         cost_bbox: float = 5.0,
         cost_giou: float = 2.0,
@@ -138,10 +158,17 @@ class DetectionTask(VisionTask):
         n = len(class_names)
         self.class_names = list(class_names)
         self.category_ids = list(category_ids) if category_ids is not None else list(range(1, n + 1))
+        # .get: checkpoints saved before these switches existed have them off
+        aids = {k: hp.get(k, v) for k, v in (("dn_groups", 0), ("label_noise_ratio", 0.5), ("box_noise_scale", 1.0),
+                                             ("dn_negatives", False), ("query_selection", False),
+                                             ("look_forward_twice", False), ("o2m_groups", 0), ("o2m_mode", "group"))}
         self.head = DETRHead(self.encoder.embed_dim, n, hp.num_queries, hp.hidden_dim, hp.num_layers, hp.num_heads,
-                             hp.mlp_ratio, hp.dropout, hp.focal, hp.box_refine)
+                             hp.mlp_ratio, hp.dropout, hp.focal, hp.box_refine, **aids)
         matcher = HungarianMatcher(hp.cost_class, hp.cost_bbox, hp.cost_giou, focal=hp.focal)
-        self.criterion = SetCriterion(n, matcher, hp.weight_ce, hp.weight_bbox, hp.weight_giou, hp.eos_coef, hp.focal)
+        repeat = hp.get("o2m_repeat", 6) if aids["o2m_mode"] == "hybrid" else 1
+        self.criterion = SetCriterion(n, matcher, hp.weight_ce, hp.weight_bbox, hp.weight_giou, hp.eos_coef, hp.focal,
+                                      dn=aids["dn_groups"] > 0, enc=aids["query_selection"], o2m=aids["o2m_groups"] > 0,
+                                      o2m_repeat=repeat)
         self.val_pairs: list[tuple[dict, dict]] = []  # (prediction, target) per validation image
         self.hparams.update(num_classes=n, class_names=self.class_names, category_ids=self.category_ids)
 
@@ -149,9 +176,12 @@ class DetectionTask(VisionTask):
         names = datamodule.class_names
         self._build(len(names), names, getattr(datamodule, "category_ids", None))
 
-    def forward(self, images: Tensor, need_weights: bool = False) -> dict:
-        """The head's outputs (``pred_logits``, ``pred_boxes``, ...) for normalised images."""
-        return self.head(self.encoder(images), need_weights=need_weights)
+    def forward(self, images: Tensor, need_weights: bool = False, targets: list[dict[str, Tensor]] | None = None) -> dict:
+        """The head's outputs (``pred_logits``, ``pred_boxes``, ...) for normalised images.
+
+        ``targets`` (training only) feed the head's denoising queries when ``dn_groups > 0``.
+        """
+        return self.head(self.encoder(images), need_weights=need_weights, targets=targets)
 
     def detect(self, outputs: dict, orig_sizes: Tensor) -> list[dict[str, Tensor]]:
         """Post-processed detections in original pixels (labels are contiguous 0..C-1)."""
@@ -159,7 +189,7 @@ class DetectionTask(VisionTask):
 
     def _shared_step(self, batch, stage: str) -> Tensor:
         images, targets = batch
-        outputs = self(images)
+        outputs = self(images, targets=targets if stage == "train" else None)
         terms = self.criterion(outputs, targets, across_processes=stage == "train")
         loss = self.criterion.total(terms, len(outputs["aux_outputs"]))
         if stage == "train":
@@ -169,6 +199,10 @@ class DetectionTask(VisionTask):
                  sync_dist=True)
         for k in ("loss_ce", "loss_bbox", "loss_giou", "cardinality_error"):
             self.log(f"{stage}/{k}", terms[k], on_step=False, on_epoch=True, batch_size=bs, sync_dist=True)
+        for k in ("loss_dn_ce", "loss_dn_bbox", "loss_dn_giou", "loss_enc_ce", "loss_enc_bbox", "loss_enc_giou",
+                  "loss_o2m_ce", "loss_o2m_bbox", "loss_o2m_giou"):
+            if k in terms:  # the training aids' terms, when switched on (dn and o2m: training only)
+                self.log(f"{stage}/{k}", terms[k], on_step=False, on_epoch=True, batch_size=bs, sync_dist=True)
         if stage != "train":
             orig = torch.stack([t["orig_size"] for t in targets])
             dets = self.detect(outputs, orig)
