@@ -135,3 +135,86 @@ def test_compile_switch_compiles_the_encoder_in_place(tmp_path):
     ckpt = torch.load(tmp_path / "c.ckpt", weights_only=False)
     assert "compile" not in ckpt["vision_attn"]["model"]["init_args"]
     assert load_task(tmp_path / "c.ckpt").encoder._compiled_call_impl is None
+
+
+# --- eval.py's per_class.json and confusion_matrix.json ------------------------------------------------------
+
+_FAST_EVAL = ["--explain.num_overlays", "0", "--explain.faithfulness", "false", "--explain.report", "false"]
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory, shapes_root):
+    """A tiny shapes classifier (2 epochs) evaluated by eval.py (without explanations): ``(out, ckpt)``."""
+    from vision_attn.cli import eval_main, train_main
+
+    from .conftest import REPO
+
+    run = tmp_path_factory.mktemp("cls_eval")
+    enc = "--model.init_args.encoder.init_args."
+    train_main(["--config", str(REPO / "configs" / "classification" / "shapes.yaml"),
+                "--data.init_args.root", str(shapes_root), "--data.init_args.num_workers", "0",
+                "--data.init_args.batch_size", "16", f"{enc}embed_dim", "32", f"{enc}depth", "2",
+                f"{enc}num_heads", "2", f"{enc}patch_size", "8", "--trainer.max_epochs", "2",
+                "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+                "--trainer.default_root_dir", str(run / "train")])
+    ckpt = str(run / "train" / "checkpoints" / "last.ckpt")
+    eval_main([*_FAST_EVAL, "--ckpt_path", ckpt, "--output_dir", str(run / "eval")])
+    return run / "eval", ckpt
+
+
+def test_eval_writes_the_confusion_matrix_and_per_class_results_of_predictions_json(evaluated):
+    import json
+
+    out, _ = evaluated
+    preds = json.loads((out / "predictions.json").read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    confusion = json.loads((out / "confusion_matrix.json").read_text())
+    per_class = json.loads((out / "per_class.json").read_text())
+    names = confusion["labels"]
+    assert names == sorted({p["label"] for p in preds})  # ImageFolder's class order, spelled as predictions.json
+    assert {p["pred"] for p in preds} <= set(names) and list(per_class) == names
+    counts = confusion["counts"]
+    assert sum(map(sum, counts)) == len(preds) == 25
+    for i, truth in enumerate(names):  # rows = truth, columns = prediction, cell by cell
+        for j, pred in enumerate(names):
+            assert counts[i][j] == sum(p["label"] == truth and p["pred"] == pred for p in preds), (truth, pred)
+    assert sum(counts[i][i] for i in range(len(names))) / len(preds) == pytest.approx(metrics["acc_top1"], abs=1e-6)
+    for name, entry in per_class.items():
+        mine = [p for p in preds if p["label"] == name]
+        called = [p for p in preds if p["pred"] == name]
+        right = sum(p["pred"] == name for p in mine)
+        assert entry["n"] == len(mine)
+        assert entry["acc"] == entry["recall"] == pytest.approx(right / len(mine))
+        assert entry["precision"] == (pytest.approx(right / len(called)) if called else None)
+    assert sum(e["acc"] for e in per_class.values()) / len(names) == pytest.approx(metrics["acc_macro"], abs=1e-6)
+
+
+def test_eval_task_files_are_refused_and_replaced_like_metrics_json(evaluated, tmp_path, monkeypatch):
+    """An output folder holding only per_class.json is refused without --overwrite (the file
+    untouched); with it, a task that no longer writes confusion_matrix.json removes the old one."""
+    import shutil
+
+    from vision_attn.cli import eval_main
+    from vision_attn.errors import RunExistsError
+
+    src, ckpt = evaluated
+    out = tmp_path / "eval"
+    shutil.copytree(src, out)
+    (out / "metrics.json").unlink()
+    (out / "predictions.json").unlink()
+    (out / "confusion_matrix.json").unlink()
+    (out / "per_class.json").write_text("{}")
+    with pytest.raises(RunExistsError, match=r"already holds evaluation results \(per_class.json\)"):
+        eval_main([*_FAST_EVAL, "--ckpt_path", ckpt, "--output_dir", str(out)])
+    assert (out / "per_class.json").read_text() == "{}"
+    (out / "confusion_matrix.json").write_text("{}")
+    real = ClassificationTask.eval_files
+    monkeypatch.setattr(ClassificationTask, "eval_files", lambda self, ds: {"per_class.json": real(self, ds)["per_class.json"]})
+    eval_main([*_FAST_EVAL, "--ckpt_path", ckpt, "--output_dir", str(out), "--overwrite"])
+    assert (out / "per_class.json").read_bytes() == (src / "per_class.json").read_bytes()
+    assert not (out / "confusion_matrix.json").exists()
+    # a task's eval_files may only give the files it declares (those are checked before evaluating)
+    monkeypatch.setattr(ClassificationTask, "eval_files", lambda self, ds: {"extra.json": {}})
+    with pytest.raises(Exception, match="declare every file it writes"):
+        eval_main([*_FAST_EVAL, "--ckpt_path", ckpt, "--output_dir", str(tmp_path / "other")])
+    assert not (tmp_path / "other" / "metrics.json").exists()

@@ -13,6 +13,7 @@ import yaml
 
 from vision_attn.cli import eval_main, train_main
 from vision_attn.errors import ConfigError, VisionAttnError
+from vision_attn.explain.evaluate import select_images
 
 from .conftest import REPO
 
@@ -68,7 +69,8 @@ def test_eval_writes_contract_outputs(trained_run, shapes_root, tmp_path):
             "insertion_auc_random", "deletion_auc_rollout", "deletion_auc_relevance"} <= set(saved)
     assert saved["deletion_auc"] == saved["deletion_auc_relevance"]  # the first method is "the" method
     overlays = sorted((out / "overlays").glob("*.png"))
-    assert len(overlays) == 3 and overlays[0].name.startswith("00000_")
+    chosen = select_images(25, 3, "sample", 0)  # the default: the seeded sample spread over the split
+    assert len(overlays) == 3 and [int(p.name.split("_")[0]) for p in overlays] == chosen
     page = (out / "report.html").read_text()
     assert page.count('"kind": "patches"') == 3 and '<svg id="deletion"' in page
     counts = {"explain_images", "explain_classes"}  # how many images / classes the sample covered
@@ -78,7 +80,8 @@ def test_eval_writes_contract_outputs(trained_run, shapes_root, tmp_path):
     preds = json.loads((out / "predictions.json").read_text())
     assert len(preds) == 25
     assert set(preds[0]) == {"file", "label", "pred", "score"}
-    assert [p.name.split("_")[1] for p in overlays] == [preds[0]["label"], preds[1]["label"], preds[2]["label"]]
+    assert [p.name.split("_")[1] for p in overlays] == [preds[i]["label"] for i in chosen]
+    assert len({p.name.split("_")[1] for p in overlays}) >= 2  # not the first class only
     assert (shapes_root / preds[0]["file"]).is_file()
     assert preds[0]["file"].split("/")[1] == preds[0]["label"]
     # acc_top1 is exactly the share of correct rows in predictions.json

@@ -133,17 +133,23 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
     logged = [int(r["step"]) for r in csv.DictReader((run / "csv" / "version_0" / "metrics.csv").open())]
     assert steps > 0 and steps == max(logged) + 1  # last.ckpt is the final state, not the best epoch's
 
+    from vision_attn.tasks.base import TASKS
+
+    task_files = sorted(TASKS[task].eval_file_names)  # per_class.json etc., next to metrics.json
     results = {}
     for n in (1, 2):
         out = tmp_path / f"eval{n}"
         _run([str(REPO / "eval.py"), *common, *DDP, "--trainer.devices", str(n), "--ckpt_path", str(ckpt),
               "--output_dir", str(out), "--explain.num_overlays", "3", *eval_only], tmp_path)
         files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-        assert [f for f in files if not f.startswith("overlays/")] == ["metrics.json", "predictions.json", "report.html"]
+        assert [f for f in files if not f.startswith("overlays/")] == sorted(
+            ["metrics.json", "predictions.json", "report.html", *task_files])
         assert len([f for f in files if f.startswith("overlays/")]) == 3  # written once, by rank 0
-        results[n] = (json.loads((out / "metrics.json").read_text()), json.loads((out / "predictions.json").read_text()))
+        results[n] = (json.loads((out / "metrics.json").read_text()), json.loads((out / "predictions.json").read_text()),
+                      {name: json.loads((out / name).read_text()) for name in task_files})
 
-    (m1, p1), (m2, p2) = results[1], results[2]
+    (m1, p1, f1), (m2, p2, f2) = results[1], results[2]
+    assert f1 == f2  # per-class results do not depend on the process count
     assert m1.keys() == m2.keys()
     exact = task != "captioning"
     for k in m1:

@@ -17,6 +17,7 @@ import yaml
 from vision_attn.cli import eval_main, train_main
 from vision_attn.commands import main as vision_attn_main
 from vision_attn.errors import CheckpointError, ConfigError
+from vision_attn.explain.evaluate import select_images
 from vision_attn.export import export_onnx, export_safetensors
 from vision_attn.predict import predict_folder
 from vision_attn.tasks.base import TASKS, load_task, read_task_meta
@@ -108,7 +109,8 @@ def test_validate_from_the_checkpoint_alone_writes_metrics_predictions_overlays_
     assert len(list((out / "overlays").glob("*.png"))) == 3
     report = (out / "report.html").read_text()
     assert "vision_attn multilabel evaluation" in report and "f1_micro" in report
-    assert report.count('class="item"') == 3 and predictions[0]["file"] in report  # the first 3 images
+    chosen = select_images(len(predictions), 3, "sample", 0)  # the default: the seeded sample spread over the split
+    assert report.count('class="item"') == 3 and all(predictions[i]["file"] in report for i in chosen)
 
 
 def test_predict_and_onnx_export_give_the_same_records(run, images, tmp_path):

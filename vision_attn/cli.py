@@ -10,7 +10,8 @@
     ROOT/csv/version_N/           metrics.csv
 
 ``python eval.py --config CFG --ckpt_path CKPT --output_dir OUT`` evaluates a checkpoint and
-writes ``OUT/metrics.json`` and ``OUT/predictions.json``.
+writes ``OUT/metrics.json``, ``OUT/predictions.json`` and the task's own files beside them
+(:meth:`~vision_attn.tasks.base.VisionTask.eval_files`, e.g. ``per_class.json``).
 
 What a config may import is checked where the parser resolves dotted paths (see
 :func:`import_guard`): vision_attn, torch and Lightning only, unless ``--allow_import PREFIX`` is
@@ -50,6 +51,7 @@ from vision_attn.explain.report import Report, write_report
 from vision_attn.models.captioner import GenerationOptions
 from vision_attn.outputs import write_json
 from vision_attn.tasks.base import (
+    TASKS,
     VisionTask,
     checked_data_settings,
     read_task_meta,
@@ -549,7 +551,10 @@ class EvalCLI(_VisionAttnCLI):
         self.ckpt_file = ckpt
         out = Path(self.config.output_dir)
         _check_writable(out)
-        existing = [p.name for p in (out / "metrics.json", out / "predictions.json") if p.exists()]
+        model_cfg = self.ckpt_meta["model"]
+        what = f"checkpoint {ckpt}"
+        task_cls = resolve_class(model_cfg["class_path"], VisionTask, what, self.allow_import)
+        existing = [name for name in result_file_names(task_cls) if (out / name).exists()]
         if existing and not self.config.overwrite:
             raise RunExistsError(
                 f"{out} already holds evaluation results ({', '.join(existing)}); "
@@ -557,11 +562,8 @@ class EvalCLI(_VisionAttnCLI):
             )
         # The data and trainer come from the config; the model (architecture, class names,
         # preprocessing) from the checkpoint, exactly as it was trained, with no download.
-        model_cfg = self.ckpt_meta["model"]
         config_class = self.config.model.class_path
-        what = f"checkpoint {ckpt}"
-        if (resolve_class(config_class, VisionTask, what, self.allow_import)
-                is not resolve_class(model_cfg["class_path"], VisionTask, what, self.allow_import)):
+        if resolve_class(config_class, VisionTask, what, self.allow_import) is not task_cls:
             raise CheckpointError(
                 f"checkpoint {ckpt} holds a {self.ckpt_meta.get('task')!r} model ({model_cfg['class_path']}) "
                 f"but the config describes {config_class}"
@@ -576,6 +578,33 @@ class EvalCLI(_VisionAttnCLI):
         config["enable_checkpointing"] = False
         config["default_root_dir"] = self.config.output_dir
         return super()._instantiate_trainer(config, callbacks)
+
+
+RESULT_FILES = ("metrics.json", "predictions.json")  # what every task's evaluation writes
+
+
+def result_file_names(task_cls: type[VisionTask]) -> list[str]:
+    """The result files an evaluation into a folder refuses to overwrite (without ``--overwrite``):
+    :data:`RESULT_FILES` and the task files (:attr:`~vision_attn.tasks.base.VisionTask.eval_file_names`)
+    of ``task_cls`` and of every registered task, so that no earlier evaluation's files, whatever
+    its task, are replaced or left beside new results that they do not describe."""
+    names = list(RESULT_FILES)
+    for cls in (task_cls, *TASKS.values()):
+        names += [n for n in cls.eval_file_names if n not in names]
+    return names
+
+
+def _task_files(model: VisionTask, dataset: Any) -> dict[str, Any]:
+    """``model.eval_files(dataset)``, checked against the names the task declared (those were
+    checked for earlier results before evaluating)."""
+    files = model.eval_files(dataset)
+    undeclared = sorted(set(files) - set(model.eval_file_names))
+    if undeclared or set(files) & set(RESULT_FILES):
+        raise VisionAttnError(
+            f"{type(model).__name__}.eval_files gave {sorted(files)}, but its eval_file_names declares "
+            f"{list(model.eval_file_names)} (and may not name {', '.join(RESULT_FILES)}): declare every file it writes"
+        )
+    return files
 
 
 class _SplitData(L.LightningDataModule):
@@ -642,8 +671,15 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
         model.eval()
         options = cli.config_init.explain
         report = Report() if options.report else None
+        files = _task_files(model, data.loader.dataset)  # of the test run, before the explanations run the model
         metrics.update(model.explain_eval(data.loader.dataset, options, out, report=report))
         write_json(out / "predictions.json", predictions, root=out)
+        for name, content in files.items():
+            write_json(out / name, content, root=out)
+        for name in result_file_names(type(model)):  # an earlier evaluation's files (--overwrite)
+            if name not in files and name not in RESULT_FILES and (out / name).is_file():
+                log.info("removed %s: an earlier evaluation's file that this one does not write", out / name)
+                (out / name).unlink()
         write_json(out / "metrics.json", metrics, root=out)
         if report is not None:
             summary = {"checkpoint": str(cli.ckpt_file), "split": split, "model": cli.ckpt_meta["model"],

@@ -41,8 +41,7 @@ def run_demo(output_dir: str, tasks: list[str], extra: list[str] | None = None) 
         seconds = time.perf_counter() - t0
         ckpt = run_dir / "checkpoints" / "last.ckpt"
         # the checkpoint holds the model and the data settings: no config needed
-        metrics = eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(run_dir / "eval"),
-                             "--explain.overlay_selection", "spread"])
+        metrics = eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(run_dir / "eval")])
         model = type(load_task(ckpt))
         results[task] = {"metrics": metrics, "train_seconds": round(seconds, 1), "dir": str(run_dir),
                          "headline": list(model.headline_metrics), "overlays": model.overlay_description}

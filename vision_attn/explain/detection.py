@@ -175,15 +175,18 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
 
 
 def write_detection_overlays(task, dataset, options, out_dir: Path, report=None, max_objects: int = 6) -> int:
-    """Overlays (:func:`explain_detection`) of the first ``options.num_overlays`` images.
+    """Overlays (:func:`explain_detection`) of ``options.num_overlays`` images chosen by
+    ``options.overlay_selection`` (:func:`~vision_attn.explain.evaluate.select_images`).
 
     Pictures come from ``dataset.read_rgb`` — the same read (orientation included, see
     :mod:`vision_attn.data.detection` on EXIF) as the model input and the boxes."""
-    n = min(options.num_overlays, len(dataset))
+    from vision_attn.explain.evaluate import select_images
+
+    chosen = select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed)
     device = next(task.parameters()).device
     written = 0
-    for start in range(0, n, options.batch_size):
-        idx = list(range(start, min(n, start + options.batch_size)))
+    for start in range(0, len(chosen), options.batch_size):
+        idx = chosen[start : start + options.batch_size]
         images = torch.stack([dataset[i][0] for i in idx]).to(device)
         pictures = [dataset.read_rgb(i) for i in idx]
         for i, e in zip(idx, explain_detection(task, images, pictures, options, max_objects=max_objects), strict=True):

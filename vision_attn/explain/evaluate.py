@@ -113,10 +113,10 @@ class ExplainOptions:
             ``insertion_auc`` (default ``relevance``, chosen from the measured table); the
             ``random`` baseline is always measured too.
         num_overlays: overlays written for N images of the split (0 = none).
-        overlay_selection: ``first`` (the first N images), ``spread`` (N images evenly
-            spread over the split, so every class shows up in a class-sorted folder) or
-            ``sample`` (a seeded random sample spread over the split; see
-            :func:`select_images`).
+        overlay_selection: which images, for every task: ``sample`` (default; the seeded
+            random sample spread over the split that the faithfulness numbers use, so every
+            class shows up in a class-sorted folder), ``spread`` (evenly spaced) or ``first``
+            (the first N; see :func:`select_images`).
         faithfulness: compute deletion / insertion AUC for each method and a random baseline.
         faithfulness_images: at most this many images for the faithfulness numbers (and the
             pointing game of captioning).
@@ -156,7 +156,7 @@ class ExplainOptions:
     # decoder heads' DECODER_DEFAULTS (vision_attn.explain.detection).
     methods: list[str] | None = None
     num_overlays: int = 16
-    overlay_selection: Selection = "first"
+    overlay_selection: Selection = "sample"
     faithfulness: bool = True
     faithfulness_images: int = 256
     faithfulness_selection: Selection = "sample"

@@ -101,6 +101,7 @@ class VisionTask(L.LightningModule):
     export_output_names: tuple[str, ...] = ()  # names of :meth:`export_forward`'s outputs (ONNX)
     onnx_predicts: bool = True  # whether :meth:`predictions_from_outputs` can run on ONNX outputs
     headline_metrics: tuple[str, ...] = ()  # the metrics a summary shows first (demo, report)
+    eval_file_names: tuple[str, ...] = ()  # the files :meth:`eval_files` gives, next to metrics.json
     overlay_description: str = ""  # what one overlay panel shows (demo, README)
 
     def __init__(
@@ -206,6 +207,15 @@ class VisionTask(L.LightningModule):
         """``(metrics, predictions)`` of the last ``trainer.test`` run on ``dataset``, in the
         task's ``metrics.json`` / ``predictions.json`` formats."""
         raise NotImplementedError(f"{type(self).__name__} does not define eval_results")
+
+    def eval_files(self, dataset: Any) -> dict[str, Any]:
+        """The task's own result files of the last ``trainer.test`` run on ``dataset``, written by
+        ``eval.py`` next to ``metrics.json``: file name -> JSON object (e.g. classification's
+        ``per_class.json`` and ``confusion_matrix.json``). Called after :meth:`eval_results`,
+        on the main process only. The names are those of :attr:`eval_file_names`, which
+        ``eval.py`` checks before evaluating, so that it refuses to overwrite earlier results
+        (without ``--overwrite``) exactly as it refuses for ``metrics.json``."""
+        return {}
 
     def explain_eval(self, dataset: Any, options: Any, out_dir: Path, report: Any = None) -> dict[str, float]:
         """Overlays of the evaluated split into ``out_dir/overlays`` (drawn by

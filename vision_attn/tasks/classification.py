@@ -34,6 +34,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from vision_attn.errors import EncoderError
+from vision_attn.eval_breakdown import classification_breakdown
 from vision_attn.models.classifier import ClassificationHead, Pooling, TimmHead
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks.base import VisionTask, gather_objects, register_task
@@ -102,6 +103,7 @@ class ClassificationTask(VisionTask):
     headline_metrics = ("acc_top1", "acc_macro", "deletion_auc", "deletion_auc_random", "insertion_auc",
                         "insertion_auc_random")
     overlay_description = "input | one overlay per explanation method (rollout, relevance, raw attention)"
+    eval_file_names = ("per_class.json", "confusion_matrix.json")
 
     def __init__(
         self,
@@ -243,6 +245,16 @@ class ClassificationTask(VisionTask):
         unique = {r["index"]: r for r in gather_objects(self.eval_records)}
         self.eval_records = [unique[i] for i in sorted(unique)]
 
+    def _evaluated(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(probs [N, C], labels [N], scores [N], preds [N])`` of the last test run: the top-1
+        class of each image and its probability, computed once for every file ``eval.py`` writes."""
+        if not self.eval_records:
+            raise RuntimeError("no evaluation records: run trainer.test(...) first")
+        probs = torch.stack([r["probs"] for r in self.eval_records])  # (N, C)
+        labels = torch.tensor([r["label"] for r in self.eval_records])
+        scores, preds = probs.max(dim=1)
+        return probs, labels, scores, preds
+
     def eval_results(self, dataset) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """``(metrics, predictions)`` from the last test run, in the contract's formats.
 
@@ -250,24 +262,23 @@ class ClassificationTask(VisionTask):
             dataset: the evaluated :class:`~vision_attn.data.ImageFolderDataset`.
         """
         samples = dataset.samples
-        if not self.eval_records:
-            raise RuntimeError("no evaluation records: run trainer.test(...) first")
-        probs = torch.stack([r["probs"] for r in self.eval_records])
-        labels = torch.tensor([r["label"] for r in self.eval_records])
+        probs, labels, scores, preds = self._evaluated()
         metrics = classification_metrics(probs, labels)
         names = self.class_names or []
-        predictions = []
-        for r, p in zip(self.eval_records, probs, strict=True):
-            score, pred = p.max(dim=0)
-            predictions.append(
-                {
-                    "file": samples[r["index"]][0],
-                    "label": names[r["label"]],
-                    "pred": names[int(pred)],
-                    "score": float(score),
-                }
-            )
+        predictions = [
+            {"file": samples[r["index"]][0], "label": names[r["label"]], "pred": names[p], "score": s}
+            for r, p, s in zip(self.eval_records, preds.tolist(), scores.tolist(), strict=True)
+        ]
         return metrics, predictions
+
+    def eval_files(self, dataset) -> dict[str, Any]:
+        """``per_class.json`` (``{class: {"acc", "n", "precision", "recall"}}``) and
+        ``confusion_matrix.json`` (``{"labels", "counts"}``, rows = truth) of the last test run,
+        from the same top-1 predictions as ``predictions.json``
+        (:func:`~vision_attn.eval_breakdown.classification_breakdown`)."""
+        _, labels, _, preds = self._evaluated()
+        per_class, confusion = classification_breakdown(labels, preds, self.class_names or [])
+        return {"per_class.json": per_class, "confusion_matrix.json": confusion}
 
     # ------------------------------------------------------------------ inference, export, explanation
     def export_forward(self, images: Tensor) -> tuple[Tensor]:

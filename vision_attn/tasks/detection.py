@@ -6,12 +6,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
-from torchmetrics.detection import MeanAveragePrecision
 
 from vision_attn.boxes import box_xyxy_to_xywh
+from vision_attn.eval_breakdown import coco_map_metric, detection_breakdown
 from vision_attn.losses.matcher import HungarianMatcher
 from vision_attn.losses.set_criterion import SetCriterion
 from vision_attn.models.detr import DETRHead, post_process
@@ -26,23 +25,6 @@ __all__ = ["DetectionTask", "mean_average_precision"]
 log = logging.getLogger(__name__)
 
 
-# COCOeval's own thresholds, in float64. torchmetrics' defaults come from float32 linspace
-# (0.55 -> 0.550000011...), which moves recall thresholds past recalls that are exact fractions
-# (few boxes per class) and changes mAP in the 4th digit.
-_COCO_IOU_THRESHOLDS = np.linspace(0.5, 0.95, 10).tolist()
-_COCO_REC_THRESHOLDS = np.linspace(0.0, 1.0, 101).tolist()
-
-
-def _map_metric() -> MeanAveragePrecision:
-    kwargs = {"box_format": "xyxy", "iou_type": "bbox", "iou_thresholds": _COCO_IOU_THRESHOLDS,
-              "rec_thresholds": _COCO_REC_THRESHOLDS}
-    try:
-        return MeanAveragePrecision(backend="faster_coco_eval", **kwargs)
-    except (ModuleNotFoundError, ImportError):  # pragma: no cover - depends on the install
-        log.warning("faster_coco_eval is not installed; using the slower pycocotools backend")
-        return MeanAveragePrecision(backend="pycocotools", **kwargs)
-
-
 def mean_average_precision(preds: list[dict[str, Tensor]], targets: list[dict[str, Tensor]]) -> dict[str, float]:
     """COCO ``map``, ``map_50``, ``map_75`` (and ``mar_100``) of xyxy-pixel detections.
 
@@ -50,7 +32,7 @@ def mean_average_precision(preds: list[dict[str, Tensor]], targets: list[dict[st
     as in pycocotools) and ``area`` (for the size ranges), as
     :meth:`~vision_attn.data.detection.CocoDetection.scoring_target` gives them.
     """
-    metric = _map_metric()
+    metric = coco_map_metric()
     metric.update(preds, targets)
     res = metric.compute()
     return {k: float(res[k]) for k in ("map", "map_50", "map_75", "mar_100")}
@@ -106,6 +88,7 @@ class DetectionTask(VisionTask):
     crop_at_inference = False  # a centre crop would cut objects off: the whole image, resized
     export_output_names = ("pred_logits", "pred_boxes")
     headline_metrics = ("map", "map_50", "map_75")
+    eval_file_names = ("per_class.json",)
     overlay_description = "boxes | per detected object: its relevance and its query's raw cross-attention"
 
     def __init__(
@@ -148,6 +131,7 @@ class DetectionTask(VisionTask):
         self.class_names: list[str] | None = None
         self.category_ids: list[int] | None = None
         self.eval_records: list[dict[str, Any]] = []
+        self.eval_per_class: dict[str, dict[str, Any]] | None = None  # per_class.json of the last eval_results
         if num_classes is not None or class_names is not None:
             self._build(num_classes, class_names, category_ids)
 
@@ -242,13 +226,16 @@ class DetectionTask(VisionTask):
 
     def on_test_epoch_start(self) -> None:
         self.eval_records = []
+        self.eval_per_class = None
 
     def on_test_epoch_end(self) -> None:
         unique = {r["image_id"]: r for r in gather_objects(self.eval_records)}
         self.eval_records = [unique[i] for i in sorted(unique)]
 
     def eval_results(self, dataset) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """``(metrics, predictions)``: COCO mAP and the COCO results list (ids as in the file).
+        """``(metrics, predictions)``: COCO mAP, its size ranges and recalls
+        (:data:`~vision_attn.eval_breakdown.COCO_SUMMARY_KEYS`) and the COCO results list (ids as
+        in the file). Keeps the per-category AP for :meth:`eval_files`.
 
         The ground truth is ``dataset.scoring_target`` (original pixels, crowd regions flagged),
         the same as validation scores, so ``metrics`` equal pycocotools' COCOeval of the
@@ -275,7 +262,16 @@ class DetectionTask(VisionTask):
                 # unrounded, so that pycocotools scoring this file reproduces ``metrics`` exactly
                 results.append({"image_id": im["id"], "category_id": self.category_ids[label],
                                 "bbox": box, "score": score})
-        return mean_average_precision(preds, targets), results
+        breakdown = detection_breakdown(preds, targets, self.class_names or [])
+        self.eval_per_class = breakdown.per_class
+        return breakdown.metrics, results
+
+    def eval_files(self, dataset) -> dict[str, Any]:
+        """``per_class.json``: ``{category name: {"ap", "ap_50", "n_gt"}}`` of the last
+        :meth:`eval_results` (pycocotools' per-category AP; -1 without ground truth)."""
+        if self.eval_per_class is None:
+            raise RuntimeError("no per-category results: call eval_results(...) after trainer.test(...) first")
+        return {"per_class.json": self.eval_per_class}
 
     # ------------------------------------------------------------------ inference, export, explanation
     def export_forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
@@ -305,7 +301,7 @@ class DetectionTask(VisionTask):
         return explain_detection(self, images, pictures, options, truths)
 
     def explain_eval(self, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
-        """Overlays of the first ``options.num_overlays`` images, then the localisation,
+        """Overlays of ``options.num_overlays`` images (``options.overlay_selection``), then the localisation,
         faithfulness and sanity numbers of every decoder method and ``random`` (and the saved
         maps): :func:`~vision_attn.explain.detection.detection_explain_metrics`."""
         from vision_attn.explain.detection import (
