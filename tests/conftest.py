@@ -11,6 +11,7 @@ import torch
 from ._ci_policy import pytest_runtest_makereport  # noqa: F401  (a hook: skips fail under CI)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the hub in tests
+os.environ.setdefault("VISION_ATTN_JAVA_METRICS", "0")  # METEOR starts a JVM: only the tests that ask for it
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one thread per worker, inherited by the commands and notebook kernels the tests start:
     # two workers on two cores, never more threads than cores (oversubscription is slow)

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from vision_attn.models.captioner import CaptionDecoder
+from vision_attn.models.captioner import CaptionDecoder, apply_repetition_penalty
 from vision_attn.models.encoder import EncoderOutput
 
 PAD, BOS, EOS = 0, 1, 2
@@ -79,16 +79,28 @@ def test_beam_size_one_equals_greedy():
 
 
 @torch.no_grad()
-def _sequence_logprob(dec, enc, seq: list[int]) -> float:
+def _sequence_logprob(dec, enc, seq: list[int], min_length: int = 0, repetition_penalty: float = 1.0) -> float:
+    """Log-probability of ``seq`` from teacher-forced logits, with the decoding constraints applied
+    by hand: the logits of words already in the caption divided by the penalty where positive,
+    multiplied where negative; ``<eos>`` impossible before ``min_length`` words."""
     logits, _ = dec(enc, torch.tensor([[BOS, *seq[:-1]]]))
-    logp = logits[0].log_softmax(-1)
-    return float(sum(logp[t, s] for t, s in enumerate(seq)))
+    total = 0.0
+    for t, s in enumerate(seq):
+        row = logits[0, t].clone()
+        for w in set(seq[:t]):
+            row[w] = row[w] / repetition_penalty if row[w] > 0 else row[w] * repetition_penalty
+        if t < min_length:
+            row[EOS] = float("-inf")
+        total += float(row.log_softmax(-1)[s])
+    return total
 
 
-@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
-def test_wide_beam_finds_the_exhaustive_optimum(length_penalty):
+@pytest.mark.parametrize(("length_penalty", "min_length", "repetition_penalty"),
+                         [(0.0, 0, 1.0), (1.0, 0, 1.0), (1.0, 2, 1.0), (0.0, 0, 3.0), (1.0, 1, 2.0)])
+def test_wide_beam_finds_the_exhaustive_optimum(length_penalty, min_length, repetition_penalty):
     # Vocabulary: pad, bos, eos + 3 words; at most 3 generated tokens. A beam wide enough to keep
-    # every hypothesis must return the best of all sequences, ranked as generate() ranks them.
+    # every hypothesis must return the best of all sequences, ranked as generate() ranks them,
+    # under the decoding constraints (min_length, repetition penalty) applied by hand.
     dec = _decoder(vocab=6, max_length=4, seed=1, sharpen=1.0)
     enc = _enc(b=1, seed=1)
     best, best_seq = -float("inf"), None
@@ -96,15 +108,106 @@ def test_wide_beam_finds_the_exhaustive_optimum(length_penalty):
         for body in itertools.product([EOS, 3, 4, 5], repeat=length):
             if EOS in body[:-1] or (body[-1] != EOS and length < 3):  # complete captions only
                 continue
-            lp = _sequence_logprob(dec, enc, list(body))
+            lp = _sequence_logprob(dec, enc, list(body), min_length, repetition_penalty)
             norm = lp / length**length_penalty
             if norm > best:
                 best, best_seq = norm, list(body)
-    out = dec.generate(enc, BOS, EOS, max_length=3, beam_size=64, length_penalty=length_penalty)
+    out = dec.generate(enc, BOS, EOS, max_length=3, beam_size=64, length_penalty=length_penalty,
+                       min_length=min_length, repetition_penalty=repetition_penalty)
     n = int(out.lengths[0])
     assert out.tokens[0, :n].tolist() == best_seq
-    assert float(out.scores[0]) == pytest.approx(_sequence_logprob(dec, enc, best_seq), abs=1e-4)
+    if min_length:
+        assert n > min_length
+    expected = _sequence_logprob(dec, enc, best_seq, min_length, repetition_penalty)
+    assert float(out.scores[0]) == pytest.approx(expected, abs=1e-4)
     assert (out.tokens[0, n:] == PAD).all()
+
+
+def test_repetition_penalty_hand_computed():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.2, 3.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    generated = torch.tensor([[0, 1, 1], [4, 4, 4]])  # token 1 twice: penalised once
+    out = apply_repetition_penalty(logits, generated, 2.0)
+    torch.testing.assert_close(out, torch.tensor([[1.0, -2.0, 0.5, -0.2, 3.0], [1.0, 1.0, 1.0, 1.0, 0.5]]))
+    assert logits[0, 0] == 2.0  # the input is not changed
+    assert apply_repetition_penalty(logits, generated, 1.0) is logits
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_min_length_forbids_eos_before_it(beam_size):
+    dec = _decoder(seed=2)
+    enc = _enc(b=3, seed=2)
+    with torch.no_grad():
+        dec.out_bias[EOS] = 50.0  # <eos> wins every step it is allowed
+    assert (dec.generate(enc, BOS, EOS, beam_size=beam_size).lengths == 1).all()
+    out = dec.generate(enc, BOS, EOS, beam_size=beam_size, min_length=3)
+    assert (out.lengths == 4).all() and (out.tokens[:, 3] == EOS).all()
+    assert not (out.tokens[:, :3] == EOS).any()
+    # the three words are those of a search that may never end, stopped after three tokens:
+    # <eos>'s logit changes no other word's rank
+    with torch.no_grad():
+        dec.out_bias[EOS] = -1e4
+    banned = dec.generate(enc, BOS, EOS, max_length=3, beam_size=beam_size)
+    assert torch.equal(out.tokens[:, :3], banned.tokens)
+
+
+class _RepeatTable(CaptionDecoder):
+    """Fixed next-token logits per prefix (vocabulary pad, bos, eos, a = 3, b = 4): greedy says
+    "a a" without a penalty; with penalty 2, "a"'s negative logit after "a" is doubled (-0.4 <
+    -0.3: "b"), then both words' positive logits are halved (a 1.0, b 0.6 < eos 1.5)."""
+
+    TABLE = {(): {EOS: -1.0, 3: 2.0, 4: 1.0}, (3,): {EOS: -2.0, 3: -0.2, 4: -0.3}, (3, 3): {EOS: 3.0},
+             (3, 4): {EOS: 1.5, 3: 2.0, 4: 1.2}, (3, 4, 3): {EOS: 3.0}}
+
+    def __init__(self) -> None:
+        super().__init__(5, in_dim=16, hidden_dim=16, num_layers=1, num_heads=2, dropout=0.0, max_length=6)
+
+    def row(self, prefix: tuple[int, ...]) -> torch.Tensor:
+        row = torch.full((5,), -3.0)
+        for tok, value in self.TABLE.get(prefix, {}).items():
+            row[tok] = value
+        return row
+
+    def _step(self, tokens, memory, memory_pos, caches, need_weights):
+        return torch.stack([self.row(tuple(r[1:].tolist())) for r in tokens]), None
+
+
+def test_repetition_penalty_in_greedy_search_as_hand_computed():
+    dec = _RepeatTable().eval()
+    enc = _enc(b=1, dim=16)
+    assert dec.generate(enc, BOS, EOS).tokens[0].tolist() == [3, 3, EOS]
+    out = dec.generate(enc, BOS, EOS, repetition_penalty=2.0)
+    assert out.tokens[0].tolist() == [3, 4, EOS]
+    # the softmax runs over the whole vocabulary (<pad> and <bos> at the table's -3), as for the
+    # scores without constraints (test_scores_are_the_log_probability_of_the_returned_caption)
+    rows = [torch.tensor([-3.0, -3.0, -1.0, 2.0, 1.0]), torch.tensor([-3.0, -3.0, -2.0, -0.4, -0.3]),
+            torch.tensor([-3.0, -3.0, 1.5, 1.0, 0.6])]
+    expected = sum(float(r.log_softmax(-1)[t]) for r, t in zip(rows, [3, 4, EOS], strict=True))
+    assert float(out.scores[0]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_constrained_beam_one_equals_greedy_and_cache_changes_nothing():
+    dec = _decoder(seed=5)
+    enc = _enc(b=3, seed=5)
+    kw = dict(min_length=2, repetition_penalty=1.5)
+    greedy = dec.generate(enc, BOS, EOS, beam_size=1, **kw)
+    beam = dec._search(enc, BOS, EOS, None, 1, 1.0, True, False, greedy=False, **kw)
+    uncached = dec.generate(enc, BOS, EOS, beam_size=3, use_cache=False, **kw)
+    cached = dec.generate(enc, BOS, EOS, beam_size=3, **kw)
+    assert torch.equal(greedy.tokens, beam.tokens)
+    assert torch.equal(cached.tokens, uncached.tokens)
+    for out in (greedy, cached):
+        for i in range(3):
+            n = int(out.lengths[i])
+            one = EncoderOutput(tokens=enc.tokens[i : i + 1], num_prefix_tokens=1, grid=enc.grid)
+            seq = out.tokens[i, :n].tolist()
+            assert float(out.scores[i]) == pytest.approx(_sequence_logprob(dec, one, seq, 2, 1.5), abs=1e-4)
+
+
+def test_invalid_decoding_options_are_clear_errors():
+    with pytest.raises(ValueError, match="min_length"):
+        _decoder().generate(_enc(), BOS, EOS, min_length=-1)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        _decoder().generate(_enc(), BOS, EOS, repetition_penalty=0.0)
 
 
 def test_batched_beam_search_equals_one_image_at_a_time():
@@ -143,8 +246,8 @@ def test_scores_are_the_log_probability_of_the_returned_caption():
 
 
 class _TableDecoder(CaptionDecoder):
-    """A decoder whose next-token log-probabilities are a fixed table of the prefix (no image):
-    search bookkeeping tested on its own. Vocabulary: pad, bos, eos, a (3), b (4)."""
+    """A decoder whose next-token logits are a fixed table of the prefix (no image): search
+    bookkeeping tested on its own. Vocabulary: pad, bos, eos, a (3), b (4)."""
 
     TABLE = {(): {EOS: -0.5, 3: -1.0, 4: -1.2}, (4,): {3: -0.05}, (4, 3): {EOS: -0.05}}
     DEFAULT = -3.0
@@ -170,7 +273,7 @@ def _exhaustive(dec: _TableDecoder, max_new: int, length_penalty: float) -> tupl
         for body in itertools.product([EOS, 3, 4], repeat=length):
             if EOS in body[:-1] or (body[-1] != EOS and length < max_new):
                 continue
-            lp = sum(float(dec.logp(body[:t])[s]) for t, s in enumerate(body))
+            lp = sum(float(dec.logp(body[:t]).log_softmax(-1)[s]) for t, s in enumerate(body))
             if lp / length**length_penalty > best:
                 best, best_seq = lp / length**length_penalty, list(body)
     return best_seq, best
@@ -178,8 +281,8 @@ def _exhaustive(dec: _TableDecoder, max_new: int, length_penalty: float) -> tupl
 
 @pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0])
 def test_finished_hypotheses_leave_the_beam_and_are_ranked_with_the_length_penalty(length_penalty):
-    # Beam 2. The most probable first token is <eos> ("" scores -0.5); "b a <eos>" (-1.3) is the
-    # best caption once lengths count. Kept in a beam slot and compared on raw log-probability,
+    # Beam 2. The most probable first token is <eos> ("" scores -0.74 after the softmax); "b a
+    # <eos>" (-1.64) is the best caption once lengths count. Kept in a beam slot and compared on raw log-probability,
     # the finished "" pushed "b" out of the beam at step 1; in the pool of finished hypotheses
     # it frees its slot and the search reaches the exhaustive optimum.
     dec = _TableDecoder().eval()

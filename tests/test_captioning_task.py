@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import shutil
 
 import lightning as L
 import pytest
@@ -16,13 +18,28 @@ from vision_attn.cli import eval_main, train_main
 from vision_attn.data.captioning import CaptioningDataModule, caption_collate
 from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.data.tokenizer import normalize_caption
-from vision_attn.errors import CheckpointError
+from vision_attn.errors import CheckpointError, ConfigError
+from vision_attn.models.captioner import GenerationOptions
 from vision_attn.tasks import CaptioningTask
 from vision_attn.tasks.optim import Optimization
 
 from .conftest import REPO
 
 TINY_DATA = SceneSetConfig(image_size=32, num_train=24, num_val=6)
+CONTENT_KEYS = {"content_exact", "kinds_exact", "content_precision", "content_recall", "count_acc", "content_images"}
+
+
+@pytest.fixture
+def with_java(monkeypatch):
+    """Requested by the tests whose evaluations run METEOR (where Java is installed)."""
+    monkeypatch.setenv("VISION_ATTN_JAVA_METRICS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_java(request, monkeypatch):
+    """METEOR's Java start costs seconds per evaluation: on only where a test asks for it."""
+    if "with_java" not in request.fixturenames:
+        monkeypatch.setenv("VISION_ATTN_JAVA_METRICS", "0")
 
 
 def _task(**kw) -> CaptioningTask:
@@ -88,9 +105,56 @@ def test_captions_depend_on_the_image(fitted):
     assert true_scores["cider"] > 2 * shuffled_scores["cider"], (true_scores, shuffled_scores)
 
 
-def test_eval_points_at_the_named_objects(fitted, tmp_path):
+def _eval_on(task, data, images: torch.Tensor) -> tuple[dict, list]:
+    """``eval_results`` of the captions the task generates for ``images`` (the data's, in order)."""
+    with torch.no_grad():
+        captions = task.decode(task.generate(images).tokens)
+    task.eval_records = [{"index": i, "caption": c} for i, c in enumerate(captions)]
+    return task.eval_results(data)
+
+
+def test_image_dependence_and_content_of_a_trained_model(fitted):
+    """eval's image_dependence: large for the trained model on its images, exactly 0 when every
+    image is blank (one caption for all: any pairing scores the same). Content accuracy is there
+    (the embedded data has instances files) and falls with blank images."""
+    task, dm, _, _ = fitted
+    task.eval()
+    data = dm.datasets["train"]
+    images = torch.stack([data[i][0] for i in range(len(data))])
+    metrics, predictions = _eval_on(task, data, images)
+    assert CONTENT_KEYS <= set(metrics) and metrics["content_images"] == len(data)
+    assert metrics["image_dependence"] > 0.5 * metrics["cider"] > 0.5, metrics
+    assert sum(p["cider"] for p in predictions) / len(predictions) == pytest.approx(metrics["cider"], abs=1e-9)
+    blank, _ = _eval_on(task, data, torch.zeros_like(images))
+    assert blank["image_dependence"] == pytest.approx(0.0, abs=1e-9)
+    assert blank["kinds_exact"] < metrics["kinds_exact"] and blank["content_recall"] < metrics["content_recall"]
+    assert 0.0 <= metrics["content_exact"] <= metrics["kinds_exact"] <= 1.0
+
+
+def test_decoding_options_reach_the_decoder(fitted):
+    task, dm, _, _ = fitted
+    task.eval()
+    saved = copy.copy(task.generation)
+    images = torch.stack([dm.datasets["val"][i][0] for i in range(4)])
+    try:
+        task.set_generation(GenerationOptions(beam_size=2, min_length=6, repetition_penalty=1.5))
+        assert (task.generation.beam_size, task.generation.length_penalty) == (2, saved.length_penalty)  # None keeps
+        with torch.no_grad():
+            out = task.generate(images)
+            direct = task.head.generate(task.encode(images), task.tokenizer.bos_id, task.tokenizer.eos_id,
+                                        saved.max_length, 2, saved.length_penalty, min_length=6, repetition_penalty=1.5)
+        assert torch.equal(out.tokens, direct.tokens) and (out.lengths > 6).all()
+        for key, value in (("min_length", -1), ("repetition_penalty", 0.0), ("beam_size", 0)):
+            with pytest.raises(ConfigError, match=rf"--generate\.{key} must be"):
+                task.set_generation(GenerationOptions(**{key: value}))
+    finally:
+        task.generation = saved
+
+
+def test_eval_points_at_the_named_objects(fitted, tmp_path, with_java):
     """eval.py on data with boxes (the embedded scenes have instances_<split>.json) writes the
-    pointing-game metrics of a model whose captions name the objects."""
+    pointing-game metrics of a model whose captions name the objects, content accuracy, and
+    METEOR where Java runs (SPICE needs CoreNLP, absent here: left out)."""
     _, _, _, ckpt = fitted
     cache = next(ckpt.parent.glob("data"))
     assert next(cache.glob("*/annotations/instances_val.json")).is_file()
@@ -111,6 +175,9 @@ def test_eval_points_at_the_named_objects(fitted, tmp_path):
     assert {"pointing_attention", "pointing_relevance", "pointing_random"} <= set(saved)
     assert saved["pointing_acc"] == saved["pointing_attention"]
     assert saved["pointing_random"] == saved["pointing_acc_random"]
+    assert CONTENT_KEYS | {"rouge_l", "image_dependence"} <= set(saved)
+    if shutil.which("java") is not None:
+        assert 0.0 < saved["meteor"] < 1.0
 
 
 def test_checkpoint_restores_tokenizer_and_generation(fitted):
@@ -159,16 +226,21 @@ def test_train_and_eval_contract(tmp_path):
     ckpt = str(out / "checkpoints" / "last.ckpt")
     metrics = eval_main([*common, "--ckpt_path", ckpt, "--output_dir", str(out / "eval"), "--explain.num_overlays", "2"])
     saved = json.loads((out / "eval" / "metrics.json").read_text())
-    assert saved == metrics and {"bleu1", "bleu2", "bleu3", "bleu4", "cider"} <= set(saved)
+    assert saved == metrics and {"bleu1", "bleu2", "bleu3", "bleu4", "cider", "rouge_l", "image_dependence"} <= set(saved)
+    assert CONTENT_KEYS <= set(saved) and "meteor" not in saved  # VISION_ATTN_JAVA_METRICS=0
     # (pointing metrics of a model that names objects: test_eval_points_at_the_named_objects)
     preds = json.loads((out / "eval" / "predictions.json").read_text())
     val = json.loads(next((tmp_path / "data").glob("*/annotations/captions_val.json")).read_text())
     assert [p["image_id"] for p in preds] == [im["id"] for im in val["images"]]
-    assert all(set(p) == {"image_id", "caption"} and isinstance(p["caption"], str) for p in preds)
+    assert all(set(p) == {"image_id", "caption", "cider"} and isinstance(p["caption"], str) for p in preds)
+    assert sum(p["cider"] for p in preds) / len(preds) == pytest.approx(saved["cider"], abs=1e-9)
     assert len(list((out / "eval" / "overlays").glob("*.png"))) == 2
     page = (out / "eval" / "report.html").read_text()
     assert '"kind": "words"' in page  # per-word interactive views
     # greedy instead of the config's beam search, into another folder
     greedy = eval_main([*common, "--ckpt_path", ckpt, "--output_dir", str(out / "greedy"), "--generate.beam_size", "1",
-                        "--explain.num_overlays", "0"])
+                        "--generate.min_length", "4", "--generate.repetition_penalty", "1.2", "--explain.num_overlays",
+                        "0"])
     assert set(greedy) >= {"bleu4", "cider"}
+    greedy_preds = json.loads((out / "greedy" / "predictions.json").read_text())
+    assert all(len(p["caption"].split()) >= 4 for p in greedy_preds)

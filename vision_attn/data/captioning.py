@@ -15,6 +15,11 @@
   must stay inside the split folder (see :func:`vision_attn.data.loading.image_path_inside`):
   a refused path is a counted warning in training, an error in evaluation.
 - Images are never flipped: captions say "left" and "right".
+- Instance annotations: when ``instances_<split>.json`` lies next to the caption file (the
+  embedded scenes write it; COCO ships it), :meth:`CocoCaptions.annotated_objects` reads each
+  image's objects (category, and ``colour`` where annotated) for content accuracy
+  (:mod:`vision_attn.caption_content`). It is read on first use only (evaluation), never in
+  training.
 
 Items: ``(image [3, H, W], token ids [T], index)``; all references of an item are in
 ``dataset.references[index]``.
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from vision_attn.caption_content import AnnotatedObjects, Mention
 from vision_attn.data.detection import (
     CocoLayout,
     check_images_dir,
@@ -56,7 +62,8 @@ from vision_attn.data.transforms import (
 )
 from vision_attn.errors import DataError
 
-__all__ = ["CaptioningDataModule", "CocoCaptions", "caption_collate", "read_captions"]
+__all__ = ["CaptioningDataModule", "CocoCaptions", "caption_collate", "instances_file_for", "read_annotated_objects",
+           "read_captions"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +141,53 @@ def read_captions(root: Path, split: str, follow_symlinks: bool = False, skip_re
     return images, captions
 
 
+def instances_file_for(captions_file: Path) -> Path:
+    """Where a caption file's instance annotations would be: ``captions_<split>.json`` ->
+    ``instances_<split>.json`` in the same folder (another name: ``instances_<name>``)."""
+    name = captions_file.name
+    stem = name[len("captions_"):] if name.startswith("captions_") else name
+    return captions_file.with_name(f"instances_{stem}")
+
+
+def read_annotated_objects(path: Path) -> AnnotatedObjects:
+    """Each image's objects ``[(colour or None, category name)]`` from a COCO instances file.
+
+    Category names are normalised like captions. Crowd regions (``iscrowd``: a group of
+    objects, not one) are left out; annotations of unknown images or categories are dropped
+    with one counted warning. An object's colour is its ``"colour"`` (or ``"color"``) value;
+    when no object has one, colours are not compared (all ``None``).
+    """
+    data = load_coco_annotations(path)
+    cats = data.get("categories")
+    if not isinstance(cats, list) or not cats:
+        raise DataError(f"instances file {path} has no categories list; content accuracy needs the category names")
+    names: dict[int, str] = {}
+    for c in cats:
+        if not isinstance(c, dict) or not isinstance(c.get("id"), int) or not isinstance(c.get("name"), str):
+            raise DataError(f"{path}: category {str(c)[:80]} needs an integer 'id' and a text 'name'")
+        names[c["id"]] = normalize_caption(c["name"])
+    objects: dict[int, list[Mention]] = {
+        im["id"]: [] for im in data["images"] if isinstance(im, dict) and isinstance(im.get("id"), int)}
+    dropped, example = 0, None
+    for a in data["annotations"]:
+        if not isinstance(a, dict) or a.get("image_id") not in objects or a.get("category_id") not in names:
+            dropped += 1
+            example = example or (a.get("id") if isinstance(a, dict) else str(a)[:40])
+            continue
+        if a.get("iscrowd"):
+            continue
+        colour = a.get("colour", a.get("color"))
+        colour = (normalize_caption(colour) or None) if isinstance(colour, str) else None
+        objects[a["image_id"]].append((colour, names[a["category_id"]]))
+    if dropped:
+        log.warning("%s: %d annotations of unknown images or categories left out of content accuracy, e.g. id %s",
+                    path, dropped, example)
+    colours = sorted({c for objs in objects.values() for c, _ in objs if c is not None})
+    if not colours:
+        objects = {i: [(None, kind) for _, kind in objs] for i, objs in objects.items()}
+    return AnnotatedObjects(categories=list(dict.fromkeys(names.values())), colours=colours, objects=dict(objects))
+
+
 class CocoCaptions(SkipUnreadable, Dataset):
     """One split of a COCO-captions dataset.
 
@@ -174,6 +228,19 @@ class CocoCaptions(SkipUnreadable, Dataset):
         self.references = [captions[im["id"]] for im in self.images]
         self.transform, self.tokenizer, self.sample = transform, tokenizer, sample
         self.max_length, self.max_pixels = max_length, max_pixels
+        self._objects: AnnotatedObjects | None = None
+
+    @property
+    def instances_file(self) -> Path:
+        """``instances_<split>.json`` next to the caption file (it may not exist)."""
+        return instances_file_for(self.ann_file)
+
+    def annotated_objects(self) -> AnnotatedObjects | None:
+        """The split's annotated objects by image id (read once, on first use), or ``None``
+        when there is no instances file next to the captions."""
+        if self._objects is None and self.instances_file.is_file():
+            self._objects = read_annotated_objects(self.instances_file)
+        return self._objects
 
     def __len__(self) -> int:
         return len(self.images)

@@ -11,7 +11,10 @@ with a transformer decoder).
 - :meth:`CaptionDecoder.generate`: greedy or beam search with the key/value cache, batched;
   beam search keeps a pool of finished hypotheses ranked with the length penalty (fairseq,
   Hugging Face ``generate``); returns the token ids, their scores and, on request, every
-  generated token's cross-attention over the patches (of the chosen hypothesis).
+  generated token's cross-attention over the patches (of the chosen hypothesis). Decoding
+  constraints, applied to each step's logits before the softmax: ``min_length`` (no ``<eos>``
+  before that many words) and ``repetition_penalty`` (Hugging Face's rule, see
+  :func:`apply_repetition_penalty`).
 """
 
 from __future__ import annotations
@@ -25,12 +28,19 @@ from torch import Tensor, nn
 from vision_attn.models.encoder import EncoderOutput
 from vision_attn.models.layers import DecoderLayer, LayerCache, sine_position_embedding_2d
 
-__all__ = ["CaptionDecoder", "Generation", "GenerationOptions"]
+__all__ = ["CaptionDecoder", "Generation", "GenerationOptions", "apply_repetition_penalty"]
 
 
 @dataclass
 class GenerationOptions:
     """How captions are generated (``--generate.*`` of ``eval.py``; ``None`` = the model's own setting).
+
+    BLIP (Li et al. 2022) decodes its COCO captions with beam search of width 3, at least 5 and
+    at most 20 tokens and no repetition penalty (its ``generate()`` defaults: beam 3,
+    ``min_length`` 10, ``max_length`` 30, ``repetition_penalty`` 1.0; its lengths are BERT
+    word pieces and include the prompt "a picture of"). Here lengths count words, and the
+    defaults of :class:`~vision_attn.tasks.captioning.CaptioningTask` are beam 3, length
+    penalty 1, ``min_length`` 0, ``max_length`` what the decoder holds, penalty 1.0.
 
     Args:
         beam_size: 1 = greedy search; more = beam search.
@@ -38,11 +48,29 @@ class GenerationOptions:
             ``log p / length ** length_penalty`` (0 = raw log-probability, favouring short
             captions; 1 = per-word average).
         max_length: most tokens generated (``<eos>`` included).
+        min_length: fewest words before ``<eos>`` (``<eos>`` is impossible until then).
+        repetition_penalty: the logit of every word already generated in the caption is
+            divided by it when positive and multiplied by it when negative (Hugging Face's
+            ``repetition_penalty``; 1 = off, > 1 discourages repeating a word).
     """
 
     beam_size: int | None = None
     length_penalty: float | None = None
     max_length: int | None = None
+    min_length: int | None = None
+    repetition_penalty: float | None = None
+
+
+def apply_repetition_penalty(logits: Tensor, generated: Tensor, penalty: float) -> Tensor:
+    """Hugging Face's repetition penalty (Keskar et al. 2019, CTRL): ``logits [B, V]`` with the
+    entries of the tokens in ``generated [B, t]`` divided by ``penalty`` where positive and
+    multiplied by it where negative (a token generated twice is penalised once). Returns a new
+    tensor; ``penalty == 1`` returns ``logits`` itself."""
+    if penalty == 1.0 or generated.shape[1] == 0:
+        return logits
+    seen = logits.gather(1, generated)  # (B, t)
+    seen = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits.scatter(1, generated, seen)
 
 
 @dataclass
@@ -141,14 +169,29 @@ class CaptionDecoder(nn.Module):
     # ------------------------------------------------------------------ generation
     def _step(self, tokens: Tensor, memory: Tensor, memory_pos: Tensor, caches: list[LayerCache] | None,
               need_weights: bool) -> tuple[Tensor, Tensor | None]:
-        """Log-probabilities ``[B, V]`` of the next token after ``tokens [B, t]`` and the cross-attention
+        """Logits ``[B, V]`` (float32) of the next token after ``tokens [B, t]`` and the cross-attention
         of that step ``[B, L, N]`` (heads averaged). With caches only the last token is fed."""
         if caches is not None:
             logits, w = self._decode(tokens[:, -1:], memory, memory_pos, tokens.shape[1] - 1, caches, need_weights)
         else:
             logits, w = self._decode(tokens, memory, memory_pos, need_weights=need_weights)
         attn = torch.stack([a[:, :, -1].float().mean(1) for a in w], dim=1) if need_weights else None  # (B, L, N)
-        return logits[:, -1].float().log_softmax(-1), attn
+        return logits[:, -1].float(), attn
+
+    def _next_logprobs(self, logits: Tensor, tokens: Tensor, step: int, bos_id: int, eos_id: int, min_length: int,
+                       repetition_penalty: float) -> Tensor:
+        """Log-probabilities ``[B, V]`` of the next token from the step's ``logits [B, V]``: the
+        repetition penalty on the words generated so far (``tokens [B, 1 + step]``, ``<bos>``
+        first), ``<eos>`` impossible while fewer than ``min_length`` words stand, then the
+        softmax; ``<bos>`` and ``<pad>`` are never generated."""
+        logits = apply_repetition_penalty(logits, tokens[:, 1:], repetition_penalty)
+        if step < min_length:
+            logits = logits.clone()
+            logits[:, eos_id] = float("-inf")
+        logp = logits.log_softmax(-1)
+        logp[:, bos_id] = float("-inf")  # never generated
+        logp[:, self.pad_id] = float("-inf")
+        return logp
 
     @torch.no_grad()
     def generate(
@@ -161,6 +204,8 @@ class CaptionDecoder(nn.Module):
         length_penalty: float = 1.0,
         use_cache: bool = True,
         return_attention: bool = False,
+        min_length: int = 0,
+        repetition_penalty: float = 1.0,
     ) -> Generation:
         """Greedy (``beam_size=1``) or beam search, batched over images.
 
@@ -176,25 +221,37 @@ class CaptionDecoder(nn.Module):
             use_cache: reuse the keys/values of earlier tokens (identical result, faster);
                 ``False`` recomputes the whole prefix at every step.
             return_attention: also return each token's cross-attention (see :class:`Generation`).
+            min_length: fewest words before ``<eos>`` (its probability is zero until then; a
+                ``min_length`` at or above ``max_length`` gives captions that never end).
+            repetition_penalty: see :func:`apply_repetition_penalty` (1 = off).
+
+        With ``min_length`` or a repetition penalty, ``scores`` are the log-probabilities of
+        the constrained distribution (as Hugging Face's processed scores).
         """
         if beam_size < 1:
             raise ValueError(f"beam_size must be at least 1, got {beam_size}")
+        if min_length < 0:
+            raise ValueError(f"min_length must be at least 0, got {min_length}")
+        if not repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be positive (1 = off), got {repetition_penalty}")
         return self._search(enc, bos_id, eos_id, max_length, beam_size, length_penalty, use_cache, return_attention,
-                            greedy=beam_size == 1)
+                            greedy=beam_size == 1, min_length=min_length, repetition_penalty=repetition_penalty)
 
     def _search(self, enc: EncoderOutput, bos_id: int, eos_id: int, max_length: int | None, beam_size: int,
-                length_penalty: float, use_cache: bool, return_attention: bool, greedy: bool) -> Generation:
+                length_penalty: float, use_cache: bool, return_attention: bool, greedy: bool, min_length: int = 0,
+                repetition_penalty: float = 1.0) -> Generation:
         """The search loop: ``greedy`` takes the best token of each row; otherwise beam search
         (which, with ``beam_size=1``, must give what greedy gives: tested)."""
         max_new = min(max_length or self.max_length - 1, self.max_length - 1)
         memory, memory_pos = self.encode_memory(enc)
+        constraints = (min_length, repetition_penalty)
         if greedy:
-            return self._greedy(memory, memory_pos, bos_id, eos_id, max_new, use_cache, return_attention)
+            return self._greedy(memory, memory_pos, bos_id, eos_id, max_new, use_cache, return_attention, constraints)
         return self._beam(memory, memory_pos, bos_id, eos_id, max_new, beam_size, length_penalty, use_cache,
-                          return_attention)
+                          return_attention, constraints)
 
     def _greedy(self, memory: Tensor, memory_pos: Tensor, bos_id: int, eos_id: int, max_new: int, use_cache: bool,
-                return_attention: bool) -> Generation:
+                return_attention: bool, constraints: tuple[int, float] = (0, 1.0)) -> Generation:
         rows, device = memory.shape[0], memory.device
         caches = [LayerCache() for _ in self.layers] if use_cache else None
         tokens = torch.full((rows, 1), bos_id, dtype=torch.long, device=device)
@@ -202,10 +259,9 @@ class CaptionDecoder(nn.Module):
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.zeros(rows, dtype=torch.long, device=device)
         attention: list[Tensor] = []
-        for _ in range(max_new):
-            logp, attn = self._step(tokens, memory, memory_pos, caches, return_attention)
-            logp[:, bos_id] = float("-inf")  # never generated
-            logp[:, self.pad_id] = float("-inf")
+        for step in range(max_new):
+            logits, attn = self._step(tokens, memory, memory_pos, caches, return_attention)
+            logp = self._next_logprobs(logits, tokens, step, bos_id, eos_id, *constraints)
             step_scores, next_tok = logp.max(-1)
             ended = finished
             next_tok = torch.where(finished, self.pad_id, next_tok)  # a finished caption continues with <pad>
@@ -221,7 +277,8 @@ class CaptionDecoder(nn.Module):
         return Generation(tokens=tokens[:, 1:], lengths=lengths, scores=scores, attention=att)
 
     def _beam(self, memory: Tensor, memory_pos: Tensor, bos_id: int, eos_id: int, max_new: int, k: int,
-              length_penalty: float, use_cache: bool, return_attention: bool) -> Generation:
+              length_penalty: float, use_cache: bool, return_attention: bool,
+              constraints: tuple[int, float] = (0, 1.0)) -> Generation:
         """Beam search with a pool of finished hypotheses per image (as fairseq and Hugging Face
         ``generate``).
 
@@ -254,9 +311,8 @@ class CaptionDecoder(nn.Module):
         steps = 0
         for step in range(max_new):
             steps = step + 1
-            logp, attn = self._step(tokens, memory, memory_pos, caches, return_attention)
-            logp[:, bos_id] = float("-inf")  # never generated
-            logp[:, self.pad_id] = float("-inf")
+            logits, attn = self._step(tokens, memory, memory_pos, caches, return_attention)
+            logp = self._next_logprobs(logits, tokens, step, bos_id, eos_id, *constraints)
             v = logp.shape[-1]
             cand = (scores.reshape(rows, 1) + logp).view(b, k * v)  # (B, K*V)
             cand_scores, flat = cand.topk(2 * k, dim=-1)  # (B, 2K), best first

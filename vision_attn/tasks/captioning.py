@@ -1,8 +1,16 @@
-"""Captioning system: ViT encoder + caption decoder, teacher forcing, beam search, BLEU and CIDEr-D."""
+"""Captioning system: ViT encoder + caption decoder, teacher forcing, beam search, caption metrics.
+
+``eval.py`` reports BLEU-1..4, CIDEr-D, ROUGE-L, image dependence, METEOR / SPICE where Java can
+run them (:mod:`vision_attn.caption_metrics`) and, when the split has instance annotations,
+content accuracy (:mod:`vision_attn.caption_content`); ``predictions.json`` items carry their
+image's CIDEr-D (``"cider"``: their mean is the corpus ``cider``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vision_attn.caption_metrics import caption_metrics
+from vision_attn.caption_content import content_accuracy
+from vision_attn.caption_metrics import (
+    caption_metrics,
+    caption_metrics_per_image,
+    image_dependence,
+    java_metrics,
+)
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 from vision_attn.distributed import mean_across_processes
-from vision_attn.errors import CheckpointError, DataError
+from vision_attn.errors import CheckpointError, ConfigError, DataError
 from vision_attn.models.captioner import CaptionDecoder, Generation, GenerationOptions
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
 from vision_attn.tasks.base import VisionTask, gather_objects, register_task
@@ -24,6 +38,18 @@ CAPTIONING_OPTIM = Optimization(lr=5e-4)
 __all__ = ["CaptioningTask"]
 
 log = logging.getLogger(__name__)
+
+
+def _check_generation(options: GenerationOptions, prefix: str) -> None:
+    """Refuse decoding options that cannot work, naming the option and the allowed values."""
+    rules = {"beam_size": (lambda v: v >= 1, "at least 1"), "max_length": (lambda v: v >= 1, "at least 1"),
+             "min_length": (lambda v: v >= 0, "at least 0"),
+             "repetition_penalty": (lambda v: v > 0 and math.isfinite(v), "a positive number (1 = off)"),
+             "length_penalty": (math.isfinite, "a finite number")}
+    for key, (ok, allowed) in rules.items():
+        value = getattr(options, key)
+        if value is not None and not ok(value):
+            raise ConfigError(f"{prefix}.{key} must be {allowed}, got {value!r}")
 
 
 @register_task
@@ -48,6 +74,9 @@ class CaptioningTask(VisionTask):
         beam_size: beam width of evaluation (1 = greedy).
         length_penalty: beam search ranks finished captions by
             ``log p / length ** length_penalty`` (a pool of finished hypotheses, as fairseq).
+        min_length: fewest words before ``<eos>`` when generating (0 = no constraint; BLIP
+            uses 5 for COCO, see :class:`~vision_attn.models.captioner.GenerationOptions`).
+        repetition_penalty: Hugging Face's repetition penalty when generating (1 = off).
         val_beam_size: beam width of the captions scored during training's validation.
         optim: learning rates, weight decay and schedule (default ``CAPTIONING_OPTIM``;
             ``--model.optim.lr`` etc.).
@@ -61,7 +90,8 @@ class CaptioningTask(VisionTask):
     crop_at_inference = False  # a centre crop would cut objects off: the whole image, resized
     export_output_names = ("tokens",)  # the encoder's; beam search stays in PyTorch
     onnx_predicts = False
-    headline_metrics = ("bleu1", "bleu4", "cider", "pointing_relevance", "pointing_attention", "pointing_random")
+    headline_metrics = ("bleu1", "bleu4", "cider", "kinds_exact", "content_exact", "image_dependence",
+                        "pointing_relevance", "pointing_attention", "pointing_random")
     overlay_description = "the caption, then each word's map: relevance and raw cross-attention (one strip each)"
 
     def __init__(
@@ -78,6 +108,8 @@ class CaptioningTask(VisionTask):
         freeze_encoder: bool = False,
         beam_size: int = 3,
         length_penalty: float = 1.0,
+        min_length: int = 0,
+        repetition_penalty: float = 1.0,
         val_beam_size: int = 1,
         optim: Optimization = CAPTIONING_OPTIM,
         compile: bool = False,
@@ -87,7 +119,8 @@ class CaptioningTask(VisionTask):
         self.head: CaptionDecoder | None = None
         self.class_names = None
         self.tokenizer: WordTokenizer | None = None
-        self.generation = GenerationOptions(beam_size, length_penalty, max_length - 1)
+        self.generation = GenerationOptions(beam_size, length_penalty, max_length - 1, min_length, repetition_penalty)
+        _check_generation(self.generation, "--model.init_args")
         self.eval_records: list[dict[str, Any]] = []
         if freeze_encoder:
             self.encoder.requires_grad_(False)
@@ -123,9 +156,10 @@ class CaptioningTask(VisionTask):
                 datamodule.max_length = min(datamodule.max_length, self.hparams.max_length)
 
     def set_generation(self, options: GenerationOptions) -> None:
-        """Override beam size, length penalty or max length (``None`` fields keep the model's)."""
-        for key in ("beam_size", "length_penalty", "max_length"):
-            value = getattr(options, key)
+        """Override decoding options (``eval.py --generate.*``; ``None`` fields keep the model's)."""
+        chosen = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+        _check_generation(GenerationOptions(**chosen), "--generate")
+        for key, value in chosen.items():
             if value is not None:
                 setattr(self.generation, key, value)
 
@@ -160,7 +194,8 @@ class CaptioningTask(VisionTask):
         """:meth:`generate` from the encoder's output."""
         g = self.generation
         return self.head.generate(enc, self.tokenizer.bos_id, self.tokenizer.eos_id, g.max_length,
-                                  beam_size or g.beam_size, g.length_penalty, use_cache, return_attention)
+                                  beam_size or g.beam_size, g.length_penalty, use_cache, return_attention,
+                                  min_length=g.min_length or 0, repetition_penalty=g.repetition_penalty or 1.0)
 
     # ------------------------------------------------------------------ inference, export, explanation
     def export_forward(self, images: Tensor) -> tuple[Tensor]:
@@ -241,17 +276,53 @@ class CaptioningTask(VisionTask):
         return [unique[i] for i in sorted(unique)]
 
     @staticmethod
-    def _score(dataset, records: list[dict[str, Any]]) -> dict[str, float]:
+    def _pairs(dataset, records: list[dict[str, Any]]) -> tuple[dict[int, str], dict[int, list[str]]]:
+        """``({index: caption}, {index: normalised references})`` of the records."""
         hyps = {r["index"]: r["caption"] for r in records}
         refs = {r["index"]: [normalize_caption(c) for c in dataset.references[r["index"]]] for r in records}
-        return caption_metrics(hyps, refs)
+        return hyps, refs
+
+    @classmethod
+    def _score(cls, dataset, records: list[dict[str, Any]]) -> dict[str, float]:
+        return caption_metrics(*cls._pairs(dataset, records))
 
     def eval_results(self, dataset) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """``(metrics, predictions)``: BLEU-1..4 + CIDEr-D and ``[{"image_id", "caption"}]``."""
+        """``(metrics, predictions)``.
+
+        Metrics: BLEU-1..4, CIDEr-D, ROUGE-L, ``image_dependence`` (two images or more),
+        ``meteor`` / ``spice`` where the COCO toolkit's Java can run (on the main process;
+        else logged), and content accuracy (``content_exact``, ``kinds_exact``,
+        ``content_precision``, ``content_recall``, ``count_acc``, ``content_images``) when
+        the split has instance annotations. Predictions: ``[{"image_id", "caption",
+        "cider"}]`` with the image's CIDEr-D.
+        """
         if not self.eval_records:
             raise RuntimeError("no evaluation records: run trainer.test(...) first")
-        predictions = [{"image_id": dataset.images[r["index"]]["id"], "caption": r["caption"]} for r in self.eval_records]
-        return self._score(dataset, self.eval_records), predictions
+        hyps, refs = self._pairs(dataset, self.eval_records)
+        metrics, per_image = caption_metrics_per_image(hyps, refs)
+        if len(hyps) >= 2:
+            metrics["image_dependence"] = image_dependence(hyps, refs, true_cider=metrics["cider"])
+        else:
+            log.info("image_dependence not computed: it needs at least two images, the split has %d", len(hyps))
+        metrics.update(self._content(dataset, hyps))
+        if self._trainer is None or self.trainer.is_global_zero:
+            metrics.update(java_metrics(hyps, refs))
+        predictions = [{"image_id": dataset.images[r["index"]]["id"], "caption": r["caption"],
+                        "cider": per_image[r["index"]]["cider"]} for r in self.eval_records]
+        return metrics, predictions
+
+    @staticmethod
+    def _content(dataset, hyps: dict[int, str]) -> dict[str, float]:
+        """Content accuracy of the captions (``{}``, logged, without instance annotations)."""
+        annotated = dataset.annotated_objects() if hasattr(dataset, "annotated_objects") else None
+        if annotated is None:
+            where = getattr(dataset, "instances_file", "the dataset")
+            log.info("content accuracy not computed: no instance annotations (%s)", where)
+            return {}
+        scores = content_accuracy({dataset.images[i]["id"]: text for i, text in hyps.items()}, annotated)
+        if not scores:
+            log.info("content accuracy not computed: no evaluated image is in %s", dataset.instances_file)
+        return scores
 
     def explain_eval(self, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
         """Per-word strips, and on the seeded sample of ``options.faithfulness_images`` images the
