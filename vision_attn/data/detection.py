@@ -26,6 +26,14 @@
 - Targets: ``labels [G]``, ``boxes [G, 4]`` as ``(cx, cy, w, h)`` fractions of the model
   input (normalised in one place, :func:`_to_target`), ``image_id``, ``orig_size (h, w)``, and
   ``scored`` (the :meth:`~CocoDetection.scoring_target` dict; evaluation datasets only).
+- Input size (``resize``): ``square`` (default) resizes every image to the model's input size
+  (squashed); ``aspect`` (real datasets, DETR's recipe) keeps the aspect ratio
+  (:class:`~vision_attn.data.transforms.AspectResize`: shorter side from ``train_sizes`` in
+  training, ``eval_size`` in evaluation, longer side at most ``max_size``), adds each image's
+  resized ``size (h, w)`` to its target, and :func:`detection_collate` pads the batch at the
+  bottom and right (zeros: the mean colour); the task masks the padding out of the encoder and
+  the decoder. Boxes are fractions of each image's own resized size either way, so predictions
+  map back to the original pixels by its ``orig_size``.
 - EXIF: when the annotation file declares the stored (un-rotated) size of an image whose EXIF
   rotation swaps its sides, its boxes were drawn on the stored pixels, which are then read
   (:meth:`CocoDetection.read_rgb`, also used for overlays, so boxes and pictures agree).
@@ -56,7 +64,14 @@ from vision_attn.data.loading import (
     relative_file,
 )
 from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
-from vision_attn.data.transforms import _interp, model_preprocess
+from vision_attn.data.transforms import (
+    DETR_EVAL_SIZE,
+    DETR_MAX_SIZE,
+    DETR_TRAIN_SIZES,
+    AspectResize,
+    _interp,
+    model_preprocess,
+)
 from vision_attn.errors import DataError
 
 __all__ = ["CocoDetection", "CocoLayout", "DetectionDataModule", "coco_root", "detection_collate",
@@ -236,8 +251,9 @@ class CocoDetection(SkipUnreadable, Dataset):
                  max_pixels: int = DEFAULT_MAX_PIXELS, annotations: dict[str, Any] | None = None,
                  follow_symlinks: bool = False, skip_unreadable: bool = False,
                  images_dir: str | Path | None = None, ann_file: str | Path | None = None,
-                 scored_targets: bool = True) -> None:
+                 scored_targets: bool = True, with_size: bool = False) -> None:
         self.root, self.split = Path(root), split
+        self.with_size = with_size  # targets carry the resized size (padded batches)
         # the scored ground truth travels with each item for validation only: four more tensors
         # per image, each crossing the worker pipe, slowed training on the shapes config from
         # 2.16 to 1.60 steps/s
@@ -376,24 +392,54 @@ class CocoDetection(SkipUnreadable, Dataset):
         size = tuple(image.shape[-2:])
         target = {"labels": labels, "boxes": _to_target(boxes.as_subclass(torch.Tensor), size),
                   "image_id": int(im["id"]), "orig_size": torch.tensor([h, w])}
+        if self.with_size:
+            target["size"] = torch.tensor(size)
         if self.scored_targets:
             target["scored"] = self.scoring_target(im["id"])
         return image, target
 
 
 def detection_collate(batch):
+    """``(images [B, 3, H, W], targets)``. Images of one size are stacked; images of different
+    sizes are padded at the bottom and on the right with zeros (the mean colour, after
+    normalisation) to the largest height and width (the task pads further to a multiple of the
+    patch size), their own sizes staying in the targets' ``size``."""
     images, targets = zip(*batch, strict=True)
-    return torch.stack(images), list(targets)
+    if all(im.shape == images[0].shape for im in images):
+        return torch.stack(images), list(targets)
+    if any("size" not in t for t in targets):
+        raise DataError("images of different sizes in one batch, but their targets have no 'size': "
+                        "use --data.resize aspect (which records it) or a fixed input size")
+    h, w = max(im.shape[-2] for im in images), max(im.shape[-1] for im in images)
+    out = images[0].new_zeros(len(images), images[0].shape[0], h, w)
+    for i, im in enumerate(images):
+        out[i, :, : im.shape[-2], : im.shape[-1]] = im
+    return out, list(targets)
 
 
-def build_detection_transform(pre: dict[str, Any], train: bool, scale_jitter: tuple[float, float] = (0.6, 1.0)):
-    """Paired image + box transforms. Evaluation: resize the whole image to the input size (no
-    crop, so predicted fractions map straight back to the original). Training adds flips and
-    a scale-jittered random crop, then clamps and drops boxes that vanished."""
+RESIZE_MODES = ("square", "aspect")
+
+
+def build_detection_transform(pre: dict[str, Any], train: bool, scale_jitter: tuple[float, float] = (0.6, 1.0),
+                              resize: str = "square", train_sizes: tuple[int, ...] = DETR_TRAIN_SIZES,
+                              eval_size: int = DETR_EVAL_SIZE, max_size: int | None = DETR_MAX_SIZE):
+    """Paired image + box transforms.
+
+    ``resize="square"``: evaluation resizes the whole image to the input size (no crop, so
+    predicted fractions map straight back to the original); training adds flips and a
+    scale-jittered random crop. ``resize="aspect"``: keep the aspect ratio (shorter side
+    ``eval_size``, or in training one of ``train_sizes`` with a random flip; longer side at most
+    ``max_size``; :class:`~vision_attn.data.transforms.AspectResize`). Both then clamp and drop
+    boxes that vanished."""
+    if resize not in RESIZE_MODES:
+        raise ValueError(f"--data.resize must be one of {', '.join(RESIZE_MODES)}, got {resize!r}")
     _, h, w = pre["input_size"]
     interp = _interp(pre.get("interpolation", "bicubic"))
     ops: list = []
-    if train:
+    if resize == "aspect":
+        ops += [T.RandomHorizontalFlip()] if train else []
+        ops += [AspectResize(tuple(train_sizes) if train else eval_size, max_size, interp)]
+    elif train:
         ops += [T.RandomHorizontalFlip(), T.RandomResizedCrop((h, w), scale=scale_jitter, ratio=(0.75, 1.333),
                                                                interpolation=interp, antialias=True)]
     else:
@@ -427,6 +473,11 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         val_images: the validation images folder (likewise).
         test_images: the images folder of ``test_split``.
         test_split: name of the test split (its paths default to the layout above).
+        resize: ``square`` (resize to the model's input size) or ``aspect`` (keep the aspect
+            ratio and pad the batch: real datasets; see the module docstring).
+        train_sizes: ``aspect``: the shorter side's sizes drawn in training (DETR's by default).
+        eval_size: ``aspect``: the shorter side in evaluation.
+        max_size: ``aspect``: the most pixels of the longer side.
     """
 
     def __init__(
@@ -448,8 +499,21 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         val_images: str | None = None,
         test_images: str | None = None,
         test_split: str = "test",
+        resize: str = "square",
+        train_sizes: tuple[int, ...] = DETR_TRAIN_SIZES,
+        eval_size: int = DETR_EVAL_SIZE,
+        max_size: int | None = DETR_MAX_SIZE,
     ) -> None:
         super().__init__()
+        if resize not in RESIZE_MODES:
+            raise DataError(f"--data.resize must be one of {', '.join(RESIZE_MODES)}, got {resize!r}")
+        try:  # the sizes checked now (a clear error here, not in a loader worker)
+            if resize == "aspect":
+                AspectResize(tuple(train_sizes), max_size)
+                AspectResize(eval_size, max_size)
+        except (TypeError, ValueError) as err:
+            raise DataError(f"--data.train_sizes / --data.eval_size / --data.max_size: {err}") from err
+        self.resize, self.train_sizes, self.eval_size, self.max_size = resize, tuple(train_sizes), eval_size, max_size
         self._init_layout(root, synthetic, cache_dir, "a COCO-layout folder", follow_symlinks,
                           (train_split, val_split, test_split), (train_annotations, val_annotations, test_annotations),
                           (train_images, val_images, test_images))
@@ -468,7 +532,8 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         return len(self.class_names)
 
     def dataset(self, split: str, train: bool = False) -> CocoDetection:
-        tf = build_detection_transform(model_preprocess(self), train, self.scale_jitter)
+        tf = build_detection_transform(model_preprocess(self), train, self.scale_jitter, self.resize,
+                                       self.train_sizes, self.eval_size, self.max_size)
         parsed = None
         if split == self.train_split and self._train_annotations is not None:
             parsed, self._train_annotations = self._train_annotations, None  # used once, then freed
@@ -476,7 +541,8 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         images_dir, ann_file = self.split_paths(split)
         return CocoDetection(self.root, split, tf, self.categories, self.max_pixels, parsed,
                              follow_symlinks=self.follow_symlinks, skip_unreadable=train,
-                             images_dir=images_dir, ann_file=ann_file, scored_targets=not train)
+                             images_dir=images_dir, ann_file=ann_file, scored_targets=not train,
+                             with_size=self.resize == "aspect")
 
     def collate_fn(self):
         return detection_collate

@@ -31,6 +31,11 @@ size, like ``squash``):
 - ``finetune``: for fine-tuning pretrained models at 224 px: random-resized crop, flip,
   RandAugment (timm/DeiT style; 2 operations unless ``randaugment_ops`` says otherwise).
 
+Detection on real datasets (:class:`AspectResize`, DETR's recipe): resize keeping the aspect
+ratio, the shorter side to a size drawn from a list (training: DETR's multi-scale sizes) and
+the longer side at most ``max_size``; the batch is then padded (see
+:func:`vision_attn.data.detection.detection_collate`), not squashed to a square.
+
 RandAugment is torchvision's (``T.RandAugment(num_ops, magnitude)``, 31 magnitude bins, on the
 ``uint8`` image; its translations scale with the image size, so it suits 32 px images too).
 """
@@ -49,7 +54,11 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
 __all__ = [
+    "AspectResize",
     "AugmentPreset",
+    "DETR_EVAL_SIZE",
+    "DETR_MAX_SIZE",
+    "DETR_TRAIN_SIZES",
     "CROP_MODES",
     "DEFAULT_PREPROCESS",
     "RANDAUGMENT_OPS",
@@ -57,6 +66,7 @@ __all__ = [
     "build_display_transform",
     "build_eval_transform",
     "build_train_transform",
+    "aspect_resize_size",
     "model_preprocess",
     "whole_image",
 ]
@@ -75,6 +85,57 @@ DEFAULT_PREPROCESS: dict[str, Any] = {
     "crop_pct": 0.9,
     "crop_mode": "center",
 }
+
+
+DETR_TRAIN_SIZES = (480, 512, 544, 576, 608, 640, 672, 704, 736, 768, 800)
+"""DETR's multi-scale training sizes of the shorter side (Carion et al. 2020)."""
+DETR_EVAL_SIZE = 800
+"""DETR's evaluation size of the shorter side."""
+DETR_MAX_SIZE = 1333
+"""DETR's cap on the longer side."""
+
+
+def aspect_resize_size(height: int, width: int, short: int, max_size: int | None = None) -> tuple[int, int]:
+    """``(new_height, new_width)`` keeping the aspect ratio: the shorter side ``short``, unless
+    the longer side would then exceed ``max_size``, in which case the longer side is
+    ``max_size`` (both sides scaled by one factor, rounded to the nearest pixel, at least 1).
+
+    E.g. ``480 x 640`` with ``short=800, max_size=1333`` -> ``800 x 1067``; ``400 x 1200`` ->
+    ``444 x 1333`` (the cap wins: ``800 / 400 * 1200 = 2400 > 1333``).
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got {height}x{width}")
+    if short <= 0 or (max_size is not None and max_size <= 0):
+        raise ValueError(f"resize sizes must be positive, got short side {short}, max_size {max_size}")
+    scale = short / min(height, width)
+    if max_size is not None:
+        scale = min(scale, max_size / max(height, width))
+    return max(1, round(height * scale)), max(1, round(width * scale))
+
+
+class AspectResize:
+    """Paired ``(image, boxes, labels)`` transform: resize keeping the aspect ratio
+    (:func:`aspect_resize_size`), the shorter side drawn uniformly from ``sizes`` (torch's
+    generator, so DataLoader workers are seeded), the longer side capped at ``max_size``.
+    Boxes (torchvision ``BoundingBoxes``) are resized with the image."""
+
+    def __init__(self, sizes: int | list[int] | tuple[int, ...], max_size: int | None = DETR_MAX_SIZE,
+                 interpolation: InterpolationMode = InterpolationMode.BILINEAR) -> None:
+        self.sizes = (int(sizes),) if isinstance(sizes, int) else tuple(int(s) for s in sizes)
+        if not self.sizes or min(self.sizes) <= 0:
+            raise ValueError(f"resize sizes must be positive side lengths, got {sizes!r}")
+        if max_size is not None and max_size < max(self.sizes):
+            raise ValueError(f"max_size {max_size} is below the largest shorter-side size {max(self.sizes)}")
+        self.max_size, self.interpolation = max_size, interpolation
+
+    def __call__(self, image: Tensor, boxes: Any, labels: Any) -> tuple[Tensor, Any, Any]:
+        short = self.sizes[int(torch.randint(len(self.sizes), ()))] if len(self.sizes) > 1 else self.sizes[0]
+        size = list(aspect_resize_size(int(image.shape[-2]), int(image.shape[-1]), short, self.max_size))
+        image = T.functional.resize(image, size, interpolation=self.interpolation, antialias=True)
+        return image, T.functional.resize(boxes, size), labels
+
+    def __repr__(self) -> str:
+        return f"AspectResize(sizes={self.sizes}, max_size={self.max_size})"
 
 
 def model_preprocess(datamodule: Any) -> dict[str, Any]:

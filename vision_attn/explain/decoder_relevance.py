@@ -24,7 +24,14 @@ of DETR or the words of the caption; ``N = h * w`` memory tokens, the encoder's 
 
 The memory the decoder reads is the encoder's patch tokens ``P .. T-1`` after per-token maps
 (linear projection, LayerNorm), so memory token ``n`` is encoder token ``P + n`` and
-``Ā^qi [Q, N]`` meets the rows ``P ..`` of ``R̄^ii``.
+``Ā^qi [Q, N]`` meets the rows ``P ..`` of ``R̄^ii``. With the DETR head's simple feature
+pyramid (``pyramid=True``) the memory is the pyramid levels' tokens, each made from a known
+patch or block of patches; ``Ā^qi [Q, M]`` is first carried to the patches by the pyramid's
+linear, mass-preserving map (:meth:`~vision_attn.models.detr.SimpleFeaturePyramid.to_patches`:
+a finer token's weight goes to its patch, a pooled token's is spread evenly over its window),
+i.e. a pyramid token's relevance row is taken as the mean of its patches' rows. This treats the
+transposed convolution and the max pooling as mixing only within their window, which they do,
+but not by how much each patch counts in a max: an approximation the plain head does not need.
 
 Where a row of ``R^xx - I`` sums to zero (a token no relevance reached: a caption position
 after the explained word, or in a one-layer decoder a query the explained one never reads),
@@ -48,6 +55,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Literal
 
 import torch
@@ -169,8 +177,11 @@ def _expect(records: dict[str, list[Tensor]], counts: dict[str, int]) -> None:
 
 
 def _relevance_rows(records: dict[str, list[Tensor]], grads: dict[str, list[Tensor]], num_prefix_tokens: int,
-                    items: Tensor) -> Tensor:
-    """Rows of ``R^qi`` (``[B, T]``, row ``items[b]`` of row ``b``) after the encoder and decoder."""
+                    items: Tensor, memory_to_patches: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """Rows of ``R^qi`` (``[B, T]``, row ``items[b]`` of row ``b``) after the encoder and decoder.
+
+    ``memory_to_patches`` maps a cross-attention ``[B, Q, M]`` over memory tokens that are not
+    the patch tokens themselves (the DETR pyramid's) to ``[B, Q, N]`` over the patches."""
     enc_a, enc_g = records["encoder"], grads["encoder"]
     b, t = enc_a[0].shape[0], enc_a[0].shape[-1]
     device = enc_a[0].device
@@ -186,7 +197,10 @@ def _relevance_rows(records: dict[str, list[Tensor]], grads: dict[str, list[Tens
     for a_s, g_s, a_c, g_c in zip(records["self"], grads["self"], records["cross"], grads["cross"], strict=True):
         cam = fuse_gradient_attention(a_s, g_s)  # (B, Q, Q)
         hat_qq, r_qi = hat_qq + cam + cam @ hat_qq, r_qi + cam @ r_qi  # eqs. 6, 7
-        r_qi = r_qi + cross_attention_rule(hat_qq, fuse_gradient_attention(a_c, g_c), bar_ii_rows)  # eq. 10
+        cam_qi = fuse_gradient_attention(a_c, g_c)
+        if memory_to_patches is not None:
+            cam_qi = memory_to_patches(cam_qi)
+        r_qi = r_qi + cross_attention_rule(hat_qq, cam_qi, bar_ii_rows)  # eq. 10
     return r_qi[torch.arange(b, device=device), items]  # (B, T)
 
 
@@ -232,12 +246,12 @@ def _check_head(task: nn.Module, what: str) -> None:
 
 # ---------------------------------------------------------------------------- detection
 def _item_maps(target: Tensor, records: dict, num_prefix_tokens: int, rows: Tensor,
-               grid: tuple[int, int]) -> Tensor:
+               grid: tuple[int, int], memory_to_patches: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """The explained rows' patch maps: gradients of the summed ``target`` scores w.r.t. the
     recorded attentions, propagated by the rules (:func:`_relevance_rows`)."""
     grads = _gradients(target, records)
     relevance = _relevance_rows({k: [a.detach() for a in v] for k, v in records.items()}, grads,
-                                num_prefix_tokens, rows)
+                                num_prefix_tokens, rows, memory_to_patches)
     return _to_maps(relevance, grid, num_prefix_tokens)
 
 
@@ -288,6 +302,8 @@ def detection_relevance(
     counts = [int(torch.as_tensor(q).numel()) for q in queries]
     grid = task.encoder.grid_for(*images.shape[-2:])
     focal = bool(getattr(task.head, "focal", False))
+    # cross-attention over the pyramid's tokens: carried to the patches (see the module docstring)
+    to_patches = partial(task.head.cross_attn_to_patches, grid=grid) if getattr(task.head, "pyramid", False) else None
     groups = _decoder_groups(task)
     maps = []
     with _explaining(task):
@@ -308,7 +324,7 @@ def detection_relevance(
             if score == "probability":
                 per_query = per_query.sigmoid() if focal else per_query.softmax(-1)
             target = per_query.gather(1, c_idx[:, None]).sum()
-            maps.append(_item_maps(target, records, enc.num_prefix_tokens, q_idx, grid))
+            maps.append(_item_maps(target, records, enc.num_prefix_tokens, q_idx, grid, to_patches))
     flat = torch.cat(maps) if maps else torch.zeros(0, *grid)
     return _split(flat, counts, grid)
 

@@ -41,6 +41,24 @@ Further published training aids, each off by default (then the head is exactly t
   ``o2m_outputs`` (a list of such sets). At inference only the first (matching) group runs.
 
 Query order inside the decoder while training: ``[Q matching | o2m_groups * Q | denoising]``.
+
+Multi-scale memory (``pyramid``, off by default):
+
+- **Simple feature pyramid** (``pyramid=True``; ViTDet, Li et al. 2022, "Exploring Plain Vision
+  Transformer Backbones for Object Detection"): from the ViT's last patch-token map alone, four
+  levels at strides 1/2, 1, 2 and 4 of the patch stride (a 2x2 stride-2 transposed convolution,
+  the map itself, 2x2 and 4x4 max pooling), each projected to the decoder width (linear +
+  LayerNorm, per token) (:class:`SimpleFeaturePyramid`). The decoder's cross-attention is dense
+  over the concatenated levels' tokens; each level has its own sine position embedding (of its
+  grid) plus a learned level embedding (Deformable DETR). ``cross_attn`` is still given over the
+  patch grid: each level's weights are resampled to the grid and summed
+  (:meth:`SimpleFeaturePyramid.to_patches`, mass-preserving).
+
+Padded batches (images of different sizes, :meth:`~vision_attn.models.encoder.ViTEncoder.forward`
+with ``image_sizes``): the encoder's ``patch_mask`` masks the padded memory tokens out of the
+cross-attention and out of query selection, and the position embeddings (and query-selection
+proposals) of each image are those of its own grid, so an image's detections do not depend on
+the padding; boxes are fractions of each image's own (unpadded) size.
 """
 
 from __future__ import annotations
@@ -48,13 +66,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vision_attn.boxes import box_cxcywh_to_xyxy, box_xyxy_to_cxcywh
 from vision_attn.models.encoder import EncoderOutput
 from vision_attn.models.layers import MLP, DecoderLayer, sine_position_embedding_2d
 
-__all__ = ["DETRHead", "noise_boxes", "noise_labels", "post_process", "query_group_mask"]
+__all__ = ["DETRHead", "PYRAMID_SCALES", "SimpleFeaturePyramid", "noise_boxes", "noise_labels", "post_process", "query_group_mask"]
 
 O2M_MODES = ("group", "hybrid")
 
@@ -71,6 +90,133 @@ def _box_sine_embedding(boxes: Tensor, dim: int, temperature: float = 10000.0) -
     pos = boxes[..., None] * 2 * math.pi / freq  # (..., 4, dim/4)
     pos = torch.stack([pos[..., 0::2].sin(), pos[..., 1::2].cos()], dim=-1).flatten(-2)
     return pos.flatten(-2)
+
+
+def _grid_position(grid: tuple[int, int], valid: list[tuple[int, int]] | None, dim: int,
+                   device: torch.device) -> Tensor:
+    """Sine position embedding of a token grid: ``[1, h * w, dim]``, or with ``valid`` (per image
+    its real rows and columns, top-left) ``[B, h * w, dim]``, each image's real cells embedded
+    as its own grid (padding: zeros)."""
+    if valid is None:
+        return sine_position_embedding_2d(grid, dim, device=device).unsqueeze(0)
+    h, w = grid
+    out = torch.zeros(len(valid), h, w, dim, device=device)
+    for size in set(valid):
+        emb = sine_position_embedding_2d(size, dim, device=device).reshape(*size, dim)
+        for i in (i for i, v in enumerate(valid) if v == size):
+            out[i, : size[0], : size[1]] = emb
+    return out.reshape(len(valid), h * w, dim)
+
+
+def _grid_proposals(grid: tuple[int, int], valid: list[tuple[int, int]] | None, device: torch.device) -> Tensor:
+    """One box per cell, row-major: centred on it, two cells wide and high (``[1, h * w, 4]``);
+    with ``valid`` ``[B, h * w, 4]``, each image's cells as fractions of its own real grid."""
+    h, w = grid
+    rows = [grid] if valid is None else valid
+    out = []
+    for vh, vw in rows:
+        cy = (torch.arange(h, device=device, dtype=torch.float32) + 0.5) / vh
+        cx = (torch.arange(w, device=device, dtype=torch.float32) + 0.5) / vw
+        centres = torch.stack([cx[None, :].expand(h, w), cy[:, None].expand(h, w)], dim=-1).reshape(h * w, 2)
+        size = torch.tensor([min(1.0, 2 / vw), min(1.0, 2 / vh)], device=device).expand(h * w, 2)
+        out.append(torch.cat([centres, size], dim=-1))
+    return torch.stack(out)
+
+
+def _masked_max_pool(x: Tensor, mask: Tensor | None, k: int) -> tuple[Tensor, Tensor | None]:
+    """``k x k`` stride-``k`` max pooling of ``x [B, D, h, w]`` (partial windows at the bottom and
+    right kept, as ``ceil_mode``) over the real cells only (``mask [B, h, w]``); a window with no
+    real cell gives zeros and ``False`` in the pooled mask."""
+    if mask is None:
+        return F.max_pool2d(x, k, k, ceil_mode=True), None
+    pooled = F.max_pool2d(x.masked_fill(~mask[:, None], float("-inf")), k, k, ceil_mode=True)
+    keep = F.max_pool2d(mask[:, None].float(), k, k, ceil_mode=True)[:, 0] > 0
+    return pooled.masked_fill(~keep[:, None], 0.0), keep
+
+
+PYRAMID_SCALES = (2.0, 1.0, 0.5, 0.25)
+"""Resolution of each pyramid level relative to the patch grid (strides 1/2, 1, 2, 4 patches)."""
+
+
+class SimpleFeaturePyramid(nn.Module):
+    """ViTDet's simple feature pyramid (Li et al. 2022) from the last patch-token map.
+
+    Levels (:data:`PYRAMID_SCALES`): ``2x`` a 2x2 stride-2 transposed convolution, ``1x`` the map
+    itself, ``1/2`` and ``1/4`` max pooling (2x2 and 4x4, partial windows kept); each then a
+    per-token linear projection to ``out_dim`` and LayerNorm. ViTDet adds a 3x3 convolution per
+    level; it is left out so that every level token depends on a known block of patches (one
+    patch, or a 2x2 / 4x4 block), which :meth:`to_patches` and the explanations rely on.
+
+    Args:
+        in_dim: width of the encoder's tokens.
+        out_dim: the decoder width.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(in_dim, in_dim, kernel_size=2, stride=2)
+        self.proj = nn.ModuleList(nn.Sequential(nn.Linear(in_dim, out_dim), nn.LayerNorm(out_dim))
+                                  for _ in PYRAMID_SCALES)
+        self.level_embed = nn.Parameter(torch.randn(len(PYRAMID_SCALES), out_dim) * 0.02)
+
+    @staticmethod
+    def level_grids(grid: tuple[int, int]) -> list[tuple[int, int]]:
+        """The levels' grids for a patch grid ``(h, w)``: ``(2h, 2w), (h, w), ceil(/2), ceil(/4)``."""
+        h, w = grid
+        return [(2 * h, 2 * w), (h, w), (-(-h // 2), -(-w // 2)), (-(-h // 4), -(-w // 4))]
+
+    def forward(self, tokens: Tensor, grid: tuple[int, int], mask: Tensor | None = None
+                ) -> list[tuple[Tensor, Tensor | None]]:
+        """``tokens [B, h * w, in_dim]`` (row-major), ``mask [B, h * w]`` (``True`` = real or
+        ``None``) -> per level ``(tokens [B, h_l * w_l, out_dim], mask [B, h_l * w_l] or None)``."""
+        b, _, d = tokens.shape
+        h, w = grid
+        x = tokens.transpose(1, 2).reshape(b, d, h, w)
+        m = None if mask is None else mask.reshape(b, h, w)
+        up = self.up(x)
+        up_mask = None if m is None else m.repeat_interleave(2, 1).repeat_interleave(2, 2)
+        levels = [(up, up_mask), (x, m), _masked_max_pool(x, m, 2), _masked_max_pool(x, m, 4)]
+        out = []
+        for proj, (feat, keep) in zip(self.proj, levels, strict=True):
+            flat = proj(feat.flatten(2).transpose(1, 2))
+            out.append((flat, None if keep is None else keep.flatten(1)))
+        return out
+
+    @staticmethod
+    def to_patches(values: Tensor, grid: tuple[int, int], mask: Tensor | None = None) -> Tensor:
+        """Values over the concatenated levels' tokens ``[..., M]`` -> over the patch grid
+        ``[..., h * w]``, linear and mass-preserving (sums are kept): a ``2x`` token adds to the
+        patch it lies in, a ``1x`` token is its patch, a pooled token is spread evenly over the
+        real patches of its window (``mask [B, h * w]``, ``B`` the first of ``values``' leading
+        dimensions: a padded batch's real patches; default all). Used for the cross-attention
+        maps and their relevance."""
+        h, w = grid
+        grids = SimpleFeaturePyramid.level_grids(grid)
+        total = sum(lh * lw for lh, lw in grids)
+        if values.shape[-1] != total:
+            raise ValueError(f"to_patches: {values.shape[-1]} tokens, but the pyramid of grid {grid} has {total}")
+        lead = values.shape[:-1]
+        if mask is None:
+            real = values.new_ones(h, w)
+        else:
+            real = mask.to(values.dtype).reshape(mask.shape[0], *[1] * (len(lead) - 1), h, w)
+        out = values.new_zeros(*lead, h, w)
+        start = 0
+        for scale, (lh, lw) in zip(PYRAMID_SCALES, grids, strict=True):
+            part = values[..., start : start + lh * lw].reshape(*lead, lh, lw)
+            start += lh * lw
+            if scale > 1:
+                out = out + part.reshape(*lead, h, 2, w, 2).sum(dim=(-3, -1))
+            elif scale == 1:
+                out = out + part
+            else:
+                k = round(1 / scale)
+                padded = F.pad(real, (0, lw * k - w, 0, lh * k - h))
+                count = padded.reshape(*padded.shape[:-2], lh, k, lw, k).sum(dim=(-3, -1))  # real patches per window
+                spread = torch.where(count > 0, part / count.clamp(min=1), torch.zeros_like(part))
+                up = spread.repeat_interleave(k, -2)[..., :h, :].repeat_interleave(k, -1)[..., :w]
+                out = out + up * real
+        return out.reshape(*lead, h * w)
 
 
 def query_group_mask(
@@ -169,6 +315,8 @@ class DETRHead(nn.Module):
         look_forward_twice: DINO's look-forward-twice box refinement. Needs ``box_refine``.
         o2m_groups: extra one-to-many query groups for training (Group DETR / H-DETR); 0 = off.
         o2m_mode: ``"group"`` (Group DETR) or ``"hybrid"`` (H-DETR), see the module docstring.
+        pyramid: cross-attend over ViTDet's simple feature pyramid (:class:`SimpleFeaturePyramid`)
+            instead of the patch tokens alone.
     """
 
     def __init__(
@@ -191,6 +339,7 @@ class DETRHead(nn.Module):
         look_forward_twice: bool = False,
         o2m_groups: int = 0,
         o2m_mode: str = "group",
+        pyramid: bool = False,
     ) -> None:
         super().__init__()
         if hidden_dim % 4:
@@ -211,8 +360,9 @@ class DETRHead(nn.Module):
         self.focal, self.box_refine = focal, box_refine
         self.dn_groups, self.label_noise_ratio, self.box_noise_scale = dn_groups, label_noise_ratio, box_noise_scale
         self.dn_negatives, self.query_selection, self.look_forward_twice = dn_negatives, query_selection, look_forward_twice
-        self.o2m_groups, self.o2m_mode = o2m_groups, o2m_mode
-        self.input_proj = nn.Linear(in_dim, hidden_dim)
+        self.o2m_groups, self.o2m_mode, self.pyramid = o2m_groups, o2m_mode, bool(pyramid)
+        if not pyramid:  # (with it, each pyramid level has its own projection)
+            self.input_proj = nn.Linear(in_dim, hidden_dim)
         self.layers = nn.ModuleList(DecoderLayer(hidden_dim, num_heads, mlp_ratio, dropout) for _ in range(num_layers))
         self.norm = nn.LayerNorm(hidden_dim)
         n_out = num_classes if focal else num_classes + 1
@@ -253,36 +403,36 @@ class DETRHead(nn.Module):
                 self.o2m_query_embed = nn.Parameter(torch.randn(o2m_groups, num_queries, hidden_dim))
         if dn_groups:
             self.label_embed = nn.Embedding(num_classes, hidden_dim)  # content of a denoising query
+        if pyramid:
+            self.feature_pyramid = SimpleFeaturePyramid(in_dim, hidden_dim)
 
     def no_weight_decay(self) -> set[str]:
         """The switches' query embeddings (contents, anchors, label embedding) are not decayed,
-        like the head's own ``query_embed`` and ``anchors`` (timm's convention: names relative
-        to this module)."""
-        names = {"query_content.weight", "o2m_content", "o2m_anchors", "o2m_query_embed", "label_embed.weight"}
+        like the head's own ``query_embed`` and ``anchors``, nor the pyramid's level embedding
+        (timm's convention: names relative to this module)."""
+        names = {"query_content.weight", "o2m_content", "o2m_anchors", "o2m_query_embed", "label_embed.weight",
+                 "feature_pyramid.level_embed"}
         own = {n for n, _ in self.named_parameters()}
         return names & own
 
     # ------------------------------------------------------------------ queries
-    def _proposals(self, grid: tuple[int, int], device: torch.device) -> Tensor:
-        """``[h * w, 4]`` one box per patch (row-major): centred on it, two patches wide and high."""
-        h, w = grid
-        cy = (torch.arange(h, device=device, dtype=torch.float32) + 0.5) / h
-        cx = (torch.arange(w, device=device, dtype=torch.float32) + 0.5) / w
-        centres = torch.stack([cx[None, :].expand(h, w), cy[:, None].expand(h, w)], dim=-1).reshape(h * w, 2)
-        size = torch.tensor([min(1.0, 2 / w), min(1.0, 2 / h)], device=device).expand(h * w, 2)
-        return torch.cat([centres, size], dim=-1)
+    def _select_queries(self, memory: Tensor, proposals: Tensor, mask: Tensor | None = None) -> tuple[Tensor, dict]:
+        """DINO's mixed query selection: ``(anchors [B, Q, 4] detached, enc_outputs)``.
 
-    def _select_queries(self, memory: Tensor, grid: tuple[int, int]) -> tuple[Tensor, dict]:
-        """DINO's mixed query selection: ``(anchors [B, Q, 4] detached, enc_outputs)``."""
+        ``proposals``: ``[1 or B, N, 4]`` each memory token's proposal box; ``mask``: ``[B, N]``
+        real tokens (padding is never selected)."""
         b, n, _ = memory.shape
         if n < self.num_queries:
-            raise ValueError(f"query_selection picks num_queries={self.num_queries} of the {n} patch tokens: "
+            raise ValueError(f"query_selection picks num_queries={self.num_queries} of the {n} "
+                             f"{'pyramid' if self.pyramid else 'patch'} tokens: "
                              "lower num_queries, use more patches, or switch query_selection off")
         out = self.enc_norm(self.enc_proj(memory))
         logits = self.enc_class_head(out)  # (B, N, C(+1))
-        unsig = self.enc_box_head(out) + _inverse_sigmoid(self._proposals(grid, memory.device).to(memory.dtype))
+        unsig = self.enc_box_head(out) + _inverse_sigmoid(proposals.to(memory.dtype))
         with torch.no_grad():
             score = logits.amax(-1) if self.focal else logits.softmax(-1)[..., :-1].amax(-1)
+            if mask is not None:
+                score = score.masked_fill(~mask, float("-inf"))
             top = score.topk(self.num_queries, dim=1).indices  # (B, Q)
         logits = torch.gather(logits, 1, top[..., None].expand(-1, -1, logits.shape[-1]))
         boxes = torch.gather(unsig, 1, top[..., None].expand(-1, -1, 4)).sigmoid()
@@ -326,6 +476,43 @@ class DETRHead(nn.Module):
                 "padded": any(len(t["labels"]) < pad for t in targets)}
         return contents, noised_boxes.reshape(b, n * size, 4), real.reshape(b, n * size), meta
 
+    # ------------------------------------------------------------------ memory
+    def _memory(self, enc: EncoderOutput) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """What the decoder reads: ``(memory [B, M, hidden], position [1 or B, M, hidden], key
+        mask [B, M] or None, proposals [1 or B, M, 4] or None)`` (proposals: query selection only).
+
+        Without the pyramid, the patch tokens projected (``M = h * w``); with it, the levels'
+        tokens concatenated (:class:`SimpleFeaturePyramid`). With a padded batch (the encoder's
+        ``patch_mask``) positions and proposals are per image, of its own grid."""
+        mask = enc.patch_mask
+        valid = None if mask is None else enc.valid_grids()
+        device = enc.tokens.device
+        if not self.pyramid:
+            memory = self.input_proj(enc.patch_tokens)
+            pos = _grid_position(enc.grid, valid, self.hidden_dim, device).to(memory.dtype)
+            proposals = _grid_proposals(enc.grid, valid, device) if self.query_selection else None
+            return memory, pos, mask, proposals
+        levels = self.feature_pyramid(enc.patch_tokens, enc.grid, mask)
+        grids = SimpleFeaturePyramid.level_grids(enc.grid)
+        valid_levels = None if valid is None else [SimpleFeaturePyramid.level_grids(v) for v in valid]
+        memory, pos, masks, proposals = [], [], [], []
+        for lvl, ((tokens, keep), grid) in enumerate(zip(levels, grids, strict=True)):
+            v = None if valid_levels is None else [g[lvl] for g in valid_levels]
+            memory.append(tokens)
+            pos.append(_grid_position(grid, v, self.hidden_dim, device).to(tokens.dtype)
+                       + self.feature_pyramid.level_embed[lvl])
+            masks.append(keep)
+            if self.query_selection:
+                proposals.append(_grid_proposals(grid, v, device))
+        return (torch.cat(memory, 1), torch.cat(pos, 1), None if mask is None else torch.cat(masks, 1),
+                torch.cat(proposals, 1) if proposals else None)
+
+    def cross_attn_to_patches(self, weights: Tensor, grid: tuple[int, int], mask: Tensor | None = None) -> Tensor:
+        """Cross-attention weights (or any values) over the memory ``[..., M]`` -> over the patch
+        grid ``[..., h * w]`` (the identity without the pyramid); ``mask``: the encoder's
+        ``patch_mask`` of a padded batch (:meth:`SimpleFeaturePyramid.to_patches`)."""
+        return SimpleFeaturePyramid.to_patches(weights, grid, mask) if self.pyramid else weights
+
     # ------------------------------------------------------------------ forward
     def forward(self, enc: EncoderOutput, need_weights: bool = False,
                 targets: list[dict[str, Tensor]] | None = None) -> dict:
@@ -337,14 +524,12 @@ class DETRHead(nn.Module):
             targets: per image ``labels [G]`` and ``boxes [G, 4]`` (``cxcywh`` in ``[0, 1]``): the
                 denoising queries' source; used only while training with ``dn_groups > 0``.
         """
-        memory = self.input_proj(enc.patch_tokens)  # (B, N, hidden)
+        memory, memory_pos, memory_mask, proposals = self._memory(enc)  # (B, M, hidden), (1 or B, M, hidden)
         b = memory.shape[0]
-        memory_pos = sine_position_embedding_2d(enc.grid, self.hidden_dim, device=memory.device).to(memory.dtype)
-        memory_pos = memory_pos.unsqueeze(0)  # (1, N, hidden)
         q = self.num_queries
         result: dict = {}
         if self.query_selection:
-            reference, result["enc_outputs"] = self._select_queries(memory, enc.grid)
+            reference, result["enc_outputs"] = self._select_queries(memory, proposals, memory_mask)
             x = self.query_content.weight.unsqueeze(0).expand(b, -1, -1)
         else:
             x = memory.new_zeros(b, q, self.hidden_dim)
@@ -378,8 +563,9 @@ class DETRHead(nn.Module):
         for i, layer in enumerate(self.layers):
             query_pos = self.pos_mlp(_box_sine_embedding(reference, self.hidden_dim)) if self.box_refine else query_embed
             x, w = layer(x, memory, query_pos=query_pos, memory_pos=memory_pos, need_weights=need_weights,
-                         key_mask=key_mask, self_attn_mask=mask)
-            weights.append(w if w is None or mask is None else w[:, :, :q])
+                         key_mask=key_mask, self_attn_mask=mask, memory_key_mask=memory_mask)
+            weights.append(None if w is None else self.cross_attn_to_patches(w if mask is None else w[:, :, :q],
+                                                                              enc.grid, enc.patch_mask))
             if self.box_refine:
                 h = self.norm(x)
                 logits, delta = self.class_heads[i](h), self.box_heads[i](h)
@@ -418,7 +604,9 @@ def post_process(outputs: dict, image_sizes: Tensor, top_k: int = 100, focal: bo
     """Turn head outputs into per-image detections in pixels of the *original* images.
 
     The head's boxes are fractions of the model input; the model input is the whole original
-    image resized (no crop), so fractions scale directly to the original size.
+    image resized (no crop), so fractions scale directly to the original size. In a padded batch
+    (aspect-preserving resize) they are fractions of each image's own unpadded input, which is
+    still the whole original image resized.
 
     Two protocols, each the one its head was published with:
 

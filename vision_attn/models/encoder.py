@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import timm
+import torch
 from torch import Tensor, nn
 
 from vision_attn.checkpoint_io import load_state_dict_file
@@ -47,11 +48,24 @@ class EncoderOutput:
         tokens: ``[B, P + N, D]`` — prefix tokens first, then patch tokens in row-major order.
         num_prefix_tokens: ``P``.
         grid: ``(h, w)`` with ``h * w = N``.
+        patch_mask: ``[B, N]`` ``True`` for the patches of real pixels, ``False`` for padding
+            (a batch of images of different sizes padded to one, :meth:`ViTEncoder.forward` with
+            ``image_sizes``); ``None`` when every patch is real.
     """
 
     tokens: Tensor
     num_prefix_tokens: int
     grid: tuple[int, int]
+    patch_mask: Tensor | None = None
+
+    def valid_grids(self) -> list[tuple[int, int]]:
+        """Per image, the ``(rows, columns)`` of its real patches (the top-left corner of the
+        grid: images are padded at the bottom and on the right); the whole grid without a mask."""
+        if self.patch_mask is None:
+            return [tuple(self.grid)] * self.tokens.shape[0]
+        m = self.patch_mask.reshape(-1, *self.grid)
+        rows, cols = m[:, :, 0].sum(1).tolist(), m[:, 0, :].sum(1).tolist()
+        return [(int(r), int(c)) for r, c in zip(rows, cols, strict=True)]
 
     @property
     def patch_tokens(self) -> Tensor:
@@ -424,13 +438,103 @@ class ViTEncoder(nn.Module):
         """Patch grid ``(h, w)`` for an input of ``height x width`` pixels."""
         return tuple(int(g) for g in self.model.patch_embed.dynamic_feat_size((height, width)))
 
-    def forward(self, x: Tensor) -> EncoderOutput:
-        """Encode images ``[B, 3, H, W]`` (normalised with ``data_config``)."""
+    def forward(self, x: Tensor, image_sizes: Tensor | None = None) -> EncoderOutput:
+        """Encode images ``[B, 3, H, W]`` (normalised with ``data_config``).
+
+        Args:
+            x: the images; a batch of images of different sizes is padded at the bottom and on
+                the right (with zeros, i.e. the mean colour after normalisation) to one size.
+            image_sizes: ``[B, 2]`` each image's own ``(height, width)`` in pixels before that
+                padding. When some image is smaller than the batch, the padded patches are
+                masked (:meth:`_forward_padded`): every image's real tokens are those it would
+                get alone. ``None`` (or every image the batch's size): timm's own forward.
+        """
         if x.dim() != 4 or x.shape[1] != 3:
             raise EncoderError(f"ViTEncoder expects images [B, 3, H, W], got {tuple(x.shape)}")
-        tokens = self.model.forward_features(x)  # (B, P + h*w, D)
         grid = self.grid_for(x.shape[-2], x.shape[-1])
+        if image_sizes is not None:
+            valid = self._valid_grids(image_sizes, grid, x.shape[0])
+            if any(v != grid for v in valid):
+                return self._forward_padded(x, valid, grid)
+        tokens = self.model.forward_features(x)  # (B, P + h*w, D)
         return EncoderOutput(tokens=tokens, num_prefix_tokens=self.num_prefix_tokens, grid=grid)
+
+    def _valid_grids(self, image_sizes: Tensor, grid: tuple[int, int], batch: int) -> list[tuple[int, int]]:
+        """Per image, its real patch rows and columns: ``ceil(size / patch)`` (a patch holding any
+        real pixel is real), checked against the batch's grid."""
+        sizes = torch.as_tensor(image_sizes).reshape(-1, 2).tolist()
+        if len(sizes) != batch:
+            raise EncoderError(f"image_sizes has {len(sizes)} rows for a batch of {batch} images")
+        ph, pw = self.patch_size
+        valid = [(-(-int(h) // ph), -(-int(w) // pw)) for h, w in sizes]
+        for (h, w), (gh, gw) in zip(sizes, valid, strict=True):
+            if not (0 < gh <= grid[0] and 0 < gw <= grid[1]):
+                raise EncoderError(f"image size {int(h)}x{int(w)} does not fit the padded batch of "
+                                   f"{grid[0] * ph}x{grid[1] * pw} pixels")
+        return valid
+
+    def _forward_padded(self, x: Tensor, valid: list[tuple[int, int]], grid: tuple[int, int]) -> EncoderOutput:
+        """timm's ``forward_features`` for a padded batch, each image as if it were alone.
+
+        - patch embedding per image, on its own real patches (any stem: a convolutional stem's
+          normalisation and borders then see only the image);
+        - position embedding per image resampled to its own grid (timm's
+          ``resample_abs_pos_embed``, as the dynamic-size forward does for the whole input);
+        - every block runs with a key mask (timm's ``attn_mask``): no token attends to padding.
+        Padded tokens are computed too (they attend to the real ones) but nothing reads them.
+        """
+        from timm.layers import resample_abs_pos_embed
+
+        m = self.model
+        if not getattr(m, "dynamic_img_size", False):
+            raise EncoderError("padded batches (images of different sizes) need an encoder built with "
+                               "dynamic_img_size=True")
+        if m.training and not isinstance(m.patch_drop, nn.Identity):
+            raise EncoderError("padded batches (images of different sizes) cannot be trained with timm's patch "
+                               "dropout (patch_drop_rate > 0): set patch_drop_rate to 0 or use a fixed input size")
+        b, (gh, gw), ph, pw = x.shape[0], grid, *self.patch_size
+        cells = None
+        for i, (h, w) in enumerate(valid):
+            emb = m.patch_embed(x[i : i + 1, :, : h * ph, : w * pw])  # (1, h, w, D): NHWC when dynamic
+            if cells is None:
+                cells = emb.new_zeros(b, gh, gw, emb.shape[-1])
+            cells[i, :h, :w] = emb[0]
+        d = cells.shape[-1]
+        n_pos_prefix = 0 if m.no_embed_class else m.num_prefix_tokens
+        pos = cells.new_zeros(b, gh, gw, d)
+        pos_prefix = None
+        for size in set(valid) if m.pos_embed is not None else ():
+            res = resample_abs_pos_embed(m.pos_embed, new_size=size, old_size=m.patch_embed.grid_size,
+                                         num_prefix_tokens=n_pos_prefix)
+            pos_prefix = res[:, :n_pos_prefix]
+            for i in (i for i, v in enumerate(valid) if v == size):
+                pos[i, : size[0], : size[1]] = res[0, n_pos_prefix:].reshape(*size, d)
+        tokens = cells.reshape(b, gh * gw, d)
+        prefix = []
+        if m.cls_token is not None:
+            prefix.append(m.cls_token.expand(b, -1, -1))
+        if m.reg_token is not None:
+            prefix.append(m.reg_token.expand(b, -1, -1))
+        pos = pos.reshape(b, gh * gw, d)
+        if m.pos_embed is None:
+            tokens = torch.cat([*prefix, tokens], dim=1) if prefix else tokens
+        elif m.no_embed_class:
+            tokens = tokens + pos
+            tokens = torch.cat([*prefix, tokens], dim=1) if prefix else tokens
+        else:
+            tokens = torch.cat([*prefix, tokens], dim=1) if prefix else tokens
+            tokens = tokens + (torch.cat([pos_prefix.expand(b, -1, -1), pos], dim=1) if n_pos_prefix else pos)
+        tokens = m.norm_pre(m.patch_drop(m.pos_drop(tokens)))
+        patch_mask = torch.zeros(b, gh, gw, dtype=torch.bool, device=x.device)
+        for i, (h, w) in enumerate(valid):
+            patch_mask[i, :h, :w] = True
+        patch_mask = patch_mask.reshape(b, gh * gw)
+        keep = torch.cat([patch_mask.new_ones(b, m.num_prefix_tokens), patch_mask], dim=1)[:, None, None, :]
+        for blk in m.blocks:
+            tokens = blk(tokens, attn_mask=keep)
+        tokens = m.norm(tokens)
+        return EncoderOutput(tokens=tokens, num_prefix_tokens=self.num_prefix_tokens, grid=grid,
+                             patch_mask=patch_mask)
 
     def forward_head(self, out: EncoderOutput, pre_logits: bool = False) -> Tensor:
         """timm's own pooling + classifier on the tokens (only useful with ``num_classes > 0``)."""

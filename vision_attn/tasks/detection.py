@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,8 @@ class DetectionTask(VisionTask):
         o2m_mode: ``"group"`` (Group DETR: each group matched on its own) or ``"hybrid"``
             (H-DETR: one set of extra queries matched to the targets repeated ``o2m_repeat`` times).
         o2m_repeat: H-DETR's ``K`` (``o2m_mode="hybrid"`` only).
+        pyramid: cross-attend over ViTDet's simple feature pyramid of the last patch map (strides
+            1/2, 1, 2, 4 patches) instead of the patch tokens alone.
         cost_class: matcher class cost.
         cost_bbox: matcher L1 cost.
         cost_giou: matcher GIoU cost.
@@ -114,6 +117,7 @@ class DetectionTask(VisionTask):
         o2m_groups: int = 0,
         o2m_mode: str = "group",
         o2m_repeat: int = 6,
+        pyramid: bool = False,
         cost_class: float = 1.0,
         cost_bbox: float = 5.0,
         cost_giou: float = 2.0,
@@ -145,7 +149,8 @@ class DetectionTask(VisionTask):
         # .get: checkpoints saved before these switches existed have them off
         aids = {k: hp.get(k, v) for k, v in (("dn_groups", 0), ("label_noise_ratio", 0.5), ("box_noise_scale", 1.0),
                                              ("dn_negatives", False), ("query_selection", False),
-                                             ("look_forward_twice", False), ("o2m_groups", 0), ("o2m_mode", "group"))}
+                                             ("look_forward_twice", False), ("o2m_groups", 0), ("o2m_mode", "group"),
+                                             ("pyramid", False))}
         self.head = DETRHead(self.encoder.embed_dim, n, hp.num_queries, hp.hidden_dim, hp.num_layers, hp.num_heads,
                              hp.mlp_ratio, hp.dropout, hp.focal, hp.box_refine, **aids)
         matcher = HungarianMatcher(hp.cost_class, hp.cost_bbox, hp.cost_giou, focal=hp.focal)
@@ -160,12 +165,23 @@ class DetectionTask(VisionTask):
         names = datamodule.class_names
         self._build(len(names), names, getattr(datamodule, "category_ids", None))
 
-    def forward(self, images: Tensor, need_weights: bool = False, targets: list[dict[str, Tensor]] | None = None) -> dict:
+    def forward(self, images: Tensor, need_weights: bool = False, targets: list[dict[str, Tensor]] | None = None,
+                image_sizes: Tensor | None = None) -> dict:
         """The head's outputs (``pred_logits``, ``pred_boxes``, ...) for normalised images.
 
         ``targets`` (training only) feed the head's denoising queries when ``dn_groups > 0``.
+        ``image_sizes`` (``[B, 2]`` each image's ``(height, width)`` before the batch was padded,
+        :func:`~vision_attn.data.detection.detection_collate`): the padding is masked in the
+        encoder and in the decoder's cross-attention, and boxes are fractions of each image's own
+        size. The batch is first padded (zeros) to a multiple of the patch size if needed.
         """
-        return self.head(self.encoder(images), need_weights=need_weights, targets=targets)
+        if image_sizes is None:
+            return self.head(self.encoder(images), need_weights=need_weights, targets=targets)
+        ph, pw = self.encoder.patch_size
+        pad_h, pad_w = -images.shape[-2] % ph, -images.shape[-1] % pw
+        if pad_h or pad_w:
+            images = torch.nn.functional.pad(images, (0, pad_w, 0, pad_h))
+        return self.head(self.encoder(images, image_sizes=image_sizes), need_weights=need_weights, targets=targets)
 
     def detect(self, outputs: dict, orig_sizes: Tensor) -> list[dict[str, Tensor]]:
         """Post-processed detections in original pixels (labels are contiguous 0..C-1)."""
@@ -173,7 +189,9 @@ class DetectionTask(VisionTask):
 
     def _shared_step(self, batch, stage: str) -> Tensor:
         images, targets = batch
-        outputs = self(images, targets=targets if stage == "train" else None)
+        # a padded batch (aspect-preserving resize): each image's own size, for the masks
+        sizes = torch.stack([t["size"] for t in targets]).to(images.device) if targets and "size" in targets[0] else None
+        outputs = self(images, targets=targets if stage == "train" else None, image_sizes=sizes)
         terms = self.criterion(outputs, targets, across_processes=stage == "train")
         loss = self.criterion.total(terms, len(outputs["aux_outputs"]))
         if stage == "train":
@@ -303,11 +321,24 @@ class DetectionTask(VisionTask):
     def explain_eval(self, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
         """Overlays of ``options.num_overlays`` images (``options.overlay_selection``), then the localisation,
         faithfulness and sanity numbers of every decoder method and ``random`` (and the saved
-        maps): :func:`~vision_attn.explain.detection.detection_explain_metrics`."""
+        maps): :func:`~vision_attn.explain.detection.detection_explain_metrics`.
+
+        Explanations are drawn on the model input of single-image inference (the whole image
+        resized to the input size, :meth:`inference_data_config`, as ``predict.py`` sees it): a
+        dataset read with the aspect-preserving resize (``--data.resize aspect``) is read that
+        way for them, so the maps map back to the pixels by that one geometry."""
         from vision_attn.explain.detection import (
             detection_explain_metrics,
             write_detection_overlays,
         )
 
+        if getattr(dataset, "with_size", False):
+            from vision_attn.data.detection import build_detection_transform
+
+            log.info("explanations: images resized to the input size %s (as at inference), not by the "
+                     "aspect-preserving evaluation resize", self.inference_data_config()["input_size"][1:])
+            dataset = copy.copy(dataset)
+            dataset.transform = build_detection_transform(self.inference_data_config(), train=False)
+            dataset.with_size = False
         write_detection_overlays(self, dataset, options, out_dir, report=report)
         return detection_explain_metrics(self, dataset, options, out_dir)
