@@ -95,6 +95,7 @@ def _open(browser, path: Path, shots: Path):
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(path.resolve().as_uri())
     page.wait_for_function("() => [...document.querySelectorAll('canvas')].every(c => c.dataset.shown === 'image')")
+    page.wait_for_function("() => [...document.images].every(i => i.complete)")
     widths = page.eval_on_selector_all("img", "els => els.map(e => e.naturalWidth)")
     assert widths and all(w > 0 for w in widths), widths
     return page, errors
@@ -111,7 +112,7 @@ def test_report_is_self_contained(shapes_root, tmp_path):
     path = _classification_report(shapes_root, tmp_path / "cls")
     text = path.read_text()
     assert "http://" not in text and "https://" not in text  # no CDN, no network
-    assert text.count("data:image/png;base64,") >= 4 and "<svg id=\"deletion\"" in text
+    assert text.count("data:image/") >= 4 and "<svg id=\"deletion\"" in text
 
 
 def test_classification_report_click_a_patch(browser, shapes_root, tmp_path):
@@ -170,8 +171,17 @@ def _hostile_report(out: Path) -> tuple[Path, list[dict]]:
         {**base, "name": HOSTILE[4], "text": " ".join(HOSTILE), "kind": "words", "words": HOSTILE,
          "maps": quantise(np.random.default_rng(1).random((len(HOSTILE), 4)))},
     ]
-    path = write_report(out / "report.html", HOSTILE[0], {HOSTILE[1]: 0.5}, {"data": HOSTILE[2], HOSTILE[3]: 1},
-                        items, curves={HOSTILE[0]: [1.0, 0.5, 0.0], "random": [1.0, 0.8, 0.1]})
+    labels = HOSTILE[:3]
+    predictions = [{"file": items[0]["name"], "label": labels[1], "pred": labels[2], "score": 0.9},
+                   {"file": items[1]["name"], "label": labels[2], "pred": labels[2], "score": 0.5}]
+    training = {"epochs": [0, 1], "series": {"train/loss": [[0, 1.0], [1, 0.5]], f"val/{HOSTILE[0]}": [[0, 0.1], [1, 0.2]]},
+                "lr": {HOSTILE[1]: [[0, 0.1], [5, 0.2]]}, "files": [HOSTILE[3]]}
+    path = write_report(out / "report.html", HOSTILE[0], {HOSTILE[1]: 0.5, f"pointing_{HOSTILE[2]}": 0.4},
+                        {"data": HOSTILE[2], HOSTILE[3]: 1, "checkpoint": HOSTILE[4], "split": HOSTILE[1]},
+                        items, curves={HOSTILE[0]: [1.0, 0.5, 0.0], "random": [1.0, 0.8, 0.1]}, task="classification",
+                        per_class={name: {"acc": 0.5, "n": 2, "precision": 0.5, "recall": 0.5} for name in labels},
+                        confusion={"labels": labels, "counts": [[1, 0, 0], [0, 0, 1], [0, 0, 1]]},
+                        predictions=predictions, training_curves=training)
     return path, items
 
 
@@ -184,7 +194,7 @@ def test_embedded_json_cannot_close_the_script_and_round_trips(tmp_path):
     page = path.read_text()
     script = page[page.index("<script>") + len("<script>") : page.rindex("</script>")]
     assert "</script" not in script.lower() and "<!--" not in script and "\u2028" not in script
-    data = script[len("const ITEMS=") : script.index(";\nfunction decode")]
+    data = script[len("const ITEMS=") : script.index(";const PAGE=")]
     assert not set(data) & set("<>&\u2028\u2029")
     assert [it["labels" if "labels" in it else "words" if "words" in it else "maps"] for it in json.loads(data)] == [
         items[0]["maps"], items[1]["labels"], items[2]["words"]]
@@ -212,7 +222,253 @@ def test_hostile_names_run_no_script_in_the_browser(browser, tmp_path):
     page.wait_for_function("() => document.querySelector('#cv1').dataset.shown === 'box0'")
     assert page.text_content("#sel1") == items[1]["labels"][0]  # shown as text, not markup
     page.hover("#words2 .word >> nth=0")
+    page.click("#confusion .cell[data-t='1'][data-p='2']")  # the hostile names reach the status line as text
+    assert HOSTILE[1] in page.text_content("#f-status") and HOSTILE[2] in page.text_content("#f-status")
+    assert page.eval_on_selector_all(".item", "els => els.filter(e => !e.hidden).map(e => e.id)") == ["item0"]
+    for sel in ("#per-class", "#confusion", "#quality", "#mistakes", "#curve-metric", "#curve-lr", "#summary"):
+        assert any(h in page.text_content(sel) for h in HOSTILE), sel  # shown as text, not markup
     page.wait_for_timeout(300)
     assert page.evaluate("() => document.querySelectorAll('svg [onload], img[onerror], script').length") == 1
     assert not dialogs, dialogs
     assert not errors, errors
+
+
+# ---------------------------------------------------------------------------------------------- the page's sections
+CLASSES = ["cat", "dog", "fox"]
+# split of 10 images: (file, truth, pred, score); the first 7 are explained (have report items)
+SPLIT = [("a.png", "cat", "cat", 0.91), ("b.png", "cat", "dog", 0.97), ("c.png", "dog", "dog", 0.80),
+         ("d.png", "dog", "cat", 0.55), ("e.png", "fox", "dog", 0.62), ("f.png", "cat", "dog", 0.71),
+         ("g.png", "fox", "fox", 0.66), ("h.png", "fox", "cat", 0.99), ("i.png", "dog", "dog", 0.50),
+         ("j.png", "cat", "fox", 0.40)]
+EXPLAINED = 7
+
+METRICS_CSV = """epoch,lr-AdamW/pg1,lr-AdamW/pg2,step,train/loss_epoch,train/loss_step,val/acc_top1,val/loss
+,0.001,0.001,9,,,,
+0,,,9,,2.5,,
+0,,,9,,,0.40,1.9
+0,,,9,2.2,,,
+,0.0005,0.0005,19,,,,
+1,,,19,,1.5,,
+1,,,19,,,0.60,1.4
+1,,,19,1.6,,,
+garbled,row,with,too,many,cells,x,y,z,w
+2,,,29,nan,,oops,1.1
+"""
+
+
+def _item(name: str, seed: int) -> dict:
+    import numpy as np
+
+    from vision_attn.explain.report import png_data_uri, quantise
+
+    rng = np.random.default_rng(seed)
+    rgb = (rng.random((8, 8, 3)) * 255).astype(np.uint8)
+    return {"name": name, "text": f"explained {name}", "image": Report.display_image(rgb), "panels": [png_data_uri(rgb)],
+            "kind": "patches", "grid": [2, 2], "layers": 1, "heads": 1, "maps": quantise(rng.random((1, 1, 4, 4)))}
+
+
+def _write_run(run: Path, text: str = METRICS_CSV) -> Path:
+    """A run folder as train.py leaves it: checkpoints/last.ckpt and csv/version_0/metrics.csv."""
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    (run / "csv" / "version_0").mkdir(parents=True)
+    (run / "csv" / "version_0" / "metrics.csv").write_text(text)
+    return run / "checkpoints" / "last.ckpt"
+
+
+def _classification_page(out: Path) -> Path:
+    from vision_attn.explain.report import read_training_curves
+
+    predictions = [{"file": f, "label": t, "pred": p, "score": s} for f, t, p, s in SPLIT]
+    counts = [[sum(1 for _, t, p, _ in SPLIT if (t, p) == (a, b)) for b in CLASSES] for a in CLASSES]
+    per_class = {c: {"acc": counts[k][k] / sum(counts[k]), "n": sum(counts[k]), "precision": 0.5, "recall": 0.5}
+                 for k, c in enumerate(CLASSES)}
+    items = [_item(f, k) for k, (f, *_rest) in enumerate(SPLIT[:EXPLAINED])]
+    metrics = {"acc_top1": 0.4, "deletion_auc_rollout": 0.2, "deletion_auc_random": 0.4, "insertion_auc_rollout": 0.7,
+               "insertion_auc_random": 0.5, "sanity_rollout": 0.1, "explain_images": 7.0}
+    return write_report(out / "report.html", "classification", metrics, {"checkpoint": "run/checkpoints/last.ckpt",
+                        "split": "val"}, items, {"rollout": [1.0, 0.4, 0.1], "random": [1.0, 0.8, 0.5]},
+                        task="classification", per_class=per_class, confusion={"labels": CLASSES, "counts": counts},
+                        predictions=predictions, training_curves=read_training_curves(_write_run(out / "run")))
+
+
+def _visit(browser, path: Path):
+    """Open the page, recording console errors and every request that is not the file itself or a data: URI."""
+    page = browser.new_page()
+    errors: list[str] = []
+    requests: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("request", lambda r: requests.append(r.url) if r.url != path.resolve().as_uri()
+            and not r.url.startswith("data:") else None)
+    page.goto(path.resolve().as_uri())
+    page.wait_for_function("() => [...document.querySelectorAll('canvas')].every(c => c.dataset.shown === 'image')")
+    page.wait_for_function("() => [...document.images].every(i => i.complete && i.naturalWidth > 0)")
+    return page, errors, requests
+
+
+def _plots(page) -> dict[str, list[float]]:
+    """Every SVG plot: its rendered size and how many drawn marks (lines, bars, cells, dots) it has."""
+    return page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('svg')].map(s => {
+        const r = s.getBoundingClientRect();
+        return [s.id, [r.width, r.height, s.querySelectorAll('polyline, circle, rect.bar, rect.cell').length]];}))""")
+
+
+def _visible(page) -> list[str]:
+    return page.eval_on_selector_all(".item", "els => els.filter(e => !e.hidden).map(e => e.querySelector('h3').textContent)")
+
+
+def test_classification_page_sections_confusion_click_and_mistakes(browser, tmp_path):
+    page, errors, requests = _visit(browser, _classification_page(tmp_path))
+    plots = _plots(page)
+    assert set(plots) == {"confusion", "curve-loss", "curve-metric", "curve-lr", "deletion"}, plots
+    assert all(w > 50 and h > 50 and marks > 0 for w, h, marks in plots.values()), plots
+    assert plots["confusion"][2] == len(CLASSES) ** 2
+    summary = page.text_content("#summary")
+    assert "classification" in summary and "run/checkpoints/last.ckpt" in summary and "10 images" in summary
+    assert "0.4000" in summary  # acc_top1, the headline
+    # per-class table: worst accuracy first (cat 1/4, fox 1/3, dog 2/3), with the class each is most confused with
+    rows = page.eval_on_selector_all("#per-class tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")[1:]
+    assert [(r[0], r[1], r[-1]) for r in rows] == [("cat", "4", "dog (2)"), ("fox", "3", "cat (1)"), ("dog", "3", "cat (1)")]  # ties: label order
+    # quality table: the random baseline is the last row, columns only where known
+    assert page.eval_on_selector_all("#quality tr", "rs => rs.map(r => r.cells[0].textContent)") == [
+        "method", "rollout", "random (baseline)"]
+    assert len(page.eval_on_selector_all("#quality tr:first-child th", "e => e")) == 4  # method, del, ins, sanity
+    # the mistakes gallery: every wrong prediction of the split, most confident first
+    wrong = sorted((r for r in SPLIT if r[1] != r[2]), key=lambda r: -r[3])
+    assert page.eval_on_selector_all("#mistakes .mistake", "els => els.map(e => +e.dataset.score)") == [r[3] for r in wrong]
+    assert page.eval_on_selector_all("#mistakes .mistake .name", "els => els.map(e => e.textContent)") == [
+        r[0] for r in wrong]
+    explained = {f for f, *_ in SPLIT[:EXPLAINED]}
+    overlays = page.eval_on_selector_all("#mistakes .mistake", "els => els.map(e => !!e.querySelector('img.copy'))")
+    assert overlays == [r[0] in explained for r in wrong]
+    # clicking a confusion cell shows exactly the explained images of that cell, for every cell
+    for t, truth in enumerate(CLASSES):
+        for p, pred in enumerate(CLASSES):
+            page.click(f"#confusion .cell[data-t='{t}'][data-p='{p}']")
+            expect = [f for f, a, b, _ in SPLIT[:EXPLAINED] if (a, b) == (truth, pred)]
+            assert _visible(page) == expect, (truth, pred)
+            n = sum(1 for _, a, b, _ in SPLIT if (a, b) == (truth, pred))
+            assert f"{n} images in the split, {len(expect)} of them explained" in page.text_content("#f-status")
+    page.click("#f-clear")
+    assert _visible(page) == [f for f, *_ in SPLIT[:EXPLAINED]]
+    page.select_option("#f-mode", "wrong")
+    assert _visible(page) == [f for f, a, b, _ in SPLIT[:EXPLAINED] if a != b]
+    page.select_option("#f-class", label="cat")
+    assert _visible(page) == [f for f, a, b, _ in SPLIT[:EXPLAINED] if a != b and a == "cat"]
+    page.click("#mistakes a.goto >> nth=0")  # the link to an interactive view clears the filters first
+    assert len(_visible(page)) == EXPLAINED
+    assert not errors, errors
+    assert not requests, requests
+    page.screenshot(path=str(tmp_path / "classification_page.png"), full_page=True)
+
+
+def _detection_and_captioning_pages(out: Path) -> tuple[Path, Path, list[float]]:
+    det_items = [{**_item(f"image id {k}", k), "kind": None} for k in range(3)]
+    det_items[1]["missed"], det_items[2]["false"] = ["cat"], ["dog", "fox"]
+    per_class = {"cat": {"ap": 0.5, "ap_50": 0.8, "n_gt": 4}, "dog": {"ap": 0.2, "ap_50": 0.3, "n_gt": 2},
+                 "fox": {"ap": -1.0, "ap_50": -1.0, "n_gt": 0}}
+    metrics = {"map": 0.35, "map_small": -1.0, "map_medium": 0.3, "map_large": 0.4, "mar_1": 0.2, "mar_10": 0.4,
+               "mar_100": 0.45, "pointing_attention": 0.8, "pointing_random": 0.1}
+    pr = {"cat": [[0.0, 1.0], [0.5, 0.8], [1.0, 0.2]], "dog": [[0.0, 1.0], [0.5, 0.4], [1.0, 0.0]]}
+    det = write_report(out / "det" / "report.html", "detection", metrics, {}, det_items, task="detection",
+                       per_class=per_class, pr_curves=pr, predictions=[])
+    ciders = [1.5, 0.2, 0.9, 0.0]
+    cap_items = [_item(f"image id {k}", k) for k in range(4)]
+    predictions = [{"image_id": k, "caption": f"caption {k}", "cider": c} for k, c in enumerate(ciders)]
+    cap = write_report(out / "cap" / "report.html", "captioning", {"cider": 0.65}, {}, cap_items,
+                       task="captioning", predictions=predictions)
+    return det, cap, ciders
+
+
+def test_detection_and_captioning_pages(browser, tmp_path):
+    det, cap, ciders = _detection_and_captioning_pages(tmp_path)
+    page, errors, requests = _visit(browser, det)
+    plots = _plots(page)
+    assert set(plots) == {"ap-per-class", "size-breakdown", "pr-curves"}
+    assert all(w > 50 and h > 50 for w, h, _ in plots.values()), plots
+    assert plots["ap-per-class"][2] == 4 and plots["size-breakdown"][2] == 5  # fox and map_small have no bar
+    labels = page.eval_on_selector_all("#ap-per-class text", "els => els.map(e => e.textContent)")
+    assert labels.index("dog") < labels.index("cat") < labels.index("fox")  # worst first, no ground truth last
+    assert "no ground truth (0 objects)" in labels
+    assert page.eval_on_selector_all("#mistakes .mistake", "els => els.map(e => +e.dataset.score)") == [2.0, 1.0]
+    assert page.eval_on_selector_all("#quality tr", "rs => rs.map(r => r.cells[0].textContent)") == [
+        "method", "attention", "random (baseline)"]
+    assert not errors and not requests, (errors, requests)
+    page, errors, requests = _visit(browser, cap)
+    # the lowest-CIDEr captions first
+    assert page.eval_on_selector_all("#mistakes .mistake", "els => els.map(e => +e.dataset.score)") == sorted(ciders)
+    assert page.eval_on_selector_all("#mistakes .mistake .name", "els => els.map(e => e.textContent)") == [
+        f"image id {k}" for k in sorted(range(4), key=lambda k: ciders[k])]
+    assert not errors and not requests, (errors, requests)
+
+
+def test_read_training_curves(tmp_path):
+    from vision_attn.explain.report import read_training_curves
+
+    ckpt = _write_run(tmp_path / "run")
+    # a resumed run adds version_1: its epoch 2 replaces nothing, its epoch 1 replaces version_0's
+    (tmp_path / "run" / "csv" / "version_1").mkdir()
+    (tmp_path / "run" / "csv" / "version_1" / "metrics.csv").write_text(
+        "epoch,step,train/loss_epoch,val/acc_top1,lr-AdamW/pg1,lr-AdamW/pg2\n1,19,1.55,,,\n2,29,1.2,0.7,,\n"
+        ",29,,,0.0001,0.0001\n")
+    got = read_training_curves(ckpt)
+    assert got == {
+        "epochs": [0, 1, 2],
+        "series": {"train/loss": [[0, 2.2], [1, 1.55], [2, 1.2]], "val/acc_top1": [[0, 0.4], [1, 0.6], [2, 0.7]],
+                   "val/loss": [[0, 1.9], [1, 1.4], [2, 1.1]]},
+        "lr": {"AdamW/pg1": [[9.0, 0.001], [19.0, 0.0005], [29.0, 0.0001]]},  # pg2 repeats pg1's schedule
+        "files": ["csv/version_0/metrics.csv", "csv/version_1/metrics.csv"],
+    }
+
+
+def test_read_training_curves_stays_in_the_run_and_tolerates_garbage(tmp_path):
+    from vision_attn.explain.report import read_training_curves
+
+    assert read_training_curves(tmp_path / "elsewhere" / "last.ckpt") is None  # not in a checkpoints folder
+    bare = tmp_path / "bare" / "checkpoints"
+    bare.mkdir(parents=True)
+    assert read_training_curves(bare / "last.ckpt") is None  # no csv folder
+    outside = tmp_path / "outside"
+    _write_run(outside)
+    run = tmp_path / "linked"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "csv").symlink_to(outside / "csv")  # a csv folder that leads out of the run
+    assert read_training_curves(run / "checkpoints" / "last.ckpt") is None
+    run2 = tmp_path / "filelink"
+    (run2 / "checkpoints").mkdir(parents=True)
+    (run2 / "csv" / "version_0").mkdir(parents=True)
+    (run2 / "csv" / "version_0" / "metrics.csv").symlink_to(outside / "csv" / "version_0" / "metrics.csv")
+    assert read_training_curves(run2 / "checkpoints" / "last.ckpt") is None
+    junk = tmp_path / "junk"
+    ckpt = _write_run(junk, "epoch,val/loss\n0,1.0\n")
+    (junk / "csv" / "version_1").mkdir()
+    (junk / "csv" / "version_1" / "metrics.csv").write_bytes(b"\xff\xfe\x00garbage\x00\n\x00,\x00\n" * 50)
+    (junk / "csv" / "version_2").mkdir()
+    (junk / "csv" / "version_2" / "metrics.csv").write_text('epoch,val/loss\n1,"unterminated\n' + "x" * 200_000)
+    assert read_training_curves(ckpt)["series"] == {"val/loss": [[0, 1.0]]}
+
+
+def test_large_panels_are_compacted(tmp_path):
+    import base64
+
+    import cv2
+    import numpy as np
+
+    from vision_attn.explain.report import compact_data_uri, png_data_uri
+
+    yy, xx = np.mgrid[0:600, 0:1000]
+    rng = np.random.default_rng(0)
+    smooth = np.stack([(xx / 4) % 256, (yy / 3) % 256, (xx + yy) % 256], -1) + rng.normal(0, 6, (600, 1000, 3))
+    big = png_data_uri(np.clip(smooth, 0, 255).astype(np.uint8))
+    small = png_data_uri(np.zeros((8, 8, 3), np.uint8))
+    assert compact_data_uri(small) == small  # small images stay lossless
+    jpeg = compact_data_uri(big)
+    assert jpeg.startswith("data:image/jpeg;base64,") and len(jpeg) < len(big) / 3
+    decoded = cv2.imdecode(np.frombuffer(base64.b64decode(jpeg.split(",", 1)[1]), np.uint8), cv2.IMREAD_COLOR)
+    assert decoded.shape == (600, 1000, 3)
+    assert np.abs(decoded[..., ::-1].astype(float) - np.clip(smooth, 0, 255).round()).mean() < 8
+    # a 16-image report with such panels stays well under 5 MB
+    items = [{**_item(f"{k}.png", k), "panels": [big]} for k in range(16)]
+    size = write_report(tmp_path / "report.html", "size", {}, {}, items).stat().st_size
+    assert size < 16 * len(big) / 3 and size < 5_000_000, size

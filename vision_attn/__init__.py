@@ -10,6 +10,7 @@ Public API::
         out = encoder(images)        # out.tokens, out.num_prefix_tokens, out.grid
     attn[0].shape                    # [B, heads, T, T], first block first
     maps = attention_rollout(attn, out.grid, out.num_prefix_tokens)   # [B, h, w] in [0, 1]
+    merge_tokens(encoder, r=8)       # token merging (ToMe): faster, same [B, P + h*w, D] output
 """
 
 import logging
@@ -18,6 +19,7 @@ from vision_attn.attention import KVCache, MultiHeadAttention, scaled_dot_produc
 from vision_attn.explain.api import explain_images
 from vision_attn.explain.capture import AttentionCaptureError, capture_attention
 from vision_attn.explain.rollout import attention_rollout, gradient_relevance, last_layer_attention
+from vision_attn.merge import merge_tokens, token_merging, unmerge_tokens
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder, create_encoder
 from vision_attn.models.sources import load_model
 from vision_attn.tasks.base import load_task
@@ -40,5 +42,8 @@ __all__ = [
     "explain_images",
     "load_model",
     "load_task",
+    "merge_tokens",
     "scaled_dot_product_attention",
+    "token_merging",
+    "unmerge_tokens",
 ]

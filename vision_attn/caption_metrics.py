@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["bleu_scores", "caption_metrics", "caption_metrics_per_image", "cider_d", "derangement",
+__all__ = ["CiderD", "bleu_scores", "caption_metrics", "caption_metrics_per_image", "cider_d", "derangement",
            "image_dependence", "java_metrics", "rouge_l"]
 
 log = logging.getLogger(__name__)
@@ -66,38 +66,79 @@ def _check(hypotheses: Mapping[Hashable, str], references: Mapping[Hashable, Seq
     return list(hypotheses)
 
 
-def cider_d(hypotheses: Mapping[Hashable, str], references: Mapping[Hashable, Sequence[str]], n: int = 4,
-            sigma: float = 6.0) -> tuple[float, dict[Hashable, float]]:
-    """``(corpus CIDEr-D, per-image scores)`` of ``{id: hypothesis}`` against ``{id: [references]}``."""
-    ids = _check(hypotheses, references)
-    refs = {i: [_ngrams(r.split(), n) for r in references[i]] for i in ids}
-    df: Counter = Counter()
-    for i in ids:
-        df.update({g for r in refs[i] for g in r})
-    log_images = math.log(float(len(ids)))
+class CiderD:
+    """CIDEr-D with document frequencies fixed once, from a set of references (module docstring).
 
-    def vectorise(counts: Counter) -> tuple[list[dict], np.ndarray, int]:
-        vec: list[dict] = [{} for _ in range(n)]
+    :func:`cider_d` builds one from the evaluated set's references (the COCO toolkit's rule);
+    self-critical training (:mod:`vision_attn.scst`) builds one from the *training* set's
+    references, once, and scores every sampled caption against its image's references with
+    it (the statistics of ruotianluo's and later SCST implementations, "coco-train-idxs").
+
+    Args:
+        references: each image's normalised reference captions (one list per image); ``df``
+            counts, per n-gram, the images whose references contain it, and the IDF's
+            ``#images`` is ``len(references)``.
+        n: longest n-gram.
+        sigma: the Gaussian length penalty's standard deviation (in bigrams).
+
+    Attributes:
+        df: ``{n-gram tuple: number of images}``.
+        log_images: ``log(len(references))``.
+    """
+
+    def __init__(self, references: Sequence[Sequence[str]], n: int = 4, sigma: float = 6.0) -> None:
+        if not references:
+            raise ValueError("CIDEr-D needs the references of at least one image for its document frequencies")
+        self.n, self.sigma = n, sigma
+        self.df: Counter = Counter()
+        for refs in references:
+            self.df.update({g for r in refs for g in _ngrams(r.split(), n)})
+        self.log_images = math.log(float(len(references)))
+
+    def _vectorise(self, counts: Counter) -> tuple[list[dict], np.ndarray, int]:
+        """``(TF-IDF per n-gram order, their norms, number of bigrams)`` of an n-gram count."""
+        vec: list[dict] = [{} for _ in range(self.n)]
         for gram, tf in counts.items():
-            vec[len(gram) - 1][gram] = tf * (log_images - math.log(max(1.0, df[gram])))
+            vec[len(gram) - 1][gram] = tf * (self.log_images - math.log(max(1.0, self.df[gram])))
         norms = np.array([math.sqrt(sum(v * v for v in d.values())) for d in vec])
         bigrams = sum(tf for gram, tf in counts.items() if len(gram) == 2)
         return vec, norms, bigrams
 
-    per_image: dict[Hashable, float] = {}
-    for i in ids:
-        hv, hn, hl = vectorise(_ngrams(hypotheses[i].split(), n))
-        total = np.zeros(n)
-        for r in refs[i]:
-            rv, rn, rl = vectorise(r)
-            penalty = math.exp(-((hl - rl) ** 2) / (2 * sigma**2))
-            for k in range(n):
-                dot = sum(min(w, rv[k].get(g, 0.0)) * rv[k].get(g, 0.0) for g, w in hv[k].items())
-                if hn[k] != 0 and rn[k] != 0:
-                    dot /= hn[k] * rn[k]
-                total[k] += dot * penalty
-        per_image[i] = float(total.mean() / len(refs[i]) * 10.0)
-    return float(np.mean(list(per_image.values()))) if per_image else 0.0, per_image
+    def scores(self, hypotheses: Sequence[str], references: Sequence[str]) -> list[float]:
+        """CIDEr-D of each of several captions of one image against that image's ``references``
+        (vectorised once for all of them: SCST scores its samples and greedy caption so)."""
+        if not references:
+            raise ValueError("CIDEr-D needs at least one reference caption of the image")
+        refs = [self._vectorise(_ngrams(r.split(), self.n)) for r in references]
+        out = []
+        for hyp in hypotheses:
+            hv, hn, hl = self._vectorise(_ngrams(hyp.split(), self.n))
+            total = np.zeros(self.n)
+            for rv, rn, rl in refs:
+                penalty = math.exp(-((hl - rl) ** 2) / (2 * self.sigma**2))
+                for k in range(self.n):
+                    dot = sum(min(w, rv[k].get(g, 0.0)) * rv[k].get(g, 0.0) for g, w in hv[k].items())
+                    if hn[k] != 0 and rn[k] != 0:
+                        dot /= hn[k] * rn[k]
+                    total[k] += dot * penalty
+            out.append(float(total.mean() / len(refs) * 10.0))
+        return out
+
+    def score(self, hypothesis: str, references: Sequence[str]) -> float:
+        """CIDEr-D of one caption against its image's ``references``."""
+        return self.scores([hypothesis], references)[0]
+
+
+def cider_d(hypotheses: Mapping[Hashable, str], references: Mapping[Hashable, Sequence[str]], n: int = 4,
+            sigma: float = 6.0) -> tuple[float, dict[Hashable, float]]:
+    """``(corpus CIDEr-D, per-image scores)`` of ``{id: hypothesis}`` against ``{id: [references]}``
+    (document frequencies from the references of the hypotheses' images)."""
+    ids = _check(hypotheses, references)
+    if not ids:
+        return 0.0, {}
+    scorer = CiderD([references[i] for i in ids], n, sigma)
+    per_image: dict[Hashable, float] = {i: scorer.score(hypotheses[i], references[i]) for i in ids}
+    return float(np.mean(list(per_image.values()))), per_image
 
 
 def bleu_scores(hypotheses: Mapping[Hashable, str], references: Mapping[Hashable, Sequence[str]],

@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from vision_attn.checkpoint_io import SafeCheckpointIO, check_checkpoint_file
 from vision_attn.errors import CheckpointError, ConfigError, RunExistsError, VisionAttnError
 from vision_attn.explain.evaluate import ExplainOptions
-from vision_attn.explain.report import Report, write_report
+from vision_attn.explain.report import Report, read_training_curves, write_report
 from vision_attn.models.captioner import GenerationOptions
 from vision_attn.outputs import write_json
 from vision_attn.tasks.base import (
@@ -535,6 +535,9 @@ class EvalCLI(_VisionAttnCLI):
                                  "test split).")
         parser.add_argument("--overwrite", type=bool, default=False,
                             help="Replace results already in --output_dir (a bare --overwrite means true).")
+        parser.add_argument("--merge_r", type=int, default=0,
+                            help="Token merging (ToMe, Bolya et al. 2023): merge R tokens in every encoder block: "
+                                 "faster, slightly less accurate (0: off, the model as trained).")
         parser.add_class_arguments(ExplainOptions, "explain")
         parser.add_class_arguments(GenerationOptions, "generate")
         parser.set_defaults({"seed_everything": 0, "trainer.logger": False})
@@ -573,6 +576,10 @@ class EvalCLI(_VisionAttnCLI):
 
     def after_instantiate_classes(self) -> None:
         restore_from_checkpoint(self.model, self.ckpt_meta, self.ckpt, f"checkpoint {self.ckpt_file}")
+        if self.config.get("merge_r"):
+            from vision_attn.merge import merge_tokens
+
+            merge_tokens(self.model, int(self.config.merge_r))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         config["enable_checkpointing"] = False
@@ -685,7 +692,10 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
             summary = {"checkpoint": str(cli.ckpt_file), "split": split, "model": cli.ckpt_meta["model"],
                        "preprocessing": cli.ckpt_meta.get("data_config"), "data": cli.config.data.as_dict()}
             write_report(out / "report.html", f"vision_attn {model.task_name} evaluation", metrics, summary,
-                         report.items, report.curves, root=out)
+                         report.items, report.curves, root=out, task=model.task_name,
+                         per_class=files.get("per_class.json"), confusion=files.get("confusion_matrix.json"),
+                         predictions=predictions, training_curves=read_training_curves(cli.ckpt_file),
+                         split_size=len(data.loader.dataset))
         log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)
     return metrics
 

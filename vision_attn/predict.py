@@ -52,7 +52,13 @@ from vision_attn.data.imageio import (
 )
 from vision_attn.data.transforms import build_eval_transform
 from vision_attn.distributed import gather_objects
-from vision_attn.errors import CheckpointError, RunExistsError, VisionAttnError
+from vision_attn.errors import (
+    CheckpointError,
+    ConfigError,
+    EncoderError,
+    RunExistsError,
+    VisionAttnError,
+)
 from vision_attn.explain.methods import METHODS, TOKENS, resolve_target_class
 from vision_attn.explain.overlay import save_png
 from vision_attn.explain.report import write_report
@@ -309,6 +315,7 @@ def predict_folder(
     topk: int = 5,
     target_class: str | None = None,
     token: str = "auto",
+    merge_r: int = 0,
 ) -> dict[str, list]:
     """Predictions (and overlays) for every image under ``images``, through Lightning's predict
     loop (DataLoader workers decode; ``devices`` processes share the images); returns
@@ -327,6 +334,10 @@ def predict_folder(
         target_class: explain this class (name or index) instead of the prediction.
         token: which prefix token's row the classification explanations follow (``auto``,
             ``cls``, ``dist``, ``mean`` of the two for distilled DeiT).
+        merge_r: token merging (:func:`vision_attn.merge_tokens`, ToMe): merge this many
+            tokens in every encoder block (``0``: off, exactly the model as trained). Faster,
+            slightly less accurate; the encoder still returns tokens on the patch grid, so
+            overlays keep their shape.
     """
     from vision_attn.explain.evaluate import ExplainOptions
     from vision_attn.models.sources import load_model
@@ -346,6 +357,16 @@ def predict_folder(
         model = load_model(str(model_path), weights_file=weights_file, class_names=class_names,
                            allow_import=allow_import)
     kind = model.task_name
+    if merge_r:
+        if isinstance(model, OnnxPredictor):
+            raise ConfigError(f"--merge_r {merge_r}: token merging changes the PyTorch model; an ONNX model "
+                              "cannot merge tokens (export a merged model, or predict with the checkpoint)")
+        from vision_attn.merge import merge_tokens
+
+        try:
+            merge_tokens(model, merge_r)
+        except EncoderError as err:
+            raise ConfigError(f"--merge_r {merge_r}: {err}") from err
     if expected_task is not None and kind != expected_task:
         raise CheckpointError(f"{model_path} holds a {kind!r} model, not a {expected_task!r} one")
     if target_class is not None and getattr(model, "class_names", None):  # fail before the first batch
@@ -403,6 +424,9 @@ def build_parser(prog: str, description: str, expected_task: str | None = None,
                              "first: classification relevance, rollout, attention; detection and "
                              "captioning relevance, attention): "
                              + "; ".join(f"{name}: {spec.description}" for name, spec in METHODS.items()))
+    parser.add_argument("--merge_r", type=int, default=0, metavar="R",
+                        help="token merging (ToMe, Bolya et al. 2023): merge R tokens in every encoder block: "
+                             "faster inference, slightly less accurate (0: off)")
     parser.add_argument("--score_threshold", type=float, default=0.3, help="detection: keep boxes scoring at least this")
     parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity")
     parser.add_argument("--device", "--accelerator", dest="device", default="auto", choices=["auto", "cpu", "cuda", "gpu"],
@@ -432,7 +456,7 @@ def run_cli(argv: list[str] | None, prog: str, description: str, expected_task: 
                                 args.device, args.overwrite, expected_task=expected_task, num_workers=args.num_workers,
                                 devices=devices, allow_import=tuple(args.allow_import), weights_file=args.weights_file,
                                 class_names=args.class_names, topk=args.topk, target_class=args.target_class,
-                                token=args.token)
+                                token=args.token, merge_r=args.merge_r)
     except VisionAttnError as err:
         sys.stderr.write(f"error: {err}\n")
         raise SystemExit(2) from None

@@ -22,7 +22,8 @@
   training.
 
 Items: ``(image [3, H, W], token ids [T], index)``; all references of an item are in
-``dataset.references[index]``.
+``dataset.references[index]`` (normalised, for the training split:
+:meth:`CaptioningDataModule.train_references`).
 """
 
 from __future__ import annotations
@@ -383,3 +384,15 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
 
     def collate_fn(self):
         return _Collate(self.tokenizer.pad_id)
+
+    def train_references(self) -> list[list[str]]:
+        """Every reference caption of the training split, normalised
+        (:func:`~vision_attn.data.tokenizer.normalize_caption`), per dataset index: the third
+        element of a training item indexes this list. Self-critical training scores its samples
+        against them and takes CIDEr-D's document frequencies from them; every process reads
+        the whole split, so under DDP they are the same everywhere."""
+        dataset = self.datasets.get("train")
+        if dataset is None:
+            raise DataError("the training split is not set up yet: call setup('fit') first "
+                            "(self-critical training reads its references when training starts)")
+        return [[normalize_caption(c) for c in refs] for refs in dataset.references]

@@ -6,6 +6,9 @@ from vision_attn.explain.capture import (
     attention_modules,
     capture_attention,
     extract_attention,
+    observe_attention,
+    streaming_relevance,
+    streaming_rollout,
 )
 from vision_attn.explain.decoder_relevance import caption_relevance, detection_relevance
 from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
@@ -42,6 +45,9 @@ __all__ = [
     "explain_classifier",
     "explain_images",
     "extract_attention",
+    "observe_attention",
+    "streaming_relevance",
+    "streaming_rollout",
     "faithfulness",
     "gradient_relevance",
     "image_grid",

@@ -216,6 +216,8 @@ def _report_item(expl, j: int, display: np.ndarray, caption: str, panel: np.ndar
     item = {"text": caption, "image": Report.display_image(display), "panels": [png_data_uri(panel)]}
     if not expl.attentions:  # only methods that need no attention (gradcam, tokens): no patch view
         return item
+    if len({a.shape[-1] for a in expl.attentions}) > 1:  # a token-merged model: its blocks see fewer tokens
+        return item
     p = expl.num_prefix_tokens
     rows = torch.stack([a[j, :, p:, p:] for a in expl.attentions])  # (L, H, N, N): patch -> patch
     return {**item, "kind": "patches", "grid": list(expl.grid), "layers": rows.shape[0], "heads": rows.shape[1],

@@ -55,6 +55,7 @@ from vision_attn.explain.rollout import (
     normalize_maps,
     to_grid,
 )
+from vision_attn.merge import merge_log
 
 __all__ = [
     "METHODS",
@@ -105,6 +106,8 @@ class MethodInputs:
         generator: randomness (the ``random`` baseline).
         task: the classifier explained (``encoder`` + ``head``), for methods that run their own
             passes through it (``lrp``).
+        merges: for a token-merged encoder (:func:`vision_attn.merge_tokens`), per block the
+            token maps after its attention (:func:`vision_attn.merge.merge_log`); ``None`` otherwise.
     """
 
     images: Tensor
@@ -123,6 +126,7 @@ class MethodInputs:
     start_layer: int = 0
     generator: torch.Generator | None = None
     task: object | None = None
+    merges: list | None = None
 
 
 @dataclass(frozen=True)
@@ -186,19 +190,20 @@ def check_methods(methods: Sequence[str], what: str = "methods") -> None:
 @register_method("rollout", needs=("attention",), description="attention rollout (Abnar & Zuidema 2020)")
 def _rollout(x: MethodInputs) -> Tensor:
     return attention_rollout(x.attentions, x.grid, x.num_prefix_tokens, x.head_fusion, x.discard_ratio,
-                             x.start_layer, x.token_index)
+                             x.start_layer, x.token_index, merges=x.merges)
 
 
 @register_method("relevance", needs=("attention", "attention_grad"),
                  description="gradient-weighted relevance, class specific (Chefer et al. 2021)")
 def _relevance(x: MethodInputs) -> Tensor:
     return gradient_relevance(x.attentions, x.attention_grads, x.grid, x.num_prefix_tokens, x.token_index,
-                              x.start_layer)
+                              x.start_layer, merges=x.merges)
 
 
 @register_method("attention", needs=("attention",), description="raw attention of the last block")
 def _attention(x: MethodInputs) -> Tensor:
-    return last_layer_attention(x.attentions, x.grid, x.num_prefix_tokens, x.head_fusion, x.token_index)
+    return last_layer_attention(x.attentions, x.grid, x.num_prefix_tokens, x.head_fusion, x.token_index,
+                                merges=x.merges)
 
 
 @register_method("gradcam", needs=("block_input", "block_input_grad"),
@@ -453,7 +458,7 @@ def explain_classifier(
                           num_prefix_tokens=p, token_index=token_index, attentions=list(attn),
                           block_input=seen.get("block_input"), block_output=seen.get("block_output"),
                           head_fusion=head_fusion, discard_ratio=discard_ratio, start_layer=start_layer,
-                          generator=generator, task=task)
+                          generator=generator, task=task, merges=merge_log(task.encoder))
     if grad_inputs:
         with torch.enable_grad():  # also under a caller's no_grad (Lightning's predict loop)
             score = logits.gather(1, target.view(-1, 1)).sum()

@@ -4,6 +4,10 @@
 run them (:mod:`vision_attn.caption_metrics`) and, when the split has instance annotations,
 content accuracy (:mod:`vision_attn.caption_content`); ``predictions.json`` items carry their
 image's CIDEr-D (``"cider"``: their mean is the corpus ``cider``).
+
+Training is teacher-forced cross-entropy, or (``scst=True``, usually started from a
+cross-entropy checkpoint with ``init_from``) self-critical sequence training, Rennie et al.
+2017 (:mod:`vision_attn.scst`; ``configs/captioning/scst.yaml``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,7 @@ from torch import Tensor
 
 from vision_attn.caption_content import content_accuracy
 from vision_attn.caption_metrics import (
+    CiderD,
     caption_metrics,
     caption_metrics_per_image,
     image_dependence,
@@ -30,10 +35,22 @@ from vision_attn.distributed import mean_across_processes
 from vision_attn.errors import CheckpointError, ConfigError, DataError
 from vision_attn.models.captioner import CaptionDecoder, Generation, GenerationOptions
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
-from vision_attn.tasks.base import VisionTask, gather_objects, register_task
+from vision_attn.scst import baselines, sample_rewards, scst_loss
+from vision_attn.tasks.base import (
+    VisionTask,
+    gather_objects,
+    read_task_meta,
+    register_task,
+    restore_from_checkpoint,
+)
 from vision_attn.tasks.optim import Optimization
 
 CAPTIONING_OPTIM = Optimization(lr=5e-4)
+
+# what ``init_from`` compares between the checkpoint and the configured model (else a clear error)
+DECODER_ARCHITECTURE = ("hidden_dim", "num_layers", "num_heads", "mlp_ratio", "max_length")
+ENCODER_ARCHITECTURE = ("name", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "stem",
+                        "lsa", "timm_kwargs")
 
 __all__ = ["CaptioningTask"]
 
@@ -82,6 +99,21 @@ class CaptioningTask(VisionTask):
             ``--model.optim.lr`` etc.).
         compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
             choice: not stored in checkpoints).
+        scst: train with self-critical sequence training (Rennie et al. 2017,
+            :mod:`vision_attn.scst`) instead of cross-entropy: CIDEr-D rewards of sampled
+            captions against the image's references, minus a baseline. A second phase: start it
+            from a cross-entropy model with ``init_from``. Needs a
+            :class:`~vision_attn.data.CaptioningDataModule` (the training references).
+        scst_samples: captions sampled per image and step.
+        scst_baseline: ``greedy`` (the greedy caption's reward, as the paper) or ``mean`` (the
+            mean reward of the image's other samples; needs ``scst_samples >= 2``).
+        scst_max_length: most tokens of a sampled (and of the greedy baseline) caption,
+            ``<eos>`` included (default: what the decoder holds, ``max_length - 1``).
+        init_from: a captioning checkpoint of ``train.py`` whose weights (and vocabulary, and
+            preprocessing) this model starts from — the weights only: the optimiser, the schedule
+            and the epoch start afresh (``--ckpt_path`` resumes a run instead). Read with the
+            suite's safe checkpoint reader; a checkpoint of another task, or whose vocabulary or
+            architecture differs from this model's, is an error. Not stored in checkpoints.
     """
 
     task_name = "captioning"
@@ -113,19 +145,74 @@ class CaptioningTask(VisionTask):
         val_beam_size: int = 1,
         optim: Optimization = CAPTIONING_OPTIM,
         compile: bool = False,
+        scst: bool = False,
+        scst_samples: int = 5,
+        scst_baseline: Literal["greedy", "mean"] = "greedy",
+        scst_max_length: int | None = None,
+        init_from: str | None = None,
     ) -> None:
         super().__init__(encoder, optim, compile)
-        self.save_hyperparameters(ignore=["encoder", "optim"])  # optim: a dataclass, kept out of pickled state
+        # optim: a dataclass, kept out of pickled state; init_from: where this run started, not the model
+        self.save_hyperparameters(ignore=["encoder", "optim", "init_from"])
         self.head: CaptionDecoder | None = None
         self.class_names = None
         self.tokenizer: WordTokenizer | None = None
         self.generation = GenerationOptions(beam_size, length_penalty, max_length - 1, min_length, repetition_penalty)
         _check_generation(self.generation, "--model.init_args")
         self.eval_records: list[dict[str, Any]] = []
+        self._check_scst()
+        self.scst_cider: CiderD | None = None  # CIDEr-D statistics of the training references (SCST, built once)
+        self.scst_references: list[list[str]] | None = None
+        self.init_from = init_from
         if freeze_encoder:
             self.encoder.requires_grad_(False)
-        if vocab is not None:
+        if init_from is not None:
+            self._start_from(init_from, vocab)
+        elif vocab is not None:
             self._build(vocab)
+
+    def _check_scst(self) -> None:
+        hp = self.hparams
+        if hp.scst_baseline not in ("greedy", "mean"):
+            raise ConfigError(f"--model.scst_baseline must be greedy or mean, got {hp.scst_baseline!r}")
+        least = 2 if hp.scst_baseline == "mean" else 1
+        if not isinstance(hp.scst_samples, int) or hp.scst_samples < least:
+            raise ConfigError(f"--model.scst_samples must be at least {least} with the {hp.scst_baseline} baseline, "
+                              f"got {hp.scst_samples!r}")
+        if hp.scst_max_length is not None and not 1 <= hp.scst_max_length <= hp.max_length - 1:
+            raise ConfigError(f"--model.scst_max_length must be between 1 and max_length - 1 = {hp.max_length - 1} "
+                              f"(or null), got {hp.scst_max_length!r}")
+
+    def _start_from(self, path: str, vocab: list[str] | str | None) -> None:
+        """Load the weights (only) of the captioning checkpoint ``path`` (see ``init_from``)."""
+        what = f"--model.init_from {path}"
+        meta, ckpt = read_task_meta(path)
+        if meta.get("task") != self.task_name:
+            raise CheckpointError(f"{what} holds a {meta.get('task')!r} model, not a captioning one; start from a "
+                                  "checkpoint of a captioning run of train.py")
+        stored = meta["model"]["init_args"]
+        if stored.get("vocab") is None:
+            raise CheckpointError(f"{what} does not store the model's tokenizer vocabulary; use a checkpoint "
+                                  "written by train.py")
+        theirs = WordTokenizer.restore(stored["vocab"])
+        if vocab is not None and WordTokenizer.restore(vocab).vocab != theirs.vocab:
+            raise CheckpointError(f"{what}: its vocabulary ({len(theirs)} tokens) is not the one given in "
+                                  "--model.vocab; leave --model.vocab out (the checkpoint's is used)")
+        for key in DECODER_ARCHITECTURE:
+            if key in stored and stored[key] != self.hparams[key]:
+                raise CheckpointError(f"{what} was trained with model.{key}={stored[key]!r}, this model has "
+                                      f"{self.hparams[key]!r}; configure the checkpoint's (its run's config.yaml)")
+        ours = self.encoder.architecture_config()["init_args"]
+        enc = stored["encoder"]["init_args"]
+        for key in ENCODER_ARCHITECTURE:
+            if key in enc and key in ours and enc[key] != ours[key]:
+                raise CheckpointError(f"{what} was trained with model.encoder.{key}={enc[key]!r}, this model has "
+                                      f"{ours[key]!r}; configure the checkpoint's (its run's config.yaml)")
+        self._build(stored["vocab"])
+        restore_from_checkpoint(self, meta, ckpt, what)
+        self.train()
+        log.info("captioning weights, vocabulary and preprocessing from %s (optimiser and schedule start afresh)",
+                 path)
 
     def _build(self, vocab: list[str] | str) -> None:
         hp = self.hparams
@@ -139,11 +226,20 @@ class CaptioningTask(VisionTask):
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None)
+        if stage == "fit" and self.hparams.scst and self.init_from is None and not self.trainer.ckpt_path:
+            log.warning("self-critical training from scratch: it is a second phase; start it from a cross-entropy "
+                        "checkpoint with --model.init_from CKPT (configs/captioning/scst.yaml)")
         if self.head is None:
             if dm is None or not hasattr(dm, "tokenizer"):
                 raise DataError("CaptioningTask needs a captioning datamodule (it trains the tokenizer)")
             self.build_from_data(dm)
         else:
+            if self.init_from is not None and stage == "fit" and hasattr(dm, "tokenizer") \
+                    and dm.tokenizer.vocab != self.tokenizer.vocab:
+                raise CheckpointError(
+                    f"--model.init_from {self.init_from}: its vocabulary ({len(self.tokenizer)} tokens) is not the "
+                    f"one the training captions give ({len(dm.tokenizer)} tokens); start from a model trained on "
+                    "these captions with the same data.min_word_freq and data.max_vocab")
             self.configure_datamodule(dm)
 
     def configure_datamodule(self, datamodule) -> None:
@@ -233,10 +329,67 @@ class CaptioningTask(VisionTask):
         return total / count.clamp(min=1.0)
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
+        if self.hparams.scst:
+            return self._scst_step(batch)
         images, tokens, _ = batch
         loss = self._loss(images, tokens, across_processes=True)
         self.check_finite(loss, {"cross_entropy": loss})
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(images), sync_dist=True)
+        return loss
+
+    # ------------------------------------------------------------------ self-critical training
+    def _scst_statistics(self) -> tuple[CiderD, list[list[str]]]:
+        """CIDEr-D's document frequencies from the training references, computed on first use and
+        kept (every DDP process reads the whole training split: the same statistics everywhere)."""
+        if self.scst_cider is None:
+            dm = getattr(self.trainer, "datamodule", None)
+            if dm is None or not hasattr(dm, "train_references"):
+                raise DataError("--model.scst needs the training references: train with a CaptioningDataModule "
+                                "(train.py's data section), not bare dataloaders")
+            self.scst_references = dm.train_references()
+            self.scst_cider = CiderD(self.scst_references)
+            log.info("SCST: CIDEr-D document frequencies from %d training images", len(self.scst_references))
+        return self.scst_cider, self.scst_references
+
+    def _greedy_captions(self, images: Tensor, max_new: int) -> Tensor:
+        """The greedy captions' tokens, decoded as at test time (eval mode, no gradients, no
+        decoding constraint); every module's mode is restored afterwards."""
+        modes = {m: m.training for m in self.modules()}
+        try:
+            self.eval()
+            with torch.no_grad():
+                enc = self.encoder(images)
+                return self.head.generate(enc, self.tokenizer.bos_id, self.tokenizer.eos_id, max_new, 1).tokens
+        finally:
+            for m, mode in modes.items():
+                m.training = mode
+
+    def _scst_step(self, batch) -> Tensor:
+        """One self-critical step (:mod:`vision_attn.scst`): ``scst_samples`` sampled captions per
+        image, rewarded by CIDEr-D against all of the image's training references, minus the
+        baseline; ``-(reward - baseline) * log p(sample)`` averaged over the samples."""
+        images, _, indices = batch
+        hp, tok = self.hparams, self.tokenizer
+        scorer, references = self._scst_statistics()
+        refs = [references[i] for i in indices.tolist()]
+        s = hp.scst_samples
+        max_new = hp.scst_max_length or hp.max_length - 1
+        enc = self.encode(images)
+        samples = self.head.sample(enc, tok.bos_id, tok.eos_id, s, max_new)  # no graph: tokens only
+        rewards = sample_rewards(scorer, self.decode(samples.tokens), refs).to(images.device)  # (B, S)
+        greedy = None
+        if hp.scst_baseline == "greedy":
+            greedy_tokens = self._greedy_captions(images, max_new)
+            greedy = sample_rewards(scorer, self.decode(greedy_tokens), refs)[:, 0].to(images.device)  # (B,)
+        baseline = baselines(rewards, hp.scst_baseline, greedy)  # (B, S)
+        logp = self.head.token_logprobs(enc, samples.tokens, tok.bos_id, repeats=s)  # (B*S, T), with gradients
+        loss = scst_loss(logp, samples.lengths, rewards, baseline)
+        self.check_finite(loss, {"scst": loss})
+        n = len(images)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=n, sync_dist=True)
+        self.log("train/reward", rewards.mean(), prog_bar=True, on_step=True, on_epoch=True, batch_size=n,
+                 sync_dist=True)
+        self.log("train/baseline", baseline.mean(), on_step=True, on_epoch=True, batch_size=n, sync_dist=True)
         return loss
 
     def _eval_step(self, batch, beam_size: int) -> None:
