@@ -156,6 +156,8 @@ def test_every_config_parses(config):
     args = ["--config", str(REPO / config)]
     if "model" not in cfg:  # trainer-only fragments are composed with a task config
         args = ["--config", CONFIG, *args]
+    elif "class_path" not in cfg["model"]:  # a second-phase fragment (scst.yaml) composes with its folder's task config
+        args = ["--config", str(REPO / Path(config).parent / "shapes.yaml"), *args]
     parsed = ParseOnly(args=args).config
     assert parsed.model.class_path.startswith("vision_attn.")
     assert parsed.data.class_path.startswith("vision_attn.")
@@ -301,3 +303,18 @@ def test_optimizer_and_scheduler_are_chosen_on_the_command_line(shapes_root, tmp
     assert isinstance(cli.trainer.lr_scheduler_configs[0].scheduler, torch.optim.lr_scheduler.StepLR)
     saved = yaml.safe_load((tmp_path / "sgd" / "config.yaml").read_text())
     assert saved["optimizer"]["class_path"] == "torch.optim.SGD"
+
+
+def test_eval_merge_r_merges_tokens_and_zero_is_the_model_as_trained(trained_run, tmp_path):
+    ckpt = str(trained_run / "checkpoints" / "last.ckpt")
+    fast = ["--explain.num_overlays", "1", "--explain.faithfulness_images", "4", "--explain.steps", "4",
+            "--explain.report", "false", "--ckpt_path", ckpt]
+    plain = eval_main([*fast, "--output_dir", str(tmp_path / "plain")])
+    zero = eval_main([*fast, "--merge_r", "0", "--output_dir", str(tmp_path / "zero")])
+    merged = eval_main([*fast, "--merge_r", "8", "--output_dir", str(tmp_path / "merged")])
+    assert zero == plain
+    probs = {d: [p["score"] for p in json.loads((tmp_path / d / "predictions.json").read_text())]
+             for d in ("plain", "merged")}
+    assert len(probs["merged"]) == len(probs["plain"])
+    assert probs["merged"] != probs["plain"]  # r=8 of the 64 patch tokens per block changes the model's outputs
+    assert list((tmp_path / "merged" / "overlays").glob("*.png"))  # explanations of the merged model still drawn
