@@ -131,3 +131,14 @@ def test_recipes_reads_runs_and_prints_tables(tmp_path):
     assert sweep.count("\n") == 3 and "0.900" in sweep and "—" in sweep
     gain = markdown("finetune", [{"train_images": 200, "scratch": {"top1": 0.5}, "finetune": {"top1": 0.75}}])
     assert "+25.0 pts" in gain
+
+
+def test_token_merging_benchmark_rows():
+    from benchmarks.merging import run
+
+    res = run("vit_tiny_patch16_224", 2, 1)
+    rows = {row["r"]: row for row in res["rows"]}
+    assert sorted(rows) == [0, 4, 8, 16]
+    assert rows[0]["top1_agreement"] == 1.0 and rows[0]["rollout_spearman_min"] == pytest.approx(1.0)
+    assert rows[16]["tokens_last_block"] < rows[8]["tokens_last_block"] < rows[4]["tokens_last_block"]
+    assert all(row["images_per_s"] > 0 for row in rows.values())
