@@ -1,0 +1,144 @@
+"""Which of the detection training aids help on the embedded scenes (``python -m
+benchmarks.detection_ablation``; not part of ``make test``: each row trains a detector for minutes).
+
+    python -m benchmarks.detection_ablation [--epochs 30] [--val_every 5] [--rows NAME ...]
+        [--config configs/detection/shapes.yaml] [--work DIR] [--json FILE]
+
+Every row is ``train.py`` exactly as a user runs it, in a subprocess, on the config's embedded
+scenes (same seed, same data, same epochs, so the same number of optimiser steps), with one
+change per row against the config::
+
+    python train.py --config configs/detection/shapes.yaml --trainer.max_epochs 30 \\
+        --trainer.check_val_every_n_epoch 5 <row's overrides>
+
+The table reports the last validation's ``val/map``, ``val/map_50``, ``val/map_75`` (torchmetrics'
+COCO mAP, equal to pycocotools), the first validated epoch at which ``val/map_50`` reaches 0.90,
+and the wall time of the whole run (start-up and validations included). The wall time *at* that
+epoch is the run's wall time times ``epoch / epochs`` (validation takes about 2 % of a run, so
+this is within a few seconds; stated as such in the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import machine, write_result
+
+log = logging.getLogger("benchmarks.detection_ablation")
+
+REPO = Path(__file__).resolve().parents[1]
+MAP50_BAR = 0.90
+
+PLAIN = ["--model.init_args.box_refine", "false", "--model.init_args.focal", "false",
+         "--model.init_args.cost_class", "1", "--model.init_args.weight_ce", "1"]
+DN = ["--model.init_args.dn_groups", "5"]
+NEG = ["--model.init_args.dn_negatives", "true"]
+QS = ["--model.init_args.query_selection", "true", "--model.init_args.look_forward_twice", "true"]
+HYBRID = ["--model.init_args.o2m_groups", "1", "--model.init_args.o2m_mode", "hybrid"]
+
+ROWS: dict[str, list[str]] = {
+    "plain DETR": PLAIN,
+    "anchors + refinement + focal (shapes.yaml)": [],
+    "+ denoising (DN-DETR, 5 groups)": DN,
+    "+ denoising with negatives (DINO)": DN + NEG,
+    "+ query selection + look forward twice (DINO)": QS,
+    "+ one-to-many, Group DETR (3 groups)": ["--model.init_args.o2m_groups", "3", "--model.init_args.o2m_mode",
+                                              "group"],
+    "+ one-to-many, hybrid (H-DETR, K=6)": HYBRID,
+    "+ simple feature pyramid (ViTDet)": ["--model.init_args.pyramid", "true"],
+    "+ DN with negatives + query selection + look forward twice + hybrid": DN + NEG + QS + HYBRID,
+}
+"""Row name -> overrides of the config (one aid per row against ``shapes.yaml``, then the combination)."""
+
+
+def validation_curve(run_dir: Path, keys: tuple[str, ...] = ("val/map", "val/map_50", "val/map_75")) -> list[dict]:
+    """``[{"epoch": e (1-based), key: value, ...}]`` of every validation logged in the run's newest
+    ``csv/version_*/metrics.csv``."""
+    files = sorted(run_dir.glob("csv/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
+    if not files:
+        return []
+    curve = []
+    with files[-1].open() as f:
+        for row in csv.DictReader(f):
+            if row.get(keys[0]):
+                curve.append({"epoch": int(row["epoch"]) + 1, **{k: float(row[k]) for k in keys if row.get(k)}})
+    return curve
+
+
+def summarise(curve: list[dict], seconds: float, epochs: int) -> dict:
+    """The row's table entries from its validation curve and wall time."""
+    last = curve[-1] if curve else {}
+    reached = next((c["epoch"] for c in curve if c.get("val/map_50", 0.0) >= MAP50_BAR), None)
+    return {"map": last.get("val/map"), "map_50": last.get("val/map_50"), "map_75": last.get("val/map_75"),
+            "epoch_map50_090": reached,
+            "seconds_map50_090": None if reached is None else round(seconds * reached / epochs, 1),
+            "seconds": round(seconds, 1), "curve": curve}
+
+
+def run_row(config: str, epochs: int, val_every: int, run_dir: Path, overrides: list[str]) -> dict:
+    """One ``train.py`` run; the row's numbers (``map`` is None if the run failed, see its ``train.log``)."""
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", config, "--trainer.max_epochs", str(epochs),
+           "--trainer.check_val_every_n_epoch", str(val_every), "--trainer.default_root_dir", str(run_dir),
+           "--trainer.enable_progress_bar", "false", *overrides]
+    log.info("%s", " ".join(cmd))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ})
+    seconds = time.perf_counter() - start
+    (run_dir / "train.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        log.error("run failed (exit %d), see %s", done.returncode, run_dir / "train.log")
+        return {"map": None, "seconds": round(seconds, 1), "curve": []}
+    return summarise(validation_curve(run_dir), seconds, epochs)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The README's table."""
+    def num(v):
+        return "—" if v is None else f"{v:.3f}"
+
+    lines = ["| row | map | map_50 | map_75 | map_50 ≥ 0.90 at epoch | … at wall s | run wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        at = "not reached" if r.get("epoch_map50_090") is None else str(r["epoch_map50_090"])
+        wall = "—" if r.get("seconds_map50_090") is None else str(r["seconds_map50_090"])
+        lines.append(f"| {r['row']} | {num(r.get('map'))} | {num(r.get('map_50'))} | {num(r.get('map_75'))} | "
+                     f"{at} | {wall} | {r['seconds']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/detection/shapes.yaml")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--val_every", type=int, default=5)
+    parser.add_argument("--rows", nargs="*", default=None, help="only the rows whose name contains one of these")
+    parser.add_argument("--work", default=None, help="runs (default: benchmarks/results/detection-ablation)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    work = Path(args.work or REPO / "benchmarks" / "results" / "detection-ablation").resolve()
+    names = [n for n in ROWS if not args.rows or any(key in n for key in args.rows)]
+    if not names:
+        parser.error(f"--rows {args.rows} matches none of: {', '.join(ROWS)}")
+    rows = []
+    for i, name in enumerate(names):
+        result = run_row(args.config, args.epochs, args.val_every, work / f"row{i:02d}", ROWS[name])
+        rows.append({"row": name, "overrides": ROWS[name], **result})
+        log.info("%s: %s", name, {k: v for k, v in result.items() if k != "curve"})
+        write_result(args.json, {"config": args.config, "epochs": args.epochs, "machine": machine(), "rows": rows,
+                                 "table": markdown(rows)})
+    sys.stdout.write(markdown(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
