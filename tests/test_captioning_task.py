@@ -74,6 +74,10 @@ def test_training_learns_the_captions(fitted):
     # an untrained model scores log(V) per token; 180 tiny steps must take it well below
     assert float(metrics["train/loss_epoch"]) < 0.7 * math.log(len(task.tokenizer))
     assert float(metrics["val/bleu1"]) > 0.2  # scored on generated captions
+    # validation also says whether the captions name what is there (the split has instances)
+    assert {f"val/{k}" for k in CONTENT_KEYS} <= set(metrics)
+    assert 0.0 <= float(metrics["val/content_exact"]) <= float(metrics["val/kinds_exact"]) <= 1.0
+    assert float(metrics["val/content_images"]) == len(dm.datasets["val"])
 
 
 def test_captions_depend_on_the_image(fitted):

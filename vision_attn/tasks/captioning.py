@@ -437,7 +437,10 @@ class CaptioningTask(VisionTask):
 
     @classmethod
     def _score(cls, dataset, records: list[dict[str, Any]]) -> dict[str, float]:
-        return caption_metrics(*cls._pairs(dataset, records))
+        """Validation's metrics: BLEU / CIDEr-D / ROUGE-L, and content accuracy where the split
+        has instance annotations (so a run's curves show whether the captions name what is there)."""
+        hyps, refs = cls._pairs(dataset, records)
+        return {**caption_metrics(hyps, refs), **cls._content(dataset, hyps)}
 
     def eval_results(self, dataset) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """``(metrics, predictions)``.
