@@ -248,3 +248,29 @@ def test_train_and_eval_contract(tmp_path):
     assert set(greedy) >= {"bleu4", "cider"}
     greedy_preds = json.loads((out / "greedy" / "predictions.json").read_text())
     assert all(len(p["caption"].split()) >= 4 for p in greedy_preds)
+
+
+def test_word_dropout_replaces_only_words_and_only_in_training():
+    vocab = ["<pad>", "<bos>", "<eos>", "<unk>", "a", "red", "circle", "square"]
+    task = _task(vocab=vocab, word_dropout=0.5)
+    tok = task.tokenizer
+    w = [tok.index[x] for x in ("a", "red", "circle")]
+    tokens = torch.tensor([[tok.bos_id, *w, tok.eos_id, tok.pad_id, tok.pad_id]] * 400)
+    torch.manual_seed(1)
+    dropped = task._drop_words(tokens[:, :-1])
+    changed = dropped != tokens[:, :-1]
+    assert (dropped[changed] == tok.unk_id).all()  # replaced by <unk>, nothing else
+    assert not changed[:, 0].any() and not changed[:, 5:].any()  # <bos> and padding never
+    rate = changed[:, 1:5].float().mean().item()  # words and <eos> as an input
+    assert 0.45 < rate < 0.55, rate
+    images = torch.randn(4, 3, 32, 32)
+    task.eval()  # evaluation: no dropout, the same loss as without the option
+    plain = _task(vocab=vocab)
+    plain.load_state_dict(task.state_dict())
+    plain.eval()
+    assert torch.equal(task._loss(images, tokens[:4]), plain._loss(images, tokens[:4]))
+    task.train()
+    torch.manual_seed(2)
+    assert not torch.equal(task._loss(images, tokens[:4]), plain._loss(images, tokens[:4]))
+    with pytest.raises(ValueError, match="word_dropout"):
+        _task(vocab=vocab, word_dropout=1.0)

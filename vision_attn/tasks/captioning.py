@@ -87,6 +87,8 @@ class CaptioningTask(VisionTask):
         dropout: decoder dropout.
         max_length: longest caption in tokens (``<bos>``, ``<eos>`` included).
         label_smoothing: of the teacher-forced cross-entropy.
+        word_dropout: training only: share of the teacher-forced input words replaced by
+            ``<unk>`` (word dropout), which makes the decoder read more from the image; 0 = off.
         freeze_encoder: keep the encoder's weights fixed (and in eval mode).
         beam_size: beam width of evaluation (1 = greedy).
         length_penalty: beam search ranks finished captions by
@@ -150,8 +152,11 @@ class CaptioningTask(VisionTask):
         scst_baseline: Literal["greedy", "mean"] = "greedy",
         scst_max_length: int | None = None,
         init_from: str | None = None,
+        word_dropout: float = 0.0,
     ) -> None:
         super().__init__(encoder, optim, compile)
+        if not 0.0 <= word_dropout < 1.0:
+            raise ValueError(f"--model.init_args.word_dropout must be in [0, 1), got {word_dropout}")
         # optim: a dataclass, kept out of pickled state; init_from: where this run started, not the model
         self.save_hyperparameters(ignore=["encoder", "optim", "init_from"])
         self.head: CaptionDecoder | None = None
@@ -319,7 +324,10 @@ class CaptioningTask(VisionTask):
         """Mean cross-entropy per target token. With ``across_processes`` (training under DDP) the
         token count is averaged over processes, so DDP's gradient averaging yields the gradient
         of the mean over the global batch's tokens."""
-        logits = self(images, tokens[:, :-1])  # (B, T-1, V)
+        inputs = tokens[:, :-1]
+        if self.training and self.hparams.get("word_dropout", 0.0) > 0:
+            inputs = self._drop_words(inputs)
+        logits = self(images, inputs)  # (B, T-1, V)
         targets = tokens[:, 1:].reshape(-1)
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=self.tokenizer.pad_id,
                                 label_smoothing=self.hparams.label_smoothing, reduction="sum")
@@ -327,6 +335,16 @@ class CaptioningTask(VisionTask):
         if across_processes:
             count = mean_across_processes(count)
         return total / count.clamp(min=1.0)
+
+    def _drop_words(self, inputs: Tensor) -> Tensor:
+        """Word dropout (Bowman et al. 2016) on the teacher-forced inputs: each word (not ``<bos>``,
+        not padding) is replaced by ``<unk>`` with probability ``word_dropout``, so the next word
+        cannot be guessed from the caption so far as easily and has to be read from the image.
+        The targets are unchanged."""
+        tok = self.tokenizer
+        droppable = (inputs != tok.pad_id) & (inputs != tok.bos_id)
+        drop = droppable & (torch.rand(inputs.shape, device=inputs.device) < self.hparams.word_dropout)
+        return inputs.masked_fill(drop, tok.unk_id)
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         if self.hparams.scst:
