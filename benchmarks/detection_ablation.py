@@ -3,6 +3,7 @@ benchmarks.detection_ablation``; not part of ``make test``: each row trains a de
 
     python -m benchmarks.detection_ablation [--epochs 30] [--val_every 5] [--rows NAME ...]
         [--config configs/detection/shapes.yaml] [--work DIR] [--json FILE]
+    python -m benchmarks.detection_ablation --step_cost [--rows NAME ...] [--steps 30]
 
 Every row is ``train.py`` exactly as a user runs it, in a subprocess, on the config's embedded
 scenes (same seed, same data, same epochs, so the same number of optimiser steps), with one
@@ -16,6 +17,11 @@ COCO mAP, equal to pycocotools), the first validated epoch at which ``val/map_50
 and the wall time of the whole run (start-up and validations included). The wall time *at* that
 epoch is the run's wall time times ``epoch / epochs`` (validation takes about 2 % of a run, so
 this is within a few seconds; stated as such in the README).
+
+``--step_cost`` measures what a row costs per training step instead, every row in this one
+process (the config's model, data and batch, ``--steps`` timed steps after warm-up, median), so
+that rows trained while the machine was shared can still be compared in wall time: time to an
+epoch = epoch x steps per epoch x the step's median.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from lightning.pytorch import Callback
 
 from benchmarks.common import machine, write_result
 
@@ -99,6 +107,35 @@ def run_row(config: str, epochs: int, val_every: int, run_dir: Path, overrides: 
     return summarise(validation_curve(run_dir), seconds, epochs)
 
 
+class StepTimer(Callback):
+    """Wall time of every training step (``on_train_batch_start`` to ``on_train_batch_end``)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+def step_cost(config: str, overrides: list[str], steps: int, warmup: int, work: Path) -> dict:
+    """Median seconds per training step of one row (in this process) and the steps per epoch."""
+    from vision_attn.cli import TrainCLI
+
+    cli = TrainCLI(args=["--config", config, *overrides, "--trainer.max_steps", str(warmup + steps),
+                         "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
+                         "--trainer.enable_progress_bar", "false",
+                         "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(work)])
+    timer = StepTimer()
+    cli.trainer.callbacks.append(timer)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    timed = sorted(timer.times[warmup:])
+    return {"step_s": round(timed[len(timed) // 2], 4), "steps_per_epoch": cli.trainer.num_training_batches}
+
+
 def markdown(rows: list[dict]) -> str:
     """The README's table."""
     def num(v):
@@ -120,15 +157,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/detection/shapes.yaml")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--val_every", type=int, default=5)
-    parser.add_argument("--rows", nargs="*", default=None, help="only the rows whose name contains one of these")
+    parser.add_argument("--rows", nargs="*", default=None, help="only the rows whose name contains one of these, in this order")
     parser.add_argument("--work", default=None, help="runs (default: benchmarks/results/detection-ablation)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--step_cost", action="store_true", help="per-step cost of each row instead of trainings")
+    parser.add_argument("--steps", type=int, default=30, help="--step_cost: timed steps per row")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     work = Path(args.work or REPO / "benchmarks" / "results" / "detection-ablation").resolve()
-    names = [n for n in ROWS if not args.rows or any(key in n for key in args.rows)]
+    names = list(ROWS) if not args.rows else list(dict.fromkeys(n for key in args.rows for n in ROWS if key in n))
     if not names:
         parser.error(f"--rows {args.rows} matches none of: {', '.join(ROWS)}")
+    if args.step_cost:
+        costs = []
+        for i, name in enumerate(names):
+            cost = step_cost(args.config, ROWS[name], args.steps, 5, work / f"cost{i:02d}")
+            costs.append({"row": name, **cost})
+            log.info("%s: %s", name, cost)
+        lines = ["| row | s / step | s / epoch |", "| --- | --- | --- |"]
+        lines += [f"| {c['row']} | {c['step_s']:.3f} | {c['step_s'] * c['steps_per_epoch']:.1f} |" for c in costs]
+        sys.stdout.write("\n".join(lines) + "\n")
+        write_result(args.json, {"config": args.config, "machine": machine(), "step_costs": costs})
+        return 0
     rows = []
     for i, name in enumerate(names):
         result = run_row(args.config, args.epochs, args.val_every, work / f"row{i:02d}", ROWS[name])
