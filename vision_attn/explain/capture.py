@@ -205,24 +205,8 @@ def streaming_rollout(
     if num_prefix_tokens is None:
         num_prefix_tokens = _num_prefix_tokens(model)
     stream = RolloutStream(head_fusion, discard_ratio, start_layer, num_prefix_tokens, dtype)
-    events = _merge_events(model)
-    applied, per_pass = [0], [0]
-
-    def catch_up() -> None:
-        pending = events()
-        for token_map in pending[applied[0]:]:
-            stream.apply(token_map)
-        applied[0] = len(pending)
-
-    def update(probs: Tensor) -> None:
-        _one_pass(stream.blocks, per_pass[0])
-        catch_up()
-        stream.update(probs)
-
-    with observe_attention(model, update, names) as modules:
-        per_pass[0] = len(modules)
+    with _follow(model, stream, stream.update, names):
         yield stream
-    catch_up()  # the merges after the last attention (and the expansion back to the grid)
 
 
 @contextmanager
@@ -241,6 +225,17 @@ def streaming_relevance(model: nn.Module, start_layer: int = 0,
     ``capture_attention(keep_grad=True)`` (to float rounding); token merges are followed.
     """
     stream = RelevanceStream(start_layer)
+    with _follow(model, stream, stream.record, names):
+        yield stream
+
+
+@contextmanager
+def _follow(model: nn.Module, stream: RolloutStream | RelevanceStream, consume: Callable[[Tensor], None],
+            names: list[str] | None) -> Iterator[None]:
+    """Feeds ``stream`` what happens in ``model``'s forward, in order: each attention map
+    (``consume(probs)``) and, before it, the token merges since the previous one
+    (``stream.apply``); the merges after the last attention (and the expansion back to the
+    grid) when the block ends. One forward pass per block."""
     events = _merge_events(model)
     applied, per_pass = [0], [0]
 
@@ -250,14 +245,14 @@ def streaming_relevance(model: nn.Module, start_layer: int = 0,
             stream.apply(token_map)
         applied[0] = len(pending)
 
-    def record(probs: Tensor) -> None:
+    def observe(probs: Tensor) -> None:
         _one_pass(stream.blocks, per_pass[0])
         catch_up()
-        stream.record(probs)
+        consume(probs)
 
-    with observe_attention(model, record, names) as modules:
+    with observe_attention(model, observe, names) as modules:
         per_pass[0] = len(modules)
-        yield stream
+        yield
     catch_up()
 
 
