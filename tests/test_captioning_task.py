@@ -228,7 +228,8 @@ def test_train_and_eval_contract(tmp_path):
                 "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out)])
     assert "val/cider" in (out / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     ckpt = str(out / "checkpoints" / "last.ckpt")
-    metrics = eval_main([*common, "--ckpt_path", ckpt, "--output_dir", str(out / "eval"), "--explain.num_overlays", "2"])
+    metrics = eval_main([*common, "--ckpt_path", ckpt, "--output_dir", str(out / "eval"), "--explain.num_overlays", "2",
+                         "--explain.mistakes", "0"])
     saved = json.loads((out / "eval" / "metrics.json").read_text())
     assert saved == metrics and {"bleu1", "bleu2", "bleu3", "bleu4", "cider", "rouge_l", "image_dependence"} <= set(saved)
     assert CONTENT_KEYS <= set(saved) and "meteor" not in saved  # VISION_ATTN_JAVA_METRICS=0

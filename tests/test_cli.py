@@ -62,6 +62,7 @@ def test_eval_writes_contract_outputs(trained_run, shapes_root, tmp_path):
                          "--model.init_args.encoder.init_args.embed_dim", "64",
                          "--model.init_args.encoder.init_args.preprocess", "{mean: [0.1, 0.1, 0.1]}",
                          "--explain.num_overlays", "3", "--explain.faithfulness_images", "8", "--explain.steps", "4",
+                         "--explain.mistakes", "0",  # the sample only (the mistakes: tests/test_mistakes.py)
                          "--ckpt_path", str(trained_run / "checkpoints" / "last.ckpt"), "--output_dir", str(out)])
     saved = json.loads((out / "metrics.json").read_text())
     assert saved == metrics
@@ -237,7 +238,7 @@ def test_detection_train_and_eval_contract(tmp_path):
     assert "val/map" in (out / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     metrics = eval_main([*common, "--ckpt_path", str(out / "checkpoints" / "last.ckpt"), "--output_dir", str(out / "eval"),
                          "--explain.num_overlays", "2", "--explain.score_threshold", "0.0",
-                         "--explain.faithfulness_images", "2", "--explain.steps", "4"])
+                         "--explain.faithfulness_images", "2", "--explain.steps", "4", "--explain.mistakes", "0"])
     saved = json.loads((out / "eval" / "metrics.json").read_text())
     assert saved == metrics and {"map", "map_50", "map_75"} <= set(saved)
     preds = json.loads((out / "eval" / "predictions.json").read_text())

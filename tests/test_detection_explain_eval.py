@@ -203,3 +203,26 @@ def test_eval_writes_detection_explanation_metrics_and_maps(tmp_path):
             arr = np.load(out / "eval" / "maps" / m / f"{e['index']:05d}_{e['detection']}.npy")
             assert arr.shape == (32, 32) and arr.dtype == np.float32
     assert json.loads((out / "eval" / "sanity.json").read_text())["steps"][-1] == "all"
+
+
+def test_detection_panel_wraps_many_objects_into_rows_of_whole_objects():
+    """Few objects: one row (picture, then each object's tiles); more than fit: rows of whole
+    objects under the picture, a blank cell under it, tiles in order."""
+    from vision_attn.explain.detection import _detection_panel
+
+    picture = np.zeros((64, 64, 3), np.uint8)
+    tiles = [np.full((64, 64, 3), 10 * (k + 1), np.uint8) for k in range(12)]  # 6 objects x 2 methods
+    cell, pad, title = 128, 2, 18
+
+    def centre(panel, row, col):
+        return panel[pad + row * (cell + title + pad) + title + cell // 2, pad + col * (cell + pad) + cell // 2]
+
+    two = _detection_panel(picture, tiles[:4], ["t"] * 4, 2)  # 2 objects: one row of 5
+    assert two.shape[:2] == (pad + cell + title + pad, pad + 5 * (cell + pad))
+    six = _detection_panel(picture, tiles, ["t"] * 12, 2)  # 6 objects: 3 rows of picture/blank + 2 objects
+    assert six.shape[:2] == (pad + 3 * (cell + title + pad), pad + 5 * (cell + pad))
+    assert centre(six, 0, 0).tolist() == [0, 0, 0]  # the picture
+    assert centre(six, 1, 0).tolist() == centre(six, 2, 0).tolist() == [255, 255, 255]  # blank under it
+    assert [int(centre(six, r, c)[0]) for r in range(3) for c in range(1, 5)] == [10 * (k + 1) for k in range(12)]
+    one_method = _detection_panel(picture, tiles[:6], ["t"] * 6, 1)  # 4 objects a row with one method
+    assert one_method.shape[1] == pad + 5 * (cell + pad) and one_method.shape[0] == pad + 2 * (cell + title + pad)

@@ -140,7 +140,8 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
     for n in (1, 2):
         out = tmp_path / f"eval{n}"
         _run([str(REPO / "eval.py"), *common, *DDP, "--trainer.devices", str(n), "--ckpt_path", str(ckpt),
-              "--output_dir", str(out), "--explain.num_overlays", "3", *eval_only], tmp_path)
+              "--output_dir", str(out), "--explain.num_overlays", "3", "--explain.mistakes", "0", *eval_only],
+             tmp_path)
         files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
         assert [f for f in files if not f.startswith("overlays/")] == sorted(
             ["metrics.json", "predictions.json", "report.html", *task_files])

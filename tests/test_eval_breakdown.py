@@ -214,12 +214,15 @@ def test_detection_task_writes_the_breakdown(tmp_path, tiny_encoder):
     stats = _coco_eval(ds.ann_file, results)
     for key, ref in zip(COCO_SUMMARY_KEYS, stats[:9], strict=True):
         assert metrics[key] == pytest.approx(ref, abs=1e-6), key
-    assert task.eval_file_names == ("per_class.json",)
+    assert task.eval_file_names == ("per_class.json", "pr_curves.json")
     files = task.eval_files(ds)
-    assert set(files) == {"per_class.json"}
+    assert set(files) == {"per_class.json", "pr_curves.json"}
+    precision, cat_ids, _ = _coco_precision(ds.ann_file, results)
     for cat in CATEGORIES:
         assert files["per_class.json"][cat["name"]]["ap"] == pytest.approx(
             _coco_eval(ds.ann_file, results, [cat["id"]])[0], abs=1e-6)
+        assert np.allclose(files["pr_curves.json"][cat["name"]]["precision"],
+                           precision[0, :, cat_ids.index(cat["id"]), 0, -1], atol=1e-6, rtol=0)
 
 
 def test_repeated_category_names_are_told_apart():
@@ -230,3 +233,46 @@ def test_repeated_category_names_are_told_apart():
     assert per_class == {"car [0]": {"ap": -1.0, "ap_50": -1.0, "n_gt": 0},
                          "car [1]": {"ap": 1.0, "ap_50": 1.0, "n_gt": 1},
                          "bus": {"ap": -1.0, "ap_50": -1.0, "n_gt": 0}}
+
+
+def _coco_precision(ann_file: Path, results: list[dict]) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """pycocotools' accumulated precision array ``[T, R, K, A, M]``, its category ids and recall thresholds."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(str(ann_file))
+        ev = COCOeval(gt, gt.loadRes(results), "bbox")
+        ev.evaluate()
+        ev.accumulate()
+    return ev.eval["precision"], list(ev.params.catIds), ev.params.recThrs
+
+
+def test_pr_curves_equal_pycocotools_precision_array(tmp_path):
+    """pr_curves.json: per category, pycocotools' precision[IoU 0.5, :, k, all areas, 100 dets]
+    over its recall thresholds; -1 throughout for c (detections, no ground truth) and d (nothing)."""
+    dets = _write_case(tmp_path)
+    ds, preds, targets = _scored(tmp_path, dets)
+    curves = detection_breakdown(preds, targets, ds.class_names).pr_curves
+    precision, cat_ids, rec_thrs = _coco_precision(ds.ann_file, _results(dets))
+    assert list(curves) == ["a", "b", "c", "d"]
+    for cat in CATEGORIES:
+        k = cat_ids.index(cat["id"])
+        ref = precision[0, :, k, 0, -1]
+        ours = curves[cat["name"]]
+        assert np.allclose(ours["recall"], rec_thrs, atol=1e-12, rtol=0)
+        assert np.allclose(ours["precision"], ref, atol=1e-6, rtol=0), cat
+    a = np.asarray(curves["a"]["precision"])
+    assert a[0] > 0.3 and a[-1] == 0.0 and len(set(a.round(4))) > 3  # a real curve, cut where recall ends
+    assert np.all(np.diff(a) <= 1e-12)  # COCOeval's interpolation: never increasing
+    assert curves["b"]["precision"] == [0.0] * 101  # ground truth, never detected
+    assert curves["c"]["precision"] == curves["d"]["precision"] == [-1.0] * 101
+    json.dumps(curves)  # plain floats: what pr_curves.json holds
+
+
+def test_pr_curves_from_precision_refuses_a_mismatched_array():
+    from vision_attn.eval_breakdown import pr_curves_from_precision
+
+    with pytest.raises(ValueError, match="does not match"):
+        pr_curves_from_precision(torch.zeros(10, 101, 2, 4, 3), [0], ["a", "b"])
+    assert pr_curves_from_precision(None, [], ["a"])["a"]["precision"] == [-1.0] * 101

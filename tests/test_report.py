@@ -472,3 +472,177 @@ def test_large_panels_are_compacted(tmp_path):
     items = [{**_item(f"{k}.png", k), "panels": [big]} for k in range(16)]
     size = write_report(tmp_path / "report.html", "size", {}, {}, items).stat().st_size
     assert size < 16 * len(big) / 3 and size < 5_000_000, size
+
+
+# ---------------------------------------------------------------------------------------------- mistakes outside the sample
+def _gallery(page) -> list[dict]:
+    """Each mistake card: its score, name, whether it shows an overlay (loaded, the grid's own panel) and its link."""
+    return page.eval_on_selector_all("#mistakes .mistake", """els => els.map(e => {
+        const im = e.querySelector('img.copy'), item = e.dataset.item;
+        const grid = item === '' ? null : document.querySelector('#item' + item + ' .panels img');
+        return {score: +e.dataset.score, top: e.dataset.top === undefined ? null : +e.dataset.top,
+                name: e.querySelector('.name').textContent, item: item,
+                overlay: !!im && im.complete && im.naturalWidth > 0 && !!grid && im.src === grid.src,
+                link: e.querySelector('a.goto') ? e.querySelector('a.goto').getAttribute('href') : null,
+                text: e.textContent};})""")
+
+
+def test_classification_mistakes_outside_the_sample_get_overlays(browser, shapes_root, tmp_path):
+    """eval's explanations cover the seeded sample and the --explain.mistakes most confident wrong
+    predictions: those outside the sample get an overlay file and a report item, and the gallery
+    shows them, most confident first, each with its overlay and its interactive view."""
+    from vision_attn.data.classification import ImageFolderDataset
+    from vision_attn.data.transforms import build_eval_transform
+    from vision_attn.explain.evaluate import explain_eval_split, select_images
+    from vision_attn.tasks import ClassificationTask
+
+    torch.manual_seed(0)
+    names = ["circle", "cross", "square", "star", "triangle"]
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=names).eval()
+    ds = ImageFolderDataset(shapes_root, "val", names, build_eval_transform(task.data_config))
+    options = _options(methods=["rollout"], num_overlays=2, mistakes=3)
+    sample = select_images(len(ds), 2, "sample", 0)
+    outside = [i for i in range(len(ds)) if i not in sample]
+    wrong = {outside[3]: 0.61, outside[9]: 0.97, outside[15]: 0.83, outside[20]: 0.55}  # the last is 4th: no overlay
+    predictions = []
+    for i, (rel, label) in enumerate(ds.samples):
+        pred = names[(label + 1) % len(names)] if i in wrong else names[label]
+        predictions.append({"file": rel, "label": names[label], "pred": pred, "score": wrong.get(i, 0.9)})
+    options.predictions = predictions
+    out = tmp_path / "eval"
+    report = Report()
+    explain_eval_split(task, ds, options, out, report)
+    order = sorted(wrong, key=lambda i: -wrong[i])
+    explained = sorted({*sample, *order[:3]})
+    assert [it["name"] for it in report.items] == [ds.samples[i][0] for i in explained]
+    written = sorted(p.name[:5] for p in (out / "overlays").glob("*.png"))
+    assert written == [f"{i:05d}" for i in explained]
+    assert set(report.curves) == {"rollout", "random"}  # the deletion curves: the sample only (2 images)
+    path = write_report(out / "report.html", "classification", {"acc_top1": 0.84}, {}, report.items, report.curves,
+                        task="classification", predictions=predictions)
+    page, errors, requests = _visit(browser, path)
+    cards = _gallery(page)
+    assert [c["score"] for c in cards] == [wrong[i] for i in order]
+    assert [c["name"] for c in cards] == [ds.samples[i][0] for i in order]
+    assert [c["overlay"] for c in cards] == [True, True, True, False]
+    for card in cards[:3]:  # the link goes to that image's interactive view
+        item = page.eval_on_selector(card["link"], "e => e.querySelector('h3').textContent")
+        assert item == card["name"] and page.eval_on_selector(card["link"] + " canvas", "c => c.dataset.shown") == "image"
+    assert not errors and not requests, (errors, requests)
+
+
+def test_detection_mistakes_list_missed_and_false_and_pr_curves_render(browser, tmp_path):
+    """The images with the most missed and false detections in the evaluation's predictions are
+    explained even outside the sample; the gallery lists their errors, most errors first, then the
+    highest-scoring false detection; pr_curves.json's form renders as one curve per category with
+    ground truth (the -1 points left out)."""
+    from vision_attn.data.detection import CocoDetection, build_detection_transform
+    from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
+    from vision_attn.explain.detection import write_detection_overlays
+    from vision_attn.explain.evaluate import select_images
+    from vision_attn.tasks import DetectionTask
+
+    root = ensure_shapes_coco(SceneSetConfig(image_size=32, num_train=4, num_val=8), tmp_path / "data")
+    torch.manual_seed(0)
+    probe = CocoDetection(root, "val")
+    task = DetectionTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=probe.class_names,
+                         category_ids=probe.category_ids, num_queries=4, hidden_dim=32, num_layers=1,
+                         num_heads=2).eval()
+    ds = CocoDetection(root, "val", build_detection_transform(task.data_config, train=False))
+    sample = select_images(len(ds), 1, "sample", 0)
+    outside = [i for i in range(len(ds)) if i not in sample]
+    a, b, c = outside[0], outside[2], outside[4]
+    predictions = []
+    for i, im in enumerate(ds.images):  # every object found exactly at 0.9, but a's first object is missed
+        truth = ds.scoring_target(im["id"])
+        for k, ((x0, y0, x1, y1), lab) in enumerate(zip(truth["boxes"].tolist(), truth["labels"].tolist(), strict=True)):
+            if (i, k) != (a, 0):
+                predictions.append({"image_id": im["id"], "category_id": ds.category_ids[lab],
+                                    "bbox": [x0, y0, x1 - x0, y1 - y0], "score": 0.9})
+    other = ds.category_ids[-1]
+
+    def false(i: int, score: float, x: float = 0.0) -> dict:
+        return {"image_id": ds.images[i]["id"], "category_id": other, "bbox": [x, x, 2.0, 2.0], "score": score}
+
+    # a: 1 missed + 1 false (0.3) = 2 errors; c: 1 false at 0.95; b: 1 false at 0.7; c's 0.2 is below the threshold
+    predictions += [false(a, 0.3), false(b, 0.7), false(c, 0.95), false(c, 0.2, 4.0)]
+    options = _options(num_overlays=1, mistakes=2, score_threshold=0.3)
+    options.predictions = predictions
+    report = Report()
+    write_detection_overlays(task, ds, options, tmp_path / "eval", max_objects=2, report=report)
+    names = [it["name"] for it in report.items]
+    assert names == [f"image id {ds.images[i]['id']}" for i in sorted({*sample, a, c})]  # b: third, not explained
+    by_name = dict(zip(names, report.items, strict=True))
+    item_a, item_c = by_name[f"image id {ds.images[a]['id']}"], by_name[f"image id {ds.images[c]['id']}"]
+    assert len(item_a["missed"]) == 1 and [f["score"] for f in item_a["false"]] == [pytest.approx(0.3)]
+    h, w = ds.read_rgb(a).shape[:2]  # the missed object, drawn in the interactive view: xyxy fractions
+    x0, y0, x1, y1 = ds.scoring_target(ds.images[a]["id"])["boxes"][0].tolist()
+    assert item_a["missed_boxes"] == [pytest.approx([x0 / w, y0 / h, x1 / w, y1 / h])]
+    assert item_a["missed"][0]["box"] == pytest.approx([x0, y0, x1, y1])
+    assert item_c["missed"] == [] and [f["score"] for f in item_c["false"]] == [pytest.approx(0.95)]
+    assert all(by_name[f"image id {ds.images[i]['id']}"] == {**by_name[f"image id {ds.images[i]['id']}"],
+                                                               "missed": [], "false": []} for i in sample)
+    pr = {ds.class_names[0]: {"recall": [0.0, 0.5, 1.0], "precision": [1.0, 0.5, 0.0]},
+          ds.class_names[1]: {"recall": [0.0, 0.5, 1.0], "precision": [0.8, 0.4, -1.0]},
+          ds.class_names[-1]: {"recall": [0.0, 0.5, 1.0], "precision": [-1.0, -1.0, -1.0]}}
+    path = write_report(tmp_path / "eval" / "report.html", "detection", {"map": 0.5}, {}, report.items,
+                        task="detection", predictions=predictions, pr_curves=pr)
+    page, errors, requests = _visit(browser, path)
+    cards = _gallery(page)
+    assert [(card["name"], card["score"], card["top"]) for card in cards] == [
+        (f"image id {ds.images[a]['id']}", 2.0, 0.3), (f"image id {ds.images[c]['id']}", 1.0, 0.95)]
+    assert all(card["overlay"] for card in cards)
+    lists = page.eval_on_selector_all("#mistakes .mistake", """els => els.map(e => ['missed', 'false'].map(
+        k => [...e.querySelectorAll('ul.' + k + ' li')].map(li => li.textContent)))""")
+    assert lists == [[[item_a["missed"][0]["label"]], [f"{ds.class_names[-1]} 0.30 (background)"]],
+                     [["none"], [f"{ds.class_names[-1]} 0.95 (background)"]]]
+    link = cards[0]["link"]  # a's interactive view says what the dashed box is; c's has none
+    assert "Dashed red" in page.text_content(link) and "Dashed red" not in page.text_content(cards[1]["link"])
+    # the PR curves: one polyline per category with ground truth, the -1 point dropped
+    lines = page.eval_on_selector_all("#pr-curves polyline", "els => els.map(e => e.getAttribute('points').split(' ').length)")
+    assert lines == [3, 2]
+    assert _plots(page)["pr-curves"][0] > 50
+    assert not errors and not requests, (errors, requests)
+    page.screenshot(path=str(tmp_path / "detection_mistakes.png"), full_page=True)
+
+
+def test_captioning_lowest_cider_outside_the_sample_is_explained(tmp_path):
+    from vision_attn.data.captioning import CocoCaptions
+    from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
+    from vision_attn.data.transforms import build_eval_transform, whole_image
+    from vision_attn.explain.captioning import write_caption_overlays
+    from vision_attn.explain.evaluate import select_images
+    from vision_attn.tasks import CaptioningTask
+
+    root = ensure_shapes_coco(SceneSetConfig(image_size=32, num_train=4, num_val=6), tmp_path / "data")
+    torch.manual_seed(0)
+    task = CaptioningTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT),
+                          vocab=[*SPECIAL_TOKENS, "a", "red", "circle"], hidden_dim=32, num_layers=1, num_heads=2,
+                          max_length=4, beam_size=1).eval()
+    ds = CocoCaptions(root, "val", build_eval_transform(whole_image(task.data_config)), WordTokenizer(task.tokenizer.vocab))
+    sample = select_images(len(ds), 1, "sample", 0)
+    worst = [i for i in range(len(ds)) if i not in sample][-1]
+    predictions = [{"image_id": im["id"], "caption": "a", "cider": 0.05 if i == worst else 1.0 + i}
+                   for i, im in enumerate(ds.images)]
+    options = _options(num_overlays=1, mistakes=1)
+    options.predictions = predictions
+    report = Report()
+    write_caption_overlays(task, ds, options, tmp_path / "eval", report=report)
+    assert [it["name"] for it in report.items] == [f"image id {ds.images[i]['id']}" for i in sorted({*sample, worst})]
+    assert sorted(p.name[:5] for p in (tmp_path / "eval" / "overlays").glob("*.png")) == [
+        f"{i:05d}" for i in sorted({*sample, worst})]
+
+
+def test_quality_table_leaves_out_counts_and_old_names(tmp_path):
+    """Captioning's metrics.json has ``pointing_words`` (a count) and ``pointing_acc`` /
+    ``pointing_acc_random`` (old names of pointing_attention / pointing_random): no method rows."""
+    import re
+
+    metrics = {"cider": 3.7, "pointing_relevance": 0.69, "pointing_attention": 0.53, "pointing_random": 0.08,
+               "pointing_acc": 0.53, "pointing_acc_random": 0.08, "pointing_words": 172.0, "explain_words": 172.0,
+               "deletion_auc_relevance": 0.27, "deletion_auc_random": 0.49, "explain_images": 40.0}
+    page = write_report(tmp_path / "report.html", "captioning", metrics, {}, [], task="captioning").read_text()
+    table = page[page.index('<table id="quality">'):]
+    table = table[: table.index("</table>")]
+    assert re.findall(r'<tr class="[a-z]+"><th>([^<]+)</th>', table) == ["attention", "relevance", "random (baseline)"]
+    assert "over 172 generated words (172 name an object of the image" in page

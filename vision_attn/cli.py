@@ -677,6 +677,7 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
         out = Path(cli.config.output_dir)
         model.eval()
         options = cli.config_init.explain
+        options.predictions = predictions  # the worst mistakes are explained too (--explain.mistakes)
         report = Report() if options.report else None
         files = _task_files(model, data.loader.dataset)  # of the test run, before the explanations run the model
         metrics.update(model.explain_eval(data.loader.dataset, options, out, report=report))
@@ -695,7 +696,7 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
                          report.items, report.curves, root=out, task=model.task_name,
                          per_class=files.get("per_class.json"), confusion=files.get("confusion_matrix.json"),
                          predictions=predictions, training_curves=read_training_curves(cli.ckpt_file),
-                         split_size=len(data.loader.dataset))
+                         split_size=len(data.loader.dataset), pr_curves=files.get("pr_curves.json"))
         log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)
     return metrics
 

@@ -7,7 +7,8 @@
   precision and recall (``per_class.json``);
 - detection: COCO's size ranges and recall at 1 / 10 / 100 detections per image (added to
   ``metrics.json``) and, per category, AP, AP at IoU 0.5 and the number of ground-truth objects
-  (``per_class.json``).
+  (``per_class.json``), and per category its precision-recall curve at IoU 0.5
+  (``pr_curves.json``, :func:`pr_curves_from_precision`).
 
 The detection numbers are COCOeval's (pycocotools' definitions, computed by the same
 ``torchmetrics`` evaluation as ``map``): ``-1`` where a range or a category has no ground truth,
@@ -35,6 +36,7 @@ __all__ = [
     "coco_map_metric",
     "confusion_counts",
     "detection_breakdown",
+    "pr_curves_from_precision",
 ]
 
 log = logging.getLogger(__name__)
@@ -124,10 +126,13 @@ class DetectionBreakdown:
     Attributes:
         metrics: :data:`COCO_SUMMARY_KEYS` -> float (``metrics.json``), ``-1`` where undefined.
         per_class: ``{category name: {"ap", "ap_50", "n_gt"}}`` (``per_class.json``).
+        pr_curves: ``{category name: {"recall": [101], "precision": [101]}}`` at IoU 0.5
+            (``pr_curves.json``, see :func:`pr_curves_from_precision`).
     """
 
     metrics: dict[str, float]
     per_class: dict[str, dict[str, float | int]]
+    pr_curves: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
 
 
 def _unique_names(names: list[str]) -> list[str]:
@@ -144,6 +149,40 @@ def _mean_defined(values: Tensor) -> float:
     """COCOeval's summary of a precision slice: the mean of its defined (> -1) entries, else -1."""
     defined = values[values > -1]
     return float(defined.mean()) if defined.numel() else -1.0
+
+
+def pr_curves_from_precision(precision: Tensor | np.ndarray | None, present: Sequence[int],
+                             names: Sequence[str]) -> dict[str, dict[str, list[float]]]:
+    """Per category its precision-recall curve at IoU 0.5, read from COCOeval's precision array.
+
+    Args:
+        precision: COCOeval's ``eval["precision"]`` ``[T, R, K, A, M]`` (IoU thresholds from 0.5,
+            the 101 recall thresholds of :data:`COCO_REC_THRESHOLDS`, categories, areas with
+            ``all`` first, max detections with 100 last), or ``None``.
+        present: the label (``0..C-1``) of each of its ``K`` categories.
+        names: the ``C`` category names (the keys, in label order).
+
+    Returns:
+        ``{name: {"recall": [101 thresholds], "precision": [101 values]}}`` with, for the
+        category's index ``k`` in ``present``, ``precision[r] = eval["precision"][0, r, k, 0, -1]``: COCOeval's interpolated precision
+        (the best precision at any recall at least ``recall[k]``; IoU 0.5, all areas, 100
+        detections per image). ``-1`` entries are pycocotools' own: a recall the detections
+        never reach is ``0``, a category without ground truth is ``-1`` throughout (also a
+        category COCOeval did not see: neither detected nor annotated).
+    """
+    recall = [float(r) for r in COCO_REC_THRESHOLDS]
+    curves = {str(n): {"recall": list(recall), "precision": [-1.0] * len(recall)} for n in names}
+    if precision is None:
+        return curves
+    array = torch.as_tensor(np.asarray(precision) if not isinstance(precision, Tensor) else precision).double()
+    if array.ndim != 5 or array.shape[1] != len(recall) or array.shape[2] != len(present):
+        raise ValueError(f"COCOeval precision array of shape {tuple(array.shape)} does not match "
+                         f"{len(recall)} recall thresholds and {len(present)} categories")
+    for k, label in enumerate(present):
+        if not 0 <= label < len(names):
+            raise ValueError(f"pr_curves_from_precision: label {label} outside 0..{len(names) - 1}")
+        curves[str(names[label])]["precision"] = [float(v) for v in array[0, :, k, 0, -1].tolist()]
+    return curves
 
 
 def detection_breakdown(preds: list[dict[str, Tensor]], targets: list[dict[str, Tensor]],
@@ -175,10 +214,12 @@ def detection_breakdown(preds: list[dict[str, Tensor]], targets: list[dict[str, 
             n_gt[label] += 1
     per_class = {name: {"ap": -1.0, "ap_50": -1.0, "n_gt": n_gt[c]} for c, name in enumerate(names)}
     precision = res.get("precision")  # (iou T, recall R, class K, area A, max detections M)
+    pr_curves = pr_curves_from_precision(None, [], names)
     if precision is not None and precision.ndim == 5:
         # K runs over the labels present in preds or targets, sorted (torchmetrics' category ids);
         # area 0 is "all", the last M is 100 detections: pycocotools' per-category AP.
-        present = sorted(set(torch.cat([p["labels"] for p in preds] + [t["labels"] for t in targets]).tolist()))
+        labels_seen = [p["labels"].reshape(-1) for p in preds] + [t["labels"].reshape(-1) for t in targets]
+        present = sorted(set(torch.cat(labels_seen).tolist())) if labels_seen else []
         if len(present) != precision.shape[2]:
             raise RuntimeError(f"COCOeval returned {precision.shape[2]} categories for {len(present)} labels")
         for k, label in enumerate(present):
@@ -187,4 +228,5 @@ def detection_breakdown(preds: list[dict[str, Tensor]], targets: list[dict[str, 
             entry = per_class[names[label]]
             entry["ap"] = _mean_defined(precision[:, :, k, 0, -1])
             entry["ap_50"] = _mean_defined(precision[0, :, k, 0, -1])
-    return DetectionBreakdown(metrics, per_class)
+        pr_curves = pr_curves_from_precision(precision, present, names)
+    return DetectionBreakdown(metrics, per_class, pr_curves)

@@ -425,14 +425,16 @@ def _sanity(task, images: Tensor, explained: list, items: list[tuple[int, int]],
 
 
 def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
-    """Write a per-word strip (:func:`explain_captioning`) for ``options.num_overlays`` images into
-    ``out_dir/overlays`` and return the localisation (when the split has boxes) and faithfulness
-    (``options.faithfulness``) metrics of up to ``options.faithfulness_images`` images, saving
-    their maps with ``options.save_maps`` (see the module docstring)."""
+    """Write a per-word strip (:func:`explain_captioning`) for ``options.num_overlays`` images and the
+    ``options.mistakes`` lowest-CIDEr captions of the evaluation (``options.predictions``;
+    :func:`~vision_attn.explain.evaluate.overlay_images`) into ``out_dir/overlays`` and return the
+    localisation (when the split has boxes) and faithfulness (``options.faithfulness``) metrics
+    of up to ``options.faithfulness_images`` images, saving their maps with
+    ``options.save_maps`` (see the module docstring)."""
     from vision_attn.explain.detection import decoder_methods
-    from vision_attn.explain.evaluate import select_images
+    from vision_attn.explain.evaluate import overlay_images, select_images
 
-    chosen = set(select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed))
+    chosen = set(overlay_images(dataset, options, "captioning"))
     boxes = _split_boxes(dataset)
     measured = boxes is not None or options.faithfulness or options.save_maps or options.sanity
     picked = (set(select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection,

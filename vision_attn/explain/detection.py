@@ -1,6 +1,13 @@
 """Maps per detected object (where each kept query looked in the image) and their measures.
 
-Overlays: :func:`write_detection_overlays`. Measures at evaluation
+Overlays: :func:`write_detection_overlays`, of the seeded sample and the split's worst images
+(:func:`~vision_attn.explain.evaluate.overlay_images`); each explained image's report item
+carries its **missed** and **false** detections (:func:`detection_errors`: the evaluation's
+detections scoring at least ``--explain.score_threshold``, matched by :func:`match_detections` at
+IoU 0.5; a missed object is a non-crowd ground-truth box no such detection matched, a false
+detection one that matched no box — nothing there, a box already taken, or an object of another
+class), and the images are ranked by :func:`rank_detection_errors` for the mistakes gallery.
+Measures at evaluation
 (:func:`detection_explain_metrics`, called by ``DetectionTask.explain_eval``) over the images
 of :func:`~vision_attn.explain.evaluate.select_images` (``--explain.faithfulness_images`` /
 ``faithfulness_selection`` / ``seed``), for every method of :func:`decoder_methods` and
@@ -59,8 +66,11 @@ __all__ = [
     "detection_maps",
     "detection_probabilities",
     "explain_detection",
+    "detection_errors",
     "match_detections",
     "query_attention_maps",
+    "rank_detection_errors",
+    "split_detection_errors",
     "write_detection_overlays",
 ]
 
@@ -158,7 +168,7 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
                 tiles.append(draw_box(overlay_saliency(rgb, maps[method][i], alpha=options.alpha), box, label=label))
                 titles.append(f"query {int(det['queries'][k])}" + (f" {method}" if len(methods) > 1 else ""))
             labels.append(label)
-        panel = image_grid([boxed, *tiles], ["detections", *titles])
+        panel = _detection_panel(boxed, tiles, titles, len(methods))
         h0, w0 = sizes[j]
         frac = torch.tensor([w0, h0, w0, h0], dtype=torch.float32)
         text = ", ".join(f"query {int(det['queries'][k])}" for k in keep.tolist()) or "no detection above the threshold"
@@ -174,29 +184,190 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
     return explained
 
 
+def _detection_panel(boxed: np.ndarray, tiles: list[np.ndarray], titles: list[str], n_methods: int,
+                     per_row: int = 4) -> np.ndarray:
+    """The picture with every kept box, then the objects' tiles (``n_methods`` per object), at
+    most ``per_row`` tiles of whole objects in a row: one row while they fit, else rows under
+    the first (a blank cell under the picture), so an image with many objects stays readable
+    at a page's width rather than one long strip."""
+    width = max(1, per_row // max(1, n_methods)) * max(1, n_methods)  # tiles per row: whole objects
+    if len(tiles) <= width:
+        return image_grid([boxed, *tiles], ["detections", *titles])
+    blank = np.full_like(boxed, 255)
+    cells, names = [], []
+    for start in range(0, len(tiles), width):
+        cells += [boxed if start == 0 else blank, *tiles[start : start + width]]
+        names += ["detections" if start == 0 else "", *titles[start : start + width]]
+    return image_grid(cells, names, cols=1 + width)
+
+
 def write_detection_overlays(task, dataset, options, out_dir: Path, report=None, max_objects: int = 6) -> int:
     """Overlays (:func:`explain_detection`) of ``options.num_overlays`` images chosen by
-    ``options.overlay_selection`` (:func:`~vision_attn.explain.evaluate.select_images`).
+    ``options.overlay_selection`` (:func:`~vision_attn.explain.evaluate.select_images`) and of the
+    ``options.mistakes`` images with the most missed and false detections in the evaluation's
+    predictions (``options.predictions``; :func:`~vision_attn.explain.evaluate.overlay_images`).
 
-    Pictures come from ``dataset.read_rgb`` — the same read (orientation included, see
+    Each report item carries ``missed`` and ``false`` (:func:`detection_errors`) of the
+    evaluation's detections (``options.predictions``), else of the detections drawn, and
+    ``missed_boxes`` (the missed objects' boxes as xyxy fractions, drawn dashed red in the
+    interactive view). Pictures
+    come from ``dataset.read_rgb`` — the same read (orientation included, see
     :mod:`vision_attn.data.detection` on EXIF) as the model input and the boxes."""
-    from vision_attn.explain.evaluate import select_images
+    from vision_attn.explain.evaluate import overlay_images
 
-    chosen = select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed)
+    keywords = {"category_ids": getattr(task, "category_ids", None) or getattr(dataset, "category_ids", None),
+                "class_names": task.class_names or getattr(dataset, "class_names", None),
+                "score_threshold": options.score_threshold}
+    chosen = overlay_images(dataset, options, "detection", **keywords)
+    predictions = getattr(options, "predictions", None)  # the evaluation's (eval.py), else none
+    errors = split_detection_errors(dataset, predictions, **keywords) if predictions else {}
+    names = keywords["class_names"] or []
+    scored = hasattr(dataset, "scoring_target")
     device = next(task.parameters()).device
     written = 0
     for start in range(0, len(chosen), options.batch_size):
         idx = chosen[start : start + options.batch_size]
         images = torch.stack([dataset[i][0] for i in idx]).to(device)
         pictures = [dataset.read_rgb(i) for i in idx]
-        for i, e in zip(idx, explain_detection(task, images, pictures, options, max_objects=max_objects), strict=True):
+        explained = explain_detection(task, images, pictures, options, max_objects=max_objects)
+        for i, picture, e in zip(idx, pictures, explained, strict=True):
             image_id = dataset.images[i]["id"]
             save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{image_id}.png"), e.panel, root=out_dir)
             if report is not None:
-                report.items.append({"name": f"image id {image_id}", **e.report_item})
+                item = {"name": f"image id {image_id}", **e.report_item}
+                found = errors.get(i)
+                if found is None and scored and not predictions:  # no evaluation: the detections drawn
+                    kept = e.extras["detections"]
+                    found = detection_errors(
+                        torch.tensor([d[2] for d in kept], dtype=torch.float32).reshape(-1, 4),
+                        torch.tensor([d[3] for d in kept], dtype=torch.float32),
+                        torch.tensor([d[1] for d in kept], dtype=torch.int64), dataset.scoring_target(image_id),
+                        names, options.score_threshold)
+                if found is not None:
+                    h, w = picture.shape[:2]  # the interactive view draws the missed objects (xyxy fractions)
+                    item.update(found, missed_boxes=[[m["box"][0] / w, m["box"][1] / h, m["box"][2] / w,
+                                                      m["box"][3] / h] for m in found["missed"]])
+                elif predictions and scored:  # evaluated, nothing wrong
+                    item.update({"missed": [], "false": []})
+                report.items.append(item)
             written += 1
     log.info("wrote %d detection overlays to %s", written, out_dir / "overlays")
     return written
+
+
+def detection_errors(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, truth: dict[str, torch.Tensor],
+                     class_names: list[str] | None = None, score_threshold: float = 0.0,
+                     iou_threshold: float = 0.5) -> dict[str, list[dict]]:
+    """One image's missed ground-truth objects and false detections.
+
+    Args:
+        boxes: ``[K, 4]`` detections, xyxy pixels of the original image.
+        scores: ``[K]`` their scores.
+        labels: ``[K]`` their classes (``0..C-1``).
+        truth: ``{"boxes" [G, 4] xyxy pixels, "labels" [G]}`` and optionally ``"iscrowd" [G]``
+            (``dataset.scoring_target``).
+        class_names: the names reported (default: the label numbers).
+        score_threshold: detections scoring less are left out (as in the overlays).
+        iou_threshold: the least IoU of a match.
+
+    Returns:
+        ``{"missed": [{"label", "box"}], "false": [{"label", "score", "box", "why"}]}``: the
+        detections scoring at least ``score_threshold`` are matched best score first by
+        :func:`match_detections`; ``missed`` are the non-crowd ground-truth boxes left
+        unmatched (in annotation order), ``false`` the detections left unmatched (best score
+        first), each with ``why``: ``"wrong class: <name>"`` when it overlaps an object of another
+        class at ``iou_threshold`` or more, ``"duplicate"`` when it overlaps one of its own class
+        that a better detection took, else ``"background"``. Detections that match a crowd region
+        are neither (COCOeval ignores them). Boxes are ``[x0, y0, x1, y1]`` floats.
+    """
+    from torchvision.ops import box_iou
+
+    def name(c: int) -> str:
+        return str(class_names[c]) if class_names is not None and 0 <= c < len(class_names) else str(c)
+
+    boxes = boxes.detach().float().reshape(-1, 4).cpu()
+    scores, labels = scores.detach().double().reshape(-1).cpu(), labels.detach().reshape(-1).cpu()
+    keep = (scores >= score_threshold).nonzero().flatten()
+    keep = keep[scores[keep].argsort(descending=True, stable=True)]
+    boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
+    t_boxes = truth["boxes"].detach().float().reshape(-1, 4).cpu()
+    t_labels = truth["labels"].detach().reshape(-1).cpu()
+    crowd = truth.get("iscrowd")
+    crowd = torch.zeros(len(t_boxes), dtype=torch.bool) if crowd is None else crowd.detach().reshape(-1).cpu() != 0
+    match = match_detections(boxes, labels, t_boxes, t_labels, crowd.long())
+    iou = box_iou(boxes, t_boxes) if len(boxes) and len(t_boxes) else torch.zeros(len(boxes), len(t_boxes))
+    taken = {g for g in match if g >= 0}
+    missed = [{"label": name(int(t_labels[g])), "box": [float(v) for v in t_boxes[g].tolist()]}
+              for g in range(len(t_boxes)) if not crowd[g] and g not in taken]
+    false = []
+    for k, g in enumerate(match):
+        if g >= 0:
+            continue
+        over = iou[k] >= iou_threshold
+        same = over & (t_labels == labels[k])
+        if bool((same & crowd).any()):
+            continue  # on a crowd region of its class: ignored, as COCOeval does
+        other = over & (t_labels != labels[k]) & ~crowd
+        if bool(other.any()):
+            g_other = int(torch.where(other, iou[k], torch.full_like(iou[k], -1.0)).argmax())
+            why = f"wrong class: {name(int(t_labels[g_other]))}"
+        else:
+            why = "duplicate" if bool(same.any()) else "background"
+        false.append({"label": name(int(labels[k])), "score": float(scores[k]),
+                      "box": [float(v) for v in boxes[k].tolist()], "why": why})
+    return {"missed": missed, "false": false}
+
+
+def split_detection_errors(dataset, predictions, category_ids: list[int] | None = None,
+                           class_names: list[str] | None = None,
+                           score_threshold: float = 0.3) -> dict[int, dict[str, list[dict]]]:
+    """:func:`detection_errors` of every image of ``dataset`` with missed or false detections.
+
+    Args:
+        dataset: a COCO split (``images``, ``scoring_target``).
+        predictions: the evaluation's COCO results list (``predictions.json``: ``{"image_id",
+            "category_id", "bbox" [x, y, w, h], "score"}``).
+        category_ids: ``category_ids[label]`` is the file's id of class ``label`` (default:
+            ``dataset.category_ids``).
+        class_names: the names reported (default: ``dataset.class_names``).
+        score_threshold: the least score of a detection counted.
+
+    Returns:
+        ``{dataset index: {"missed", "false"}}`` of the images with at least one error.
+    """
+    category_ids = list(category_ids or getattr(dataset, "category_ids", None) or [])
+    class_names = list(class_names or getattr(dataset, "class_names", None) or [])
+    label_of = {int(c): k for k, c in enumerate(category_ids)}
+    per_image: dict[object, list[tuple[list[float], float, int]]] = {}
+    for r in predictions or []:
+        if not isinstance(r, dict) or float(r.get("score", 0.0)) < score_threshold:
+            continue
+        cid = int(r["category_id"])
+        x, y, w, h = (float(v) for v in r["bbox"])
+        per_image.setdefault(r["image_id"], []).append(([x, y, x + w, y + h], float(r["score"]),
+                                                        label_of.get(cid, -1 - cid)))
+    out: dict[int, dict[str, list[dict]]] = {}
+    for i, im in enumerate(dataset.images):
+        dets = per_image.get(im["id"], [])
+        truth = dataset.scoring_target(im["id"])
+        found = detection_errors(torch.tensor([d[0] for d in dets], dtype=torch.float32).reshape(-1, 4),
+                                 torch.tensor([d[1] for d in dets], dtype=torch.float64),
+                                 torch.tensor([d[2] for d in dets], dtype=torch.int64), truth, class_names,
+                                 score_threshold)
+        if found["missed"] or found["false"]:
+            out[i] = found
+    return out
+
+
+def rank_detection_errors(errors: dict[int, dict[str, list[dict]]]) -> list[int]:
+    """The images of ``errors`` (:func:`split_detection_errors`) worst first: the most missed and
+    false detections, then the highest-scoring false detection, then split order."""
+    def key(i: int) -> tuple[int, float, int]:
+        e = errors[i]
+        top = max((float(f["score"]) for f in e["false"]), default=0.0)
+        return (-(len(e["missed"]) + len(e["false"])), -top, i)
+
+    return sorted(errors, key=key)
 
 
 # ---------------------------------------------------------------------------- measures at evaluation

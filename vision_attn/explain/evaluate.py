@@ -1,9 +1,14 @@
 """Explanations at evaluation time: overlays, faithfulness, localisation and sanity numbers.
 
-Which images: :func:`select_images`. By default the faithfulness numbers come from a seeded
-random sample spread over the whole split (one image drawn from each of ``N`` equal
-consecutive strata), so a class-sorted split (ImageFolder) is covered class by class rather
-than through its first classes only; ``metrics.json`` reports how many images
+Which images: :func:`select_images`. The overlays (and ``report.html``'s explained images) are
+that seeded sample **and** the evaluation's ``--explain.mistakes`` worst mistakes
+(:func:`mistake_images`: the most confident wrong predictions, the images with the most missed
+and false detections, the lowest-CIDEr captions), so the report's mistakes gallery shows each
+of them with its overlays wherever it lies in the split (:func:`overlay_images`; the mean
+deletion curves of the report stay those of the sample). By default the faithfulness numbers
+come from a seeded random sample spread over the whole split (one image drawn from each of
+``N`` equal consecutive strata), so a class-sorted split (ImageFolder) is covered class by
+class rather than through its first classes only; ``metrics.json`` reports how many images
 (``explain_images``) and classes (``explain_classes``) that sample covered. The localisation
 and sanity numbers and the saved maps use the same images.
 
@@ -31,9 +36,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import cv2
 import numpy as np
@@ -56,7 +62,8 @@ from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, 
 from vision_attn.explain.sanity import sanity_check, sanity_metrics
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
-__all__ = ["ExplainOptions", "Selection", "explain_eval_split", "explanation_panel", "select_images"]
+__all__ = ["DEFAULT_MISTAKES", "ExplainOptions", "Selection", "explain_eval_split", "explanation_panel",
+           "mistake_images", "overlay_images", "select_images"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +99,12 @@ def select_images(n_total: int, n: int, selection: Selection = "sample", seed: i
                                                                              strict=True)]
 
 
+DEFAULT_MISTAKES = 8
+"""``--explain.mistakes``' default: the worst mistakes of the split explained besides the seeded
+sample (the report's mistakes gallery shows as many cards): few enough that the page stays small
+and the explanation time short, enough to see a pattern."""
+
+
 DEFAULT_METHODS: tuple[str, ...] = ("relevance", "rollout", "attention")
 """The classifier's methods when ``--explain.methods`` is not given, ``relevance`` first: on the
 trained demo classifier it points like raw attention (0.99), puts the most mass on the object
@@ -113,6 +126,11 @@ class ExplainOptions:
             ``insertion_auc`` (default ``relevance``, chosen from the measured table); the
             ``random`` baseline is always measured too.
         num_overlays: overlays written for N images of the split (0 = none).
+        mistakes: overlays written also for the split's ``K`` worst mistakes, wherever they lie
+            (0 = the sample only; :func:`mistake_images`; default :data:`DEFAULT_MISTAKES`):
+            the most confident wrong predictions (classification), the images with the most
+            missed and false detections (detection), the lowest-CIDEr captions (captioning).
+            They need the evaluation's predictions (:attr:`predictions`, set by ``eval.py``).
         overlay_selection: which images, for every task: ``sample`` (default; the seeded
             random sample spread over the split that the faithfulness numbers use, so every
             class shows up in a class-sorted folder), ``spread`` (evenly spaced) or ``first``
@@ -156,6 +174,7 @@ class ExplainOptions:
     # decoder heads' DECODER_DEFAULTS (vision_attn.explain.detection).
     methods: list[str] | None = None
     num_overlays: int = 16
+    mistakes: int = DEFAULT_MISTAKES
     overlay_selection: Selection = "sample"
     faithfulness: bool = True
     faithfulness_images: int = 256
@@ -176,6 +195,10 @@ class ExplainOptions:
     save_maps: bool = False
     sanity: bool = False
 
+    # Not an option: ``eval.py`` sets it to the evaluation's ``predictions.json`` records before
+    # the explanations run, so that :func:`overlay_images` can add the worst mistakes.
+    predictions: ClassVar[list[dict[str, Any]] | None] = None
+
     def __post_init__(self) -> None:
         self.methods_default = self.methods is None  # whether the heads may put their own default first
         if self.methods is None:
@@ -185,8 +208,65 @@ class ExplainOptions:
             raise ConfigError(f"explain.token {self.token!r} invalid; choose one of {', '.join(TOKENS)}")
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
             raise ConfigError(f"explain.topk must be an integer >= 1, got {self.topk!r}")
+        if isinstance(self.mistakes, bool) or not isinstance(self.mistakes, int) or self.mistakes < 0:
+            raise ConfigError(f"explain.mistakes must be an integer >= 0 (0: the seeded sample only), "
+                              f"got {self.mistakes!r}")
         if self.target_class is not None:
             self.target_class = str(self.target_class)
+
+
+def mistake_images(task_name: str | None, dataset, predictions: Sequence[dict[str, Any]] | None, k: int,
+                   **detection: Any) -> list[int]:
+    """The dataset indices of the split's ``k`` worst mistakes, worst first.
+
+    Args:
+        task_name: ``classification`` | ``detection`` | ``captioning`` (another: none).
+        dataset: the evaluated split (``samples`` of an ImageFolder; ``images`` of a COCO split).
+        predictions: the evaluation's ``predictions.json`` records (``None``: none).
+        k: how many.
+        detection: for detection, the keywords of
+            :func:`~vision_attn.explain.detection.split_detection_errors` (``category_ids``,
+            ``class_names``, ``score_threshold``).
+
+    Returns:
+        classification: the wrong predictions (``label != pred``), the most probable first (ties in
+        split order); detection: the images with missed or false detections, the most errors first,
+        then the highest-scoring false detection; captioning: the lowest CIDEr-D first. Records of
+        images the split does not have are skipped.
+    """
+    if k <= 0 or not predictions:
+        return []
+    if task_name == "classification":
+        where = {str(Path(rel).as_posix()): i for i, (rel, *_rest) in enumerate(getattr(dataset, "samples", []))}
+        wrong = [(-float(r.get("score", 0.0)), where[str(Path(str(r["file"])).as_posix())]) for r in predictions
+                 if isinstance(r, dict) and str(Path(str(r.get("file"))).as_posix()) in where
+                 and "label" in r and "pred" in r and str(r["label"]) != str(r["pred"])]
+        return [i for _, i in sorted(wrong)[:k]]
+    if task_name == "captioning":
+        where = {im["id"]: i for i, im in enumerate(getattr(dataset, "images", []))}
+        scored = [(float(r["cider"]), where[r["image_id"]]) for r in predictions
+                  if isinstance(r, dict) and r.get("image_id") in where and r.get("cider") is not None]
+        return [i for _, i in sorted(scored)[:k]]
+    if task_name == "detection":
+        from vision_attn.explain.detection import rank_detection_errors, split_detection_errors
+
+        return rank_detection_errors(split_detection_errors(dataset, predictions, **detection))[:k]
+    return []
+
+
+def overlay_images(dataset, options: ExplainOptions, task_name: str | None, **detection: Any) -> list[int]:
+    """Sorted dataset indices to draw overlays for: the seeded sample (:func:`select_images` with
+    ``options.num_overlays``, ``overlay_selection``, ``seed``) and the ``options.mistakes`` worst
+    mistakes of ``options.predictions`` (:func:`mistake_images`; ``detection``: its keywords)."""
+    chosen = set(select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed))
+    # options may be any object with the selection fields (the folder commands, tests): no mistakes then
+    worst = mistake_images(task_name, dataset, getattr(options, "predictions", None), getattr(options, "mistakes", 0),
+                           **detection)
+    extra = [i for i in worst if i not in chosen]
+    if worst:
+        log.info("overlays: %d worst mistakes added to the %d sampled images (%d were in the sample)",
+                 len(extra), len(chosen), len(worst) - len(extra))
+    return sorted(chosen | set(worst))
 
 
 def explanation_panel(
@@ -252,9 +332,13 @@ def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray
     return out
 
 
-def _add_deletion_curves(task, images: torch.Tensor, expl, steps: int, report, total: int) -> None:
-    """Accumulate the mean deletion curve of each method (and a random baseline) over ``total`` images."""
+def _add_deletion_curves(task, images: torch.Tensor, expl, steps: int, report, total: int,
+                         keep: torch.Tensor | None = None) -> None:
+    """Accumulate the mean deletion curve of each method (and a random baseline) over ``total``
+    images, from the batch's images where ``keep`` (``[B]`` bool; default all) is true."""
     from vision_attn.explain.faithfulness import deletion_insertion_curve
+
+    keep = torch.ones(images.shape[0], dtype=torch.bool) if keep is None else keep.cpu()
 
     def proba(x):
         with torch.no_grad():
@@ -264,8 +348,11 @@ def _add_deletion_curves(task, images: torch.Tensor, expl, steps: int, report, t
     if "random" not in maps:
         maps["random"] = torch.rand(images.shape[0], *expl.grid, generator=torch.Generator().manual_seed(0))
     report.curves = report.curves or {}
+    rows = keep.nonzero().flatten()
+    images, target = images[rows.to(images.device)], expl.target[rows.to(expl.target.device)]
     for method, sal in maps.items():
-        curve = deletion_insertion_curve(proba, images, sal.to(images.device), expl.target, "deletion", steps).sum(0) / total
+        sal = sal[rows.to(sal.device)].to(images.device)
+        curve = deletion_insertion_curve(proba, images, sal, target, "deletion", steps).sum(0) / total
         prev = report.curves.get(method, [0.0] * len(curve))
         report.curves[method] = [a + float(b) for a, b in zip(prev, curve, strict=True)]
 
@@ -288,10 +375,10 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
     device = next(task.parameters()).device
     names = task.class_names or []
     metrics: dict[str, float] = {}
-    n_over = min(options.num_overlays, len(dataset))
-    if n_over > 0:
+    chosen = overlay_images(dataset, options, "classification")
+    if chosen:
         written = 0
-        chosen = select_images(len(dataset), n_over, options.overlay_selection, options.seed)
+        sample = set(select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed))
         for images, labels, idx in _batches(dataset, chosen, options.batch_size):
             rels = [dataset.samples[i][0] for i in idx.tolist()]  # dataset indices (ImageFolderDataset returns them)
             pictures = [read_image(dataset.root / rel) for rel in rels]
@@ -303,9 +390,11 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
                 written += 1
                 if report is not None:
                     report.items.append({"name": str(rel), **e.report_item})
-            if report is not None and explained:
+            in_sample = torch.tensor([i in sample for i in idx.tolist()])
+            if report is not None and explained and bool(in_sample.any()):
+                # the mean deletion curves describe the seeded sample, not the added mistakes
                 _add_deletion_curves(task, images.to(device), explained[0].extras["explanation"], options.steps,
-                                     report, len(chosen))
+                                     report, len(sample), in_sample)
         log.info("wrote %d overlays to %s", written, out_dir / "overlays")
     picked = select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection, options.seed)
     if not picked:

@@ -7,15 +7,19 @@ bottom:
 1. a summary line: task, checkpoint, split and its size, the headline metric;
 2. the task's results: **classification** — the per-class table (worst class first) and the
    confusion matrix (click a cell: the grid shows exactly the explained images of that cell);
-   **detection** — per-class AP bars and the COCO size breakdown (``map_small`` ...,
-   ``mar_1`` ...); then every other metric, compactly;
+   **detection** — per-class AP bars, the COCO size breakdown (``map_small`` ...,
+   ``mar_1`` ...) and the precision-recall curves at IoU 0.5; then every other metric, compactly;
 3. training curves (loss, the task metric, the learning rate) when the checkpoint sits in a run
    folder with ``csv/*/metrics.csv`` (:func:`read_training_curves`);
 4. the explanation-quality table (method x deletion / insertion / pointing / energy / sanity,
    whichever ``metrics`` has, the random baseline last) and the mean deletion curves;
 5. the mistakes gallery: the most confident wrong predictions (classification), images with
-   missed or false detections (detection, when the items carry them), the lowest-CIDEr
-   captions (captioning), each with its overlays and a link to its interactive view;
+   missed or false detections (detection, when the items carry them: the most errors first,
+   then the highest-scoring false detection, each error listed), the lowest-CIDEr captions
+   (captioning), each with its overlays and a link to its interactive view — ``eval.py``
+   explains the split's worst mistakes besides its seeded sample
+   (:func:`~vision_attn.explain.evaluate.overlay_images`), so they have overlays wherever they
+   lie in the split;
 6. the grid of explained images, filterable (correct / wrong, class), each with its overlay
    panels and an interactive canvas: **classification** — click a patch to see what it attends
    to (a layer, a head or the heads fused); **detection** — click a box to see its query's
@@ -72,6 +76,9 @@ _QUALITY = [("deletion_auc", "deletion AUC", "lower is better: the prediction fa
             ("energy", "energy", "higher is better: share of the map's mass inside the object's boxes"),
             ("sanity", "sanity", "lower is better: rank correlation with the map of a randomised model")]
 _QUALITY_EXTRA = ("explain_images", "explain_classes", "explain_words")
+# Keys with a quality prefix that are no method's column: captioning's count of the words pointed at, and
+# its earlier names of ``pointing_attention`` / ``pointing_random`` (kept in metrics.json for old readers).
+_QUALITY_NOT_METHODS = ("pointing_words", "pointing_acc", "pointing_acc_random")
 _SIZE_KEYS = ("map_small", "map_medium", "map_large", "mar_1", "mar_10", "mar_100")
 _COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 
@@ -275,9 +282,11 @@ def _tick(v: float) -> str:
 
 
 def _line_svg(svg_id: str, series: dict[str, Sequence[Sequence[float]]], xlabel: str, ylabel: str = "",
-              width: int = 380, height: int = 210, y_range: tuple[float, float] | None = None) -> str:
-    """Inline SVG line plot of ``{name: [[x, y], ...]}``: axes with their ranges, a legend,
-    a dot per point when a series has few points (one point still shows)."""
+              width: int = 380, height: int = 210, y_range: tuple[float, float] | None = None,
+              legend: str = "top-right") -> str:
+    """Inline SVG line plot of ``{name: [[x, y], ...]}``: axes with their ranges, a legend
+    (``top-right``, ``bottom-right`` or ``bottom-left`` inside the plot: where the curves leave
+    room), a dot per point when a series has few points (one point still shows)."""
     left, right, top, bottom = 54, 8, 8, 34
     pw, ph = width - left - right, height - top - bottom
     series = {name: [(float(x), float(y)) for x, y in points if math.isfinite(float(x)) and math.isfinite(float(y))]
@@ -318,8 +327,13 @@ def _line_svg(svg_id: str, series: dict[str, Sequence[Sequence[float]]], xlabel:
             parts.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="2"/>')
         if len(coords) <= 30:
             parts += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{c}"/>' for x, y in coords]
-        parts.append(f'<text x="{left + pw - 4}" y="{top + 14 + 13 * i}" fill="{c}" font-size="11" '
-                     f'text-anchor="end">{_esc(name)}</text>')
+        if legend.startswith("bottom"):
+            y = top + ph - 6 - 13 * (len(series) - 1 - i)
+            x, anchor = (left + 6, "start") if legend == "bottom-left" else (left + pw - 4, "end")
+            parts.append(f'<text x="{x}" y="{y}" fill="{c}" font-size="11" text-anchor="{anchor}">{_esc(name)}</text>')
+        else:
+            parts.append(f'<text x="{left + pw - 4}" y="{top + 14 + 13 * i}" fill="{c}" font-size="11" '
+                         f'text-anchor="end">{_esc(name)}</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -399,13 +413,30 @@ def _item_meta(items: list[dict[str, Any]], predictions: list[dict[str, Any]] | 
                              "score": _float_or_none(it.get("score", r.get("score"))),
                              "cider": _float_or_none(it.get("cider", r.get("cider")))}
         m["correct"] = None if m["truth"] is None or m["pred"] is None else m["truth"] == m["pred"]
-        m["missed"] = [str(x) for x in it.get("missed") or []]
-        m["false"] = [str(x) for x in it.get("false") or []]
+        m["missed"] = [_error_text(x) for x in it.get("missed") or []]
+        m["false"] = [_error_text(x) for x in it.get("false") or []]
+        m["false_score"] = max((s for x in it.get("false") or [] if isinstance(x, dict)
+                                and (s := _float_or_none(x.get("score"))) is not None), default=None)
         classes = it.get("classes")
         m["classes"] = ([str(c) for c in classes] if classes is not None
                         else [m["truth"]] if m["truth"] is not None else [m["pred"]] if m["pred"] is not None else [])
         meta.append(m)
     return meta
+
+
+def _error_text(error: Any) -> str:
+    """A missed object or false detection for display: ``label``, ``label 0.87``, ``label 0.87
+    (wrong class: cat)``; a plain string as it is (see
+    :func:`~vision_attn.explain.detection.detection_errors` for the records)."""
+    if not isinstance(error, dict):
+        return str(error)
+    text = str(error.get("label", "?"))
+    score = _float_or_none(error.get("score"))
+    if score is not None:
+        text += f" {score:.2f}"
+    if error.get("why"):
+        text += f" ({error['why']})"
+    return text
 
 
 def _guess_task(items: list[dict[str, Any]], per_class: Any, confusion: Any) -> str | None:
@@ -453,6 +484,8 @@ def _quality_table(metrics: dict[str, Any]) -> str:
     the random baseline last; columns only where some method has a value."""
     table: dict[str, dict[str, Any]] = {}
     for key, value in metrics.items():
+        if key in _QUALITY_NOT_METHODS:
+            continue
         for prefix, _, _ in _QUALITY:
             if key.startswith(prefix + "_"):
                 table.setdefault(key[len(prefix) + 1:], {})[prefix] = value
@@ -468,6 +501,10 @@ def _quality_table(metrics: dict[str, Any]) -> str:
         rows.append(f'<tr class="{"baseline" if m == "random" else "method"}"><th>{_esc(name)}</th>{cells}</tr>')
     n = metrics.get("explain_images")
     note = f" Measured on {int(n)} images." if _float_or_none(n) is not None else ""
+    pointed, words = _float_or_none(metrics.get("pointing_words")), _float_or_none(metrics.get("explain_words"))
+    if words is not None:
+        note += f" Captioning: over {int(words)} generated words"
+        note += f" ({int(pointed)} name an object of the image: pointing, energy)." if pointed is not None else "."
     return (f'<h2>Explanation quality</h2><p class="note">Arrows say which direction is better; a method '
             f'should beat the random baseline.{note}</p><table id="quality"><tr><th>method</th>{head}</tr>'
             + "".join(rows) + "</table>")
@@ -556,12 +593,33 @@ def _detection_section(per_class: dict[str, Any] | None, metrics: dict[str, Any]
         parts.append('<div class="panel-box"><h4 title="COCO: small &lt; 32², large &gt; 96² pixels of area; mar_k: recall '
                      'with at most k detections per image">By object size; recall at 1 / 10 / 100 detections</h4>'
                      + _bars_svg("size-breakdown", rows, value_label="value", back_label="") + "</div>")
-    curves = {str(k): v for k, v in (pr_curves or {}).items() if v}
+    curves = _pr_points(pr_curves)
     if curves:
-        parts.append('<div class="panel-box"><h4>Precision-recall</h4>'
-                     + _line_svg("pr-curves", dict(list(curves.items())[:8]), "recall", "precision", y_range=(0.0, 1.0))
+        shown = dict(list(curves.items())[:8])
+        more = f" (the first 8 of {len(curves)} categories)" if len(curves) > 8 else ""
+        parts.append('<div class="panel-box"><h4 title="COCOeval&#x27;s interpolated precision at each recall '
+                     'threshold; IoU 0.5, all areas, 100 detections per image">Precision-recall at IoU 0.5'
+                     f'{_esc(more)}</h4>' + _line_svg("pr-curves", shown, "recall", "precision", width=420, height=250,
+                                                      y_range=(0.0, 1.0), legend="bottom-left")
                      + "</div>")
     return '<div class="row">' + "".join(parts) + "</div>" if parts else ""
+
+
+def _pr_points(pr_curves: dict[str, Any] | None) -> dict[str, list[list[float]]]:
+    """``{category: [[recall, precision], ...]}`` from either form write_report accepts: point lists,
+    or ``pr_curves.json``'s ``{"recall": [...], "precision": [...]}``. Points with precision
+    ``-1`` (pycocotools: no ground truth) are left out, and so are categories left without any."""
+    out: dict[str, list[list[float]]] = {}
+    for name, curve in (pr_curves or {}).items():
+        if isinstance(curve, dict):
+            pairs = list(zip(curve.get("recall") or [], curve.get("precision") or [], strict=False))
+        else:
+            pairs = [tuple(p)[:2] for p in curve or [] if isinstance(p, list | tuple) and len(p) >= 2]
+        points = [[r, p] for r, p in ((_float_or_none(a), _float_or_none(b)) for a, b in pairs)
+                  if r is not None and p is not None and p >= 0]
+        if points:
+            out[str(name)] = points
+    return out
 
 
 def _training_section(training_curves: dict[str, Any] | None, task: str | None) -> str:
@@ -577,7 +635,7 @@ def _training_section(training_curves: dict[str, Any] | None, task: str | None) 
     metric = {key: series[key]} if series.get(key) else {
         k: v for k, v in list((k, v) for k, v in series.items() if k.startswith("val/") and "loss" not in k)[:4] if v}
     if metric:
-        plots.append(_line_svg("curve-metric", metric, "epoch", "validation metric"))
+        plots.append(_line_svg("curve-metric", metric, "epoch", "validation metric", legend="bottom-right"))
     lr = {k: v for k, v in (training_curves.get("lr") or {}).items() if v}
     if lr:
         plots.append(_line_svg("curve-lr", dict(list(lr.items())[:6]), "optimizer step", "learning rate"))
@@ -615,32 +673,47 @@ def _mistakes_section(task: str | None, items: list[dict[str, Any]], meta: list[
         intro = (f"{len(wrong)} wrong predictions in {source}; the {len(cards)} most confident, most confident "
                  "first (truth → predicted, probability).")
     elif task == "captioning":
-        scored = sorted((m["cider"], i) for i, m in enumerate(meta) if m["cider"] is not None)
-        for rank, (cider, i) in enumerate(scored[:limit], 1):
-            caption = (f'#{rank} CIDEr-D <b>{_fmt(cider, 3)}</b> <span class="name">{_esc(items[i].get("name", ""))}'
-                       f'</span><br>{_esc(items[i].get("text", ""))}')
+        records = [(c, k, _record_key(r), r.get("caption")) for k, r in enumerate(predictions or [])
+                   if isinstance(r, dict) and (c := _float_or_none(r.get("cider"))) is not None]
+        if records:  # the whole split's captions, joined to the explained items by name
+            scored = [(c, index.get(str(key)), str(key), text) for c, _, key, text in sorted(records)]
+            intro = f"The {min(limit, len(scored))} lowest-CIDEr captions of the split's {len(scored)}, lowest first."
+        else:
+            scored = [(c, i, str(items[i].get("name", "")), items[i].get("text", ""))
+                      for c, i in sorted((m["cider"], i) for i, m in enumerate(meta) if m["cider"] is not None)]
+            intro = "The explained images' lowest-CIDEr captions, lowest first."
+        for rank, (cider, i, name, text) in enumerate(scored[:limit], 1):
+            caption = (f'#{rank} CIDEr-D <b>{_fmt(cider, 3)}</b> <span class="name">{_esc(name)}</span><br>'
+                       f'{_esc(text if text is not None else "")}')
             cards.append(({"score": cider}, i, caption))
-        intro = "The explained images' lowest-CIDEr captions, lowest first."
         if not cards:
             return ""
     elif task == "detection":
-        bad = sorted(((len(m["missed"]) + len(m["false"]), i) for i, m in enumerate(meta) if m["missed"] or m["false"]),
-                     key=lambda x: -x[0])
+        bad = sorted(((len(m["missed"]) + len(m["false"]), m["false_score"] or 0.0, i)
+                      for i, m in enumerate(meta) if m["missed"] or m["false"]), key=lambda x: (-x[0], -x[1], x[2]))
         if not bad:  # an evaluation (it has predictions) says why the gallery is empty; a predict page says nothing
             return ('<h2>Mistakes</h2><p class="note" id="mistakes">Missed and false detections are listed here when '
                     "the explained images carry their matching to the ground truth; these do not.</p>"
                     if predictions is not None else "")
-        for rank, (count, i) in enumerate(bad[:limit], 1):
+        for rank, (count, top, i) in enumerate(bad[:limit], 1):
             m = meta[i]
-            caption = (f'#{rank} <span class="name">{_esc(items[i].get("name", ""))}</span><br>missed: '
-                       f'{_esc(", ".join(m["missed"]) or "none")}; false: {_esc(", ".join(m["false"]) or "none")}')
-            cards.append(({"score": float(count)}, i, caption))
-        intro = "Explained images with missed (ground truth without a detection) or false detections, most first."
+            missed = "".join(f"<li>{_esc(x)}</li>" for x in m["missed"]) or "<li>none</li>"
+            false = "".join(f"<li>{_esc(x)}</li>" for x in m["false"]) or "<li>none</li>"
+            caption = (f'#{rank} <span class="name">{_esc(items[i].get("name", ""))}</span> — {count} '
+                       f'error{"s" if count != 1 else ""}'
+                       f'<div class="errs"><div>missed ({len(m["missed"])}):<ul class="missed">{missed}</ul></div>'
+                       f'<div>false ({len(m["false"])}):<ul class="false">{false}</ul></div></div>')
+            cards.append(({"score": float(count), "top": top}, i, caption))
+        intro = ("Explained images with missed objects (ground truth that no detection above the threshold matched "
+                 "at IoU 0.5) or false detections (above the threshold, matching no object of their class), the "
+                 "most errors first, then the highest-scoring false detection.")
     else:
         return ""
     html_cards = []
     for data, i, caption in cards:
         score = "" if data["score"] is None else f' data-score="{data["score"]!r}"'
+        if data.get("top") is not None:
+            score += f' data-top="{data["top"]!r}"'
         if i is None:
             body = '<div class="note">not among the explained images: no overlay</div>'
         else:
@@ -688,7 +761,9 @@ def _grid(items: list[dict[str, Any]], meta: list[dict[str, Any]], canvas: int) 
                 controls = (f'<div class="controls">Click a patch to see what it attends to. Layer <select id="layer{i}">'
                             f'{layers}</select> head <select id="head{i}">{heads}</select></div>')
             elif kind == "boxes":
-                controls = f'<div class="controls">Click a box to see its query\'s cross-attention: <b id="sel{i}"></b></div>'
+                missed = " Dashed red: objects no detection found." if it.get("missed_boxes") else ""
+                controls = (f'<div class="controls">Click a box to see its query\'s cross-attention: <b id="sel{i}"></b>'
+                            f'{missed}</div>')
             elif kind == "words":
                 words = " ".join(f'<span class="word" data-k="{k}">{_esc(w)}</span>' for k, w in enumerate(it["words"]))
                 controls = f'<div class="controls" id="words{i}">Hover a word: {words}</div>'
@@ -713,7 +788,7 @@ tr.baseline{color:#777;font-style:italic}.bar{display:inline-block;height:9px;ba
 #confusion .cell{cursor:pointer}#confusion .cell.on{stroke:#000;stroke-width:2}
 .mistakes{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start}.mistake{border:1px solid #e0b4b4;background:#fff8f8;padding:6px;
 font-size:13px;max-width:480px}.mistake img{max-width:100%;max-height:220px;display:block;margin:4px 0}
-.name{color:#666;font-size:12px;word-break:break-all}.filters{font-size:13px;margin:6px 0 10px}
+.name{color:#666;font-size:12px;word-break:break-all}.errs{display:flex;gap:16px}.errs ul{margin:2px 0;padding-left:18px}.filters{font-size:13px;margin:6px 0 10px}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:14px}
 .item{border:1px solid #ddd;padding:8px;min-width:0}.item h3{font-size:14px;margin:0 0 4px;word-break:break-all}
 .item p{margin:2px 0;font-size:13px}.ok{color:#17803d}.bad{color:#c0392b;font-weight:600}[hidden]{display:none!important}
@@ -737,7 +812,9 @@ function View(item){
       for(let i=0;i<N;i++){ctx.fillStyle=jet(m?arr[off+i]/m:0);ctx.fillRect((i%gw)*cw,Math.floor(i/gw)*ch,cw+0.5,ch+0.5);}}
     ctx.globalAlpha=1;if(extra)extra();cv.dataset.shown=label;}
   function drawBoxes(){ctx.lineWidth=2;item.boxes.forEach((b,k)=>{ctx.strokeStyle=k===mark?'#ff0':'#0f0';
-    ctx.strokeRect(b[0]*S,b[1]*S,(b[2]-b[0])*S,(b[3]-b[1])*S);});}
+    ctx.strokeRect(b[0]*S,b[1]*S,(b[2]-b[0])*S,(b[3]-b[1])*S);});
+    ctx.setLineDash([5,3]);ctx.strokeStyle='#f33';(item.missed_boxes||[]).forEach(b=>
+      ctx.strokeRect(b[0]*S,b[1]*S,(b[2]-b[0])*S,(b[3]-b[1])*S));ctx.setLineDash([]);}
   img.onload=()=>paint(null,0,'image',item.kind==='boxes'?drawBoxes:null);img.src=item.image;
   if(item.kind==='patches'){
     const H=item.heads,ls=document.getElementById('layer'+item.id),hs=document.getElementById('head'+item.id);
@@ -796,8 +873,8 @@ def write_report(path: Path, title: str, metrics: dict[str, float], config: dict
                  root: str | Path | None = None, *, task: str | None = None,
                  per_class: dict[str, dict[str, Any]] | None = None, confusion: dict[str, Any] | None = None,
                  predictions: list[dict[str, Any]] | None = None, training_curves: dict[str, Any] | None = None,
-                 pr_curves: dict[str, Sequence[Sequence[float]]] | None = None, split_size: int | None = None,
-                 mistakes: int = 12) -> Path:
+                 pr_curves: dict[str, Any] | None = None, split_size: int | None = None,
+                 mistakes: int = 8) -> Path:
     """Write ``report.html`` (sections: see the module docstring).
 
     Args:
@@ -812,8 +889,10 @@ def write_report(path: Path, title: str, metrics: dict[str, float], config: dict
             ...}``: ``patches`` add ``layers``, ``heads``; ``boxes`` add ``boxes`` (xyxy
             fractions) and ``labels``; ``words`` add ``words``. Optional: ``truth``, ``pred``,
             ``score`` (else taken from ``predictions``), ``cider``, ``missed`` / ``false``
-            (detection: labels of ground-truth objects no detection matched / detections that
-            matched nothing), ``classes`` (what the class filter matches).
+            (detection: the ground-truth objects no detection matched / the detections that
+            matched nothing, as :func:`~vision_attn.explain.detection.detection_errors` records
+            ``{"label", "score", "why", "box"}`` or as plain labels), ``classes`` (what the class
+            filter matches).
         curves: mean deletion curves per method (classification).
         canvas: side of the interactive canvas in pixels.
         root: the output folder the page must stay in (default: its own folder).
@@ -824,14 +903,17 @@ def write_report(path: Path, title: str, metrics: dict[str, float], config: dict
         confusion: ``confusion_matrix.json`` (``{"labels", "counts"}``, rows = truth).
         predictions: ``predictions.json``: joined to the items by name (``file``, or
             ``image id <image_id>``) for truth / prediction / score / CIDEr-D; the
-            classification mistakes gallery ranks the whole split's wrong predictions.
+            classification and captioning mistakes galleries rank the whole split's records.
         training_curves: :func:`read_training_curves` of the checkpoint.
-        pr_curves: detection: ``{category: [[recall, precision], ...]}`` (e.g. pycocotools'
-            ``eval["precision"][0, :, k, 0, -1]`` over its 101 recall points: IoU 0.5, all
-            areas, 100 detections; at most 8 categories are drawn).
+        pr_curves: detection: ``pr_curves.json`` (``{category: {"recall": [...], "precision":
+            [...]}}``, :func:`~vision_attn.eval_breakdown.pr_curves_from_precision`: pycocotools'
+            ``eval["precision"][0, :, k, 0, -1]`` over its 101 recall points — IoU 0.5, all
+            areas, 100 detections), or ``{category: [[recall, precision], ...]}``; ``-1``
+            points are left out; at most 8 categories are drawn.
         split_size: images in the split (default: the confusion matrix's total, or the number
             of classification / captioning predictions).
-        mistakes: cards in the mistakes gallery.
+        mistakes: cards in the mistakes gallery (``eval.py`` explains as many worst mistakes,
+            ``--explain.mistakes``, default 8).
 
     Every text is HTML-escaped where it enters markup, and the data the script reads is
     embedded with :func:`script_json`, so no name, label or word can run script in the page.

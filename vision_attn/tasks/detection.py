@@ -91,7 +91,7 @@ class DetectionTask(VisionTask):
     crop_at_inference = False  # a centre crop would cut objects off: the whole image, resized
     export_output_names = ("pred_logits", "pred_boxes")
     headline_metrics = ("map", "map_50", "map_75")
-    eval_file_names = ("per_class.json",)
+    eval_file_names = ("per_class.json", "pr_curves.json")
     overlay_description = "boxes | per detected object: its relevance and its query's raw cross-attention"
 
     def __init__(
@@ -136,6 +136,7 @@ class DetectionTask(VisionTask):
         self.category_ids: list[int] | None = None
         self.eval_records: list[dict[str, Any]] = []
         self.eval_per_class: dict[str, dict[str, Any]] | None = None  # per_class.json of the last eval_results
+        self.eval_pr_curves: dict[str, dict[str, list[float]]] | None = None  # pr_curves.json of the last eval_results
         if num_classes is not None or class_names is not None:
             self._build(num_classes, class_names, category_ids)
 
@@ -245,6 +246,7 @@ class DetectionTask(VisionTask):
     def on_test_epoch_start(self) -> None:
         self.eval_records = []
         self.eval_per_class = None
+        self.eval_pr_curves = None
 
     def on_test_epoch_end(self) -> None:
         unique = {r["image_id"]: r for r in gather_objects(self.eval_records)}
@@ -282,14 +284,17 @@ class DetectionTask(VisionTask):
                                 "bbox": box, "score": score})
         breakdown = detection_breakdown(preds, targets, self.class_names or [])
         self.eval_per_class = breakdown.per_class
+        self.eval_pr_curves = breakdown.pr_curves
         return breakdown.metrics, results
 
     def eval_files(self, dataset) -> dict[str, Any]:
         """``per_class.json``: ``{category name: {"ap", "ap_50", "n_gt"}}`` of the last
-        :meth:`eval_results` (pycocotools' per-category AP; -1 without ground truth)."""
-        if self.eval_per_class is None:
+        :meth:`eval_results` (pycocotools' per-category AP; -1 without ground truth), and
+        ``pr_curves.json``: ``{category name: {"recall", "precision"}}`` at IoU 0.5
+        (:func:`~vision_attn.eval_breakdown.pr_curves_from_precision`; -1 without ground truth)."""
+        if self.eval_per_class is None or self.eval_pr_curves is None:
             raise RuntimeError("no per-category results: call eval_results(...) after trainer.test(...) first")
-        return {"per_class.json": self.eval_per_class}
+        return {"per_class.json": self.eval_per_class, "pr_curves.json": self.eval_pr_curves}
 
     # ------------------------------------------------------------------ inference, export, explanation
     def export_forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
