@@ -19,7 +19,8 @@ epoch is the run's wall time times ``epoch / epochs`` (validation takes about 2 
 this is within a few seconds; stated as such in the README).
 
 ``--step_cost`` measures what a row costs per training step instead, every row in this one
-process (the config's model, data and batch, ``--steps`` timed steps after warm-up, median), so
+process (the config's model, data and batch, ``--steps`` timed steps after warm-up, median;
+``--repeats`` rounds over the rows, interleaved, median of the rounds), so
 that rows trained while the machine was shared can still be compared in wall time: time to an
 epoch = epoch x steps per epoch x the step's median.
 """
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--step_cost", action="store_true", help="per-step cost of each row instead of trainings")
     parser.add_argument("--steps", type=int, default=30, help="--step_cost: timed steps per row")
+    parser.add_argument("--repeats", type=int, default=3, help="--step_cost: interleaved repeats (median)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     work = Path(args.work or REPO / "benchmarks" / "results" / "detection-ablation").resolve()
@@ -169,11 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     if not names:
         parser.error(f"--rows {args.rows} matches none of: {', '.join(ROWS)}")
     if args.step_cost:
-        costs = []
-        for i, name in enumerate(names):
-            cost = step_cost(args.config, ROWS[name], args.steps, 5, work / f"cost{i:02d}")
-            costs.append({"row": name, **cost})
-            log.info("%s: %s", name, cost)
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for r in range(args.repeats):  # interleaved, so a slower spell of the machine hits every row alike
+            for i, name in enumerate(names):
+                runs[name].append(step_cost(args.config, ROWS[name], args.steps, 5, work / f"cost{r}-{i:02d}"))
+                log.info("%s (repeat %d): %s", name, r, runs[name][-1])
+        costs = [{"row": name, "step_s": sorted(c["step_s"] for c in runs[name])[len(runs[name]) // 2],
+                  "steps_per_epoch": runs[name][0]["steps_per_epoch"], "repeats": [c["step_s"] for c in runs[name]]}
+                 for name in names]
         lines = ["| row | s / step | s / epoch |", "| --- | --- | --- |"]
         lines += [f"| {c['row']} | {c['step_s']:.3f} | {c['step_s'] * c['steps_per_epoch']:.1f} |" for c in costs]
         sys.stdout.write("\n".join(lines) + "\n")
