@@ -37,6 +37,8 @@ bench: $(DEV)
 	$(PY) -m benchmarks.suite --json benchmarks/results/latest.json
 	$(PY) -m benchmarks.streaming --json benchmarks/results/streaming.json
 	$(PY) -m benchmarks.merging --repeats 5 --json benchmarks/results/merging.json
+	$(PY) -m benchmarks.predict_loop --json benchmarks/results/predict_loop.json
+	$(PY) -m benchmarks.gpu --json benchmarks/results/gpu.json
 	if ls $(DEMO_DIR)/*/*/checkpoints/last.ckpt >/dev/null 2>&1; then $(PY) -m benchmarks.explanations --demo_dir $(DEMO_DIR) --json benchmarks/results/explanations.json; else echo "no $(DEMO_DIR)/*/<task>/checkpoints/last.ckpt: run make demo for the explanations table"; fi
 
 lint: $(DEV)

@@ -142,3 +142,63 @@ def test_token_merging_benchmark_rows():
     assert rows[0]["top1_agreement"] == 1.0 and rows[0]["rollout_spearman_min"] == pytest.approx(1.0)
     assert rows[16]["tokens_last_block"] < rows[8]["tokens_last_block"] < rows[4]["tokens_last_block"]
     assert all(row["images_per_s"] > 0 for row in rows.values())
+
+
+def test_gpu_benchmark_without_a_gpu_says_so_and_writes_null(tmp_path, monkeypatch, capsys):
+    import json
+
+    import torch
+
+    from benchmarks.gpu import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "gpu.json"
+    result = main(["--json", str(out)])  # returns: no SystemExit, status 0 as a command
+    printed = capsys.readouterr().out
+    assert "no CUDA GPU found" in printed and "nothing measured" in printed
+    saved = json.loads(out.read_text())
+    assert saved["gpu"] is None and "no CUDA GPU found" in saved["reason"] and result["gpu"] is None
+
+
+def test_gpu_benchmark_flop_count_equals_torch_flop_counter():
+    """The analytic ViT FLOPs (forward, and forward + backward of a training step) are what
+    torch.utils.flop_counter counts on a tiny timm ViT (explicit attention path: the CPU flash
+    kernel has no FLOP formula there)."""
+    import timm
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks.gpu import peak_flops, vit_forward_flops, vit_shape, vit_train_flops
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=48,
+                              depth=2, num_heads=3, mlp_ratio=3.0, num_classes=7)
+    for blk in model.blocks:
+        blk.attn.fused_attn = False
+    shape = vit_shape(model)
+    assert shape == {"patches": 16, "patch_dim": 192, "dim": 48, "depth": 2, "mlp_hidden": 144, "prefix": 1,
+                     "classes": 7}
+    x = torch.randn(3, 3, 32, 32)
+    with FlopCounterMode(display=False) as fwd:
+        model(x)
+    assert fwd.get_total_flops() == 3 * vit_forward_flops(**shape)
+    with FlopCounterMode(display=False) as train:
+        torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2])).backward()
+    assert train.get_total_flops() == 3 * vit_train_flops(**shape)
+    assert vit_forward_flops(**vit_shape(timm.create_model("vit_base_patch16_224"))) == pytest.approx(35.1e9, rel=0.01)
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12 and peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5e12 and peak_flops("Tesla K80", "bf16") is None
+
+
+def test_predict_loop_benchmark_rows_tiny(tmp_path):
+    """benchmarks.predict_loop on 4 images and a ViT-Ti, one repeat: the three rows, each side
+    predicting the same (the folder command's records and the plain timm loop's / script's)."""
+    from benchmarks.predict_loop import GOALS, run
+
+    res = run(images=4, model="vit_tiny_patch16_224", repeats=1, batch=2, num_workers=0, work_dir=tmp_path)
+    rows = res["rows"]
+    assert [r["pair"].split(":")[0].split(" (")[0] for r in rows] == [
+        "folder predictions only vs plain timm loop", "folder command", "whole process"]
+    assert all(r["ratio"] > 0 and isinstance(r["met"], bool) for r in rows)
+    assert all("same predictions: True" in r["detail"] for r in rows)
+    assert rows[0]["met"] == (rows[0]["ratio"] >= GOALS["predictions_only"])
+    assert list(tmp_path.iterdir()) == []  # the temporary images, weights and outputs are removed

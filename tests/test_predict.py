@@ -213,3 +213,205 @@ def test_a_pretrained_name_offline_without_weights_is_one_line_and_status_2(fold
     err = capsys.readouterr().err
     assert ex.value.code == 2 and "--weights_file" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- issue 22: a predict loop as fast as the model
+@pytest.fixture
+def many_images(tmp_path):
+    """Seven colour JPEGs / PNGs of different sizes (two batches of 4), one in a sub-folder."""
+    images = tmp_path / "many"
+    (images / "sub").mkdir(parents=True)
+    rng = np.random.default_rng(2)
+    for i in range(7):
+        name = f"sub/s{i}.png" if i == 3 else f"i{i}.{'jpg' if i % 2 else 'png'}"
+        Image.fromarray((rng.random((24 + 4 * i, 40 - 2 * i, 3)) * 255).astype(np.uint8)).save(images / name)
+    return images
+
+
+def test_background_writer_writes_byte_identical_overlays_on_its_own_thread(classifier_ckpt, many_images, tmp_path,
+                                                                             monkeypatch):
+    """The overlays of the background thread are the synchronous path's, byte for byte, and
+    the PNGs really are written off the main thread (each a temporary file and a rename)."""
+    import threading
+
+    import vision_attn.predict as predict_module
+
+    threads: list[str] = []
+    real_save = predict_module.save_png
+
+    def spy(path, panel, root=None):
+        threads.append(threading.current_thread().name)
+        return real_save(path, panel, root=root)
+
+    monkeypatch.setattr(predict_module, "save_png", spy)
+    runs = {}
+    for background in (False, True):
+        out = tmp_path / f"bg{int(background)}"
+        threads.clear()
+        res = predict_folder(classifier_ckpt, many_images, out, batch_size=4, methods=("rollout", "attention"),
+                             progress=False, background_writes=background)
+        assert set(threads) == ({"vision_attn-overlay-writer"} if background else {threading.main_thread().name})
+        runs[background] = (res, {p.relative_to(out).as_posix(): p.read_bytes() for p in (out / "overlays").rglob("*")
+                                  if p.is_file()})
+        assert not list(out.rglob("*.tmp")) and not list(out.rglob(".*"))  # no temporary left behind
+    (sync, sync_files), (bg, bg_files) = runs[False], runs[True]
+    assert len(sync_files) == 7 and "overlays/sub/s3.png.png" in sync_files
+    assert bg_files == sync_files  # the same names, byte-identical PNGs
+    assert bg == sync
+    assert not [t for t in threading.enumerate() if t.name == "vision_attn-overlay-writer"]  # the thread ended
+
+
+def test_an_overlay_write_error_surfaces_in_the_main_process_naming_the_file(classifier_ckpt, many_images, tmp_path,
+                                                                             monkeypatch, capsys):
+    import threading
+
+    import vision_attn.predict as predict_module
+    from vision_attn.predict import OverlayWriteError
+
+    real_save = predict_module.save_png
+
+    def failing(path, panel, root=None):
+        if path.name == "i1.jpg.png":
+            raise OSError(28, "No space left on device")
+        return real_save(path, panel, root=root)
+
+    monkeypatch.setattr(predict_module, "save_png", failing)
+    out = tmp_path / "out"
+    with pytest.raises(OverlayWriteError, match=r"i1\.jpg\.png.*No space left on device"):
+        predict_folder(classifier_ckpt, many_images, out, batch_size=4, methods=("rollout",), progress=False)
+    assert not (out / "predictions.json").exists()  # the run stopped: no results that look complete
+    assert not [t for t in threading.enumerate() if t.name == "vision_attn-overlay-writer"]
+    with pytest.raises(SystemExit) as info:  # the command: one line, status 2
+        main(["--model", str(classifier_ckpt), "--images", str(many_images), "--output_dir", str(tmp_path / "cli"),
+              "--methods", "rollout", "--num_workers", "0"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after any library warning
+    assert info.value.code == 2 and err.startswith("error: cannot write the overlay") and "i1.jpg.png" in err
+
+
+def test_background_writer_queue_is_bounded(tmp_path, monkeypatch):
+    """With a stalled disk, the producer blocks once ``max_pending`` panels wait (memory stays
+    bounded), and goes on when the writes do."""
+    import threading
+
+    import vision_attn.predict as predict_module
+    from vision_attn.predict import BackgroundWriter
+
+    release = threading.Event()
+    written: list[str] = []
+
+    def slow(path, panel, root=None):
+        release.wait(10)
+        written.append(path.name)
+
+    monkeypatch.setattr(predict_module, "save_png", slow)
+    writer = BackgroundWriter(tmp_path, max_pending=2)
+    panel = np.zeros((4, 4, 3), np.uint8)
+    producer = threading.Thread(target=lambda: [writer.submit(tmp_path / f"{i}.png", panel) for i in range(6)])
+    producer.start()
+    producer.join(0.5)
+    assert producer.is_alive()  # 1 being written + 2 queued: the 4th submit waits
+    assert writer._queue.qsize() == 2
+    release.set()
+    producer.join(10)
+    writer.close()
+    assert written == [f"{i}.png" for i in range(6)] and writer.written == 6
+
+
+@pytest.mark.parametrize("kind", ["classification", "detection", "captioning"])
+def test_predictions_only_run_no_explanation_code_and_hook_nothing(kind, folder, tmp_path, monkeypatch):
+    """--no_overlays: the task's plain forward under inference_mode, no hook registered on any
+    module, explain_batch never called; the records equal those of a run with overlays (whose
+    capture does register hooks: the spy sees them)."""
+    import torch
+
+    ckpt = _checkpoint(_tasks()[kind], tmp_path / "m.ckpt")
+    task_class = type(_tasks()[kind])
+    hooks: list[str] = []
+    modes: list[bool] = []
+    explained: list[int] = []
+    for name in ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+                 "register_full_backward_pre_hook"):
+        real = getattr(torch.nn.Module, name)
+        monkeypatch.setattr(torch.nn.Module, name,
+                            lambda self, *a, _real=real, _name=name, **k: (hooks.append(_name), _real(self, *a, **k))[1])
+    real_forward, real_explain = task_class.export_forward, task_class.explain_batch
+    monkeypatch.setattr(task_class, "export_forward",
+                        lambda self, x: (modes.append(torch.is_inference_mode_enabled()), real_forward(self, x))[1])
+    monkeypatch.setattr(task_class, "explain_batch",
+                        lambda self, *a, **k: (explained.append(1), real_explain(self, *a, **k))[1])
+    plain = predict_folder(ckpt, folder, tmp_path / "plain", overlays=False, score_threshold=0.0, progress=False)
+    assert hooks == [] and explained == [] and modes and all(modes)
+    assert not (tmp_path / "plain" / "overlays").exists()
+    drawn = predict_folder(ckpt, folder, tmp_path / "drawn", methods=("relevance",), score_threshold=0.0,
+                           progress=False)
+    assert hooks and explained  # the spies do see an explanation run (relevance captures through hooks)
+    assert [p["file"] for p in plain["predictions"]] == [p["file"] for p in drawn["predictions"]] == ["a.jpg", "sub/b.png"]
+    for a, b in zip(plain["predictions"], drawn["predictions"], strict=True):
+        assert _close(a, b), (a, b)
+
+
+def _close(a, b) -> bool:
+    """Records equal up to float rounding (nested lists and dicts)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float):
+        return b == pytest.approx(a, abs=1e-4)
+    return a == b
+
+
+@pytest.mark.parametrize("overlays", [False, True])
+def test_worker_decoding_gives_the_main_process_predictions(overlays, classifier_ckpt, many_images, tmp_path):
+    """Two DataLoader workers decoding give exactly the records (and overlays) of decoding in
+    the main process, in file order, the unreadable file skipped alike."""
+    (many_images / "broken.jpg").write_bytes(b"not a jpeg")
+    runs = []
+    for workers in (0, 2):
+        out = tmp_path / f"w{workers}"
+        res = predict_folder(classifier_ckpt, many_images, out, batch_size=3, overlays=overlays,
+                             methods=("rollout",), progress=False, num_workers=workers)
+        pngs = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*.png")}
+        runs.append((res, pngs))
+    (main_res, main_pngs), (worker_res, worker_pngs) = runs
+    assert len(main_res["predictions"]) == 7 and [s["file"] for s in main_res["skipped"]] == ["broken.jpg"]
+    assert worker_res["predictions"] == main_res["predictions"]  # bitwise: the same tensors, the same records
+    assert [s["file"] for s in worker_res["skipped"]] == ["broken.jpg"]
+    assert worker_pngs == main_pngs and len(main_pngs) == (7 if overlays else 0)
+
+
+def test_images_past_the_report_are_explained_without_report_items(classifier_ckpt, many_images, tmp_path,
+                                                                    monkeypatch):
+    """report.html shows ``report_images`` images: the batches after them are explained with
+    ``ExplainOptions.report`` off (no per-patch attention rows to build); every overlay is written."""
+    from vision_attn.tasks.classification import ClassificationTask
+
+    reports: list[bool] = []
+    real = ClassificationTask.explain_batch
+    monkeypatch.setattr(ClassificationTask, "explain_batch",
+                        lambda self, images, pictures, options, truths=None: (reports.append(options.report),
+                                                                              real(self, images, pictures, options))[1])
+    out = tmp_path / "out"
+    res = predict_folder(classifier_ckpt, many_images, out, batch_size=2, methods=("rollout",), progress=False,
+                         report_images=3)
+    assert reports == [True, True, False, False]  # images 0-1, 2-3 (the 3rd is reported), 4-5, 6
+    assert len(res["predictions"]) == 7 and len(list((out / "overlays").rglob("*.png"))) == 7
+    assert (out / "report.html").read_text().count('"kind": "patches"') == 3
+
+
+def test_report_items_are_built_only_for_the_report_s_images(classifier_ckpt, many_images, tmp_path, monkeypatch):
+    """Past ``report_images`` (here 2, batches of 4) no report entry is built (each costs an
+    encoded panel and the patch view's maps): only the first batch's; the overlays and the
+    report's two entries are unchanged."""
+    import vision_attn.explain.evaluate as evaluate
+
+    calls = []
+    real = evaluate._report_item
+    monkeypatch.setattr(evaluate, "_report_item", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = tmp_path / "out"
+    predict_folder(classifier_ckpt, many_images, out, batch_size=4, methods=("rollout",), progress=False,
+                   report_images=2, num_workers=0)
+    assert len(calls) == 4  # the first batch only (7 images in two batches)
+    assert len(list((out / "overlays").rglob("*.png"))) == 7
+    html = (out / "report.html").read_text()
+    assert html.count('"kind": "patches"') + html.count('"kind":"patches"') == 2

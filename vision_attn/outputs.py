@@ -218,7 +218,10 @@ def write_png(path: str | Path, image_rgb: np.ndarray, root: str | Path | None =
     image = np.ascontiguousarray(image_rgb)
     try:
         bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR) if image.ndim == 3 else image
-        ok, buf = cv2.imencode(path.suffix or ".png", bgr)
+        suffix = (path.suffix or ".png").lower()
+        # PNG level 1 (OpenCV's default is 3): half the encoding time for files ~3 % larger
+        params = [cv2.IMWRITE_PNG_COMPRESSION, 1] if suffix == ".png" else []
+        ok, buf = cv2.imencode(path.suffix or ".png", bgr, params)
     except cv2.error:
         ok, buf = False, None
     if not ok:

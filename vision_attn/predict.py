@@ -26,6 +26,12 @@ the run; unreadable files are listed in ``skipped.json`` and never abort it. Wri
 A folder that already holds any of these outputs is refused unless ``--overwrite`` is given.
 Every file is written through a temporary file and a rename, inside ``--output_dir``
 (:mod:`vision_attn.outputs`).
+
+Speed: the overlays are PNG-encoded and written by one background thread
+(:class:`BackgroundWriter`, a bounded queue) while the model runs the next batch; an error
+there stops the run in the main process, naming the file. With ``--no_overlays`` no
+explanation code runs and no hook is put on the model: the task's plain forward
+(:meth:`~vision_attn.tasks.VisionTask.export_forward`) under ``torch.inference_mode``.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ import argparse
 import json
 import logging
 import os
+import queue
 import stat
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +72,8 @@ from vision_attn.explain.overlay import save_png
 from vision_attn.explain.report import write_report
 from vision_attn.outputs import safe_filename, write_json
 
-__all__ = ["OUTPUTS", "main", "overlay_name", "predict_folder", "run_cli", "scan_folder"]
+__all__ = ["OUTPUTS", "BackgroundWriter", "OverlayWriteError", "main", "overlay_name", "predict_folder",
+           "run_cli", "scan_folder"]
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +167,14 @@ def overlay_name(rel: Path) -> Path:
 
 class FolderImages(Dataset):
     """The images of a folder for Lightning's predict loop: each item is ``{"file", "image",
-    "picture", "reason"}`` — the preprocessed tensor and the original RGB picture, or, for a file
-    that cannot be read, ``None`` and the reason (the run goes on; ``skipped.json`` lists it).
-    Decoding happens in the DataLoader's workers."""
+    "picture", "size", "reason"}`` — the preprocessed tensor, the original RGB picture (only when
+    ``keep_pictures``: overlays are drawn on it; a predictions-only run does not ship it from the
+    workers) and its ``(height, width)``, or, for a file that cannot be read, ``None`` and the
+    reason (the run goes on; ``skipped.json`` lists it). Decoding happens in the DataLoader's
+    workers."""
 
-    def __init__(self, root: Path, files: list[Path], transform) -> None:
-        self.root, self.files, self.transform = root, files, transform
+    def __init__(self, root: Path, files: list[Path], transform, keep_pictures: bool = True) -> None:
+        self.root, self.files, self.transform, self.keep_pictures = root, files, transform, keep_pictures
 
     def __len__(self) -> int:
         return len(self.files)
@@ -175,35 +186,101 @@ class FolderImages(Dataset):
             picture = read_image(path)
         except ImageReadError as err:
             log.warning("skipping %s: %s", path, err.reason)
-            return {"file": rel, "image": None, "picture": None, "reason": err.reason or str(err)}
-        return {"file": rel, "image": self.transform(picture), "picture": picture, "reason": None}
+            return {"file": rel, "image": None, "picture": None, "size": None, "reason": err.reason or str(err)}
+        return {"file": rel, "image": self.transform(picture), "picture": picture if self.keep_pictures else None,
+                "size": tuple(picture.shape[:2]), "reason": None}
 
 
 def collate_folder(items: list[dict[str, Any]]) -> dict[str, Any]:
     """A batch for :meth:`~vision_attn.tasks.VisionTask.predict_step`: ``{"images", "pictures",
-    "files", "skipped"}`` (unreadable files go to ``skipped``)."""
+    "sizes", "files", "skipped"}`` (``pictures``: ``None`` each when not kept; ``sizes``:
+    ``(height, width)`` of the originals; unreadable files go to ``skipped``)."""
     good = [it for it in items if it["image"] is not None]
     return {
         "images": torch.stack([it["image"] for it in good]) if good else torch.empty(0),
         "pictures": [it["picture"] for it in good],
+        "sizes": [it["size"] for it in good],
         "files": [it["file"] for it in good],
         "skipped": [{"file": it["file"], "reason": it["reason"]} for it in items if it["image"] is None],
     }
 
 
+class OverlayWriteError(VisionAttnError):
+    """An overlay could not be written (raised in the main process; the message names the file)."""
+
+
+class BackgroundWriter:
+    """Writes overlay PNGs on one background thread, so that encoding and writing them overlaps
+    the model's next batch.
+
+    :meth:`submit` hands over an already drawn panel; at most ``max_pending`` wait in the queue
+    (:meth:`submit` blocks when it is full), so memory stays bounded whatever the speed of the
+    disk. Every file goes through :func:`~vision_attn.explain.overlay.save_png` (a temporary
+    file and a rename inside ``root``), exactly as a synchronous write would, so the files are
+    byte-identical. The first error in the thread is kept (later panels are dropped, not
+    written) and raised in the caller's thread as an :class:`OverlayWriteError` naming the
+    file, at the next :meth:`submit` or at :meth:`close`. The thread starts with the first
+    panel: a run without overlays never starts one.
+    """
+
+    def __init__(self, root: Path, max_pending: int = 8) -> None:
+        self.root = root
+        self._queue: queue.Queue[tuple[Path, Any] | None] = queue.Queue(maxsize=max(1, max_pending))
+        self._thread: threading.Thread | None = None
+        self._error: tuple[Path, BaseException] | None = None
+        self.written = 0
+
+    def submit(self, path: Path, panel: Any) -> None:
+        """Queue ``panel`` (uint8 RGB) for ``path`` (under :attr:`root`); raises an earlier write's error."""
+        self.check()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="vision_attn-overlay-writer", daemon=True)
+            self._thread.start()
+        self._queue.put((path, panel))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # a write failed: drain the queue so the producer never blocks, write nothing
+            path, panel = item
+            try:
+                save_png(path, panel, root=self.root)
+                self.written += 1
+            except BaseException as err:  # noqa: BLE001 - handed to the main thread by check()
+                self._error = (path, err)
+
+    def check(self) -> None:
+        """Raise the error of a failed write, if any (:class:`OverlayWriteError`, naming the file)."""
+        if self._error is not None:
+            path, err = self._error
+            raise OverlayWriteError(f"cannot write the overlay {path}: {type(err).__name__}: {err}") from err
+
+    def close(self, raise_errors: bool = True) -> None:
+        """Wait until every queued panel is written and stop the thread; then raise the first
+        error (unless ``raise_errors`` is false: the run is already failing for another reason)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if raise_errors:
+            self.check()
+
+
 class PredictionWriter(BasePredictionWriter):
     """Writes what the predict loop returns: overlays after every batch (each process its own
-    images), then ``predictions.json``, ``skipped.json`` and ``report.html`` from every
-    process's records, in file order, on the main process."""
+    images; on a :class:`BackgroundWriter` thread unless ``background`` is false), then
+    ``predictions.json``, ``skipped.json`` and ``report.html`` from every process's records, in
+    file order, on the main process."""
 
     def __init__(self, out: Path, skipped: list[dict[str, str]], title: str, summary: dict[str, str],
-                 report_images: int = 50) -> None:
+                 report_images: int = 50, background: bool = True, max_pending: int = 8) -> None:
         super().__init__(write_interval="batch")
         self.out, self.title, self.summary, self.report_images = out, title, summary, report_images
         self.skipped = list(skipped)  # found while scanning the folder (main process)
         self.records: list[dict[str, Any]] = []
         self.items: list[dict[str, Any]] = []
         self.failed: list[dict[str, str]] = []
+        self.overlay_writer = BackgroundWriter(out, max_pending) if background else None
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx,
                            dataloader_idx=0) -> None:
@@ -212,12 +289,22 @@ class PredictionWriter(BasePredictionWriter):
                                              prediction["report_items"], strict=True):
             self.records.append({"file": file, **record})
             if panel is not None:
-                save_png(self.out / "overlays" / overlay_name(Path(file)), panel, root=self.out)
+                path = self.out / "overlays" / overlay_name(Path(file))
+                if self.overlay_writer is not None:
+                    self.overlay_writer.submit(path, panel)
+                else:
+                    save_png(path, panel, root=self.out)
             if len(self.items) < self.report_images:
                 panels = item.get("panels", []) if item else []
                 self.items.append({**(item or {}), "name": file, "text": json.dumps(record)[:300], "panels": panels})
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if self.overlay_writer is not None:  # stop the thread; the run's own error is the one raised
+            self.overlay_writer.close(raise_errors=False)
+
     def on_predict_epoch_end(self, trainer, pl_module) -> None:
+        if self.overlay_writer is not None:  # every overlay on disk (or its error raised) before the JSON
+            self.overlay_writer.close()
         by_file = {r["file"]: r for r in gather_objects(self.records)}  # a padded sampler repeats none here
         predictions = [by_file[f] for f in sorted(by_file, key=Path)]
         failed = {s["file"]: s for s in gather_objects(self.failed)}
@@ -281,7 +368,7 @@ class OnnxPredictor(L.LightningModule):
             except Exception as err:  # noqa: BLE001 - ONNX Runtime's errors derive from Exception only
                 raise CheckpointError(f"ONNX Runtime failed running {self.path} on a batch of shape "
                                       f"{tuple(batch['images'].shape)}: {_first_line(err)}") from err
-            sizes = [tuple(p.shape[:2]) for p in batch["pictures"]]
+            sizes = batch.get("sizes") or [tuple(p.shape[:2]) for p in batch["pictures"]]
             records = self.task.predictions_from_outputs(tuple(torch.from_numpy(o) for o in outputs), sizes,
                                                          self.predict_options)
         return {"files": files, "records": records, "panels": [None] * len(files),
@@ -316,6 +403,7 @@ def predict_folder(
     target_class: str | None = None,
     token: str = "auto",
     merge_r: int = 0,
+    background_writes: bool = True,
 ) -> dict[str, list]:
     """Predictions (and overlays) for every image under ``images``, through Lightning's predict
     loop (DataLoader workers decode; ``devices`` processes share the images); returns
@@ -338,6 +426,9 @@ def predict_folder(
             tokens in every encoder block (``0``: off, exactly the model as trained). Faster,
             slightly less accurate; the encoder still returns tokens on the patch grid, so
             overlays keep their shape.
+        background_writes: encode and write the overlay PNGs on a background thread while the
+            model runs the next batch (:class:`BackgroundWriter`; the same files as writing them
+            in the loop, ``False``).
     """
     from vision_attn.explain.evaluate import ExplainOptions
     from vision_attn.models.sources import load_model
@@ -373,14 +464,18 @@ def predict_folder(
         resolve_target_class(target_class, model.class_names, len(model.class_names))
     model.predict_options = options
     model.predict_overlays = overlays
-    loader = DataLoader(FolderImages(images, files, build_eval_transform(model.inference_data_config())),
+    model.predict_report_images = report_images
+    loader = DataLoader(FolderImages(images, files, build_eval_transform(model.inference_data_config()), overlays),
                         batch_size=batch_size, num_workers=num_workers, collate_fn=collate_folder,
-                        persistent_workers=False)
+                        persistent_workers=False,  # one pass: workers end with it
+                        pin_memory=accelerator != "cpu" and torch.cuda.is_available())  # faster copies to a GPU
     writer = PredictionWriter(out, skipped, f"vision_attn {kind} predictions",
-                              {"model": str(model_path), "images": str(images)}, report_images)
+                              {"model": str(model_path), "images": str(images)}, report_images,
+                              background=background_writes)
+    # explanations (relevance, Grad-CAM) need gradients; predictions alone run under inference_mode
     trainer = L.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_checkpointing=False,
                         enable_model_summary=False, enable_progress_bar=progress, callbacks=[writer],
-                        default_root_dir=str(out), inference_mode=False)  # relevance needs gradients
+                        default_root_dir=str(out), inference_mode=not overlays)
     if files:
         trainer.predict(model, dataloaders=loader, return_predictions=False)
     else:

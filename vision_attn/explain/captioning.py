@@ -303,8 +303,9 @@ def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], o
         strip = np.concatenate(strips, axis=0)
         text = " ".join(words) if truths is None else f"{' '.join(words)} (reference: {truths[j]})"
         first = maps[methods[0]]
-        item = {"text": text, "image": Report.display_image(picture), "panels": [png_data_uri(strip)], "kind": "words",
-                "grid": list(grid), "words": words, "maps": quantise(first.flatten(1)) if words else ""}
+        item = None if not options.report else {  # report.html's entry: only when a report is written
+            "text": text, "image": Report.display_image(picture), "panels": [png_data_uri(strip)], "kind": "words",
+            "grid": list(grid), "words": words, "maps": quantise(first.flatten(1)) if words else ""}
         extras = {"words": words, "tokens": word_ids[j].cpu(), "maps": maps}
         explained.append(Explained({"caption": " ".join(words)}, strip, item, extras))
     return explained
@@ -460,7 +461,7 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
                 # The id comes from the annotation file: one safe, short name under out_dir, always.
                 save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{image_id}.png"), e.panel, root=out_dir)
                 written += 1
-                if report is not None:
+                if report is not None and e.report_item is not None:
                     report.items.append({"name": f"image id {image_id}", **e.report_item})
             if i in picked:
                 rows.append((j, i, image_id, pictures[j]))

@@ -174,10 +174,11 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
         text = ", ".join(f"query {int(det['queries'][k])}" for k in keep.tolist()) or "no detection above the threshold"
         if truths is not None:
             text = f"{truths[j]}: {text}"
-        first = maps[methods[0]]
-        item = {"text": text, "image": Report.display_image(rgb), "panels": [png_data_uri(panel)], "kind": "boxes",
-                "grid": list(enc.grid), "maps": quantise(first.flatten(1)) if len(keep) else "",
-                "boxes": [(det["boxes"][k].float() / frac).tolist() for k in keep.tolist()], "labels": labels}
+        first, item = maps[methods[0]], None
+        if options.report:  # report.html's entry (an encoded panel): only when a report is written
+            item = {"text": text, "image": Report.display_image(rgb), "panels": [png_data_uri(panel)], "kind": "boxes",
+                    "grid": list(enc.grid), "maps": quantise(first.flatten(1)) if len(keep) else "",
+                    "boxes": [(det["boxes"][k].float() / frac).tolist() for k in keep.tolist()], "labels": labels}
         kept = [(int(det["queries"][k]), int(det["labels"][k]), det["boxes"][k].tolist(), float(det["scores"][k]))
                 for k in keep.tolist()]
         explained.append(Explained(record, panel, item, {"maps": maps, "detections": kept}))
@@ -233,7 +234,7 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, report=None,
         for i, picture, e in zip(idx, pictures, explained, strict=True):
             image_id = dataset.images[i]["id"]
             save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{image_id}.png"), e.panel, root=out_dir)
-            if report is not None:
+            if report is not None and e.report_item is not None:
                 item = {"name": f"image id {image_id}", **e.report_item}
                 found = errors.get(i)
                 if found is None and scored and not predictions:  # no evaluation: the detections drawn

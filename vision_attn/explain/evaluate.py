@@ -328,7 +328,8 @@ def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray
         if truths is not None:
             caption = f"{truths[j]} -> {caption}"
         panel = explanation_panel(display, expl.maps, j, caption, options.alpha)
-        out.append(Explained(record, panel, _report_item(expl, j, display, caption, panel), {"explanation": expl}))
+        item = _report_item(expl, j, display, caption, panel) if options.report else None  # report.html only
+        out.append(Explained(record, panel, item, {"explanation": expl}))
     return out
 
 
@@ -388,7 +389,7 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
                 save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{truth}_{Path(rel).stem}.png"), e.panel,
                          root=out_dir)
                 written += 1
-                if report is not None:
+                if report is not None and e.report_item is not None:
                     report.items.append({"name": str(rel), **e.report_item})
             in_sample = torch.tensor([i in sample for i in idx.tolist()])
             if report is not None and explained and bool(in_sample.any()):

@@ -222,16 +222,21 @@ class VisionTask(L.LightningModule):
         :meth:`explain_batch`) and the explanation metrics; fills ``report`` when given."""
         return {}
 
-    # Set by the folder commands (vision_attn.predict): an ExplainOptions, and whether to draw.
+    # Set by the folder commands (vision_attn.predict): an ExplainOptions, whether to draw, and
+    # how many images report.html shows (later images need no report item: ExplainOptions.report
+    # is turned off for their batches).
     predict_options: Any = None
     predict_overlays: bool = False
+    predict_report_images: int | None = None
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int = 0) -> dict[str, Any]:
         """Lightning's predict step of the folder commands.
 
         Args:
             batch: ``{"images": [B, 3, H, W], "pictures": [B original RGB arrays], "files": [B
-                names], "skipped": [{"file", "reason"}]}`` (:mod:`vision_attn.predict`).
+                names], "skipped": [{"file", "reason"}]}`` (:mod:`vision_attn.predict`), and
+                optionally ``"sizes"``: ``[(height, width)]`` of the originals (a predictions-only
+                run sends these instead of the pictures).
 
         Returns:
             ``{"files", "records", "panels", "report_items", "skipped"}``: per image its record
@@ -242,15 +247,20 @@ class VisionTask(L.LightningModule):
         if not files:
             return {"files": [], "records": [], "panels": [], "report_items": [], "skipped": batch["skipped"]}
         if self.predict_overlays:
-            explained = self.explain_batch(batch["images"], pictures, self.predict_options)
+            options, seen = self.predict_options, 0 if batch_idx == 0 else getattr(self, "_predict_seen", 0)
+            self._predict_seen = seen + len(files)
+            if (self.predict_report_images is not None and seen >= self.predict_report_images
+                    and dataclasses.is_dataclass(options) and getattr(options, "report", False)):
+                options = dataclasses.replace(options, report=False)  # past the report's images
+            explained = self.explain_batch(batch["images"], pictures, options)
             records = [e.record for e in explained]
             panels = [e.panel for e in explained]
             items = [e.report_item for e in explained]
         else:
             with torch.no_grad():
                 outputs = self.export_forward(batch["images"])
-            records = self.predictions_from_outputs(outputs, [tuple(p.shape[:2]) for p in pictures],
-                                                    self.predict_options)
+            sizes = batch.get("sizes") or [tuple(p.shape[:2]) for p in pictures]
+            records = self.predictions_from_outputs(outputs, sizes, self.predict_options)
             panels, items = [None] * len(files), [None] * len(files)
         return {"files": files, "records": records, "panels": panels, "report_items": items,
                 "skipped": batch["skipped"]}
