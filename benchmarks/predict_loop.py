@@ -25,7 +25,9 @@ process, interleaved (A, B, A, B, ...), medians of ``--repeats``:
 
 Every pair checks that both sides predict the same (top-1 class, scores to 1e-4). The
 subprocesses inherit the environment (``OMP_NUM_THREADS``); ``--threads`` sets this process's
-torch threads and, when given, the subprocesses' ``OMP_NUM_THREADS``.
+torch threads and, when given, the subprocesses' ``OMP_NUM_THREADS``; ``--python`` runs both
+subprocesses with another interpreter (a runtime-only install: the test extras bring
+matplotlib, which torchmetrics, and so Lightning, imports at start-up when it is present).
 """
 
 from __future__ import annotations
@@ -62,21 +64,27 @@ PLAIN_SCRIPT = textwrap.dedent('''\
     import torch
     from PIL import Image
 
-    model_name, weights, folder, out, batch = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-    model = timm.create_model(model_name, pretrained=False)
-    model.load_state_dict(safetensors.torch.load_file(weights))
-    model.eval()
-    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
-    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in {".jpg", ".jpeg", ".png"})
-    records = []
-    with torch.inference_mode():
-        for i in range(0, len(files), batch):
-            chunk = files[i:i + batch]
-            x = torch.stack([transform(Image.open(f).convert("RGB")) for f in chunk])
-            scores, classes = model(x).softmax(-1).topk(5, dim=-1)
-            for f, s, c in zip(chunk, scores.tolist(), classes.tolist()):
-                records.append({"file": str(f.relative_to(folder)), "classes": c, "scores": s})
-    Path(out).write_text(json.dumps(records))
+
+    def predict(model_name, weights, folder, batch):
+        model = timm.create_model(model_name, pretrained=False)
+        model.load_state_dict(safetensors.torch.load_file(str(weights)))
+        model.eval()
+        transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
+        files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in {".jpg", ".jpeg", ".png"})
+        records = []
+        with torch.inference_mode():
+            for i in range(0, len(files), batch):
+                chunk = files[i:i + batch]
+                x = torch.stack([transform(Image.open(f).convert("RGB")) for f in chunk])
+                scores, classes = model(x).softmax(-1).topk(5, dim=-1)
+                for f, s, c in zip(chunk, scores.tolist(), classes.tolist()):
+                    records.append({"file": str(f.relative_to(folder)), "classes": c, "scores": s})
+        return records
+
+
+    if __name__ == "__main__":
+        name, weights, folder, out, batch = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+        Path(out).write_text(json.dumps(predict(name, weights, folder, batch)))
 ''')
 
 
@@ -114,25 +122,11 @@ def save_random_weights(model: str, path: Path, seed: int = 0) -> Path:
 
 
 def plain_predictions(model: str, weights: Path, folder: Path, batch: int = 16) -> list[dict]:
-    """What :data:`PLAIN_SCRIPT` does, in this process: ``[{"file", "classes", "scores"}]`` (top-5)."""
-    import safetensors.torch
-    import timm
-    from PIL import Image
-
-    net = timm.create_model(model, pretrained=False)
-    net.load_state_dict(safetensors.torch.load_file(str(weights)))
-    net.eval()
-    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=net))
-    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in {".jpg", ".jpeg", ".png"})
-    records = []
-    with torch.inference_mode():
-        for i in range(0, len(files), batch):
-            chunk = files[i:i + batch]
-            x = torch.stack([transform(Image.open(f).convert("RGB")) for f in chunk])
-            scores, classes = net(x).softmax(-1).topk(5, dim=-1)
-            for f, s, c in zip(chunk, scores.tolist(), classes.tolist(), strict=True):
-                records.append({"file": str(f.relative_to(folder)), "classes": c, "scores": s})
-    return records
+    """What :data:`PLAIN_SCRIPT` does, in this process (its own ``predict``, so both pairs time
+    the same code): ``[{"file", "classes", "scores"}]`` (top-5)."""
+    namespace: dict = {"__name__": "plain_predict"}
+    exec(compile(PLAIN_SCRIPT, "plain_predict.py", "exec"), namespace)  # noqa: S102 - our own constant
+    return namespace["predict"](model, weights, folder, batch)
 
 
 def same_predictions(ours: list[dict], plain: list[dict]) -> bool:
@@ -181,15 +175,17 @@ def in_process_pairs(model: str, weights: Path, folder: Path, work: Path, repeat
 
 
 def whole_process_pair(model: str, weights: Path, folder: Path, work: Path, repeats: int = 3, batch: int = 16,
-                       num_workers: int = 2, env: dict[str, str] | None = None) -> dict:
-    """The whole-process row: ``python -m vision_attn.predict ... --no_overlays`` vs :data:`PLAIN_SCRIPT`."""
+                       num_workers: int = 2, env: dict[str, str] | None = None, python: str | None = None) -> dict:
+    """The whole-process row: ``python -m vision_attn.predict ... --no_overlays`` vs :data:`PLAIN_SCRIPT`,
+    both run by the interpreter ``python`` (default: this one)."""
     script = work / "plain_predict.py"
     script.write_text(PLAIN_SCRIPT)
     env = {**os.environ, **(env or {})}
-    ours_cmd = [sys.executable, "-m", "vision_attn.predict", "--model", f"timm:{model}", "--weights_file", str(weights),
+    python = python or sys.executable
+    ours_cmd = [python, "-m", "vision_attn.predict", "--model", f"timm:{model}", "--weights_file", str(weights),
                 "--images", str(folder), "--output_dir", str(work / "cli"), "--no_overlays", "--overwrite",
                 "--batch_size", str(batch), "--num_workers", str(num_workers)]
-    plain_cmd = [sys.executable, str(script), model, str(weights), str(folder), str(work / "plain.json"), str(batch)]
+    plain_cmd = [python, str(script), model, str(weights), str(folder), str(work / "plain.json"), str(batch)]
 
     def runner(cmd: list[str]):
         def call() -> None:
@@ -212,7 +208,7 @@ def whole_process_pair(model: str, weights: Path, folder: Path, work: Path, repe
 
 def run(images: int = 256, model: str = "vit_small_patch16_224", repeats: int = 3, batch: int = 16,
         num_workers: int = 2, whole_process: bool = True, whole_repeats: int | None = None,
-        env: dict[str, str] | None = None, work_dir: str | Path | None = None) -> dict:
+        env: dict[str, str] | None = None, work_dir: str | Path | None = None, python: str | None = None) -> dict:
     """The rows of the table (small ``images`` / ``model`` for tests)."""
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="predict_loop_", dir=work_dir))
@@ -223,7 +219,7 @@ def run(images: int = 256, model: str = "vit_small_patch16_224", repeats: int = 
         rows = in_process_pairs(model, weights, folder, tmp, repeats, batch, num_workers)
         if whole_process:
             rows.append(whole_process_pair(model, weights, folder, tmp, whole_repeats or repeats, batch, num_workers,
-                                           env))
+                                           env, python))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"model": model, "images": images, "batch": batch, "num_workers": num_workers, "repeats": repeats,
@@ -240,6 +236,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no_whole_process", action="store_true", help="skip the subprocess pair")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads here and OMP_NUM_THREADS of the subprocesses (default: torch's / inherited)")
+    p.add_argument("--python", default=None,
+                   help="interpreter of the whole-process pair, both sides (default: this one); e.g. the .venv of "
+                        "`make install`, which lacks the test extras (matplotlib, which torchmetrics imports when present)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -249,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.threads:
         torch.set_num_threads(a.threads)
         env = {"OMP_NUM_THREADS": str(a.threads)}
-    res = run(a.images, a.model, a.repeats, a.batch, a.num_workers, not a.no_whole_process, env=env)
+    res = run(a.images, a.model, a.repeats, a.batch, a.num_workers, not a.no_whole_process, env=env, python=a.python)
     print(f"predict loop, {a.model} (random weights), {a.images} JPEGs 320x420, batch {a.batch}, "
           f"{a.num_workers} workers, {res['machine']['threads']} threads")
     print("| pair | ratio | goal | met | detail |\n| --- | --- | --- | --- | --- |")

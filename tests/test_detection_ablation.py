@@ -61,3 +61,13 @@ def test_every_row_is_an_override_of_a_switch_the_task_has():
         keys = [o.split(".")[-1] for o in overrides[::2]]
         assert all(o.startswith("--model.init_args.") for o in overrides[::2]), name
         assert set(keys) <= params, (name, set(keys) - params)
+
+
+def test_rows_state_every_aid_so_they_do_not_depend_on_the_config():
+    """shapes.yaml ships query selection on: a row that left it to the config would silently
+    measure something else. Every row sets each aid, and only the query-selection rows turn it on."""
+    for name, overrides in ROWS.items():
+        last = {k.split(".")[-1]: v for k, v in zip(overrides[::2], overrides[1::2], strict=True)}  # last one wins
+        assert {"query_selection", "look_forward_twice", "dn_groups", "o2m_groups", "pyramid", "box_refine",
+                "focal"} <= set(last), name
+        assert (last["query_selection"] == "true") == ("query selection" in name), name
