@@ -242,7 +242,7 @@ def test_detection_overlay_of_an_exif_rotated_image_draws_the_box_on_the_object(
         return real_draw_box(image, box, *args, **kwargs)
 
     monkeypatch.setattr(explain_detection, "draw_box", recording_draw_box)
-    options = SimpleNamespace(num_overlays=1, overlay_selection="sample", seed=0, score_threshold=0.3,
+    options = SimpleNamespace(num_overlays=1, overlay_selection="sample", seed=0, score_threshold=0.3, report=False,
                               query_layers="last", alpha=0.5, batch_size=8, methods=["attention"])
     assert explain_detection.write_detection_overlays(task, ds, options, tmp_path / "out") == 1
     image, box = drawn[0]  # the "detections" picture, before drawing
