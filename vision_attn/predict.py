@@ -368,8 +368,7 @@ class OnnxPredictor(L.LightningModule):
             except Exception as err:  # noqa: BLE001 - ONNX Runtime's errors derive from Exception only
                 raise CheckpointError(f"ONNX Runtime failed running {self.path} on a batch of shape "
                                       f"{tuple(batch['images'].shape)}: {_first_line(err)}") from err
-            sizes = batch.get("sizes") or [tuple(p.shape[:2]) for p in batch["pictures"]]
-            records = self.task.predictions_from_outputs(tuple(torch.from_numpy(o) for o in outputs), sizes,
+            records = self.task.predictions_from_outputs(tuple(torch.from_numpy(o) for o in outputs), batch["sizes"],
                                                          self.predict_options)
         return {"files": files, "records": records, "panels": [None] * len(files),
                 "report_items": [None] * len(files), "skipped": batch["skipped"]}

@@ -233,10 +233,9 @@ class VisionTask(L.LightningModule):
         """Lightning's predict step of the folder commands.
 
         Args:
-            batch: ``{"images": [B, 3, H, W], "pictures": [B original RGB arrays], "files": [B
-                names], "skipped": [{"file", "reason"}]}`` (:mod:`vision_attn.predict`), and
-                optionally ``"sizes"``: ``[(height, width)]`` of the originals (a predictions-only
-                run sends these instead of the pictures).
+            batch: ``{"images": [B, 3, H, W], "pictures": [B original RGB arrays, or None each
+                in a predictions-only run], "sizes": [B (height, width) of the originals],
+                "files": [B names], "skipped": [{"file", "reason"}]}`` (:mod:`vision_attn.predict`).
 
         Returns:
             ``{"files", "records", "panels", "report_items", "skipped"}``: per image its record
@@ -259,8 +258,7 @@ class VisionTask(L.LightningModule):
         else:
             with torch.no_grad():
                 outputs = self.export_forward(batch["images"])
-            sizes = batch.get("sizes") or [tuple(p.shape[:2]) for p in pictures]
-            records = self.predictions_from_outputs(outputs, sizes, self.predict_options)
+            records = self.predictions_from_outputs(outputs, batch["sizes"], self.predict_options)
             panels, items = [None] * len(files), [None] * len(files)
         return {"files": files, "records": records, "panels": panels, "report_items": items,
                 "skipped": batch["skipped"]}
