@@ -202,3 +202,51 @@ def test_predict_loop_benchmark_rows_tiny(tmp_path):
     assert all("same predictions: True" in r["detail"] for r in rows)
     assert rows[0]["met"] == (rows[0]["ratio"] >= GOALS["predictions_only"])
     assert list(tmp_path.iterdir()) == []  # the temporary images, weights and outputs are removed
+
+
+def test_caption_grounding_counts_object_words_against_oracle_and_constant_decoders(tmp_path):
+    """``benchmarks.caption_grounding``: a decoder that always predicts the right next word scores
+    1 on every group; one that always says the same kind word scores that kind's share of the
+    kind words and 0 on colours; the numbers count only the words naming the split's objects."""
+    import torch
+
+    from benchmarks.caption_grounding import object_word_ids, split_accuracy
+    from vision_attn import create_encoder
+    from vision_attn.data.captioning import CaptioningDataModule
+    from vision_attn.data.synthetic import SceneSetConfig
+    from vision_attn.tasks import CaptioningTask
+
+    dm = CaptioningDataModule(synthetic=SceneSetConfig(image_size=32, num_train=8, num_val=6),
+                              cache_dir=str(tmp_path / "data"), batch_size=4, num_workers=0)
+    enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
+    task = CaptioningTask(enc, dm.tokenizer.to_json(), hidden_dim=32, num_layers=1, num_heads=2).eval()
+    task.configure_datamodule(dm)
+    val = dm.dataset("val")
+    tok = task.tokenizer
+    groups = object_word_ids(val, tok)
+    assert {tok.vocab[i] for i in groups["kind"]} <= {"circle", "square", "triangle", "star", "cross"}
+    assert "red" in {tok.vocab[i] for i in groups["colour"]} or len(groups["colour"]) >= 3
+    v = len(tok)
+    kinds = [val.references[i][0].split() for i in range(len(val))]
+    circle = tok.index["circle"]
+
+    def oracle(images, inputs):  # logits peaked on the true next token of the same rows
+        full = {tuple(val[i][1].tolist()) for i in range(len(val))}
+        out = torch.zeros(*inputs.shape, v)
+        for b, seq in enumerate(inputs.tolist()):
+            trimmed = tuple(t for t in seq if t != tok.pad_id)
+            whole = trimmed if trimmed in full else (*trimmed, tok.eos_id)  # the longest row lost its <eos>
+            assert whole in full
+            nxt = torch.tensor(whole[1:])
+            out[b, torch.arange(len(nxt)), nxt] = 10.0
+        return out
+
+    task.forward = oracle
+    perfect = split_accuracy(task, val, images=6, batch_size=4)
+    assert perfect["kind"] == perfect["colour"] == perfect["all"] == 1.0
+    task.forward = lambda images, inputs: torch.zeros(*inputs.shape, v).index_fill_(-1, torch.tensor([circle]), 1.0)
+    constant = split_accuracy(task, val, images=6, batch_size=4)
+    words = [w for caption in kinds for w in caption if tok.index.get(w) in groups["kind"]]
+    assert constant["kind_words"] == len(words) == perfect["kind_words"]
+    assert constant["kind"] == pytest.approx(words.count("circle") / len(words))
+    assert constant["colour"] == 0.0
