@@ -45,6 +45,7 @@ bench: $(DEV)
 	$(PY) -m benchmarks.predict_loop --json benchmarks/results/predict_loop.json
 	$(PY) -m benchmarks.gpu --json benchmarks/results/gpu.json
 	if ls $(DEMO_DIR)/*/*/checkpoints/last.ckpt >/dev/null 2>&1; then $(PY) -m benchmarks.explanations --demo_dir $(DEMO_DIR) --json benchmarks/results/explanations.json; else echo "no $(DEMO_DIR)/*/<task>/checkpoints/last.ckpt: run make demo for the explanations table"; fi
+	ckpt=$$(ls -t $(DEMO_DIR)/*/captioning/checkpoints/last.ckpt 2>/dev/null | head -1); if [ -n "$$ckpt" ]; then $(PY) -m benchmarks.caption_grounding "$$ckpt" --json benchmarks/results/caption_grounding.json; fi
 
 lint: $(DEV)
 	$(PY) -m ruff check vision_attn tests train.py eval.py
