@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import machine, write_result
+from vision_attn.data.captioning import caption_collate
 
 log = logging.getLogger("benchmarks.caption_grounding")
 
@@ -66,11 +67,8 @@ def split_accuracy(task, dataset, images: int, batch_size: int = 50) -> dict[str
     counts: Counter = Counter()
     with torch.no_grad():
         for start in range(0, n, batch_size):
-            items = [dataset[i] for i in range(start, min(n, start + batch_size))]
-            pics = torch.stack([it[0] for it in items])
-            tokens = torch.full((len(items), max(len(it[1]) for it in items)), tok.pad_id, dtype=torch.long)
-            for i, it in enumerate(items):
-                tokens[i, : len(it[1])] = it[1]
+            pics, tokens, _ = caption_collate([dataset[i] for i in range(start, min(n, start + batch_size))],
+                                              tok.pad_id)
             counts += word_accuracy(task(pics, tokens[:, :-1]), tokens[:, 1:], groups, tok.pad_id)
     row: dict[str, float | int] = {"images": n}
     for name in (*groups, "all"):
