@@ -128,3 +128,81 @@ def test_unreadable_files_are_clear_errors(coco_root, tmp_path):
         read_captions(root, "test")
     with pytest.raises(DataError, match="does not exist; pass --data.root"):
         CaptioningDataModule(root=str(tmp_path / "absent"))
+
+
+def _boxes_dataset(coco_root, transform):
+    images, captions = read_captions(coco_root, "train")
+    tok = WordTokenizer.train(c for cs in captions.values() for c in cs)
+    return CocoCaptions(coco_root, "train", transform, tok, sample="first", max_length=12)
+
+
+def test_attached_boxes_are_the_instance_files(coco_root):
+    """Items carry each image's annotated boxes (normalised) and kinds; the collate keeps them."""
+    from vision_attn.data.transforms import build_train_transform
+
+    ds = _boxes_dataset(coco_root, build_train_transform(PRE, "none"))
+    assert len(ds[0]) == 3  # nothing attached: the plain items
+    classes = ds.attach_boxes()
+    inst = json.loads(ds.instances_file.read_text())
+    assert classes == [c["name"] for c in inst["categories"]]
+    for index in range(len(ds)):
+        image, tokens, i, (boxes, labels) = ds[index]
+        im = ds.images[index]
+        size = next(x for x in inst["images"] if x["id"] == im["id"])
+        anns = [a for a in inst["annotations"] if a["image_id"] == im["id"]]
+        want = torch.tensor([[x / size["width"], y / size["height"], (x + w) / size["width"], (y + h) / size["height"]]
+                             for x, y, w, h in (a["bbox"] for a in anns)])
+        names = {c["id"]: c["name"] for c in inst["categories"]}
+        assert i == index and len(boxes) == len(anns) >= 1
+        torch.testing.assert_close(boxes, want.clamp(0, 1))
+        assert [classes[c] for c in labels.tolist()] == [names[a["category_id"]] for a in anns]
+    *_, boxes = caption_collate([ds[0], ds[1]], 0)
+    assert len(boxes) == 2 and torch.equal(boxes[1][1], ds[1][3][1])
+    # categories outside the given list are left out; the labels index the given list
+    only = [classes[1]]
+    ds.attach_boxes(only)
+    for index in range(len(ds)):
+        assert ds[index][3][1].tolist() == [0] * len(ds[index][3][1])
+
+
+def test_attached_boxes_follow_the_small_augmentation(tmp_path):
+    """Under the crop of ``augment small`` the boxes move with the objects: every object pixel
+    lies in a box (away from the margin the reflect padding may mirror objects into), and
+    each box is filled by its object."""
+    from vision_attn.data.transforms import build_train_transform
+
+    plain = ensure_shapes_coco(SceneSetConfig(image_size=32, num_train=12, num_val=2, noise=0, clutter=0), tmp_path)
+    pre = {**PRE, "mean": (0.0,) * 3, "std": (1.0,) * 3}
+    ds = _boxes_dataset(plain, build_train_transform(pre, "small", hflip=False))
+    ds.attach_boxes()
+    aug = ds.transform.transforms[0]
+    aug.jitter = 0.0  # the background stays one colour
+    torch.manual_seed(0)
+    for index in range(len(ds)):
+        image, _, _, (boxes, _) = ds[index]
+        h, w = image.shape[1:]
+        values, counts = image.reshape(3, -1).T.unique(dim=0, return_counts=True)
+        background = values[counts.argmax()].reshape(3, 1, 1)
+        foreground = (image - background).abs().amax(0) > 0.1
+        covered = torch.zeros(h, w, dtype=torch.bool)
+        for b in boxes:
+            x0, y0, x1, y1 = (b * torch.tensor([w, h, w, h])).tolist()
+            x0, y0, x1, y1 = int(x0) - 1, int(y0) - 1, int(x1 + 0.999) + 1, int(y1 + 0.999) + 1  # 1 px of antialiasing
+            covered[max(0, y0):y1, max(0, x0):x1] = True
+            assert foreground[max(0, y0):y1, max(0, x0):x1].float().mean() > 0.25  # the object fills its box
+        m = aug.pad
+        assert not (foreground & ~covered)[m:h - m, m:w - m].any()
+
+
+def test_attach_boxes_needs_a_transform_boxes_can_follow(coco_root, tmp_path):
+    from vision_attn.data.transforms import build_train_transform
+
+    ds = _boxes_dataset(coco_root, build_train_transform(PRE, "small", randaugment_ops=2))
+    with pytest.raises(DataError, match=r"instances_train.json.*augment none or small"):
+        ds.attach_boxes()
+    import shutil
+
+    copy = tmp_path / "no_instances"
+    shutil.copytree(coco_root, copy)
+    (copy / "annotations" / "instances_train.json").unlink()
+    assert _boxes_dataset(copy, build_train_transform(PRE, "none")).attach_boxes() is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import shutil
 
@@ -275,3 +276,69 @@ def test_word_dropout_replaces_only_words_and_only_in_training():
     assert not torch.equal(task._loss(images, tokens[:4]), plain._loss(images, tokens[:4]))
     with pytest.raises(ValueError, match="word_dropout"):
         _task(vocab=vocab, word_dropout=1.0)
+
+
+def test_patch_targets_by_hand():
+    from vision_attn.tasks.captioning import patch_targets
+
+    # 2 x 2 patches, centres at 0.25 / 0.75: the whole image is category 0, the top-left quarter 2
+    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.5, 0.5]])
+    assert patch_targets(boxes, torch.tensor([0, 2]), (2, 2)).tolist() == [3, 1, 1, 1]  # smallest box wins
+    # a box holding only the bottom-right centre; the others are background
+    assert patch_targets(torch.tensor([[0.6, 0.6, 1.0, 1.0]]), torch.tensor([1]), (2, 2)).tolist() == [0, 0, 0, 2]
+    # rows before columns: a box over the right column of a 2 x 3 grid
+    assert patch_targets(torch.tensor([[0.7, 0.0, 1.0, 1.0]]), torch.tensor([4]), (2, 3)).tolist() == [0, 0, 5, 0, 0, 5]
+    assert patch_targets(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64), (2, 2)).tolist() == [0, 0, 0, 0]
+
+
+def _grounding_data(tmp_path, **kw) -> CaptioningDataModule:
+    return CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp_path / "data"), batch_size=8, num_workers=0,
+                                max_length=24, **kw)
+
+
+def test_grounding_supervises_the_encoder_and_survives_checkpoints(tmp_path):
+    """With ``grounding_weight`` the patch tokens learn the boxes' categories: the loss falls far
+    below what predicting the class frequencies gives (it does not when the encoder gets no
+    gradient from it), and the head and its classes come back from the checkpoint."""
+    dm = _grounding_data(tmp_path)
+    L.seed_everything(0)
+    task = _task(optim=Optimization(lr=3e-3), grounding_weight=1.0)
+    trainer = _trainer(tmp_path, max_epochs=25, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(task, datamodule=dm)
+    classes = task.hparams.grounding_classes
+    assert classes == ["circle", "square", "triangle", "star", "cross"] and task.grounding_head.out_features == 6
+    from vision_attn.tasks.captioning import GROUNDING_BACKGROUND_WEIGHT, patch_targets
+
+    ds = dm.datasets["train"]
+    items = [ds[i] for i in range(len(ds))]
+    targets = torch.cat([patch_targets(b, c, (4, 4)) for *_, (b, c) in items])
+    weight = torch.ones(6)
+    weight[0] = GROUNDING_BACKGROUND_WEIGHT
+    share = torch.bincount(targets, minlength=6).float() + 1e-3
+    # the weighted cross-entropy of always predicting the classes' frequencies
+    constant = F.cross_entropy(share.log().expand(len(targets), 6), targets, weight=weight)
+    task.eval()
+    images = torch.stack([it[0] for it in items])
+    with torch.no_grad():
+        loss = task._grounding_loss(task.encode(images), [it[3] for it in items])
+    assert loss < 0.5 * constant, (float(loss), float(constant))
+    ckpt = tmp_path / "ground.ckpt"
+    trainer.save_checkpoint(ckpt)
+    loaded = load_task(ckpt, expected_task="captioning")
+    assert loaded.hparams.grounding_classes == classes
+    assert torch.equal(loaded.grounding_head.weight, task.grounding_head.weight)
+    # a self-critical phase from it keeps the head but trains it no more (DDP: no unused trained parameters)
+    scst = _task(init_from=str(ckpt), scst=True, scst_samples=2)
+    assert scst.grounding_head is not None and not any(p.requires_grad for p in scst.grounding_head.parameters())
+
+
+def test_grounding_without_instances_trains_on_captions(tmp_path, caplog):
+    dm = _grounding_data(tmp_path)  # written here
+    for path in (tmp_path / "data").glob("*/annotations/instances_train.json"):
+        path.unlink()
+    task = _task(grounding_weight=0.5)
+    with caplog.at_level(logging.WARNING, logger="vision_attn"):
+        _trainer(tmp_path, max_steps=2, enable_checkpointing=False, limit_val_batches=0).fit(task, datamodule=dm)
+    assert task.grounding_head is None and "learns from the captions alone" in caplog.text
+    with pytest.raises(ConfigError, match="grounding_weight"):
+        _task(grounding_weight=-1.0)

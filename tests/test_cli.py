@@ -312,7 +312,7 @@ def test_eval_merge_r_merges_tokens_and_zero_is_the_model_as_trained(trained_run
             "--explain.report", "false", "--ckpt_path", ckpt]
     plain = eval_main([*fast, "--output_dir", str(tmp_path / "plain")])
     zero = eval_main([*fast, "--merge_r", "0", "--output_dir", str(tmp_path / "zero")])
-    merged = eval_main([*fast, "--merge_r", "8", "--output_dir", str(tmp_path / "merged")])
+    eval_main([*fast, "--merge_r", "8", "--output_dir", str(tmp_path / "merged")])
     assert zero == plain
     probs = {d: [p["score"] for p in json.loads((tmp_path / d / "predictions.json").read_text())]
              for d in ("plain", "merged")}

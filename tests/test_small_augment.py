@@ -96,3 +96,26 @@ def test_same_distribution_as_the_torchvision_chain():
     assert abs(float(a.mean() - b.mean())) < 3 * float(b.std()) / 1500 ** 0.5 * 2 ** 0.5
     assert 0.85 < float(a.std() / b.std()) < 1.15
     assert float(a.std()) > 0.05  # the jitter is there
+
+
+@pytest.mark.parametrize("top,left,flip", [(0, 0, False), (4, 4, False), (8, 0, True), (1, 7, True)])
+def test_boxes_move_with_the_crop_and_flip(top, left, flip):
+    """A drawn rectangle's pixels after :meth:`SmallAugment.apply` are where ``move_boxes`` puts its box."""
+    aug = SmallAugment((32, 32), 4, True, (0.0,) * 3, (1.0,) * 3, jitter=0.0)
+    x = torch.zeros(3, 32, 32, dtype=torch.uint8)
+    x[:, 10:18, 6:20] = 255  # rows 10..17, columns 6..19: the box (6, 10, 20, 18) in pixels
+    out = aug.apply(x, top, left, flip, (1.0, 1.0), (0, 1))
+    rows, cols = (out[0] > 0.5).nonzero(as_tuple=True)
+    drawn = torch.tensor([cols.min(), rows.min(), cols.max() + 1, rows.max() + 1], dtype=torch.float32) / 32
+    box = torch.tensor([[6, 10, 20, 18]], dtype=torch.float32) / 32
+    torch.testing.assert_close(aug.move_boxes(box, top, left, flip)[0], drawn)
+
+
+def test_boxes_clip_to_the_crop_and_come_with_forward():
+    aug = SmallAugment((32, 32), 4, False, (0.0,) * 3, (1.0,) * 3)
+    corner = torch.tensor([[0.0, 0.0, 0.25, 0.25]])
+    # cropped at (8, 8) of the padded image: the view moves 4 px right/down, the box's left/top leave it
+    torch.testing.assert_close(aug.move_boxes(corner, 8, 8, False), torch.tensor([[0.0, 0.0, 4 / 32, 4 / 32]]))
+    image, boxes = aug(_image(), corner)
+    assert image.shape == (3, 32, 32) and boxes.shape == (1, 4)
+    assert torch.isclose(boxes[0, 2] - boxes[0, 0], torch.tensor(0.25), atol=4 / 32 + 1e-6)

@@ -18,12 +18,14 @@
 - Instance annotations: when ``instances_<split>.json`` lies next to the caption file (the
   embedded scenes write it; COCO ships it), :meth:`CocoCaptions.annotated_objects` reads each
   image's objects (category, and ``colour`` where annotated) for content accuracy
-  (:mod:`vision_attn.caption_content`). It is read on first use only (evaluation), never in
-  training.
+  (:mod:`vision_attn.caption_content`). It is read on first use only (evaluation). In training
+  it is read only when the model asks for box supervision of its encoder
+  (:meth:`CocoCaptions.attach_boxes`, ``CaptioningTask(grounding_weight=...)``).
 
-Items: ``(image [3, H, W], token ids [T], index)``; all references of an item are in
-``dataset.references[index]`` (normalised, for the training split:
-:meth:`CaptioningDataModule.train_references`).
+Items: ``(image [3, H, W], token ids [T], index)``, plus ``(boxes [N, 4], labels [N])`` when
+boxes are attached (normalised ``x0, y0, x1, y1`` of the transformed image, moved with its
+crop); all references of an item are in ``dataset.references[index]`` (normalised, for the
+training split: :meth:`CaptioningDataModule.train_references`).
 """
 
 from __future__ import annotations
@@ -230,6 +232,8 @@ class CocoCaptions(SkipUnreadable, Dataset):
         self.transform, self.tokenizer, self.sample = transform, tokenizer, sample
         self.max_length, self.max_pixels = max_length, max_pixels
         self._objects: AnnotatedObjects | None = None
+        self.boxes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # image id -> (xyxy px, labels)
+        self._with_boxes = None
 
     @property
     def instances_file(self) -> Path:
@@ -242,6 +246,51 @@ class CocoCaptions(SkipUnreadable, Dataset):
         if self._objects is None and self.instances_file.is_file():
             self._objects = read_annotated_objects(self.instances_file)
         return self._objects
+
+    def attach_boxes(self, classes: list[str] | None = None) -> list[str] | None:
+        """Make training items carry each image's object boxes from the instances file.
+
+        The file is read with the detection data's checks (crowd regions, boxes of zero size,
+        outside the image or of unknown images / categories are left out, with counted
+        warnings). ``classes``: the category names the labels index (normalised like captions;
+        default: the file's, in its order); objects of other categories are left out.
+
+        Returns:
+            the category names the labels index, or ``None`` (nothing attached) when the split
+            has no instances file.
+
+        Raises:
+            DataError: when the training transform moves pixels in a way the boxes cannot follow
+                (RandAugment, the ``finetune`` preset's random resized crops).
+        """
+        from vision_attn.data.detection import CocoDetection
+        from vision_attn.data.transforms import box_transform
+
+        if not self.instances_file.is_file():
+            return None
+        self._with_boxes = box_transform(self.transform)
+        if self._with_boxes is None:
+            raise DataError(f"{self.instances_file}: box supervision of the encoder (model.grounding_weight) needs a "
+                            "training transform the boxes can follow: --data.augment none or small (without "
+                            "RandAugment); or set --model.grounding_weight 0")
+        det = CocoDetection(self.root, self.split, images_dir=self.images_dir, ann_file=self.instances_file,
+                            skip_unreadable=True, scored_targets=False)
+        names = [normalize_caption(n) for n in det.class_names]
+        classes = list(dict.fromkeys(names)) if classes is None else list(classes)
+        index = {c: i for i, c in enumerate(classes)}
+        remap = [index.get(n, -1) for n in names]
+        self.boxes, left_out = {}, 0
+        for image_id, anns in det.annotations.items():
+            kept = [(box, remap[label]) for box, label in anns if remap[label] >= 0]
+            left_out += len(anns) - len(kept)
+            self.boxes[image_id] = (torch.tensor([b for b, _ in kept], dtype=torch.float32).reshape(-1, 4),
+                                    torch.tensor([c for _, c in kept], dtype=torch.int64))
+        if left_out:
+            log.warning("%s: %d objects of categories outside the model's %d left out of the box supervision",
+                        self.instances_file, left_out, len(classes))
+        log.info("box supervision of the encoder: %d objects of %d categories from %s",
+                 sum(len(v[1]) for v in self.boxes.values()), len(classes), self.instances_file)
+        return classes
 
     def __len__(self) -> int:
         return len(self.images)
@@ -257,21 +306,31 @@ class CocoCaptions(SkipUnreadable, Dataset):
 
     def _load(self, index: int):
         image = read_image(self.image_path(index), self.max_pixels)
-        if self.transform is not None:
+        boxes = None
+        if self.boxes is not None:
+            xyxy, labels = self.boxes.get(self.images[index]["id"], (torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64)))
+            h, w = image.shape[:2]
+            image, moved = self._with_boxes(image, xyxy / torch.tensor([w, h, w, h], dtype=torch.float32))
+            keep = (moved[:, 2] > moved[:, 0]) & (moved[:, 3] > moved[:, 1])  # cropped away: gone
+            boxes = (moved[keep], labels[keep])
+        elif self.transform is not None:
             image = self.transform(image)
         refs = self.references[index]
         # one caption per draw (DataLoader workers are seeded by Lightning)
         text = refs[random.randrange(len(refs))] if self.sample == "random" else refs[0]
-        return image, torch.tensor(self.tokenizer.encode(text, self.max_length), dtype=torch.int64), index
+        tokens = torch.tensor(self.tokenizer.encode(text, self.max_length), dtype=torch.int64)
+        return (image, tokens, index) if boxes is None else (image, tokens, index, boxes)
 
 
 def caption_collate(batch, pad_id: int = 0):
-    """``(images [B, 3, H, W], tokens [B, T] padded with pad_id, indices [B])``."""
-    images, seqs, indices = zip(*batch, strict=True)
+    """``(images [B, 3, H, W], tokens [B, T] padded with pad_id, indices [B])``, plus the list of
+    each image's ``(boxes, labels)`` when the items carry boxes."""
+    images, seqs, indices, *boxes = zip(*batch, strict=True)
     tokens = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.int64)
     for i, s in enumerate(seqs):
         tokens[i, : len(s)] = s
-    return torch.stack(images), tokens, torch.tensor(indices, dtype=torch.int64)
+    out = (torch.stack(images), tokens, torch.tensor(indices, dtype=torch.int64))
+    return (*out, list(boxes[0])) if boxes else out
 
 
 class _Collate:

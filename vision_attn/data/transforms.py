@@ -301,17 +301,56 @@ class SmallAugment(torch.nn.Module):
                 x = (factors[1] * x + (1 - factors[1]) * grey_mean).clamp(0, 1)
         return (x - self.mean) / self.std
 
-    def forward(self, image: Any) -> Tensor:
+    def forward(self, image: Any, boxes: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """The augmented image; with ``boxes`` (``[N, 4]`` normalised ``x0, y0, x1, y1`` of the
+        input image) also the boxes moved with the crop and flip, clipped to the output."""
         x = self._uint8(image)
         top, left = (int(v) for v in torch.randint(0, 2 * self.pad + 1, (2,)))
         flip = self.hflip and bool(torch.rand(()) < 0.5)
         lo, hi = 1 - self.jitter, 1 + self.jitter
         factors = tuple(float(v) for v in torch.empty(2).uniform_(lo, hi))
         order = tuple(int(v) for v in torch.randperm(2))
-        return self.apply(x, top, left, flip, factors, order)
+        out = self.apply(x, top, left, flip, factors, order)
+        if boxes is None:
+            return out
+        return out, self.move_boxes(boxes, top, left, flip)
+
+    def move_boxes(self, boxes: Tensor, top: int, left: int, flip: bool) -> Tensor:
+        """Normalised ``x0, y0, x1, y1`` boxes through the crop at ``(top, left)`` of the padded
+        image and the flip of :meth:`apply` (the resize keeps normalised coordinates)."""
+        h, w = self.size
+        b = boxes.to(torch.float32).reshape(-1, 4).clone()
+        b[:, 0::2] = (b[:, 0::2] * w + self.pad - left) / w
+        b[:, 1::2] = (b[:, 1::2] * h + self.pad - top) / h
+        if flip:
+            b[:, 0::2] = 1 - b[:, [2, 0]]
+        return b.clamp(0, 1)
 
     def extra_repr(self) -> str:
         return f"size={self.size}, pad={self.pad}, hflip={self.hflip}, jitter={self.jitter}"
+
+
+def box_transform(transform: Any):
+    """``fn(image, boxes) -> (tensor, boxes)`` applying ``transform`` to an image and moving
+    normalised ``x0, y0, x1, y1`` boxes with it, for the training transforms whose geometry is
+    known (``augment`` ``none``: a resize of both sides; ``small`` without RandAugment: the crop
+    and flip of :class:`SmallAugment`); ``None`` for any other transform."""
+    if getattr(transform, "keeps_normalised_boxes", False):
+        return _KeepBoxes(transform)
+    steps = getattr(transform, "transforms", None)
+    if steps is not None and len(steps) == 1 and isinstance(steps[0], SmallAugment):
+        return steps[0]
+    return None
+
+
+class _KeepBoxes:
+    """Picklable ``(image, boxes) -> (transform(image), boxes)``."""
+
+    def __init__(self, transform: Any) -> None:
+        self.transform = transform
+
+    def __call__(self, image: Any, boxes: Tensor) -> tuple[Tensor, Tensor]:
+        return self.transform(image), boxes
 
 
 RANDAUGMENT_OPS = {"none": 0, "small": 0, "finetune": 2}
@@ -348,7 +387,9 @@ def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small",
         if ra_ops:
             raise ValueError(f"--data.randaugment_ops {ra_ops} needs an augmenting preset: --data.augment small "
                              "(or finetune), or drop randaugment_ops")
-        return build_eval_transform(whole_image(pre))
+        tf = build_eval_transform(whole_image(pre))
+        tf.keeps_normalised_boxes = True  # both sides resized: a box's fractions of the image stay
+        return tf
     randaugment = _randaugment(ra_ops, int(randaugment_magnitude))
     if augment == "small" and not randaugment:
         return T.Compose([SmallAugment((h, w), max(1, h // 8), hflip, pre["mean"], pre["std"], interp)])

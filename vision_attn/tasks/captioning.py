@@ -47,6 +47,28 @@ from vision_attn.tasks.optim import Optimization
 
 CAPTIONING_OPTIM = Optimization(lr=5e-4)
 
+GROUNDING_BACKGROUND_WEIGHT = 0.2
+"""Class weight of "background" (no box holds the patch's centre) in the grounding loss: most
+patches of a scene are background, and the objects' patches are what the encoder must learn."""
+
+
+def patch_targets(boxes: Tensor, labels: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Per patch of a ``grid = (rows, cols)`` token grid, ``1 + label`` of the smallest of
+    ``boxes`` (``[N, 4]`` normalised ``x0, y0, x1, y1``) that holds the patch's centre
+    (edges included), else 0 (background): ``[rows * cols]`` int64, row-major like the tokens."""
+    gh, gw = grid
+    ys = (torch.arange(gh, device=boxes.device, dtype=torch.float32) + 0.5) / gh
+    xs = (torch.arange(gw, device=boxes.device, dtype=torch.float32) + 0.5) / gw
+    cy, cx = (g.reshape(-1, 1) for g in torch.meshgrid(ys, xs, indexing="ij"))  # (N, 1)
+    if len(boxes) == 0:
+        return torch.zeros(gh * gw, dtype=torch.int64, device=boxes.device)
+    b = boxes.to(torch.float32)
+    inside = (cx >= b[:, 0]) & (cx <= b[:, 2]) & (cy >= b[:, 1]) & (cy <= b[:, 3])  # (patches, boxes)
+    area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    chosen = torch.where(inside, area, torch.full_like(area, float("inf"))).argmin(1)
+    return torch.where(inside.any(1), labels.to(torch.int64)[chosen] + 1, torch.zeros_like(chosen))
+
+
 # what ``init_from`` compares between the checkpoint and the configured model (else a clear error)
 DECODER_ARCHITECTURE = ("hidden_dim", "num_layers", "num_heads", "mlp_ratio", "max_length")
 ENCODER_ARCHITECTURE = ("name", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "stem",
@@ -111,6 +133,16 @@ class CaptioningTask(VisionTask):
             mean reward of the image's other samples; needs ``scst_samples >= 2``).
         scst_max_length: most tokens of a sampled (and of the greedy baseline) caption,
             ``<eos>`` included (default: what the decoder holds, ``max_length - 1``).
+        grounding_weight: weight of an auxiliary loss that supervises the encoder's patch tokens
+            with the training split's instance boxes when it has them (``instances_<split>.json``
+            next to the captions: the embedded scenes and COCO do): a linear head on every patch
+            token predicts the category of the smallest box holding the patch's centre, or
+            background (cross-entropy, background weighted :data:`GROUNDING_BACKGROUND_WEIGHT`).
+            Captions alone teach a from-scratch encoder the objects' kinds slowly (README
+            "Captioning"); 0 = off. Without an instances file the captions alone are used (logged).
+            Training only: generation and the explanations do not use the head.
+        grounding_classes: the category names the grounding head predicts (set from the data
+            when training starts and saved in checkpoints; leave unset).
         init_from: a captioning checkpoint of ``train.py`` whose weights (and vocabulary, and
             preprocessing) this model starts from — the weights only: the optimiser, the schedule
             and the epoch start afresh (``--ckpt_path`` resumes a run instead). Read with the
@@ -153,13 +185,18 @@ class CaptioningTask(VisionTask):
         scst_max_length: int | None = None,
         init_from: str | None = None,
         word_dropout: float = 0.0,
+        grounding_weight: float = 0.0,
+        grounding_classes: list[str] | None = None,
     ) -> None:
         super().__init__(encoder, optim, compile)
         if not 0.0 <= word_dropout < 1.0:
             raise ValueError(f"--model.init_args.word_dropout must be in [0, 1), got {word_dropout}")
+        if not (grounding_weight >= 0.0 and math.isfinite(grounding_weight)):
+            raise ConfigError(f"--model.init_args.grounding_weight must be a number >= 0 (0 = off), got {grounding_weight}")
         # optim: a dataclass, kept out of pickled state; init_from: where this run started, not the model
         self.save_hyperparameters(ignore=["encoder", "optim", "init_from"])
         self.head: CaptionDecoder | None = None
+        self.grounding_head: torch.nn.Linear | None = None
         self.class_names = None
         self.tokenizer: WordTokenizer | None = None
         self.generation = GenerationOptions(beam_size, length_penalty, max_length - 1, min_length, repetition_penalty)
@@ -213,6 +250,7 @@ class CaptioningTask(VisionTask):
             if key in enc and key in ours and enc[key] != ours[key]:
                 raise CheckpointError(f"{what} was trained with model.encoder.{key}={enc[key]!r}, this model has "
                                       f"{ours[key]!r}; configure the checkpoint's (its run's config.yaml)")
+        self.hparams.update(grounding_classes=stored.get("grounding_classes"))
         self._build(stored["vocab"])
         restore_from_checkpoint(self, meta, ckpt, what)
         self.train()
@@ -224,10 +262,41 @@ class CaptioningTask(VisionTask):
         self.tokenizer = WordTokenizer.restore(vocab)
         self.head = CaptionDecoder(len(self.tokenizer), self.encoder.embed_dim, hp.hidden_dim, hp.num_layers, hp.num_heads,
                                    hp.mlp_ratio, hp.dropout, hp.max_length, self.tokenizer.pad_id)
+        classes = hp.get("grounding_classes")
+        self.grounding_head = self._grounding_head(classes) if classes else None
+        if self.grounding_head is not None and not self._grounding_active:
+            # kept for the checkpoint, but no gradient reaches it (DDP requires every trained parameter used)
+            self.grounding_head.requires_grad_(False)
         self.hparams.update(vocab=self.tokenizer.to_json())
 
+    def _grounding_head(self, classes: list[str]) -> torch.nn.Linear:
+        """Per patch token: the logits of background and of each of ``classes``."""
+        return torch.nn.Linear(self.encoder.embed_dim, len(classes) + 1)
+
+    @property
+    def _grounding_active(self) -> bool:
+        """Whether training adds the grounding loss (a weight > 0, cross-entropy training)."""
+        return self.hparams.get("grounding_weight", 0.0) > 0 and not self.hparams.scst
+
     def build_from_data(self, datamodule) -> None:
+        if self._grounding_active:
+            self.hparams.update(grounding_classes=self._attach_boxes(datamodule))
         self._build(datamodule.tokenizer.to_json())
+
+    def _attach_boxes(self, datamodule) -> list[str] | None:
+        """Attach the training split's boxes to its items (``grounding_weight``), labelled by
+        the model's categories where it has them; the category names, or ``None`` when the
+        split has no instances file (logged)."""
+        dataset = getattr(datamodule, "datasets", {}).get("train")
+        if dataset is None or not hasattr(dataset, "attach_boxes"):
+            log.warning("--model.grounding_weight %g: the data has no training split of COCO captions; training on the "
+                        "captions alone", self.hparams.grounding_weight)
+            return None
+        found = dataset.attach_boxes(self.hparams.get("grounding_classes"))
+        if found is None:
+            log.warning("--model.grounding_weight %g: %s does not exist, so the encoder learns from the captions alone",
+                        self.hparams.grounding_weight, dataset.instances_file)
+        return found
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None)
@@ -246,6 +315,11 @@ class CaptioningTask(VisionTask):
                     f"one the training captions give ({len(dm.tokenizer)} tokens); start from a model trained on "
                     "these captions with the same data.min_word_freq and data.max_vocab")
             self.configure_datamodule(dm)
+            if stage == "fit" and self._grounding_active:
+                classes = self._attach_boxes(dm)
+                if self.grounding_head is None and classes:  # started from a model trained without boxes
+                    self.hparams.update(grounding_classes=classes)
+                    self.grounding_head = self._grounding_head(classes).to(self.device)
 
     def configure_datamodule(self, datamodule) -> None:
         """Make the data use this model's preprocessing and tokenizer (token ids must mean what they meant in
@@ -324,10 +398,14 @@ class CaptioningTask(VisionTask):
         """Mean cross-entropy per target token. With ``across_processes`` (training under DDP) the
         token count is averaged over processes, so DDP's gradient averaging yields the gradient
         of the mean over the global batch's tokens."""
+        return self._caption_loss(self.encode(images), tokens, across_processes)
+
+    def _caption_loss(self, enc: EncoderOutput, tokens: Tensor, across_processes: bool = False) -> Tensor:
+        """:meth:`_loss` from the encoder's output."""
         inputs = tokens[:, :-1]
         if self.training and self.hparams.get("word_dropout", 0.0) > 0:
             inputs = self._drop_words(inputs)
-        logits = self(images, inputs)  # (B, T-1, V)
+        logits = self.head(enc, inputs)[0]  # (B, T-1, V)
         targets = tokens[:, 1:].reshape(-1)
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=self.tokenizer.pad_id,
                                 label_smoothing=self.hparams.label_smoothing, reduction="sum")
@@ -349,11 +427,31 @@ class CaptioningTask(VisionTask):
     def training_step(self, batch, batch_idx: int) -> Tensor:
         if self.hparams.scst:
             return self._scst_step(batch)
-        images, tokens, _ = batch
-        loss = self._loss(images, tokens, across_processes=True)
-        self.check_finite(loss, {"cross_entropy": loss})
+        images, tokens, _, *boxes = batch
+        if self.grounding_head is None or not boxes or not self._grounding_active:
+            loss = self._loss(images, tokens, across_processes=True)
+            self.check_finite(loss, {"cross_entropy": loss})
+        else:
+            enc = self.encode(images)
+            caption, grounding = self._caption_loss(enc, tokens, True), self._grounding_loss(enc, boxes[0])
+            loss = caption + self.hparams.grounding_weight * grounding
+            self.check_finite(loss, {"cross_entropy": caption, "grounding": grounding})
+            self.log("train/caption_loss", caption, on_step=True, on_epoch=True, batch_size=len(images), sync_dist=True)
+            self.log("train/grounding_loss", grounding, on_step=True, on_epoch=True, batch_size=len(images),
+                     sync_dist=True)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(images), sync_dist=True)
         return loss
+
+    def _grounding_loss(self, enc: EncoderOutput, boxes: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Cross-entropy of the grounding head's per-patch categories against
+        :func:`patch_targets` of each image's ``(boxes, labels)``; background weighted
+        :data:`GROUNDING_BACKGROUND_WEIGHT`."""
+        patches = enc.tokens[:, enc.num_prefix_tokens:]
+        logits = self.grounding_head(patches).float()  # (B, N, K + 1)
+        targets = torch.stack([patch_targets(b.to(logits.device), c.to(logits.device), enc.grid) for b, c in boxes])
+        weight = torch.ones(logits.shape[-1], device=logits.device)
+        weight[0] = GROUNDING_BACKGROUND_WEIGHT
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), weight=weight)
 
     # ------------------------------------------------------------------ self-critical training
     def _scst_statistics(self) -> tuple[CiderD, list[list[str]]]:
@@ -386,7 +484,7 @@ class CaptioningTask(VisionTask):
         """One self-critical step (:mod:`vision_attn.scst`): ``scst_samples`` sampled captions per
         image, rewarded by CIDEr-D against all of the image's training references, minus the
         baseline; ``-(reward - baseline) * log p(sample)`` averaged over the samples."""
-        images, _, indices = batch
+        images, _, indices = batch[:3]
         hp, tok = self.hparams, self.tokenizer
         scorer, references = self._scst_statistics()
         refs = [references[i] for i in indices.tolist()]
@@ -411,7 +509,7 @@ class CaptioningTask(VisionTask):
         return loss
 
     def _eval_step(self, batch, beam_size: int) -> None:
-        images, tokens, indices = batch
+        images, tokens, indices = batch[:3]
         loss = self._loss(images, tokens)
         self.log(f"{self._stage}/loss", loss, prog_bar=True, on_epoch=True, batch_size=len(images), sync_dist=True)
         gen = self.generate(images, beam_size=beam_size)
