@@ -206,3 +206,27 @@ def test_attach_boxes_needs_a_transform_boxes_can_follow(coco_root, tmp_path):
     shutil.copytree(coco_root, copy)
     (copy / "annotations" / "instances_train.json").unlink()
     assert _boxes_dataset(copy, build_train_transform(PRE, "none")).attach_boxes() is None
+
+
+def test_attached_boxes_stay_on_the_stored_pixels_of_an_exif_rotated_image(tmp_path):
+    """Boxes are drawn on the stored pixels (as the detection data reads them): with boxes
+    attached, the image is not turned by its EXIF orientation, so the box stays on the object."""
+    from vision_attn.data.transforms import build_train_transform
+
+    from .conftest import write_exif_rotated_jpeg
+
+    write_exif_rotated_jpeg(tmp_path)  # val/a.jpg: 40x20 stored, white square at x 28..36, y 2..10
+    image = {"id": 1, "file_name": "a.jpg", "width": 40, "height": 20}
+    (tmp_path / "annotations" / "captions_val.json").write_text(json.dumps(
+        {"images": [image], "annotations": [{"id": 1, "image_id": 1, "caption": "a white square"}]}))
+    (tmp_path / "annotations" / "instances_val.json").write_text(json.dumps(
+        {"images": [image], "categories": [{"id": 3, "name": "square"}],
+         "annotations": [{"id": 1, "image_id": 1, "category_id": 3, "bbox": [28, 2, 8, 8], "area": 64, "iscrowd": 0}]}))
+    tok = WordTokenizer.train(["a white square"])
+    ds = CocoCaptions(tmp_path, "val", build_train_transform(PRE, "none"), tok)
+    assert ds.attach_boxes() == ["square"]
+    picture, _, _, (boxes, labels) = ds[0]
+    torch.testing.assert_close(boxes, torch.tensor([[0.7, 0.1, 0.9, 0.5]]))
+    x0, y0, x1, y1 = (boxes[0] * 32).round().int().tolist()
+    bright = picture.mean(0) > 0
+    assert bright[y0:y1, x0:x1].float().mean() > 0.8 and bright.sum() <= 1.2 * (x1 - x0) * (y1 - y0)
