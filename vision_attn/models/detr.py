@@ -108,6 +108,17 @@ def _grid_position(grid: tuple[int, int], valid: list[tuple[int, int]] | None, d
     return out.reshape(len(valid), h * w, dim)
 
 
+def cell_centres(grid: tuple[int, int], real: tuple[int, int] | None = None,
+                 device: torch.device | None = None) -> Tensor:
+    """``[h * w, 2]`` ``(x, y)`` centres of a ``grid = (h, w)`` token grid's cells, row-major, as
+    fractions of the ``real = (rows, cols)`` cells that hold the image (default: the whole grid)."""
+    h, w = grid
+    vh, vw = real or grid
+    cy = (torch.arange(h, device=device, dtype=torch.float32) + 0.5) / vh
+    cx = (torch.arange(w, device=device, dtype=torch.float32) + 0.5) / vw
+    return torch.stack([cx[None, :].expand(h, w), cy[:, None].expand(h, w)], dim=-1).reshape(h * w, 2)
+
+
 def _grid_proposals(grid: tuple[int, int], valid: list[tuple[int, int]] | None, device: torch.device) -> Tensor:
     """One box per cell, row-major: centred on it, two cells wide and high (``[1, h * w, 4]``);
     with ``valid`` ``[B, h * w, 4]``, each image's cells as fractions of its own real grid."""
@@ -115,9 +126,7 @@ def _grid_proposals(grid: tuple[int, int], valid: list[tuple[int, int]] | None, 
     rows = [grid] if valid is None else valid
     out = []
     for vh, vw in rows:
-        cy = (torch.arange(h, device=device, dtype=torch.float32) + 0.5) / vh
-        cx = (torch.arange(w, device=device, dtype=torch.float32) + 0.5) / vw
-        centres = torch.stack([cx[None, :].expand(h, w), cy[:, None].expand(h, w)], dim=-1).reshape(h * w, 2)
+        centres = cell_centres(grid, (vh, vw), device)
         size = torch.tensor([min(1.0, 2 / vw), min(1.0, 2 / vh)], device=device).expand(h * w, 2)
         out.append(torch.cat([centres, size], dim=-1))
     return torch.stack(out)

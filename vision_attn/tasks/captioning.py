@@ -34,6 +34,7 @@ from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 from vision_attn.distributed import mean_across_processes
 from vision_attn.errors import CheckpointError, ConfigError, DataError
 from vision_attn.models.captioner import CaptionDecoder, Generation, GenerationOptions
+from vision_attn.models.detr import cell_centres
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
 from vision_attn.scst import baselines, sample_rewards, scst_loss
 from vision_attn.tasks.base import (
@@ -56,12 +57,10 @@ def patch_targets(boxes: Tensor, labels: Tensor, grid: tuple[int, int]) -> Tenso
     """Per patch of a ``grid = (rows, cols)`` token grid, ``1 + label`` of the smallest of
     ``boxes`` (``[N, 4]`` normalised ``x0, y0, x1, y1``) that holds the patch's centre
     (edges included), else 0 (background): ``[rows * cols]`` int64, row-major like the tokens."""
-    gh, gw = grid
-    ys = (torch.arange(gh, device=boxes.device, dtype=torch.float32) + 0.5) / gh
-    xs = (torch.arange(gw, device=boxes.device, dtype=torch.float32) + 0.5) / gw
-    cy, cx = (g.reshape(-1, 1) for g in torch.meshgrid(ys, xs, indexing="ij"))  # (N, 1)
     if len(boxes) == 0:
-        return torch.zeros(gh * gw, dtype=torch.int64, device=boxes.device)
+        return torch.zeros(grid[0] * grid[1], dtype=torch.int64, device=boxes.device)
+    cx, cy = cell_centres(grid, device=boxes.device).unbind(-1)
+    cx, cy = cx[:, None], cy[:, None]  # (patches, 1)
     b = boxes.to(torch.float32)
     inside = (cx >= b[:, 0]) & (cx <= b[:, 2]) & (cy >= b[:, 1]) & (cy <= b[:, 3])  # (patches, boxes)
     area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
