@@ -158,3 +158,39 @@ def test_embedded_data_is_used_when_no_root(tmp_path, monkeypatch):
     dm = ImageFolderDataModule(root=None, synthetic=ShapesConfig(num_train=10, num_val=5), cache_dir=str(tmp_path))
     assert dm.root.parent == tmp_path and dm.class_names == sorted(SHAPES)
     shutil.rmtree(dm.root)
+
+
+@pytest.mark.parametrize(("cores", "local", "expected"), [(1, 1, 0), (2, 1, 0), (3, 1, 1), (4, 1, 2), (16, 1, 8),
+                                                          (64, 1, 8), (16, 4, 2), (8, 4, 0)])
+def test_auto_num_workers_leaves_two_cores_per_training_process(monkeypatch, cores, local, expected):
+    from vision_attn.data import loading
+
+    monkeypatch.setattr(loading, "usable_cpus", lambda: cores)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    assert loading.resolve_num_workers("auto") == expected
+    assert loading.resolve_num_workers(3) == 3  # a number is taken as given
+
+
+def test_auto_num_workers_reaches_the_loaders(shapes_root, monkeypatch):
+    from vision_attn.data import loading
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(loading.torch.cuda, "is_available", lambda: False)
+    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=8)  # the default is auto
+    assert dm.num_workers == "auto"
+    dm.preprocess = PRE
+    dm.setup("fit")
+    monkeypatch.setattr(loading, "usable_cpus", lambda: 2)
+    assert dm.train_dataloader().num_workers == 0 and dm.val_dataloader().num_workers == 0
+    monkeypatch.setattr(loading, "usable_cpus", lambda: 3)
+    assert dm.train_dataloader().num_workers == 1 and dm.val_dataloader().num_workers == 1
+
+
+@pytest.mark.parametrize("bad", ["many", -1, True, 1.5])
+def test_bad_num_workers_is_a_clear_error(shapes_root, bad):
+    from vision_attn.data.captioning import CaptioningDataModule
+    from vision_attn.data.detection import DetectionDataModule
+
+    for module in (ImageFolderDataModule, DetectionDataModule, CaptioningDataModule):
+        with pytest.raises(DataError, match="--data.num_workers must be"):
+            module(root=str(shapes_root), num_workers=bad)

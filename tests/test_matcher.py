@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from scipy.optimize import linear_sum_assignment
 
 from vision_attn.losses.matcher import HungarianMatcher
 
@@ -52,6 +53,12 @@ def test_batched_equals_per_image_and_empty_targets():
         single = matcher(logits[b : b + 1], boxes[b : b + 1], [targets[b]])[0]
         assert torch.equal(single[0], batched[b][0]) and torch.equal(single[1], batched[b][1])
     assert batched[1][0].numel() == 0 and batched[1][0].dtype == torch.int64
+    for b in (0, 2):  # the batch's cost blocks are each image's own cost matrix
+        cost = matcher.cost_matrix(logits[b], boxes[b], targets[b]["labels"], targets[b]["boxes"]).numpy()
+        rows, cols = linear_sum_assignment(cost)
+        assert batched[b][0].tolist() == rows.tolist() and batched[b][1].tolist() == cols.tolist()
+    none = matcher(logits[:2], boxes[:2], [targets[1], targets[1]])  # no target in the whole batch
+    assert all(p.numel() == 0 and t.numel() == 0 for p, t in none)
 
 
 def test_perfect_predictions_are_matched_to_themselves():

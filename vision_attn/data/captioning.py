@@ -34,7 +34,7 @@ import logging
 import random
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import Dataset
@@ -51,6 +51,7 @@ from vision_attn.data.loading import (
     PathRefusals,
     SkipUnreadable,
     SplitDataModule,
+    check_num_workers,
     image_path_inside,
     relative_file,
 )
@@ -358,7 +359,9 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
         train_split: training split name (COCO users: ``train2017``).
         val_split: validation split name (COCO users: ``val2017``).
         batch_size: images per batch.
-        num_workers: loader processes.
+        num_workers: loader processes per training process; ``auto`` (default): the usable cores
+            left after two per training process, at most 8 — 0 on a 2-core machine
+            (:func:`~vision_attn.data.loading.resolve_num_workers`).
         augment: training augmentation preset (``none``, ``small``, ``finetune``; never flips).
         max_length: longest caption in tokens, ``<bos>`` and ``<eos>`` included.
         min_word_freq: words seen fewer times in the training captions become ``<unk>``.
@@ -386,7 +389,7 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
         train_split: str = "train",
         val_split: str = "val",
         batch_size: int = 32,
-        num_workers: int = 2,
+        num_workers: int | Literal["auto"] = "auto",
         augment: AugmentPreset = "none",
         max_length: int = 32,
         min_word_freq: int = 1,
@@ -405,6 +408,7 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
         self._init_layout(root, synthetic, cache_dir, "a COCO-captions folder", follow_symlinks,
                           (train_split, val_split, test_split), (train_annotations, val_annotations, test_annotations),
                           (train_images, val_images, test_images))
+        check_num_workers(num_workers)
         self.batch_size, self.num_workers, self.augment = batch_size, num_workers, augment
         self.max_length, self.min_word_freq, self.max_vocab, self.max_pixels = max_length, min_word_freq, max_vocab, max_pixels
         self.preprocess: dict[str, Any] | None = None

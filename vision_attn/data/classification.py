@@ -56,6 +56,7 @@ from vision_attn.data.loading import (
     SkipUnreadable,
     SplitDataModule,
     auto_batch_size,
+    check_num_workers,
     distributed_world,
     image_path_inside,
 )
@@ -242,7 +243,9 @@ class ImageFolderDataModule(SplitDataModule):
             the evaluation batch when ``eval_batch_size`` is unset.
         eval_batch_size: images per batch in validation/test (default ``batch_size``; with
             ``auto``, ``max_batch_size``: evaluation results do not depend on it).
-        num_workers: data-loading worker processes.
+        num_workers: loader processes per training process; ``auto`` (default): the usable cores
+            left after two per training process, at most 8 — 0 on a 2-core machine
+            (:func:`~vision_attn.data.loading.resolve_num_workers`).
         augment: training augmentation preset: ``none``, ``small`` (from scratch, small
             images) or ``finetune`` (pretrained models at 224 px).
         hflip: random horizontal flips in training (turn off for text and digits).
@@ -276,7 +279,7 @@ class ImageFolderDataModule(SplitDataModule):
         min_batch_size: int = 8,
         max_batch_size: int = 256,
         eval_batch_size: int | None = None,
-        num_workers: int = 2,
+        num_workers: int | Literal["auto"] = "auto",
         augment: AugmentPreset = "small",
         hflip: bool = True,
         randaugment_ops: int | None = None,
@@ -305,6 +308,7 @@ class ImageFolderDataModule(SplitDataModule):
             min_steps_per_epoch, min_batch_size, max_batch_size)
         self.resolved_batch_size: int | None = batch_size if isinstance(batch_size, int) else None
         self.eval_batch_size = eval_batch_size or (batch_size if isinstance(batch_size, int) else max_batch_size)
+        check_num_workers(num_workers)
         self.num_workers = num_workers
         self.augment = augment
         self.hflip = hflip

@@ -46,7 +46,7 @@ import logging
 import math
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -60,6 +60,7 @@ from vision_attn.data.loading import (
     PathRefusals,
     SkipUnreadable,
     SplitDataModule,
+    check_num_workers,
     image_path_inside,
     relative_file,
 )
@@ -460,7 +461,9 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         train_split: training split name (COCO users: ``train2017``).
         val_split: validation split name (COCO users: ``val2017``).
         batch_size: images per batch.
-        num_workers: loader processes.
+        num_workers: loader processes per training process; ``auto`` (default): the usable cores
+            left after two per training process, at most 8 — 0 on a 2-core machine
+            (:func:`~vision_attn.data.loading.resolve_num_workers`).
         scale_jitter: area range of the training random-resized crop.
         max_pixels: refuse larger images.
         follow_symlinks: follow symbolic links inside a split folder that lead outside it
@@ -488,7 +491,7 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         train_split: str = "train",
         val_split: str = "val",
         batch_size: int = 16,
-        num_workers: int = 2,
+        num_workers: int | Literal["auto"] = "auto",
         scale_jitter: tuple[float, float] = (0.6, 1.0),
         max_pixels: int = DEFAULT_MAX_PIXELS,
         follow_symlinks: bool = False,
@@ -517,6 +520,7 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         self._init_layout(root, synthetic, cache_dir, "a COCO-layout folder", follow_symlinks,
                           (train_split, val_split, test_split), (train_annotations, val_annotations, test_annotations),
                           (train_images, val_images, test_images))
+        check_num_workers(num_workers)
         self.batch_size, self.num_workers, self.scale_jitter, self.max_pixels = batch_size, num_workers, scale_jitter, max_pixels
         train_ann_file = self.split_paths(train_split)[1]
         ann = load_coco_annotations(train_ann_file)

@@ -82,15 +82,25 @@ class HungarianMatcher(nn.Module):
             Per image ``(pred_idx, target_idx)``, int64 tensors of equal length ``min(Q, G)``,
             sorted by ``pred_idx``.
         """
+        sizes = [len(t["labels"]) for t in targets]
+        empty = torch.empty(0, dtype=torch.int64)
+        if sum(sizes) == 0:
+            return [(empty, empty) for _ in targets]
+        b, q = pred_logits.shape[:2]
+        # one cost matrix for the whole batch ([B*Q, sum G], as DETR computes it), then one block
+        # per image: the same costs as cost_matrix per image, without a dozen small ops per image
+        labels = torch.cat([t["labels"] for t in targets])
+        target_boxes = torch.cat([t["boxes"] for t in targets]).float()
+        cost = self.cost_matrix(pred_logits.flatten(0, 1).float(), pred_boxes.flatten(0, 1).float(), labels,
+                                target_boxes).view(b, q, -1).cpu().numpy()
         out = []
-        for b, t in enumerate(targets):
-            g = len(t["labels"])
+        start = 0
+        for i, g in enumerate(sizes):
             if g == 0:
-                empty = torch.empty(0, dtype=torch.int64)
                 out.append((empty, empty))
                 continue
-            cost = self.cost_matrix(pred_logits[b].float(), pred_boxes[b].float(), t["labels"], t["boxes"].float())
-            rows, cols = linear_sum_assignment(cost.cpu().numpy())
+            rows, cols = linear_sum_assignment(cost[i, :, start : start + g])
+            start += g
             order = rows.argsort()
             out.append((torch.as_tensor(rows[order], dtype=torch.int64), torch.as_tensor(cols[order], dtype=torch.int64)))
         return out
