@@ -230,3 +230,14 @@ def test_attached_boxes_stay_on_the_stored_pixels_of_an_exif_rotated_image(tmp_p
     x0, y0, x1, y1 = (boxes[0] * 32).round().int().tolist()
     bright = picture.mean(0) > 0
     assert bright[y0:y1, x0:x1].float().mean() > 0.8 and bright.sum() <= 1.2 * (x1 - x0) * (y1 - y0)
+
+
+def test_auto_batch_size_for_captions(coco_root):
+    dm = CaptioningDataModule(root=str(coco_root), batch_size="auto", min_steps_per_epoch=2, min_batch_size=1,
+                              max_batch_size=64, num_workers=0, max_length=16)
+    dm.preprocess = PRE
+    dm.setup("fit")
+    images = len(dm.datasets["train"])
+    expected = 1 << ((images // 2).bit_length() - 1)  # largest power of two <= images / 2 steps
+    assert dm.train_dataloader().batch_size == expected and len(dm.train_dataloader()) >= 2
+    assert dm.hparams["train_images"] == images and dm.val_dataloader().batch_size == 64

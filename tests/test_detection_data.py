@@ -109,3 +109,22 @@ def test_only_evaluation_items_carry_the_scored_ground_truth(tmp_path):
     scored = val[0][1]["scored"]
     expected = val.scoring_target(val.images[0]["id"])
     assert scored.keys() == expected.keys() and all(torch.equal(scored[k], expected[k]) for k in scored)
+
+
+def test_auto_batch_size_sizes_detection_from_the_training_set(tmp_path):
+    """``batch_size: auto`` works for detection as for classification: the largest power of two
+    leaving ``min_steps_per_epoch`` steps, recorded in the hyper-parameters; evaluation batches
+    at ``max_batch_size``."""
+    from vision_attn.data.synthetic import SceneSetConfig
+
+    dm = DetectionDataModule(synthetic=SceneSetConfig(image_size=32, num_train=40, num_val=4), cache_dir=str(tmp_path),
+                             num_workers=0, batch_size="auto", min_steps_per_epoch=8, min_batch_size=2, max_batch_size=16)
+    dm.preprocess = {**PRE, "input_size": (3, 32, 32)}
+    dm.setup("fit")
+    # 40 images / 8 steps = 5 -> 4; 40 // 4 = 10 batches
+    assert dm.train_dataloader().batch_size == 4 and len(dm.train_dataloader()) == 10
+    assert dm.hparams["batch_size"] == 4 and dm.hparams["batch_size_rule"] == "auto"
+    assert dm.val_dataloader().batch_size == 16
+    with pytest.raises(DataError, match="--data.min_batch_size"):
+        DetectionDataModule(synthetic=SceneSetConfig(image_size=32, num_train=40, num_val=4), cache_dir=str(tmp_path),
+                            batch_size="auto", min_batch_size=0)

@@ -66,7 +66,7 @@ def test_datamodule_auto_batch_is_resolved_logged_once_and_recorded(shapes_root,
                                max_batch_size=64, num_workers=0)
     dm.preprocess = PRE32
     assert dm.evaluation_batch_size() == 64  # auto without eval_batch_size: max_batch_size
-    with caplog.at_level(logging.INFO, logger="vision_attn.data.classification"):
+    with caplog.at_level(logging.INFO, logger="vision_attn.data.loading"):
         dm.setup("fit")
         loader = dm.train_dataloader()
         dm.train_dataloader()

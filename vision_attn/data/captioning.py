@@ -358,7 +358,10 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
         cache_dir: where the embedded data is generated.
         train_split: training split name (COCO users: ``train2017``).
         val_split: validation split name (COCO users: ``val2017``).
-        batch_size: images per batch.
+        batch_size: training images per batch (per process), or ``auto``: sized from the training
+            set by :func:`~vision_attn.data.loading.auto_batch_size` (``min_steps_per_epoch``,
+            ``min_batch_size``, ``max_batch_size``, ``eval_batch_size``: as in
+            :class:`~vision_attn.data.detection.DetectionDataModule`).
         num_workers: loader processes per training process; ``auto`` (default): the usable cores
             left after two per training process, at most 8 — 0 on a 2-core machine
             (:func:`~vision_attn.data.loading.resolve_num_workers`).
@@ -388,7 +391,11 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
         cache_dir: str | None = None,
         train_split: str = "train",
         val_split: str = "val",
-        batch_size: int = 32,
+        batch_size: int | Literal["auto"] = 32,
+        min_steps_per_epoch: int = 100,
+        min_batch_size: int = 8,
+        max_batch_size: int = 64,
+        eval_batch_size: int | None = None,
         num_workers: int | Literal["auto"] = "auto",
         augment: AugmentPreset = "none",
         max_length: int = 32,
@@ -409,7 +416,8 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
                           (train_split, val_split, test_split), (train_annotations, val_annotations, test_annotations),
                           (train_images, val_images, test_images))
         check_num_workers(num_workers)
-        self.batch_size, self.num_workers, self.augment = batch_size, num_workers, augment
+        self._init_batching(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size)
+        self.num_workers, self.augment = num_workers, augment
         self.max_length, self.min_word_freq, self.max_vocab, self.max_pixels = max_length, min_word_freq, max_vocab, max_pixels
         self.preprocess: dict[str, Any] | None = None
         self._tokenizer: WordTokenizer | None = None

@@ -55,9 +55,7 @@ from vision_attn.data.loading import (
     RepeatedAugmentationSampler,
     SkipUnreadable,
     SplitDataModule,
-    auto_batch_size,
     check_num_workers,
-    distributed_world,
     image_path_inside,
 )
 from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
@@ -113,21 +111,9 @@ def stratified_holdout(files: Collection[str], fraction: float, seed: int) -> se
     return held
 
 
-def _check_sizing(batch_size: Any, min_steps: int, min_batch: int, max_batch: int, eval_batch: int | None,
-                  repeats: int) -> None:
-    """Clear errors for batch-size settings that cannot work, naming the key."""
-    if batch_size != "auto" and not (isinstance(batch_size, int) and not isinstance(batch_size, bool)
-                                     and batch_size >= 1):
-        raise DataError(f"--data.batch_size must be a positive integer or 'auto', got {batch_size!r}")
-    for key, value in (("min_steps_per_epoch", min_steps), ("min_batch_size", min_batch),
-                       ("max_batch_size", max_batch), ("repeated_augmentation", repeats)):
-        if not isinstance(value, int) or value < 1:
-            raise DataError(f"--data.{key} must be a positive integer, got {value!r}")
-    if max_batch < min_batch:
-        raise DataError(f"--data.max_batch_size {max_batch} is below --data.min_batch_size {min_batch}; "
-                        "raise max_batch_size or lower min_batch_size")
-    if eval_batch is not None and (not isinstance(eval_batch, int) or eval_batch < 1):
-        raise DataError(f"--data.eval_batch_size must be a positive integer (or unset), got {eval_batch!r}")
+def _check_repeats(repeats: Any) -> None:
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise DataError(f"--data.repeated_augmentation must be a positive integer, got {repeats!r}")
 
 
 class ImageFolderDataset(SkipUnreadable, Dataset):
@@ -291,8 +277,8 @@ class ImageFolderDataModule(SplitDataModule):
         val_seed: int = 0,
     ) -> None:
         super().__init__()
-        _check_sizing(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size,
-                      repeated_augmentation)
+        self._init_batching(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size)
+        _check_repeats(repeated_augmentation)
         self.follow_symlinks = follow_symlinks
         if root is None:
             root = str(ensure_shapes_classification(synthetic or ShapesConfig(), cache_dir))
@@ -303,11 +289,6 @@ class ImageFolderDataModule(SplitDataModule):
                 "train/<class>/ and val/<class>/ image folders (or leave it unset for the embedded shapes data)."
             )
         self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
-        self.batch_size = batch_size  # as configured: an int or "auto"
-        self.min_steps_per_epoch, self.min_batch_size, self.max_batch_size = (
-            min_steps_per_epoch, min_batch_size, max_batch_size)
-        self.resolved_batch_size: int | None = batch_size if isinstance(batch_size, int) else None
-        self.eval_batch_size = eval_batch_size or (batch_size if isinstance(batch_size, int) else max_batch_size)
         check_num_workers(num_workers)
         self.num_workers = num_workers
         self.augment = augment
@@ -371,42 +352,6 @@ class ImageFolderDataModule(SplitDataModule):
             self.datasets["val"] = self.dataset(self.val_split)
         if stage in ("test", None) and (self.root / self.test_split).is_dir():
             self.datasets["test"] = self.dataset(self.test_split)
-
-    def resolve_batch_size(self) -> int:
-        """The training batch per process: ``batch_size``, or the ``auto`` rule applied to the
-        training split and the attached trainer's processes and gradient accumulation (see
-        the module docstring). Logs it and records it in :attr:`hparams`."""
-        if "train" not in self.datasets:
-            self.datasets["train"] = self.dataset(self.train_split, train=True)
-        images = len(self.datasets["train"])
-        trainer = self.trainer
-        processes = trainer.world_size if trainer is not None else distributed_world()[0]
-        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        if self.batch_size == "auto":
-            batch = auto_batch_size(images, self.min_steps_per_epoch, self.min_batch_size, self.max_batch_size,
-                                    processes, accumulate)
-        else:
-            batch = int(self.batch_size)
-        per_process = -(-images // processes)
-        batches = per_process // batch if per_process > batch else 1  # training drops the last partial batch
-        if self.resolved_batch_size != batch or not self.hparams:
-            if trainer is None or trainer.is_global_zero:
-                rule = (f"auto: largest power of two <= {per_process} images per process / "
-                        f"(min_steps_per_epoch {self.min_steps_per_epoch} x accumulate_grad_batches {accumulate}), "
-                        f"within [{self.min_batch_size}, {self.max_batch_size}]"
-                        if self.batch_size == "auto" else "fixed")
-                log.info("training batch size %d per process (%s): %d training images, %d process(es), "
-                         "%d batches per epoch", batch, rule, images, processes, batches)
-            self.save_hyperparameters({"batch_size": batch, "batch_size_rule": str(self.batch_size),
-                                       "train_images": images, "batches_per_epoch": batches})
-        self.resolved_batch_size = batch
-        return batch
-
-    def train_batch_size(self) -> int:
-        return self.resolve_batch_size() if self.resolved_batch_size is None else self.resolved_batch_size
-
-    def evaluation_batch_size(self) -> int:
-        return self.eval_batch_size
 
     def train_sampler(self, ds: Dataset) -> Sampler | None:
         """:class:`~vision_attn.data.loading.RepeatedAugmentationSampler` with

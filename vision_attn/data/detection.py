@@ -460,7 +460,17 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         cache_dir: where the embedded data is generated.
         train_split: training split name (COCO users: ``train2017``).
         val_split: validation split name (COCO users: ``val2017``).
-        batch_size: images per batch.
+        batch_size: training images per batch (per process), or ``auto``: the largest power of
+            two that leaves ``min_steps_per_epoch`` optimizer steps per epoch on every process,
+            within ``[min_batch_size, max_batch_size]``
+            (:func:`~vision_attn.data.loading.auto_batch_size`; logged and saved in the
+            datamodule's hyper-parameters).
+        min_steps_per_epoch: ``auto`` only: optimizer steps every epoch makes at least.
+        min_batch_size: ``auto`` only: the smallest batch the rule picks.
+        max_batch_size: ``auto`` only: the largest batch the rule picks; also the evaluation
+            batch when ``eval_batch_size`` is unset.
+        eval_batch_size: images per batch in validation/test (default: ``batch_size``; with
+            ``auto``, ``max_batch_size``).
         num_workers: loader processes per training process; ``auto`` (default): the usable cores
             left after two per training process, at most 8 — 0 on a 2-core machine
             (:func:`~vision_attn.data.loading.resolve_num_workers`).
@@ -490,7 +500,11 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         cache_dir: str | None = None,
         train_split: str = "train",
         val_split: str = "val",
-        batch_size: int = 16,
+        batch_size: int | Literal["auto"] = 16,
+        min_steps_per_epoch: int = 200,
+        min_batch_size: int = 8,
+        max_batch_size: int = 64,
+        eval_batch_size: int | None = None,
         num_workers: int | Literal["auto"] = "auto",
         scale_jitter: tuple[float, float] = (0.6, 1.0),
         max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -521,7 +535,8 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
                           (train_split, val_split, test_split), (train_annotations, val_annotations, test_annotations),
                           (train_images, val_images, test_images))
         check_num_workers(num_workers)
-        self.batch_size, self.num_workers, self.scale_jitter, self.max_pixels = batch_size, num_workers, scale_jitter, max_pixels
+        self._init_batching(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size)
+        self.num_workers, self.scale_jitter, self.max_pixels = num_workers, scale_jitter, max_pixels
         train_ann_file = self.split_paths(train_split)[1]
         ann = load_coco_annotations(train_ann_file)
         self._train_annotations: dict[str, Any] | None = ann  # parsed once; handed to the train dataset

@@ -255,6 +255,23 @@ def resolve_num_workers(num_workers: int | str) -> int:
     return max(0, min(MAX_AUTO_WORKERS, (usable_cpus() - 2 * procs) // procs))
 
 
+def check_batch_sizing(batch_size: object, min_steps: object, min_batch: object, max_batch: object,
+                       eval_batch: object) -> None:
+    """Clear errors for batch-size settings that cannot work, naming the key."""
+    if batch_size != "auto" and not (isinstance(batch_size, int) and not isinstance(batch_size, bool)
+                                     and batch_size >= 1):
+        raise DataError(f"--data.batch_size must be a positive integer or 'auto', got {batch_size!r}")
+    for key, value in (("min_steps_per_epoch", min_steps), ("min_batch_size", min_batch),
+                       ("max_batch_size", max_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise DataError(f"--data.{key} must be a positive integer, got {value!r}")
+    if max_batch < min_batch:
+        raise DataError(f"--data.max_batch_size {max_batch} is below --data.min_batch_size {min_batch}; "
+                        "raise max_batch_size or lower min_batch_size")
+    if eval_batch is not None and (not isinstance(eval_batch, int) or isinstance(eval_batch, bool) or eval_batch < 1):
+        raise DataError(f"--data.eval_batch_size must be a positive integer (or unset), got {eval_batch!r}")
+
+
 def auto_batch_size(train_images: int, min_steps_per_epoch: int, min_batch_size: int, max_batch_size: int,
                     processes: int = 1, accumulate_grad_batches: int = 1) -> int:
     """The per-process training batch size of ``batch_size: auto``.
@@ -359,6 +376,20 @@ class SplitDataModule(L.LightningDataModule):
     ``num_workers``, ``datasets = {}`` and implement :meth:`dataset`."""
 
     eval_batch_size: int | None = None
+    batch_size: int | str = 16
+    resolved_batch_size: int | None = None
+    min_steps_per_epoch, min_batch_size, max_batch_size = 40, 8, 256
+
+    def _init_batching(self, batch_size: int | str, min_steps_per_epoch: int, min_batch_size: int,
+                       max_batch_size: int, eval_batch_size: int | None) -> None:
+        """Check and keep the batch settings (``batch_size``: an int or ``auto``, the rule's bounds,
+        the evaluation batch; see :func:`auto_batch_size`)."""
+        check_batch_sizing(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size)
+        self.batch_size = batch_size  # as configured: an int or "auto"
+        self.min_steps_per_epoch, self.min_batch_size, self.max_batch_size = (
+            min_steps_per_epoch, min_batch_size, max_batch_size)
+        self.resolved_batch_size = batch_size if isinstance(batch_size, int) else None
+        self.eval_batch_size = eval_batch_size or (batch_size if isinstance(batch_size, int) else max_batch_size)
 
     def dataset(self, split: str, train: bool = False) -> Dataset:
         raise NotImplementedError
@@ -369,16 +400,52 @@ class SplitDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if stage in ("fit", None):
             self.datasets["train"] = self.dataset(self.train_split, train=True)
+            self.resolve_batch_size()  # before the schedule is planned from the loader's length
         if stage in ("fit", "validate", "test", None):
             self.datasets["val"] = self.dataset(self.val_split)
 
+    def resolve_batch_size(self) -> int:
+        """The training batch per process: ``batch_size``, or the ``auto`` rule applied to the
+        training split and the attached trainer's processes and gradient accumulation (see
+        :func:`auto_batch_size`). Logs it and records it in :attr:`hparams` (``batch_size``,
+        ``batch_size_rule``, ``train_images``, ``batches_per_epoch``: what the loggers record and
+        the checkpoint holds)."""
+        if "train" not in self.datasets:
+            self.datasets["train"] = self.dataset(self.train_split, train=True)
+        images = len(self.datasets["train"])
+        trainer = self.trainer
+        processes = trainer.world_size if trainer is not None else distributed_world()[0]
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        if self.batch_size == "auto":
+            batch = auto_batch_size(images, self.min_steps_per_epoch, self.min_batch_size, self.max_batch_size,
+                                    processes, accumulate)
+        else:
+            batch = int(self.batch_size)
+        per_process = -(-images // processes)
+        batches = per_process // batch if per_process > batch else 1  # training drops the last partial batch
+        if self.resolved_batch_size != batch or not self.hparams:
+            if trainer is None or trainer.is_global_zero:
+                rule = (f"auto: largest power of two <= {per_process} images per process / "
+                        f"(min_steps_per_epoch {self.min_steps_per_epoch} x accumulate_grad_batches {accumulate}), "
+                        f"within [{self.min_batch_size}, {self.max_batch_size}]"
+                        if self.batch_size == "auto" else "fixed")
+                log.info("training batch size %d per process (%s): %d training images, %d process(es), "
+                         "%d batches per epoch", batch, rule, images, processes, batches)
+            self.save_hyperparameters({"batch_size": batch, "batch_size_rule": str(self.batch_size),
+                                       "train_images": images, "batches_per_epoch": batches})
+        self.resolved_batch_size = batch
+        return batch
+
     def train_batch_size(self) -> int:
-        """Images per training batch and process (subclasses may compute it from the data)."""
-        return self.batch_size
+        """Images per training batch and process (``batch_size``, or the ``auto`` rule's)."""
+        return self.resolve_batch_size() if self.resolved_batch_size is None else self.resolved_batch_size
 
     def evaluation_batch_size(self) -> int:
-        """Images per evaluation batch and process (``eval_batch_size``, else the training one)."""
-        return self.eval_batch_size or self.batch_size
+        """Images per evaluation batch and process (``eval_batch_size``; unset: the training
+        batch, or ``max_batch_size`` with ``auto``)."""
+        if self.eval_batch_size:
+            return self.eval_batch_size
+        return self.batch_size if isinstance(self.batch_size, int) else self.max_batch_size
 
     def train_sampler(self, ds: Dataset) -> Sampler | None:
         """The training loader's sampler; ``None``: shuffled (Lightning's sampler under DDP)."""
