@@ -441,11 +441,9 @@ class SplitDataModule(L.LightningDataModule):
         return self.resolve_batch_size() if self.resolved_batch_size is None else self.resolved_batch_size
 
     def evaluation_batch_size(self) -> int:
-        """Images per evaluation batch and process (``eval_batch_size``; unset: the training
-        batch, or ``max_batch_size`` with ``auto``)."""
-        if self.eval_batch_size:
-            return self.eval_batch_size
-        return self.batch_size if isinstance(self.batch_size, int) else self.max_batch_size
+        """Images per evaluation batch and process (``eval_batch_size``, which
+        :meth:`_init_batching` defaults to the training batch, or ``max_batch_size`` with ``auto``)."""
+        return self.eval_batch_size or self.batch_size
 
     def train_sampler(self, ds: Dataset) -> Sampler | None:
         """The training loader's sampler; ``None``: shuffled (Lightning's sampler under DDP)."""
