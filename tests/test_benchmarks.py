@@ -250,3 +250,36 @@ def test_caption_grounding_counts_object_words_against_oracle_and_constant_decod
     assert constant["kind_words"] == len(words) == perfect["kind_words"]
     assert constant["kind"] == pytest.approx(words.count("circle") / len(words))
     assert constant["colour"] == 0.0
+
+
+def test_holdout_scores_predictions_files_against_references(tmp_path):
+    """``benchmarks.holdout`` scores eval.py's files as the issues' checks do: pycocotools map_50 is
+    1 for the true boxes and falls for shifted ones; captions equal to a reference score far
+    above captions of another image."""
+    import json
+
+    from benchmarks.holdout import digit_root, score_captioning, score_detection
+
+    root = digit_root("detection", tmp_path, 64, 4, 6)
+    annotations = root / "annotations" / "instances_val.json"
+    truth = json.loads(annotations.read_text())["annotations"]
+    perfect = [{"image_id": a["image_id"], "category_id": a["category_id"], "bbox": a["bbox"], "score": 0.9}
+               for a in truth]
+    shifted = [{**p, "bbox": [p["bbox"][0] + p["bbox"][2] * 0.6, *p["bbox"][1:]]} for p in perfect]
+    (tmp_path / "perfect.json").write_text(json.dumps(perfect))
+    (tmp_path / "shifted.json").write_text(json.dumps(shifted))
+    assert score_detection(tmp_path / "perfect.json", annotations)["map_50"] == pytest.approx(1.0)
+    assert score_detection(tmp_path / "shifted.json", annotations)["map_50"] < 0.2
+
+    root = digit_root("captioning", tmp_path, 64, 4, 6)
+    captions = json.loads((root / "annotations" / "captions_val.json").read_text())["annotations"]
+    first = {}
+    for c in captions:
+        first.setdefault(c["image_id"], c["caption"])
+    ids = sorted(first)
+    (tmp_path / "right.json").write_text(json.dumps([{"image_id": i, "caption": first[i]} for i in ids]))
+    rolled = ids[1:] + ids[:1]
+    (tmp_path / "wrong.json").write_text(json.dumps([{"image_id": i, "caption": first[j]} for i, j in zip(ids, rolled)]))
+    right = score_captioning(tmp_path / "right.json", root / "annotations" / "captions_val.json")
+    wrong = score_captioning(tmp_path / "wrong.json", root / "annotations" / "captions_val.json")
+    assert right["bleu4"] > 0.9 and right["cider"] > wrong["cider"] + 1.0 and wrong["bleu4"] < right["bleu4"]

@@ -342,3 +342,65 @@ def test_grounding_without_instances_trains_on_captions(tmp_path, caplog):
     assert task.grounding_head is None and "learns from the captions alone" in caplog.text
     with pytest.raises(ConfigError, match="grounding_weight"):
         _task(grounding_weight=-1.0)
+
+
+def test_concept_vocabulary_and_targets_by_hand():
+    from vision_attn.tasks.captioning import concept_targets, concept_vocabulary
+
+    refs = [["a two above a zero", "a zero and a two"], ["a seven and a two"], ["a seven", "a seven and a one"],
+            ["a one below a zero"]]
+    # "a" is in all 4 images, "and" in 3: over half; "two", "zero", "seven", "one" in 2; "above"/"below" in 1
+    assert concept_vocabulary(refs, 0.5) == ["above", "below", "one", "seven", "two", "zero"]
+    assert concept_vocabulary(refs, 1.0) == ["a", "above", "and", "below", "one", "seven", "two", "zero"]
+    table = concept_targets(refs, ["above", "one", "seven", "two", "zero"])
+    expected = torch.tensor([[0.5, 0.0, 0.0, 1.0, 1.0],   # "above" in one of two captions; a word twice counts once
+                             [0.0, 0.0, 1.0, 1.0, 0.0],
+                             [0.0, 0.5, 1.0, 0.0, 0.0],
+                             [0.0, 1.0, 0.0, 0.0, 1.0]])
+    assert torch.allclose(table, expected)
+
+
+def test_concept_loss_teaches_the_encoder_the_named_objects_without_boxes(tmp_path):
+    """``concept_weight`` with captions alone (no instances file): the head learns from the
+    images which caption words they show — its loss falls below that of predicting each word's
+    frequency (the best an image-blind head can do), and far below it for some object word —
+    and the head and its words come back from the checkpoint; a self-critical phase freezes it."""
+    dm = _grounding_data(tmp_path)
+    for path in (tmp_path / "data").glob("*/annotations/instances_*.json"):
+        path.unlink()
+    L.seed_everything(0)
+    task = _task(optim=Optimization(lr=1e-2), concept_weight=1.0)
+    trainer = _trainer(tmp_path, max_epochs=25, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(task, datamodule=dm)
+    words = task.hparams.concept_words
+    assert {"circle", "square", "red", "blue"} <= set(words) and "a" not in words and "and" not in words
+    assert task.concept_head.out_features == len(words) and task.grounding_head is None
+    ds = dm.datasets["train"]
+    items = [ds[i] for i in range(len(ds))]
+    images = torch.stack([it[0] for it in items])
+    indices = torch.tensor([it[2] for it in items])
+    table = task.concept_table[indices]
+    share = table.mean(0).clamp(1e-4, 1 - 1e-4)
+    blind = F.binary_cross_entropy_with_logits(torch.logit(share).expand_as(table), table, reduction="none").mean(0)
+    task.eval()
+    with torch.no_grad():
+        loss = task._concept_loss(task.encode(images), indices)
+        enc = task.encode(images)
+        patches = enc.tokens[:, enc.num_prefix_tokens:]
+        scores = torch.logsumexp(task.concept_head(patches), 1) - math.log(patches.shape[1])
+    per_word = F.binary_cross_entropy_with_logits(scores, table, reduction="none").mean(0)
+    assert torch.isclose(per_word.mean(), loss)
+    assert loss < blind.mean(), (float(loss), float(blind.mean()))
+    kinds = [words.index(k) for k in ("circle", "square", "triangle", "star", "cross") if k in words]
+    assert (per_word[kinds] / blind[kinds]).min() < 0.2, dict(zip(words, per_word.tolist(), strict=True))
+    ckpt = tmp_path / "concept.ckpt"
+    trainer.save_checkpoint(ckpt)
+    loaded = load_task(ckpt, expected_task="captioning")
+    assert loaded.hparams.concept_words == words
+    assert torch.equal(loaded.concept_head.weight, task.concept_head.weight)
+    scst = _task(init_from=str(ckpt), scst=True, scst_samples=2)
+    assert scst.concept_head is not None and not any(p.requires_grad for p in scst.concept_head.parameters())
+    with pytest.raises(ConfigError, match="concept_weight"):
+        _task(concept_weight=float("nan"))
+    with pytest.raises(ConfigError, match="concept_max_share"):
+        _task(concept_max_share=0.0)

@@ -28,16 +28,21 @@ import numpy as np
 
 __all__ = [
     "COLOURS",
+    "DIGIT_WORDS",
+    "DigitSceneConfig",
     "SHAPES",
     "Scene",
     "SceneObject",
     "ShapesConfig",
     "default_cache_dir",
     "SceneSetConfig",
+    "describe_digits",
+    "ensure_digit_scenes_coco",
     "ensure_glyphs_classification",
     "ensure_shapes_coco",
     "ensure_shapes_classification",
     "random_scene",
+    "render_digit_scene",
     "render_scene",
 ]
 
@@ -521,6 +526,39 @@ class SceneSetConfig:
         )
 
 
+def _write_coco_scenes(tmp: Path, config: SceneSetConfig, categories: list[dict], description: str, seed_base: int,
+                       draw) -> None:
+    """Write ``tmp/{train,val}/<id>.png`` and ``tmp/annotations/{instances,captions}_<split>.json``:
+    each image is ``draw(rng) -> (pixels, [(category id, (x, y, w, h), extra keys)], captions)``;
+    image, box and caption ids unique across splits."""
+    (tmp / "annotations").mkdir(parents=True)
+    image_id, ann_id, cap_id = 1, 1, 1
+    for offset, (split, count) in enumerate((("train", config.num_train), ("val", config.num_val))):
+        rng = np.random.default_rng([config.seed, seed_base + offset])
+        (tmp / split).mkdir()
+        images, boxes, captions = [], [], []
+        for _ in range(count):
+            img, objects, texts = draw(rng)
+            name = f"{image_id:012d}.png"
+            _write_png(tmp / split / name, img)
+            images.append({"id": image_id, "file_name": name, "width": img.shape[1], "height": img.shape[0]})
+            for category, box, extra in objects:
+                x, y, w, h = (round(v, 2) for v in box)
+                boxes.append({"id": ann_id, "image_id": image_id, "category_id": category, "bbox": [x, y, w, h],
+                              "area": round(w * h, 2), "iscrowd": 0, **extra})
+                ann_id += 1
+            for text in texts:
+                captions.append({"id": cap_id, "image_id": image_id, "caption": text})
+                cap_id += 1
+            image_id += 1
+        info = {"description": description, "config": asdict(config)}
+        instances = {"info": info, "images": images, "annotations": boxes, "categories": categories}
+        (tmp / "annotations" / f"instances_{split}.json").write_text(json.dumps(instances))
+        caps = {"info": info, "images": images, "annotations": captions}
+        (tmp / "annotations" / f"captions_{split}.json").write_text(json.dumps(caps))
+    (tmp / "manifest.json").write_text(json.dumps({"task": "coco", "config": asdict(config)}, indent=2))
+
+
 def ensure_shapes_coco(config: SceneSetConfig | None = None, cache_dir: str | Path | None = None) -> Path:
     """Multi-object shape scenes in the COCO 2017 layouts, generated on first use.
 
@@ -540,37 +578,159 @@ def ensure_shapes_coco(config: SceneSetConfig | None = None, cache_dir: str | Pa
     categories = [{"id": i + 1, "name": k, "supercategory": "shape"} for i, k in enumerate(SHAPES)]
     cat_id = {k: i + 1 for i, k in enumerate(SHAPES)}
 
+    def draw(rng: np.random.Generator) -> tuple[np.ndarray, list[tuple[int, tuple[float, ...], dict]], list[str]]:
+        n = int(rng.integers(config.min_objects, config.max_objects + 1))
+        side = config.image_size
+        scene = random_scene(rng, side, side, n, config.min_size, config.max_size, max_overlap=config.max_overlap)
+        img = render_scene(scene, rng, noise=config.noise, clutter=config.clutter)
+        objects = [(cat_id[o.kind], o.box_xywh, {"colour": o.colour}) for o in scene.objects]
+        return img, objects, scene.describe(rng, config.captions_per_image)
+
     def build(tmp: Path) -> None:
         log.info("generating shapes COCO data into %s", target)
-        (tmp / "annotations").mkdir(parents=True)
-        image_id, ann_id, cap_id = 1, 1, 1
-        for offset, (split, count) in enumerate((("train", config.num_train), ("val", config.num_val))):
-            rng = np.random.default_rng([config.seed, 200 + offset])
-            (tmp / split).mkdir()
-            images, boxes, captions = [], [], []
-            for _ in range(count):
-                n = int(rng.integers(config.min_objects, config.max_objects + 1))
-                side = config.image_size
-                scene = random_scene(rng, side, side, n, config.min_size, config.max_size, max_overlap=config.max_overlap)
-                img = render_scene(scene, rng, noise=config.noise, clutter=config.clutter)
-                name = f"{image_id:012d}.png"
-                _write_png(tmp / split / name, img)
-                images.append({"id": image_id, "file_name": name, "width": side, "height": side})
-                for obj in scene.objects:
-                    x, y, w, h = (round(v, 2) for v in obj.box_xywh)
-                    boxes.append({"id": ann_id, "image_id": image_id, "category_id": cat_id[obj.kind],
-                                  "bbox": [x, y, w, h], "area": round(w * h, 2), "iscrowd": 0,
-                                  "colour": obj.colour})
-                    ann_id += 1
-                for text in scene.describe(rng, config.captions_per_image):
-                    captions.append({"id": cap_id, "image_id": image_id, "caption": text})
-                    cap_id += 1
-                image_id += 1
-            info = {"description": "vision_attn synthetic shapes", "config": asdict(config)}
-            instances = {"info": info, "images": images, "annotations": boxes, "categories": categories}
-            (tmp / "annotations" / f"instances_{split}.json").write_text(json.dumps(instances))
-            caps = {"info": info, "images": images, "annotations": captions}
-            (tmp / "annotations" / f"captions_{split}.json").write_text(json.dumps(caps))
-        (tmp / "manifest.json").write_text(json.dumps({"task": "coco", "config": asdict(config)}, indent=2))
+        _write_coco_scenes(tmp, config, categories, "vision_attn synthetic shapes", 200, draw)
+
+    return _atomic_dataset(target, build)
+
+
+DIGIT_WORDS: tuple[str, ...] = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+@dataclass
+class DigitSceneConfig(SceneSetConfig):
+    """Parameters of the embedded digit scenes: glyph digits placed in a larger picture (COCO
+    detection + captions layout). A second scene family, unlike the shapes in content (ten
+    digit classes told apart by their strokes, grey ink, no colour cue) and in the words of its
+    captions ("a two above a zero"): the stand-in here for a small real dataset that the
+    detection and captioning recipes were not tuned on (``python -m benchmarks.holdout``).
+    Arguments as :class:`SceneSetConfig`, but ``min_size`` / ``max_size`` are digit heights
+    (fractions of the image side) and digits never overlap (``max_overlap`` is unused).
+    """
+
+    image_size: int = 96
+    num_train: int = 1500
+    num_val: int = 300
+    min_size: float = 0.2
+    max_size: float = 0.45
+    noise: float = 8.0
+
+    def key(self) -> str:
+        c = self
+        return (
+            f"digits-coco-v1-s{c.image_size}-n{c.num_train}-{c.num_val}-obj{c.min_objects}-{c.max_objects}"
+            f"-size{c.min_size:g}-{c.max_size:g}-cap{c.captions_per_image}-seed{c.seed}-noise{c.noise:g}-clutter{c.clutter}"
+        )
+
+
+def _digit_layer(rng: np.random.Generator, char: str, height: float, side: int) -> np.ndarray:
+    """A ``[side, side]`` uint8 ink mask of one digit of about ``height`` pixels, drawn at the
+    centre in a random Hershey font, stroke and slant."""
+    font = int(rng.choice(_FONTS))
+    thickness = max(1, int(round(height * rng.uniform(0.06, 0.14))))
+    (_, th), _ = cv2.getTextSize(char, font, 1.0, thickness)
+    scale = height / max(th, 1)
+    (tw, th), base = cv2.getTextSize(char, font, scale, thickness)
+    layer = np.zeros((side, side), np.uint8)
+    cv2.putText(layer, char, (int((side - tw) / 2), int((side + th) / 2)), font, scale, 255, thickness, cv2.LINE_AA)
+    rot = cv2.getRotationMatrix2D((side / 2, side / 2), float(rng.uniform(-15, 15)), 1.0)
+    return cv2.warpAffine(layer, rot, (side, side), flags=cv2.INTER_LINEAR)
+
+
+def render_digit_scene(rng: np.random.Generator, size: int, digits: list[int], min_size: float, max_size: float,
+                       noise: float = 8.0, clutter: int = 2) -> tuple[np.ndarray, list[tuple[int, tuple[float, ...]]]]:
+    """Grey digits on a dark, noisy picture. Returns the RGB ``uint8`` image and, per placed
+    digit, ``(digit, (x0, y0, x1, y1))``: the tight box of its ink in pixels of the image."""
+    s = _SUPERSAMPLE
+    side = size * s
+    canvas = np.full((side, side), int(rng.integers(0, 60)), np.float32)
+    for _ in range(clutter):
+        p0 = tuple(int(v) for v in rng.integers(0, side, 2))
+        p1 = tuple(int(v) for v in rng.integers(0, side, 2))
+        cv2.line(canvas, p0, p1, float(rng.integers(50, 110)), max(1, s // 2), cv2.LINE_AA)
+    placed: list[tuple[int, tuple[float, ...]]] = []
+    for digit in digits:
+        for _attempt in range(30):
+            height = rng.uniform(min_size, max_size) * side
+            cell = int(2 * height)
+            mask = _digit_layer(rng, GLYPHS[digit], height, cell)
+            ys, xs = np.nonzero(mask > 64)
+            if len(xs) == 0:
+                continue
+            x0, x1, y0, y1 = xs.min(), xs.max() + 1, ys.min(), ys.max() + 1
+            ox = int(rng.integers(-x0, max(-x0 + 1, side - x1)))
+            oy = int(rng.integers(-y0, max(-y0 + 1, side - y1)))
+            box = ((x0 + ox) / s, (y0 + oy) / s, (x1 + ox) / s, (y1 + oy) / s)
+            if all(_overlap(box, other) <= 0.05 for _, other in placed):
+                break
+        else:
+            continue
+        # paste the mask at the offset, clipped to the canvas
+        sx0, sy0 = max(0, ox), max(0, oy)
+        sx1, sy1 = min(side, ox + cell), min(side, oy + cell)
+        alpha = mask[sy0 - oy:sy1 - oy, sx0 - ox:sx1 - ox].astype(np.float32) / 255.0
+        ink = float(rng.integers(150, 256))
+        region = canvas[sy0:sy1, sx0:sx1]
+        canvas[sy0:sy1, sx0:sx1] = region * (1 - alpha) + ink * alpha
+        placed.append((digit, box))
+    img = cv2.resize(canvas, (size, size), interpolation=cv2.INTER_AREA)
+    if noise > 0:
+        img = img + rng.normal(0, noise, img.shape)
+    grey = np.clip(img, 0, 255).astype(np.uint8)
+    return np.repeat(grey[..., None], 3, axis=-1), placed
+
+
+def describe_digits(rng: np.random.Generator, placed: list[tuple[int, tuple[float, ...]]], num: int = 5) -> list[str]:
+    """``num`` template captions of a digit scene: the digits as words in reading order, and the
+    relation of the first two ("a two above a zero")."""
+    items = sorted(placed, key=lambda p: ((p[1][0] + p[1][2]) / 2, (p[1][1] + p[1][3]) / 2))
+    if not items:
+        return ["an empty picture"] * num
+    words = [DIGIT_WORDS[d] for d, _ in items]
+    named = [f"a {w}" for w in words]
+
+    def listing(parts: list[str]) -> str:
+        return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+    # No count words: in a set of digits "two" names a digit (as content accuracy reads it).
+    noun = "digit" if len(items) == 1 else "digits"
+    candidates = [listing(named), f"a picture of {listing(named)}", f"the {noun} {listing(words)}",
+                  f"there is {listing(named)}" if len(items) == 1 else f"there are {listing(named)}"]
+    if len(items) >= 2:
+        a, b = items[0][1], items[1][1]
+        dx = (b[0] + b[2]) / 2 - (a[0] + a[2]) / 2
+        dy = (b[1] + b[3]) / 2 - (a[1] + a[3]) / 2
+        if abs(dx) >= abs(dy):
+            rel, inv = ("to the left of", "to the right of") if dx > 0 else ("to the right of", "to the left of")
+        else:
+            rel, inv = ("above", "below") if dy > 0 else ("below", "above")
+        rest = f" and {listing(named[2:])}" if len(items) > 2 else ""
+        candidates += [f"{named[0]} {rel} {named[1]}{rest}", f"{named[1]} {inv} {named[0]}{rest}"]
+    else:
+        candidates.append(f"a single {words[0]}")
+    order = rng.permutation(len(candidates))
+    return [candidates[i] for i in (list(order) * (num // len(order) + 1))[:num]]
+
+
+def ensure_digit_scenes_coco(config: DigitSceneConfig | None = None, cache_dir: str | Path | None = None) -> Path:
+    """Digit scenes in the COCO 2017 layouts (as :func:`ensure_shapes_coco`), generated on first
+    use: ``ROOT/{train,val}/<id>.png``, ``ROOT/annotations/instances_{train,val}.json`` (ten
+    categories named as the captions name them, "zero".."nine", ids 1..10; tight ink boxes) and
+    ``captions_{train,val}.json``."""
+    config = config or DigitSceneConfig()
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / config.key()
+    categories = [{"id": i + 1, "name": w, "supercategory": "digit"} for i, w in enumerate(DIGIT_WORDS)]
+
+    def draw(rng: np.random.Generator) -> tuple[np.ndarray, list[tuple[int, tuple[float, ...], dict]], list[str]]:
+        n = int(rng.integers(config.min_objects, config.max_objects + 1))
+        digits = [int(d) for d in rng.integers(0, len(GLYPHS), n)]
+        img, placed = render_digit_scene(rng, config.image_size, digits, config.min_size, config.max_size,
+                                         config.noise, config.clutter)
+        objects = [(d + 1, (x0, y0, x1 - x0, y1 - y0), {}) for d, (x0, y0, x1, y1) in placed]
+        return img, objects, describe_digits(rng, placed, config.captions_per_image)
+
+    def build(tmp: Path) -> None:
+        log.info("generating digit scenes into %s", target)
+        _write_coco_scenes(tmp, config, categories, "vision_attn synthetic digit scenes", 300, draw)
 
     return _atomic_dataset(target, build)

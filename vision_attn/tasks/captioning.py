@@ -68,6 +68,32 @@ def patch_targets(boxes: Tensor, labels: Tensor, grid: tuple[int, int]) -> Tenso
     return torch.where(inside.any(1), labels.to(torch.int64)[chosen] + 1, torch.zeros_like(chosen))
 
 
+def concept_vocabulary(references: list[list[str]], max_share: float) -> list[str]:
+    """The caption words that say what an image shows rather than how a sentence goes: every
+    word (of normalised ``references``, per image a list of captions) that occurs in the
+    references of at least one image and of at most ``max_share`` of the images ("a", "and",
+    "the" occur in nearly all); sorted."""
+    counts: dict[str, int] = {}
+    for refs in references:
+        for word in {w for r in refs for w in r.split()}:
+            counts[word] = counts.get(word, 0) + 1
+    limit = max_share * len(references)
+    return sorted(w for w, n in counts.items() if n <= limit)
+
+
+def concept_targets(references: list[list[str]], words: list[str]) -> Tensor:
+    """Per image and word: the share of the image's references that contain the word
+    (``[images, len(words)]`` float32, in [0, 1]): "zero" said by all five captions of an image
+    is 1, "above" said by one of five is 0.2."""
+    column = {w: k for k, w in enumerate(words)}
+    out = torch.zeros(len(references), len(words))
+    for i, refs in enumerate(references):
+        for r in refs:
+            for k in {column[w] for w in r.split() if w in column}:
+                out[i, k] += 1.0 / len(refs)
+    return out
+
+
 # what ``init_from`` compares between the checkpoint and the configured model (else a clear error)
 DECODER_ARCHITECTURE = ("hidden_dim", "num_layers", "num_heads", "mlp_ratio", "max_length")
 ENCODER_ARCHITECTURE = ("name", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "stem",
@@ -142,6 +168,19 @@ class CaptioningTask(VisionTask):
             Training only: generation and the explanations do not use the head.
         grounding_classes: the category names the grounding head predicts (set from the data
             when training starts and saved in checkpoints; leave unset).
+        concept_weight: weight of an auxiliary loss that needs no boxes: the words that say what
+            an image shows (:func:`concept_vocabulary`: caption words in at most
+            ``concept_max_share`` of the training images' references — "zero", "circle", "red";
+            not "a", "and") are predicted from the patch tokens, multiple-instance style: a
+            linear head scores every word on every patch, the image's score is the patches'
+            log-sum-exp minus log(patches), and a binary cross-entropy pulls it towards the
+            share of the image's references that use the word (:func:`concept_targets`). It
+            tells the encoder which objects each training image holds straight from the
+            captions (Fang et al. 2015's visual concepts); 0 = off. Training only.
+        concept_max_share: the most images (share of the training set) whose references may use
+            a word for it to count as a concept.
+        concept_words: the words the concept head predicts (set from the training captions when
+            training starts and saved in checkpoints; leave unset).
         init_from: a captioning checkpoint of ``train.py`` whose weights (and vocabulary, and
             preprocessing) this model starts from — the weights only: the optimiser, the schedule
             and the epoch start afresh (``--ckpt_path`` resumes a run instead). Read with the
@@ -186,16 +225,25 @@ class CaptioningTask(VisionTask):
         word_dropout: float = 0.0,
         grounding_weight: float = 0.0,
         grounding_classes: list[str] | None = None,
+        concept_weight: float = 0.0,
+        concept_max_share: float = 0.5,
+        concept_words: list[str] | None = None,
     ) -> None:
         super().__init__(encoder, optim, compile)
         if not 0.0 <= word_dropout < 1.0:
             raise ValueError(f"--model.init_args.word_dropout must be in [0, 1), got {word_dropout}")
         if not (grounding_weight >= 0.0 and math.isfinite(grounding_weight)):
             raise ConfigError(f"--model.init_args.grounding_weight must be a number >= 0 (0 = off), got {grounding_weight}")
+        if not (concept_weight >= 0.0 and math.isfinite(concept_weight)):
+            raise ConfigError(f"--model.init_args.concept_weight must be a number >= 0 (0 = off), got {concept_weight}")
+        if not 0.0 < concept_max_share <= 1.0:
+            raise ConfigError(f"--model.init_args.concept_max_share must be in (0, 1], got {concept_max_share}")
         # optim: a dataclass, kept out of pickled state; init_from: where this run started, not the model
         self.save_hyperparameters(ignore=["encoder", "optim", "init_from"])
         self.head: CaptionDecoder | None = None
         self.grounding_head: torch.nn.Linear | None = None
+        self.concept_head: torch.nn.Linear | None = None
+        self.concept_table: Tensor | None = None  # [training images, concepts]: the targets, by dataset index
         self.class_names = None
         self.tokenizer: WordTokenizer | None = None
         self.generation = GenerationOptions(beam_size, length_penalty, max_length - 1, min_length, repetition_penalty)
@@ -249,7 +297,7 @@ class CaptioningTask(VisionTask):
             if key in enc and key in ours and enc[key] != ours[key]:
                 raise CheckpointError(f"{what} was trained with model.encoder.{key}={enc[key]!r}, this model has "
                                       f"{ours[key]!r}; configure the checkpoint's (its run's config.yaml)")
-        self.hparams.update(grounding_classes=stored.get("grounding_classes"))
+        self.hparams.update(grounding_classes=stored.get("grounding_classes"), concept_words=stored.get("concept_words"))
         self._build(stored["vocab"])
         restore_from_checkpoint(self, meta, ckpt, what)
         self.train()
@@ -266,6 +314,10 @@ class CaptioningTask(VisionTask):
         if self.grounding_head is not None and not self._grounding_active:
             # kept for the checkpoint, but no gradient reaches it (DDP requires every trained parameter used)
             self.grounding_head.requires_grad_(False)
+        words = hp.get("concept_words")
+        self.concept_head = torch.nn.Linear(self.encoder.embed_dim, len(words)) if words else None
+        if self.concept_head is not None and not self._concept_active:
+            self.concept_head.requires_grad_(False)  # as the grounding head
         self.hparams.update(vocab=self.tokenizer.to_json())
 
     def _grounding_head(self, classes: list[str]) -> torch.nn.Linear:
@@ -277,10 +329,33 @@ class CaptioningTask(VisionTask):
         """Whether training adds the grounding loss (a weight > 0, cross-entropy training)."""
         return self.hparams.get("grounding_weight", 0.0) > 0 and not self.hparams.scst
 
+    @property
+    def _concept_active(self) -> bool:
+        """Whether training adds the concept loss (a weight > 0, cross-entropy training)."""
+        return self.hparams.get("concept_weight", 0.0) > 0 and not self.hparams.scst
+
     def build_from_data(self, datamodule) -> None:
         if self._grounding_active:
             self.hparams.update(grounding_classes=self._attach_boxes(datamodule))
+        if self._concept_active:
+            self.hparams.update(concept_words=self._concepts(datamodule, None))
         self._build(datamodule.tokenizer.to_json())
+
+    def _concepts(self, datamodule, words: list[str] | None) -> list[str] | None:
+        """The concept words (``words``, or chosen from the training references) and, as
+        :attr:`concept_table`, their targets per training image; ``None`` without a training
+        split of COCO captions (logged)."""
+        if not hasattr(datamodule, "train_references"):
+            log.warning("--model.concept_weight %g: the data has no training split of COCO captions; no concept loss",
+                        self.hparams.concept_weight)
+            return None
+        references = datamodule.train_references()
+        if words is None:
+            words = concept_vocabulary(references, self.hparams.concept_max_share)
+            log.info("concept loss: %d words used by at most %.0f%% of the %d training images' references",
+                     len(words), 100 * self.hparams.concept_max_share, len(references))
+        self.concept_table = concept_targets(references, words)
+        return words
 
     def _attach_boxes(self, datamodule) -> list[str] | None:
         """Attach the training split's boxes to its items (``grounding_weight``), labelled by
@@ -319,6 +394,11 @@ class CaptioningTask(VisionTask):
                 if self.grounding_head is None and classes:  # started from a model trained without boxes
                     self.hparams.update(grounding_classes=classes)
                     self.grounding_head = self._grounding_head(classes).to(self.device)
+            if stage == "fit" and self._concept_active:
+                words = self._concepts(dm, self.hparams.get("concept_words"))
+                if self.concept_head is None and words:  # started from a model trained without concepts
+                    self.hparams.update(concept_words=words)
+                    self.concept_head = torch.nn.Linear(self.encoder.embed_dim, len(words)).to(self.device)
 
     def configure_datamodule(self, datamodule) -> None:
         """Make the data use this model's preprocessing and tokenizer (token ids must mean what they meant in
@@ -426,20 +506,33 @@ class CaptioningTask(VisionTask):
     def training_step(self, batch, batch_idx: int) -> Tensor:
         if self.hparams.scst:
             return self._scst_step(batch)
-        images, tokens, _, *boxes = batch
-        if self.grounding_head is None or not boxes or not self._grounding_active:
-            loss = self._loss(images, tokens, across_processes=True)
-            self.check_finite(loss, {"cross_entropy": loss})
-        else:
-            enc = self.encode(images)
-            caption, grounding = self._caption_loss(enc, tokens, True), self._grounding_loss(enc, boxes[0])
-            loss = caption + self.hparams.grounding_weight * grounding
-            self.check_finite(loss, {"cross_entropy": caption, "grounding": grounding})
-            self.log("train/caption_loss", caption, on_step=True, on_epoch=True, batch_size=len(images), sync_dist=True)
-            self.log("train/grounding_loss", grounding, on_step=True, on_epoch=True, batch_size=len(images),
-                     sync_dist=True)
+        images, tokens, indices, *boxes = batch
+        enc = self.encode(images)
+        terms = {"caption": self._caption_loss(enc, tokens, True)}
+        weights = {"caption": 1.0}
+        if self.grounding_head is not None and boxes and self._grounding_active:
+            terms["grounding"] = self._grounding_loss(enc, boxes[0])
+            weights["grounding"] = self.hparams.grounding_weight
+        if self.concept_head is not None and self.concept_table is not None and self._concept_active:
+            terms["concept"] = self._concept_loss(enc, indices)
+            weights["concept"] = self.hparams.concept_weight
+        loss = sum(weights[k] * v for k, v in terms.items())
+        self.check_finite(loss, {("cross_entropy" if k == "caption" else k): v for k, v in terms.items()})
+        if len(terms) > 1:
+            for name, value in terms.items():
+                self.log(f"train/{name}_loss", value, on_step=True, on_epoch=True, batch_size=len(images),
+                         sync_dist=True)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(images), sync_dist=True)
         return loss
+
+    def _concept_loss(self, enc: EncoderOutput, indices: Tensor) -> Tensor:
+        """Binary cross-entropy of the concept head's image scores (log-sum-exp over the patches
+        minus log(patches)) against :attr:`concept_table`'s rows of the batch's images."""
+        patches = enc.tokens[:, enc.num_prefix_tokens:]
+        logits = self.concept_head(patches).float()  # (B, N, K)
+        scores = torch.logsumexp(logits, dim=1) - math.log(logits.shape[1])  # (B, K)
+        targets = self.concept_table[indices.cpu()].to(scores.device)
+        return F.binary_cross_entropy_with_logits(scores, targets)
 
     def _grounding_loss(self, enc: EncoderOutput, boxes: list[tuple[Tensor, Tensor]]) -> Tensor:
         """Cross-entropy of the grounding head's per-patch categories against
