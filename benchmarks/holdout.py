@@ -133,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=sorted(DEFAULTS))
-    parser.add_argument("overrides", nargs="*", help="extra train.py overrides (after --)")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--img_size", type=int, default=None, help="default: 96 detection, 64 captioning")
     parser.add_argument("--train_images", type=int, default=1500)
@@ -143,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="small", help="the run's folder name under WORK/runs")
     parser.add_argument("--work", default=None, help="data and runs (default: benchmarks/results/holdout-work)")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.overrides = overrides  # extra train.py overrides, after --
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.img_size = args.img_size or DEFAULTS[args.task]["img_size"]
     work = Path(args.work or REPO / "benchmarks" / "results" / "holdout-work").resolve()
