@@ -384,8 +384,8 @@ def test_concept_loss_teaches_the_encoder_the_named_objects_without_boxes(tmp_pa
     blind = F.binary_cross_entropy_with_logits(torch.logit(share).expand_as(table), table, reduction="none").mean(0)
     task.eval()
     with torch.no_grad():
-        loss = task._concept_loss(task.encode(images), indices)
         enc = task.encode(images)
+        loss = task._concept_loss(enc, indices)
         patches = enc.tokens[:, enc.num_prefix_tokens:]
         scores = torch.logsumexp(task.concept_head(patches), 1) - math.log(patches.shape[1])
     per_word = F.binary_cross_entropy_with_logits(scores, table, reduction="none").mean(0)

@@ -315,7 +315,7 @@ class CaptioningTask(VisionTask):
             # kept for the checkpoint, but no gradient reaches it (DDP requires every trained parameter used)
             self.grounding_head.requires_grad_(False)
         words = hp.get("concept_words")
-        self.concept_head = torch.nn.Linear(self.encoder.embed_dim, len(words)) if words else None
+        self.concept_head = self._concept_head(words) if words else None
         if self.concept_head is not None and not self._concept_active:
             self.concept_head.requires_grad_(False)  # as the grounding head
         self.hparams.update(vocab=self.tokenizer.to_json())
@@ -328,6 +328,10 @@ class CaptioningTask(VisionTask):
     def _grounding_active(self) -> bool:
         """Whether training adds the grounding loss (a weight > 0, cross-entropy training)."""
         return self.hparams.get("grounding_weight", 0.0) > 0 and not self.hparams.scst
+
+    def _concept_head(self, words: list[str]) -> torch.nn.Linear:
+        """Per patch token: a score for each of the concept ``words``."""
+        return torch.nn.Linear(self.encoder.embed_dim, len(words))
 
     @property
     def _concept_active(self) -> bool:
@@ -398,7 +402,7 @@ class CaptioningTask(VisionTask):
                 words = self._concepts(dm, self.hparams.get("concept_words"))
                 if self.concept_head is None and words:  # started from a model trained without concepts
                     self.hparams.update(concept_words=words)
-                    self.concept_head = torch.nn.Linear(self.encoder.embed_dim, len(words)).to(self.device)
+                    self.concept_head = self._concept_head(words).to(self.device)
 
     def configure_datamodule(self, datamodule) -> None:
         """Make the data use this model's preprocessing and tokenizer (token ids must mean what they meant in
