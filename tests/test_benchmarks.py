@@ -279,7 +279,7 @@ def test_holdout_scores_predictions_files_against_references(tmp_path):
     ids = sorted(first)
     (tmp_path / "right.json").write_text(json.dumps([{"image_id": i, "caption": first[i]} for i in ids]))
     rolled = ids[1:] + ids[:1]
-    (tmp_path / "wrong.json").write_text(json.dumps([{"image_id": i, "caption": first[j]} for i, j in zip(ids, rolled)]))
+    (tmp_path / "wrong.json").write_text(json.dumps([{"image_id": i, "caption": first[j]} for i, j in zip(ids, rolled, strict=True)]))
     right = score_captioning(tmp_path / "right.json", root / "annotations" / "captions_val.json")
     wrong = score_captioning(tmp_path / "wrong.json", root / "annotations" / "captions_val.json")
     assert right["bleu4"] > 0.9 and right["cider"] > wrong["cider"] + 1.0 and wrong["bleu4"] < right["bleu4"]
