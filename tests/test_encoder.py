@@ -152,6 +152,31 @@ def test_conv_stem_keeps_grid_and_rebuilds_from_config():
         create_encoder("vit_tiny_patch16_224", stem="conv", **{**TINY_VIT, "patch_size": 6})
 
 
+def test_conv_stem_channels_set_the_widths_and_rebuild(caplog):
+    """``stem_channels`` is the first conv's width, doubling per stride-2 conv up to the
+    embedding width; unset keeps the old widths (so old checkpoints load unchanged)."""
+    def widths(enc):
+        return [m.out_channels for m in enc.model.patch_embed.proj.layers if isinstance(m, torch.nn.Conv2d)]
+
+    base = {**TINY_VIT, "patch_size": 4}  # embed 32: 2 stride-2 convs
+    assert widths(create_encoder("vit_tiny_patch16_224", stem="conv", **base)) == [8, 16, 32, 32]
+    wide = create_encoder("vit_tiny_patch16_224", stem="conv", stem_channels=16, **base)
+    assert widths(wide) == [16, 32, 32, 32]
+    assert widths(create_encoder("vit_tiny_patch16_224", stem="conv", stem_channels=64, **base)) == [64, 64, 64, 32]
+    assert wide.architecture_config()["init_args"]["stem_channels"] == 16
+    rebuilt = ViTEncoder(**ViTEncoder.checked_architecture_args(wide.architecture_config()["init_args"]))
+    rebuilt.load_state_dict(wide.state_dict())
+    x = torch.randn(1, 3, 32, 32)
+    wide.eval(), rebuilt.eval()
+    assert torch.equal(rebuilt(x).tokens, wide(x).tokens)
+    with caplog.at_level(logging.WARNING, logger="vision_attn"):
+        spt = create_encoder("vit_tiny_patch16_224", stem="spt", stem_channels=16, **base)
+    assert "stem_channels=16 sets the width of stem='conv' and is ignored with stem='spt'" in caplog.text
+    assert type(spt.model.patch_embed.proj).__name__ == "ShiftedPatchTokenizer"
+    with pytest.raises(ValueError, match="stem_channels must lie in"):
+        create_encoder("vit_tiny_patch16_224", stem="conv", stem_channels=0, **base)
+
+
 def test_checkpoint_arguments_keep_the_architecture_and_drop_weight_sources():
     """What a checkpoint stores rebuilds the same encoder through the checkpoint check; where
     weights come from (hub, file, timm's pretrained config) is never taken from it."""

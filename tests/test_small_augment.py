@@ -119,3 +119,25 @@ def test_boxes_clip_to_the_crop_and_come_with_forward():
     image, boxes = aug(_image(), corner)
     assert image.shape == (3, 32, 32) and boxes.shape == (1, 4)
     assert torch.isclose(boxes[0, 2] - boxes[0, 0], torch.tensor(0.25), atol=4 / 32 + 1e-6)
+
+
+def test_colour_jitter_option_sets_the_factor_range():
+    """``colour_jitter`` reaches the one-step augmentation and the torchvision chain; 0 leaves
+    the pixels' values alone; out-of-range values are refused with the option's name."""
+    assert build_train_transform(PRE, "small", hflip=False).transforms[0].jitter == 0.2  # the default
+    tf = build_train_transform(PRE, "small", hflip=False, colour_jitter=0.5)
+    assert tf.transforms[0].jitter == 0.5
+    chain = build_train_transform(PRE, "small", randaugment_ops=1, colour_jitter=0.4)
+    jitter = [t for t in chain.transforms if isinstance(t, T.ColorJitter)][0]
+    assert jitter.brightness == (0.6, 1.4) and jitter.contrast == (0.6, 1.4)
+    flat = torch.full((3, 32, 32), 100, dtype=torch.uint8)
+    still = build_train_transform({**PRE, "mean": (0.0,) * 3, "std": (1.0,) * 3}, "small", hflip=False,
+                                  colour_jitter=0.0)
+    torch.manual_seed(0)
+    torch.testing.assert_close(still(flat), flat.float() / 255)  # a flat image: crops and flips change nothing
+    torch.manual_seed(0)
+    moved = build_train_transform({**PRE, "mean": (0.0,) * 3, "std": (1.0,) * 3}, "small", hflip=False,
+                                  colour_jitter=0.5)
+    assert any(abs(float(moved(flat).mean()) - 100 / 255) > 0.01 for _ in range(5))
+    with pytest.raises(ValueError, match="colour_jitter"):
+        build_train_transform(PRE, "small", colour_jitter=1.5)

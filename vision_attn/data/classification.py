@@ -238,6 +238,8 @@ class ImageFolderDataModule(SplitDataModule):
         randaugment_ops: RandAugment operations per training image (``0``: none); default:
             the preset's (``small``: 0, ``finetune``: 2).
         randaugment_magnitude: RandAugment magnitude (0..30, torchvision's bins).
+        colour_jitter: ``small`` only: brightness and contrast factors drawn from
+            ``[1 - j, 1 + j]`` per training image (0: none).
         repeated_augmentation: ``k``: every training epoch shows ``len / k`` distinct images
             ``k`` times each, in the same batch (differently augmented), keeping the epoch's
             length (DeiT's repeated augmentation;
@@ -270,6 +272,7 @@ class ImageFolderDataModule(SplitDataModule):
         hflip: bool = True,
         randaugment_ops: int | None = None,
         randaugment_magnitude: int = 9,
+        colour_jitter: float = 0.2,
         repeated_augmentation: int = 1,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         follow_symlinks: bool = False,
@@ -294,6 +297,7 @@ class ImageFolderDataModule(SplitDataModule):
         self.augment = augment
         self.hflip = hflip
         self.randaugment_ops, self.randaugment_magnitude = randaugment_ops, randaugment_magnitude
+        self.colour_jitter = colour_jitter
         self.repeated_augmentation = repeated_augmentation
         self.max_pixels = max_pixels
         self.class_names: list[str] = find_classes(self.root / train_split)
@@ -333,7 +337,7 @@ class ImageFolderDataModule(SplitDataModule):
         ``val_fraction``, the validation split is the held-out part of the training folder)."""
         pre = model_preprocess(self)
         transform = (build_train_transform(pre, self.augment, self.hflip, self.randaugment_ops,
-                                           self.randaugment_magnitude) if train else build_eval_transform(pre))
+                                           self.randaugment_magnitude, self.colour_jitter) if train else build_eval_transform(pre))
         folder, files = split, None
         if self.val_fraction is not None and split in (self.train_split, self.val_split):
             folder, files = self.train_split, self.holdout()[split == self.val_split]

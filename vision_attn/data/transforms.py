@@ -366,7 +366,8 @@ def _randaugment(ops: int, magnitude: int) -> list:
 
 
 def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small", hflip: bool = True,
-                          randaugment_ops: int | None = None, randaugment_magnitude: int = 9) -> T.Compose:
+                          randaugment_ops: int | None = None, randaugment_magnitude: int = 9,
+                          colour_jitter: float = 0.2) -> T.Compose:
     """Training pipeline for ``augment`` (see the module docstring); ``hflip=False`` for
     data whose mirror image is another class (text, digits).
 
@@ -377,7 +378,11 @@ def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small",
         randaugment_ops: RandAugment operations per image (``0``: none); ``None``: the
             preset's own (:data:`RANDAUGMENT_OPS`). Not allowed with ``none``.
         randaugment_magnitude: RandAugment's magnitude (0..30).
+        colour_jitter: ``small`` only: brightness and contrast factors drawn from
+            ``[1 - j, 1 + j]`` (0: none).
     """
+    if not 0 <= colour_jitter < 1:
+        raise ValueError(f"--data.colour_jitter must lie in [0, 1) (factors 1 - j .. 1 + j), got {colour_jitter}")
     h, w = _size(pre)
     interp = _interp(pre.get("interpolation", "bicubic"))
     if augment not in RANDAUGMENT_OPS:
@@ -392,7 +397,8 @@ def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small",
         return tf
     randaugment = _randaugment(ra_ops, int(randaugment_magnitude))
     if augment == "small" and not randaugment:
-        return T.Compose([SmallAugment((h, w), max(1, h // 8), hflip, pre["mean"], pre["std"], interp)])
+        return T.Compose([SmallAugment((h, w), max(1, h // 8), hflip, pre["mean"], pre["std"], interp,
+                                       jitter=colour_jitter)])
     if augment == "small":
         pad = max(1, h // 8)
         ops = [
@@ -400,7 +406,7 @@ def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small",
             T.RandomCrop((h, w), padding=pad, padding_mode="reflect"),
             T.RandomHorizontalFlip(0.5 if hflip else 0.0),
             *randaugment,
-            T.ColorJitter(brightness=0.2, contrast=0.2),
+            T.ColorJitter(brightness=colour_jitter, contrast=colour_jitter),
         ]
     else:  # finetune
         ops = [
