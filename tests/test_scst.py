@@ -184,6 +184,32 @@ def test_samples_follow_the_softmax_and_their_scores_are_the_teacher_forced_logp
     assert (out.tokens[~mask] == 0).all()  # <pad> after <eos>
 
 
+@pytest.mark.parametrize("temperature", [0.05, 0.1])  # the toy logits lie within +-0.1
+def test_tempered_samples_follow_the_tempered_softmax(temperature):
+    """``temperature`` T: first tokens drawn from softmax(logits / T) without <bos> / <pad>, and
+    ``token_logprobs`` with the same T gives back the sampled captions' scores."""
+    decoder, enc = _toy_decoder()
+    decoder.eval()
+    one = EncoderOutput(enc.tokens[:1], 1, (2, 2))
+    n = 3000
+    first = decoder.sample(one, BOS, EOS, num_samples=n, max_length=1, generator=torch.Generator().manual_seed(0),
+                           temperature=temperature).tokens[:, 0]
+    with torch.no_grad():
+        logits = decoder(one, torch.tensor([[BOS]]))[0][0, 0]
+    logits[[BOS, 0]] = float("-inf")
+    expected = (logits / temperature).softmax(-1)
+    assert not torch.allclose(expected, logits.softmax(-1), atol=0.03)  # the toy case tells them apart
+    freq = torch.bincount(first, minlength=9).float() / n
+    assert torch.allclose(freq, expected, atol=0.03), (freq, expected)
+    out = decoder.sample(enc, BOS, EOS, num_samples=3, max_length=6, generator=torch.Generator().manual_seed(2),
+                         temperature=temperature)
+    logp = decoder.token_logprobs(enc, out.tokens, BOS, repeats=3, temperature=temperature)
+    mask = sequence_mask(out.lengths, out.tokens.shape[1])
+    assert torch.allclose(torch.where(mask, logp, 0.0).sum(1), out.scores, atol=1e-5)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        decoder.sample(one, BOS, EOS, temperature=0.0)
+
+
 # ---------------------------------------------------------------------- init_from
 def _task(vocab=None, **kw) -> CaptioningTask:
     torch.manual_seed(0)
@@ -249,6 +275,8 @@ def test_scst_options_are_checked():
         _task(scst=True, scst_baseline="beam")
     with pytest.raises(ConfigError, match=r"--model.scst_max_length must be between 1 and max_length - 1 = 23"):
         _task(scst=True, scst_max_length=24)
+    with pytest.raises(ConfigError, match=r"--model.scst_temperature must be a number > 0"):
+        _task(scst=True, scst_temperature=0)
 
 
 # ---------------------------------------------------------------------- a Lightning fit
@@ -306,6 +334,32 @@ def test_training_step_rewards_samples_against_the_greedy_caption(data, kind):
     else:  # the leave-one-out means average to the mean reward
         assert logged["train/baseline"] == pytest.approx(logged["train/reward"], rel=1e-5)
     assert refs[0] == [normalize_caption(c) for c in data.datasets["train"].references[int(indices[0])]]
+
+
+@pytest.mark.parametrize("keep_dropout", [False, True])
+def test_scst_step_samples_without_dropout_unless_asked(data, keep_dropout):
+    """``scst_dropout`` false (default): sampling and the log-probabilities run with every module
+    in eval mode; true: in training mode. Either way the modes are restored after the step."""
+    task = _task(data.tokenizer.to_json(), scst=True, scst_samples=2, scst_max_length=6, dropout=0.3,
+                 scst_dropout=keep_dropout)
+    data.setup("fit")
+    task.scst_references = data.train_references()
+    task.scst_cider = CiderD(task.scst_references)
+    task.log = lambda *a, **kw: None
+    seen = []
+    for name in ("sample", "token_logprobs"):
+        original = getattr(task.head, name)
+
+        def spy(*args, _original=original, **kw):
+            seen.append((task.head.training, task.encoder.training))
+            return _original(*args, **kw)
+
+        setattr(task.head, name, spy)
+    task.train()
+    loss = task.training_step(next(iter(data.train_dataloader())), 0)
+    assert loss.requires_grad
+    assert seen == [(keep_dropout, keep_dropout)] * 2
+    assert task.training and task.head.training and task.encoder.training
 
 
 def test_scst_config_starts_from_a_cross_entropy_run(tmp_path):

@@ -255,28 +255,32 @@ class CaptionDecoder(nn.Module):
 
     @torch.no_grad()
     def sample(self, enc: EncoderOutput, bos_id: int, eos_id: int, num_samples: int = 1, max_length: int | None = None,
-               use_cache: bool = True, generator: torch.Generator | None = None) -> Generation:
+               use_cache: bool = True, generator: torch.Generator | None = None, temperature: float = 1.0) -> Generation:
         """``num_samples`` captions per image drawn from the decoder's own softmax (multinomial
         sampling, as self-critical training needs: :mod:`vision_attn.scst`), batched over
         images and samples, with the key/value cache.
 
         Rows are image-major: rows ``i * num_samples .. (i + 1) * num_samples - 1`` are image
         ``i``'s. Each token is drawn from the softmax of the step's logits renormalised without
-        ``<bos>`` and ``<pad>`` (never generated), with no decoding constraint (no
+        ``<bos>`` and ``<pad>`` (never generated), divided by ``temperature`` (1: the model's
+        own distribution; below 1: sharper), with no decoding constraint (no
         ``min_length``, no repetition penalty): ``scores`` are the sums of the sampled tokens'
-        log-probabilities under that distribution, which :meth:`token_logprobs` recomputes
-        with gradients. Nothing here builds an autograd graph; the module's mode decides
+        log-probabilities under that distribution, which :meth:`token_logprobs` (same
+        ``temperature``) recomputes with gradients. Nothing here builds an autograd graph; the module's mode decides
         dropout (the caller's choice).
         """
         if num_samples < 1:
             raise ValueError(f"num_samples must be at least 1, got {num_samples}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         max_new = min(max_length or self.max_length - 1, self.max_length - 1)
         memory, memory_pos = self.encode_memory(enc)
         memory = memory.repeat_interleave(num_samples, dim=0)  # (B*S, N, D), an image's samples adjacent
         return self._greedy(memory, memory_pos, bos_id, eos_id, max_new, use_cache, False, sample=True,
-                            generator=generator)
+                            generator=generator, temperature=temperature)
 
-    def token_logprobs(self, enc: EncoderOutput, tokens: Tensor, bos_id: int, repeats: int = 1) -> Tensor:
+    def token_logprobs(self, enc: EncoderOutput, tokens: Tensor, bos_id: int, repeats: int = 1,
+                       temperature: float = 1.0) -> Tensor:
         """Teacher-forced log-probabilities ``[R, T]`` of generated ``tokens [R, T]`` (no ``<bos>``,
         as :class:`Generation` holds them), with gradients, under the distribution
         :meth:`sample` draws from (``<bos>`` and ``<pad>`` excluded from the softmax).
@@ -290,7 +294,7 @@ class CaptionDecoder(nn.Module):
         if memory.shape[0] != tokens.shape[0]:
             raise ValueError(f"{tokens.shape[0]} token rows for {memory.shape[0] // repeats} images x {repeats}")
         inputs = torch.cat([tokens.new_full((tokens.shape[0], 1), bos_id), tokens[:, :-1]], dim=1)  # (R, T)
-        logits = self._decode(inputs, memory, memory_pos)[0].float()  # (R, T, V)
+        logits = self._decode(inputs, memory, memory_pos)[0].float() / temperature  # (R, T, V)
         banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         banned[[bos_id, self.pad_id]] = True
         logp = logits.masked_fill(banned, float("-inf")).log_softmax(-1)
@@ -300,8 +304,9 @@ class CaptionDecoder(nn.Module):
 
     def _greedy(self, memory: Tensor, memory_pos: Tensor, bos_id: int, eos_id: int, max_new: int, use_cache: bool,
                 return_attention: bool, constraints: tuple[int, float] = (0, 1.0), sample: bool = False,
-                generator: torch.Generator | None = None) -> Generation:
-        """Greedy search, or (``sample``) multinomial sampling from the renormalised softmax."""
+                generator: torch.Generator | None = None, temperature: float = 1.0) -> Generation:
+        """Greedy search, or (``sample``) multinomial sampling from the renormalised softmax
+        (of the log-probabilities divided by ``temperature``)."""
         rows, device = memory.shape[0], memory.device
         caches = [LayerCache() for _ in self.layers] if use_cache else None
         tokens = torch.full((rows, 1), bos_id, dtype=torch.long, device=device)
@@ -313,7 +318,7 @@ class CaptionDecoder(nn.Module):
             logits, attn = self._step(tokens, memory, memory_pos, caches, return_attention)
             logp = self._next_logprobs(logits, tokens, step, bos_id, eos_id, *constraints)
             if sample:
-                logp = logp.log_softmax(-1)  # renormalised without <bos> / <pad>
+                logp = (logp / temperature).log_softmax(-1)  # renormalised without <bos> / <pad>
                 next_tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
                 step_scores = logp.gather(1, next_tok[:, None]).squeeze(1)
             else:
