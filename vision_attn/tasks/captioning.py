@@ -592,11 +592,12 @@ class CaptioningTask(VisionTask):
             for m, mode in modes.items():
                 m.training = mode
 
-    def _greedy_captions(self, images: Tensor, max_new: int) -> Tensor:
+    def _greedy_captions(self, images: Tensor, max_new: int, enc: EncoderOutput | None = None) -> Tensor:
         """The greedy captions' tokens, decoded as at test time (eval mode, no gradients, no
-        decoding constraint); every module's mode is restored afterwards."""
+        decoding constraint); every module's mode is restored afterwards. ``enc``: the images'
+        encoder output when it was already computed in eval mode (not encoded again)."""
         with self._eval_mode(), torch.no_grad():
-            enc = self.encoder(images)
+            enc = self.encoder(images) if enc is None else enc
             return self.head.generate(enc, self.tokenizer.bos_id, self.tokenizer.eos_id, max_new, 1).tokens
 
     def _scst_loss(self, images: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -612,7 +613,8 @@ class CaptioningTask(VisionTask):
         rewards = sample_rewards(scorer, self.decode(samples.tokens), refs).to(images.device)  # (B, S)
         greedy = None
         if hp.scst_baseline == "greedy":
-            greedy_tokens = self._greedy_captions(images, max_new)
+            # the step already runs in eval mode (scst_dropout false): its encoding is the greedy decode's
+            greedy_tokens = self._greedy_captions(images, max_new, None if self.training else enc)
             greedy = sample_rewards(scorer, self.decode(greedy_tokens), refs)[:, 0].to(images.device)  # (B,)
         baseline = baselines(rewards, hp.scst_baseline, greedy)  # (B, S)
         logp = self.head.token_logprobs(enc, samples.tokens, tok.bos_id, repeats=s, temperature=temperature)  # (B*S, T)
