@@ -114,6 +114,25 @@ def test_default_is_adamw_with_the_per_step_warmup_cosine():
     assert peaks == [g["lr"] for g in param_groups(task, task.optim)]
 
 
+def test_fused_adamw_takes_the_same_steps_as_the_loop_up_to_rounding():
+    """``optim.fused``: torch's fused AdamW, the same groups and the same update (to rounding)
+    as the default per-parameter loop, which stays the default. One step: after it the weights
+    differ by rounding, and Adam's normalised update turns the rounding noise of gradients
+    that are zero in exact arithmetic (the key bias) into full-size steps."""
+    assert Optimization().fused is False
+    loop, fused = _classifier(lr=1e-2), _classifier(lr=1e-2, fused=True)  # the same seed
+    opts = [build_optimizers(t, t.optim, 100)["optimizer"] for t in (loop, fused)]
+    assert not opts[0].param_groups[0]["fused"] and opts[1].param_groups[0]["fused"]
+    x = torch.randn(4, 3, 32, 32)
+    for task, opt in zip((loop, fused), opts, strict=True):
+        task(x).logsumexp(-1).sum().backward()
+        opt.step()
+    start = _classifier(lr=1e-2).state_dict()
+    for (name, a), b in zip(loop.named_parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
+    assert max(float((p - start[n]).abs().max()) for n, p in loop.named_parameters()) > 1e-5  # it moved
+
+
 def test_sgd_from_optimizer_init_gets_the_groups_of_optim(caplog):
     task = _classifier(lr=1e-2, encoder_lr=1e-3, weight_decay=0.1)
     spec = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.9, "nesterov": True}}

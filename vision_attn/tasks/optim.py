@@ -81,6 +81,11 @@ class Optimization:
             both.
         ema_start_step: optimizer steps before the averaging starts; until then the average is
             the weights themselves.
+        fused: use torch's fused AdamW kernel (one kernel over all parameters, CPU or GPU)
+            instead of its per-parameter loop. The same update up to rounding; on the small
+            detector of ``configs/detection/shapes.yaml`` the optimizer step is about 3x faster
+            (about a tenth of a CPU training step). Only for the default AdamW (a ``--optimizer``
+            class takes its own ``fused`` argument, if any).
     """
 
     lr: float = 1e-3
@@ -91,6 +96,7 @@ class Optimization:
     layer_decay: float | None = None
     ema_decay: float | None = None
     ema_start_step: int = 0
+    fused: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
@@ -281,10 +287,15 @@ def _warmup_cosine_config(optimizer: torch.optim.Optimizer, optim: Optimization,
     return {"scheduler": schedule, "interval": "step"}
 
 
+def _adamw(groups: list[dict[str, Any]], optim: Optimization) -> torch.optim.AdamW:
+    """The default optimiser: AdamW (betas 0.9, 0.999), fused when ``optim.fused``."""
+    return torch.optim.AdamW(groups, betas=(0.9, 0.999), **({"fused": True} if optim.fused else {}))
+
+
 def default_optimizers(model: nn.Module, optim: Optimization, total_steps: float) -> dict[str, Any]:
     """AdamW over :func:`param_groups` with a per-step :class:`WarmupCosineSchedule` planned over
     ``total_steps`` optimizer steps (Lightning's ``configure_optimizers`` return value)."""
-    optimizer = torch.optim.AdamW(param_groups(model, optim), betas=(0.9, 0.999))
+    optimizer = _adamw(param_groups(model, optim), optim)
     return {"optimizer": optimizer, "lr_scheduler": _warmup_cosine_config(optimizer, optim, total_steps)}
 
 
@@ -334,7 +345,7 @@ def build_optimizers(model: nn.Module, optim: Optimization, total_steps: float,
         return default_optimizers(model, optim, total_steps)
     groups = param_groups(model, optim)
     if optimizer_init is None:
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999))
+        optimizer: torch.optim.Optimizer = _adamw(groups, optim)
     else:
         cls, args = _class_and_args(optimizer_init, "--optimizer")
         defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
