@@ -52,7 +52,8 @@ OFF = ["--model.init_args.query_selection", "false", "--model.init_args.look_for
 PLAIN = [*OFF, "--model.init_args.box_refine", "false", "--model.init_args.focal", "false",
          "--model.init_args.cost_class", "1", "--model.init_args.weight_ce", "1"]
 REMEDY = [*OFF, "--model.init_args.box_refine", "true", "--model.init_args.focal", "true"]
-DN = ["--model.init_args.dn_groups", "5"]
+DN = ["--model.init_args.dn_groups", "5", "--model.init_args.box_noise_scale", "1.0"]  # the first ablation's noise
+DN_04 = ["--model.init_args.dn_groups", "5", "--model.init_args.box_noise_scale", "0.4"]  # DN-DETR's own noise scale
 NEG = ["--model.init_args.dn_negatives", "true"]
 QS = ["--model.init_args.query_selection", "true", "--model.init_args.look_forward_twice", "true"]
 HYBRID = ["--model.init_args.o2m_groups", "1", "--model.init_args.o2m_mode", "hybrid"]
@@ -68,6 +69,7 @@ ROWS: dict[str, list[str]] = {
     "+ one-to-many, hybrid (H-DETR, K=6)": REMEDY + HYBRID,
     "+ simple feature pyramid (ViTDet)": REMEDY + ["--model.init_args.pyramid", "true"],
     "+ DN with negatives + query selection + look forward twice + hybrid": REMEDY + DN + NEG + QS + HYBRID,
+    "+ query selection + look forward twice + denoising at noise 0.4": REMEDY + QS + DN_04,
 }
 """Row name -> overrides of the config (one aid per row against ``shapes.yaml``, then the combination)."""
 
