@@ -295,3 +295,23 @@ def test_finished_hypotheses_leave_the_beam_and_are_ranked_with_the_length_penal
         assert (out.tokens[i, n:] == PAD).all()
         assert float(out.scores[i]) / n**length_penalty == pytest.approx(best)
     assert best_seq == ([EOS] if length_penalty == 0 else [4, 3, EOS])
+
+
+def test_embedding_memory_adds_the_first_blocks_input_per_patch():
+    """``embedding_memory``: memory token ``n`` = projected output token ``n`` + projected
+    embedding token ``n`` (prefix dropped), so the words read both; without the embedding tokens
+    it is a clear error."""
+    torch.manual_seed(0)
+    dec = CaptionDecoder(12, in_dim=16, hidden_dim=16, num_layers=2, num_heads=2, dropout=0.0, embedding_memory=True).eval()
+    enc = _enc()
+    with pytest.raises(ValueError, match="keep_embedding"):
+        dec(enc, torch.tensor([[BOS, 5]]).expand(2, -1))
+    enc.embedding_tokens = torch.randn_like(enc.tokens)
+    memory, _ = dec.encode_memory(enc)
+    expected = dec.input_proj(enc.tokens[:, 1:]) + dec.embedding_proj(enc.embedding_tokens[:, 1:])
+    torch.testing.assert_close(memory, expected)
+    tokens = torch.tensor([[BOS, 5, 6], [BOS, 7, 8]])
+    logits, _ = dec(enc, tokens)
+    moved = EncoderOutput(enc.tokens, 1, enc.grid, embedding_tokens=enc.embedding_tokens.roll(1, dims=1))
+    assert not torch.allclose(dec(moved, tokens)[0], logits)  # the words depend on the embedding tokens
+    assert CaptionDecoder(12, in_dim=16, hidden_dim=16).embedding_proj is None  # off by default

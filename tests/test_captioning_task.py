@@ -404,3 +404,28 @@ def test_concept_loss_teaches_the_encoder_the_named_objects_without_boxes(tmp_pa
         _task(concept_weight=float("nan"))
     with pytest.raises(ConfigError, match="concept_max_share"):
         _task(concept_max_share=0.0)
+
+
+def test_embedding_memory_trains_survives_checkpoints_and_is_explained(tmp_path):
+    """``embedding_memory``: the encoder hands its embedding tokens to the decoder; a checkpoint
+    restores the switch (same captions), and the per-word relevance maps still come out."""
+    from vision_attn.explain.decoder_relevance import caption_relevance
+
+    dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp_path / "data"), batch_size=8, num_workers=0,
+                              max_length=24)
+    L.seed_everything(0)
+    task = _task(optim=Optimization(lr=3e-3), embedding_memory=True)
+    trainer = _trainer(tmp_path, max_steps=6, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(task, datamodule=dm)
+    assert task.encoder.keep_embedding and task.head.embedding_proj is not None
+    assert task.head.embedding_proj[0].weight.grad is not None  # trained
+    ckpt = tmp_path / "em.ckpt"
+    trainer.save_checkpoint(ckpt)
+    loaded = load_task(ckpt, expected_task="captioning")
+    assert loaded.encoder.keep_embedding and loaded.hparams.embedding_memory
+    images = torch.stack([dm.datasets["train"][i][0] for i in range(3)])
+    task.eval()
+    a, b = task.generate(images), loaded.generate(images)
+    assert torch.equal(a.tokens, b.tokens)
+    maps = caption_relevance(loaded, images, [t[:3] for t in b.tokens])
+    assert [m.shape for m in maps] == [(3, 4, 4)] * 3 and all(torch.isfinite(m).all() for m in maps)

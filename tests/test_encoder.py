@@ -196,3 +196,31 @@ def test_checkpoint_arguments_keep_the_architecture_and_drop_weight_sources():
                                              "checkpoint x.ckpt")
     with pytest.raises(CheckpointError, match="timm_kwargs.img_size is not plain data"):
         ViTEncoder.checked_architecture_args({**stored, "timm_kwargs": {"img_size": object()}})
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"])
+def test_embedding_tokens_are_the_first_blocks_input(name):
+    """``keep_embedding``: the tokens entering block 0, i.e. timm's own forward from there on
+    (blocks, final norm) gives the output tokens; a padded image's real embeddings are the ones
+    it gets alone; off by default, and the output is the same either way."""
+    enc = create_encoder(name, **TINY_VIT).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        plain = enc(x)
+        enc.keep_embedding = True
+        out = enc(x)
+        rebuilt = enc.model.norm(enc.model.blocks(out.embedding_tokens))
+        small = enc(x[:1, :, :24, :16])
+        padded = enc(torch.nn.functional.pad(x[:1, :, :24, :16], (0, 16, 0, 8)), image_sizes=torch.tensor([[24, 16]]))
+    assert plain.embedding_tokens is None
+    assert torch.equal(out.tokens, plain.tokens)
+    assert out.embedding_tokens.shape == out.tokens.shape
+    torch.testing.assert_close(rebuilt, out.tokens)
+    p = enc.num_prefix_tokens
+    real = padded.embedding_tokens[0, p:].reshape(4, 4, -1)[:3, :2]  # the 3 x 2 patches of the 24 x 16 image
+    torch.testing.assert_close(real, small.embedding_tokens[0, p:].reshape(3, 2, -1), atol=1e-5, rtol=1e-5)
+    # and the padded forward gives the image's own tokens (distillation token included)
+    torch.testing.assert_close(padded.tokens[0, :p], small.tokens[0, :p], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded.tokens[0, p:].reshape(4, 4, -1)[:3, :2],
+                               small.tokens[0, p:].reshape(3, 2, -1), atol=1e-5, rtol=1e-5)
+    assert not any(m._forward_pre_hooks for m in enc.model.blocks)  # the capture leaves no hook behind

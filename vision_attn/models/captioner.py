@@ -2,7 +2,8 @@
 with a transformer decoder).
 
 - Input: the encoder's patch tokens (prefix tokens such as CLS dropped: the image *regions*),
-  projected to the decoder width, with a 2-D sine position embedding added to the keys.
+  projected to the decoder width, with a 2-D sine position embedding added to the keys
+  (``embedding_memory``: plus the same patch's token from before the encoder's first block).
 - Words: token embedding + learned position embedding, ``num_layers`` of
   :class:`~vision_attn.models.layers.DecoderLayer` (causal self-attention, cross-attention,
   feed-forward; the layer the DETR head uses), final norm, output projection tied to the
@@ -109,6 +110,10 @@ class CaptionDecoder(nn.Module):
         dropout: dropout in the decoder and on the embeddings.
         max_length: longest token sequence (position embeddings).
         pad_id: id of ``<pad>`` (its embedding stays zero).
+        embedding_memory: add the encoder's embedding tokens (the first block's input,
+            :attr:`EncoderOutput.embedding_tokens`, each through its own linear + LayerNorm) to
+            the projected output tokens of the same patch: the memory keeps one token per
+            patch, so the cross-attention maps and their explanations are unchanged in shape.
     """
 
     def __init__(
@@ -122,12 +127,15 @@ class CaptionDecoder(nn.Module):
         dropout: float = 0.1,
         max_length: int = 32,
         pad_id: int = 0,
+        embedding_memory: bool = False,
     ) -> None:
         super().__init__()
         if hidden_dim % 4:
             raise ValueError(f"hidden_dim must be divisible by 4, got {hidden_dim}")
         self.vocab_size, self.hidden_dim, self.max_length, self.pad_id = vocab_size, hidden_dim, max_length, pad_id
         self.input_proj = nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.LayerNorm(hidden_dim))
+        self.embedding_proj = (nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.LayerNorm(hidden_dim))
+                               if embedding_memory else None)
         self.embed = nn.Embedding(vocab_size, hidden_dim, padding_idx=pad_id)
         self.pos = nn.Parameter(torch.zeros(max_length, hidden_dim))
         self.drop = nn.Dropout(dropout)
@@ -144,6 +152,10 @@ class CaptionDecoder(nn.Module):
         """``(memory [B, N, D], memory_pos [1, N, D])`` from the encoder's patch tokens."""
         patches = enc.tokens[:, enc.num_prefix_tokens :]  # (B, N, in_dim)
         memory = self.input_proj(patches)
+        if self.embedding_proj is not None:
+            if enc.embedding_tokens is None:
+                raise ValueError("embedding_memory needs the encoder's embedding tokens (ViTEncoder.keep_embedding = True)")
+            memory = memory + self.embedding_proj(enc.embedding_tokens[:, enc.num_prefix_tokens :])
         pos = sine_position_embedding_2d(enc.grid, self.hidden_dim, device=memory.device).to(memory.dtype)
         return memory, pos.unsqueeze(0)
 

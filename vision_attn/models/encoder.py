@@ -51,12 +51,15 @@ class EncoderOutput:
         patch_mask: ``[B, N]`` ``True`` for the patches of real pixels, ``False`` for padding
             (a batch of images of different sizes padded to one, :meth:`ViTEncoder.forward` with
             ``image_sizes``); ``None`` when every patch is real.
+        embedding_tokens: ``[B, P + N, D]`` the tokens entering the first block (patch embedding +
+            positions), only when :attr:`ViTEncoder.keep_embedding` is set; else ``None``.
     """
 
     tokens: Tensor
     num_prefix_tokens: int
     grid: tuple[int, int]
     patch_mask: Tensor | None = None
+    embedding_tokens: Tensor | None = None
 
     def valid_grids(self) -> list[tuple[int, int]]:
         """Per image, the ``(rows, columns)`` of its real patches (the top-left corner of the
@@ -300,6 +303,9 @@ class ViTEncoder(nn.Module):
         self.num_prefix_tokens: int = model.num_prefix_tokens
         self.patch_size: tuple[int, int] = tuple(model.patch_embed.patch_size)
         self.data_config: dict[str, Any] = self._resolve_data_config(preprocess or {})
+        # Set by a head that reads the first block's input too (the caption decoder's
+        # ``embedding_memory``): forward then fills ``EncoderOutput.embedding_tokens``.
+        self.keep_embedding: bool = False
 
     def architecture_config(self) -> dict[str, Any]:
         """``{"class_path", "init_args"}`` that rebuilds this encoder without downloading weights."""
@@ -471,6 +477,18 @@ class ViTEncoder(nn.Module):
         """
         if x.dim() != 4 or x.shape[1] != 3:
             raise EncoderError(f"ViTEncoder expects images [B, 3, H, W], got {tuple(x.shape)}")
+        if not self.keep_embedding:
+            return self._forward(x, image_sizes)
+        kept: list[Tensor] = []
+        hook = self.model.blocks[0].register_forward_pre_hook(lambda _m, args: kept.append(args[0]))
+        try:
+            out = self._forward(x, image_sizes)
+        finally:
+            hook.remove()
+        out.embedding_tokens = kept[0]
+        return out
+
+    def _forward(self, x: Tensor, image_sizes: Tensor | None) -> EncoderOutput:
         grid = self.grid_for(x.shape[-2], x.shape[-1])
         if image_sizes is not None:
             valid = self._valid_grids(image_sizes, grid, x.shape[0])
@@ -533,6 +551,8 @@ class ViTEncoder(nn.Module):
         prefix = []
         if m.cls_token is not None:
             prefix.append(m.cls_token.expand(b, -1, -1))
+        if getattr(m, "dist_token", None) is not None:  # DeiT's distillation token follows the class token
+            prefix.append(m.dist_token.expand(b, -1, -1))
         if m.reg_token is not None:
             prefix.append(m.reg_token.expand(b, -1, -1))
         pos = pos.reshape(b, gh * gw, d)

@@ -191,6 +191,13 @@ class CaptioningTask(VisionTask):
             a word for it to count as a concept.
         concept_words: the words the concept head predicts (set from the training captions when
             training starts and saved in checkpoints; leave unset).
+        embedding_memory: the decoder also reads the tokens that enter the encoder's first block
+            (the stem's patch embeddings with positions): each memory token is the projected
+            output token plus the projected embedding token of the same patch, so low-level
+            evidence (an object's colour) reaches the words even where the encoder's output
+            tokens are dominated by what the grounding loss asks for (the objects' kinds).
+            Measured on the embedded scenes (README "Captioning"): it stops the colour collapse
+            of the grounded recipe's bad draws. Off by default; a checkpoint remembers it.
         init_from: a captioning checkpoint of ``train.py`` whose weights (and vocabulary, and
             preprocessing) this model starts from — the weights only: the optimiser, the schedule
             and the epoch start afresh (``--ckpt_path`` resumes a run instead). Read with the
@@ -240,6 +247,7 @@ class CaptioningTask(VisionTask):
         concept_weight: float = 0.0,
         concept_max_share: float = 0.5,
         concept_words: list[str] | None = None,
+        embedding_memory: bool = False,
     ) -> None:
         super().__init__(encoder, optim, compile)
         if not 0.0 <= word_dropout < 1.0:
@@ -324,7 +332,9 @@ class CaptioningTask(VisionTask):
         hp = self.hparams
         self.tokenizer = WordTokenizer.restore(vocab)
         self.head = CaptionDecoder(len(self.tokenizer), self.encoder.embed_dim, hp.hidden_dim, hp.num_layers, hp.num_heads,
-                                   hp.mlp_ratio, hp.dropout, hp.max_length, self.tokenizer.pad_id)
+                                   hp.mlp_ratio, hp.dropout, hp.max_length, self.tokenizer.pad_id,
+                                   embedding_memory=hp.get("embedding_memory", False))
+        self.encoder.keep_embedding = bool(hp.get("embedding_memory", False))
         classes = hp.get("grounding_classes")
         self.grounding_head = self._grounding_head(classes) if classes else None
         if self.grounding_head is not None and not self._grounding_active:
