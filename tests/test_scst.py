@@ -384,6 +384,7 @@ def test_scst_config_starts_from_a_cross_entropy_run(tmp_path):
                       "--model.init_from", str(ce), "--model.scst_samples", "2", "--model.scst_max_length", "8",
                       "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1",
                       "--trainer.default_root_dir", str(tmp_path / "scst")])
-    assert cli.model.hparams.scst and cli.trainer.global_step == 2 and cli.model.optim.lr == pytest.approx(5e-5)
+    assert cli.model.hparams.scst and cli.trainer.global_step == 2 and cli.model.optim.lr == pytest.approx(1e-4)
+    assert cli.model.hparams.scst_baseline == "mean" and cli.model.hparams.scst_temperature == 0.5
     header = (tmp_path / "scst" / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert "train/reward_step" in header and "train/baseline_step" in header
