@@ -331,10 +331,11 @@ class CaptioningTask(VisionTask):
     def _build(self, vocab: list[str] | str) -> None:
         hp = self.hparams
         self.tokenizer = WordTokenizer.restore(vocab)
+        embedding_memory = bool(hp.get("embedding_memory", False))  # checkpoints from before the option lack it
         self.head = CaptionDecoder(len(self.tokenizer), self.encoder.embed_dim, hp.hidden_dim, hp.num_layers, hp.num_heads,
                                    hp.mlp_ratio, hp.dropout, hp.max_length, self.tokenizer.pad_id,
-                                   embedding_memory=hp.get("embedding_memory", False))
-        self.encoder.keep_embedding = bool(hp.get("embedding_memory", False))
+                                   embedding_memory=embedding_memory)
+        self.encoder.keep_embedding = embedding_memory  # the decoder reads what the encoder then returns
         classes = hp.get("grounding_classes")
         self.grounding_head = self._grounding_head(classes) if classes else None
         if self.grounding_head is not None and not self._grounding_active:
