@@ -86,6 +86,31 @@ def test_datamodule_trains_tokenizer_and_accepts_the_models(coco_root):
     assert dm.datasets["train"].tokenizer is other
 
 
+
+def test_several_captions_per_image_are_distinct_references_image_by_image(coco_root):
+    dm = CaptioningDataModule(root=str(coco_root), batch_size=4, num_workers=0, max_length=32, captions_per_image=3)
+    dm.preprocess = PRE
+    dm.setup("fit")
+    tok = dm.tokenizer
+    images, tokens, idx = next(iter(dm.train_dataloader()))
+    assert images.shape == (4, 3, 32, 32) and tokens.shape[0] == 12
+    train = dm.datasets["train"]
+    for row in range(12):  # rows 3i .. 3i+2 caption image i, each one of its own references
+        i = int(idx[row // 3])
+        refs = {tok.decode(tok.encode(r, 32)) for r in train.references[i]}
+        assert tok.decode(tokens[row].tolist()) in refs
+    for i in range(4):  # drawn without replacement: three different references per image
+        assert len({tuple(tokens[3 * i + j].tolist()) for j in range(3)}) == 3
+    # more than an image has: every reference, then drawn again
+    train.captions_per_item = 7
+    item = train[0][1]
+    assert len(item) == 7 and len({tuple(t.tolist()) for t in item}) == len(set(train.references[0]))
+    # validation keeps one caption per image
+    dm.setup("validate")
+    assert dm.datasets["val"].captions_per_item == 1 and next(iter(dm.val_dataloader()))[1].ndim == 2
+    with pytest.raises(DataError, match="captions_per_image"):
+        CaptioningDataModule(root=str(coco_root), captions_per_image=0)
+
 def test_missing_image_ids_empty_and_non_text_captions_are_counted_warnings(coco_root, tmp_path, caplog):
     def edit(data):
         first = data["images"][0]["id"]

@@ -291,6 +291,46 @@ def test_patch_targets_by_hand():
     assert patch_targets(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64), (2, 2)).tolist() == [0, 0, 0, 0]
 
 
+
+def test_balanced_grounding_weighs_every_object_alike_by_hand():
+    import torch.nn.functional as F
+
+    from vision_attn.tasks.captioning import grounding_weights, patch_objects
+
+    # 2 x 2 grid: a big box owning three patches, a small one owning the bottom-right patch
+    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.6, 0.6, 1.0, 1.0]])
+    assert patch_objects(boxes, (2, 2)).tolist() == [0, 0, 0, 1]
+    assert patch_objects(torch.zeros(0, 4), (2, 2)).tolist() == [-1, -1, -1, -1]
+    # batch of two images: 3 + 1 patches in image 0, one 1-patch object in image 1 (3 objects,
+    # 5 object patches: mean 5/3 patches per object); background keeps its weight
+    owners = torch.tensor([[0, 0, 0, 1], [-1, 0, -1, -1]])
+    w = grounding_weights(owners, 0.2)
+    m = 5 / 3
+    expected = torch.tensor([[m / 3, m / 3, m / 3, m], [0.2, m, 0.2, 0.2]])
+    assert torch.allclose(w, expected)
+    # each object's patches sum to the same weight; all objects together keep their unbalanced total
+    assert torch.isclose(w[0, :3].sum(), w[0, 3]) and torch.isclose(w[0, 3], w[1, 1])
+    assert torch.isclose(w[owners >= 0].sum(), torch.tensor(5.0))
+    assert torch.equal(grounding_weights(torch.full((1, 4), -1), 0.2), torch.full((1, 4), 0.2))
+
+    # the task's balanced loss is that weighted mean of the per-patch cross-entropies
+    vocab = ["<pad>", "<bos>", "<eos>", "<unk>", "a", "circle"]
+    task = _task(vocab=vocab, grounding_weight=1.0, grounding_classes=["a", "b", "c"], grounding_balance=True)
+    enc = task.encode(torch.randn(2, 3, 32, 32))
+    rows, cols = enc.grid
+    tiny = [(torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0 / cols, 1.0 / rows]]), torch.tensor([0, 2])),
+            (torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64))]
+    logits = task.grounding_head(enc.tokens[:, enc.num_prefix_tokens:]).float().reshape(-1, 4)
+    owners = torch.stack([patch_objects(b, enc.grid) for b, _ in tiny])
+    targets = torch.stack([torch.where(o >= 0, torch.tensor([1, 3])[o.clamp(min=0)], 0) for o in owners]).reshape(-1)
+    weights = grounding_weights(owners, 0.2).reshape(-1)
+    ce = F.cross_entropy(logits, targets, reduction="none")
+    assert torch.allclose(task._grounding_loss(enc, tiny), (weights * ce).sum() / weights.sum())
+    # the one-patch object weighs as much as the whole-image one: not the unbalanced loss
+    task.hparams.grounding_balance = False
+    assert not torch.allclose(task._grounding_loss(enc, tiny), (weights * ce).sum() / weights.sum())
+
+
 def _grounding_data(tmp_path, **kw) -> CaptioningDataModule:
     return CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp_path / "data"), batch_size=8, num_workers=0,
                                 max_length=24, **kw)
@@ -331,6 +371,104 @@ def test_grounding_supervises_the_encoder_and_survives_checkpoints(tmp_path):
     scst = _task(init_from=str(ckpt), scst=True, scst_samples=2)
     assert scst.grounding_head is not None and not any(p.requires_grad for p in scst.grounding_head.parameters())
 
+
+
+def test_word_attention_targets_and_regions_by_hand():
+    from vision_attn.tasks.captioning import (
+        class_regions,
+        word_attention_loss,
+        word_attention_targets,
+        word_kinds,
+    )
+
+    vocab = ["<pad>", "<bos>", "<eos>", "<unk>", "a", "small", "red", "circle", "circles", "and", "two", "there",
+             "are", "square", "large", "to", "the", "left", "of", "crosses"]
+    kinds = word_kinds(vocab, ["circle", "square", "triangle", "star", "cross"])
+    named = {w: int(k) for w, k in zip(vocab, kinds, strict=True)}
+    assert named["circle"] == named["circles"] == 0 and named["square"] == 1 and named["crosses"] == 4
+    assert named["small"] == named["red"] == named["large"] == -2  # describe, do not name
+    assert all(named[w] == -1 for w in ("<pad>", "<eos>", "a", "and", "two", "there", "left", "of"))
+    words = "there are a small red circle and two large crosses to the left of a square <eos>".split()
+    targets = word_attention_targets(torch.tensor([[vocab.index(w) for w in words]]), kinds)
+    expected = [-1, -1, -1, 0, 0, 0, -1, -1, 4, 4, -1, -1, -1, -1, -1, 1, -1]
+    assert targets[0].tolist() == expected
+    # a describing word four words before its kind word is beyond the window; one after a kind names nothing
+    far = "a red small large circle red".split()
+    vocab2 = vocab + ["a"]
+    assert word_attention_targets(torch.tensor([[vocab2.index(w) for w in far]]), kinds)[0].tolist() == \
+        [-1, -1, 0, 0, 0, -1]
+
+    # 2 x 2 grid (centres 0.25 / 0.75): a circle over the left column, a tiny square holding no
+    # centre (its own centre lies in the bottom-right patch)
+    boxes = torch.tensor([[0.0, 0.0, 0.5, 1.0], [0.8, 0.8, 0.9, 0.9]])
+    regions = class_regions(boxes, torch.tensor([0, 1]), (2, 2), 3)
+    assert regions.int().tolist() == [[1, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
+    # uniform attention puts half of its mass on the circle, a quarter on the square: -log of each, averaged
+    attention = torch.full((1, 3, 4), 0.25)
+    loss = word_attention_loss(attention, torch.tensor([[0, 1, -1]]), regions[None])
+    assert torch.isclose(loss, -(torch.log(torch.tensor(0.5)) + torch.log(torch.tensor(0.25))) / 2)
+    # a step whose category has no box in the image is skipped; nothing left: None
+    assert word_attention_loss(attention, torch.tensor([[2, -1, -1]]), regions[None]) is None
+
+
+def test_word_attention_makes_the_decoder_look_at_the_object_it_names(tmp_path):
+    """``word_attention_weight``: after training, the last layer's cross-attention of the steps that
+    name (or describe) an object puts more of its mass on that object's patches than the same model trained
+    without the loss, and far more than a uniform look at the image would."""
+    from vision_attn.tasks.captioning import class_regions, word_attention_targets, word_kinds
+
+    dm = _grounding_data(tmp_path)
+    masses = {}
+    for weight in (0.0, 1.0):
+        L.seed_everything(0)
+        task = _task(optim=Optimization(lr=3e-3), grounding_weight=0.3, word_attention_weight=weight)
+        _trainer(tmp_path, max_epochs=12, enable_checkpointing=False, limit_val_batches=0).fit(task, datamodule=dm)
+        ds = dm.datasets["train"]
+        items = [ds[i] for i in range(len(ds))]
+        images = torch.stack([it[0] for it in items])
+        tokens = torch.nn.utils.rnn.pad_sequence([it[1] for it in items], batch_first=True,
+                                                 padding_value=task.tokenizer.pad_id)
+        kinds = word_kinds(task.tokenizer.vocab, task.hparams.grounding_classes)
+        task.eval()
+        with torch.no_grad():
+            enc = task.encode(images)
+            attention = task.head(enc, tokens[:, :-1], need_weights=True)[1][-1].mean(dim=1)  # last layer
+        classes = word_attention_targets(tokens[:, 1:], kinds)
+        regions = torch.stack([class_regions(b, c, enc.grid, 5) for *_, (b, c) in items])
+        mask = torch.gather(regions, 1, classes.clamp(min=0)[:, :, None].expand(*classes.shape, regions.shape[-1]))
+        valid = (classes >= 0) & mask.any(-1)
+        masses[weight] = float((attention * mask).sum(-1)[valid].mean())
+        uniform = float(mask.float().mean(-1)[valid].mean())
+    assert masses[1.0] > 2 * uniform and masses[1.0] > masses[0.0] + 0.1, (masses, uniform)
+    with pytest.raises(ConfigError, match="grounding_weight"):
+        _task(word_attention_weight=0.5)
+
+
+def test_captions_per_image_pair_each_caption_with_its_own_image(tmp_path):
+    """``data.captions_per_image K``: the image is encoded once and its tokens repeated for its
+    K captions, which gives the loss of encoding every image K times; a batch whose images were
+    tiled instead (captions paired with the wrong images) gives another loss. Training runs."""
+    from vision_attn.tasks.captioning import repeat_images
+
+    vocab = ["<pad>", "<bos>", "<eos>", "<unk>", "a", "red", "circle", "square"]
+    task = _task(vocab=vocab, embedding_memory=True).eval()
+    torch.manual_seed(0)
+    images = torch.randn(2, 3, 32, 32)
+    tokens = torch.tensor([[1, 4, 5, 6, 2], [1, 4, 7, 2, 0], [1, 4, 5, 7, 2], [1, 6, 2, 0, 0]])
+    with torch.no_grad():
+        enc = task.encode(images)
+        repeated = repeat_images(enc, 2)
+        assert repeated.tokens.shape[0] == 4 and repeated.embedding_tokens.shape[0] == 4
+        once = task._caption_loss(repeated, tokens)
+        each = task._caption_loss(task.encode(images.repeat_interleave(2, dim=0)), tokens)
+        tiled = task._caption_loss(task.encode(images.repeat(2, 1, 1, 1)), tokens)
+    assert torch.allclose(once, each, atol=1e-6) and not torch.allclose(once, tiled, atol=1e-4)
+    assert repeat_images(enc, 1) is enc
+
+    dm = _grounding_data(tmp_path, captions_per_image=3)
+    task = _task(grounding_weight=0.3)
+    _trainer(tmp_path, max_steps=3, enable_checkpointing=False, limit_val_batches=0).fit(task, datamodule=dm)
+    assert torch.isfinite(task.trainer.callback_metrics["train/loss"])
 
 def test_grounding_without_instances_trains_on_captions(tmp_path, caplog):
     dm = _grounding_data(tmp_path)  # written here

@@ -221,8 +221,11 @@ class CocoCaptions(SkipUnreadable, Dataset):
                  sample: str = "first", max_length: int = 32, max_pixels: int = DEFAULT_MAX_PIXELS,
                  parsed: tuple[list[dict], dict[int, list[str]]] | None = None, follow_symlinks: bool = False,
                  skip_unreadable: bool = False, images_dir: str | Path | None = None,
-                 ann_file: str | Path | None = None) -> None:
+                 ann_file: str | Path | None = None, captions_per_item: int = 1) -> None:
+        if captions_per_item < 1:
+            raise DataError(f"--data.captions_per_image must be >= 1, got {captions_per_item}")
         self.root, self.split = Path(root), split
+        self.captions_per_item = captions_per_item
         self.skip_unreadable = skip_unreadable
         self.images_dir = Path(images_dir) if images_dir is not None else self.root / split
         default_ann = self.root / "annotations" / f"captions_{split}.json"
@@ -318,16 +321,26 @@ class CocoCaptions(SkipUnreadable, Dataset):
         elif self.transform is not None:
             image = self.transform(image)
         refs = self.references[index]
-        # one caption per draw (DataLoader workers are seeded by Lightning)
-        text = refs[random.randrange(len(refs))] if self.sample == "random" else refs[0]
-        tokens = torch.tensor(self.tokenizer.encode(text, self.max_length), dtype=torch.int64)
+        # one caption per draw (DataLoader workers are seeded by Lightning); several: drawn
+        # without replacement while the image has enough, then again from all of them
+        if self.sample != "random":
+            texts = [refs[0]] * self.captions_per_item
+        else:
+            k = self.captions_per_item
+            texts = random.sample(refs, min(k, len(refs))) + [random.choice(refs) for _ in range(k - len(refs))]
+        seqs = [torch.tensor(self.tokenizer.encode(t, self.max_length), dtype=torch.int64) for t in texts]
+        tokens = seqs[0] if self.captions_per_item == 1 else tuple(seqs)
         return (image, tokens, index) if boxes is None else (image, tokens, index, boxes)
 
 
 def caption_collate(batch, pad_id: int = 0):
     """``(images [B, 3, H, W], tokens [B, T] padded with pad_id, indices [B])``, plus the list of
-    each image's ``(boxes, labels)`` when the items carry boxes."""
+    each image's ``(boxes, labels)`` when the items carry boxes. Items with ``K`` captions each
+    (a tuple of token tensors, ``captions_per_image``) give ``tokens [B * K, T]``, image by image:
+    rows ``i * K .. i * K + K - 1`` caption image ``i``."""
     images, seqs, indices, *boxes = zip(*batch, strict=True)
+    if isinstance(seqs[0], tuple):
+        seqs = [s for group in seqs for s in group]
     tokens = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.int64)
     for i, s in enumerate(seqs):
         tokens[i, : len(s)] = s
@@ -380,6 +393,10 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
         val_images: the validation images folder (likewise).
         test_images: the images folder of ``test_split``.
         test_split: name of the test split (its paths default to the layout above).
+        captions_per_image: training only: how many of an image's reference captions each
+            step trains on (drawn without replacement; the image is encoded once and the
+            decoder reads each caption), as ``seq_per_img`` in self-critical.pytorch. 1 = one
+            caption drawn per image and epoch.
     """
 
     annotation_kind = "captions"
@@ -410,8 +427,12 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
         val_images: str | None = None,
         test_images: str | None = None,
         test_split: str = "test",
+        captions_per_image: int = 1,
     ) -> None:
         super().__init__()
+        if not isinstance(captions_per_image, int) or captions_per_image < 1:
+            raise DataError(f"--data.captions_per_image must be an integer >= 1, got {captions_per_image!r}")
+        self.captions_per_image = captions_per_image
         self._init_layout(root, synthetic, cache_dir, "a COCO-captions folder", follow_symlinks,
                           (train_split, val_split, test_split), (train_annotations, val_annotations, test_annotations),
                           (train_images, val_images, test_images))
@@ -452,7 +473,8 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
         images_dir, ann_file = self.split_paths(split)
         return CocoCaptions(self.root, split, tf, tokenizer, "random" if train else "first", self.max_length,
                             self.max_pixels, parsed, self.follow_symlinks, skip_unreadable=train,
-                            images_dir=images_dir, ann_file=ann_file)
+                            images_dir=images_dir, ann_file=ann_file,
+                            captions_per_item=self.captions_per_image if train else 1)
 
     def collate_fn(self):
         return _Collate(self.tokenizer.pad_id)

@@ -24,7 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vision_attn.caption_content import content_accuracy
+from vision_attn.caption_content import (
+    GENERIC_NOUNS,
+    NUMBER_WORDS,
+    WINDOW,
+    ObjectVocabulary,
+    content_accuracy,
+)
 from vision_attn.caption_metrics import (
     CiderD,
     caption_metrics,
@@ -55,20 +61,151 @@ GROUNDING_BACKGROUND_WEIGHT = 0.2
 patches of a scene are background, and the objects' patches are what the encoder must learn."""
 
 
-def patch_targets(boxes: Tensor, labels: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Per patch of a ``grid = (rows, cols)`` token grid, ``1 + label`` of the smallest of
-    ``boxes`` (``[N, 4]`` normalised ``x0, y0, x1, y1``) that holds the patch's centre
-    (edges included), else 0 (background): ``[rows * cols]`` int64, row-major like the tokens."""
+def patch_objects(boxes: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Per patch of a ``grid = (rows, cols)`` token grid, the index of the smallest of ``boxes``
+    (``[N, 4]`` normalised ``x0, y0, x1, y1``) that holds the patch's centre (edges included),
+    else -1: ``[rows * cols]`` int64, row-major like the tokens."""
     if len(boxes) == 0:
-        return torch.zeros(grid[0] * grid[1], dtype=torch.int64, device=boxes.device)
+        return torch.full((grid[0] * grid[1],), -1, dtype=torch.int64, device=boxes.device)
     cx, cy = cell_centres(grid, device=boxes.device).unbind(-1)
     cx, cy = cx[:, None], cy[:, None]  # (patches, 1)
     b = boxes.to(torch.float32)
     inside = (cx >= b[:, 0]) & (cx <= b[:, 2]) & (cy >= b[:, 1]) & (cy <= b[:, 3])  # (patches, boxes)
     area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
     chosen = torch.where(inside, area, torch.full_like(area, float("inf"))).argmin(1)
-    return torch.where(inside.any(1), labels.to(torch.int64)[chosen] + 1, torch.zeros_like(chosen))
+    return torch.where(inside.any(1), chosen, torch.full_like(chosen, -1))
 
+
+def patch_targets(boxes: Tensor, labels: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Per patch of a ``grid = (rows, cols)`` token grid, ``1 + label`` of the smallest of
+    ``boxes`` (``[N, 4]`` normalised ``x0, y0, x1, y1``) that holds the patch's centre
+    (edges included), else 0 (background): ``[rows * cols]`` int64, row-major like the tokens."""
+    owner = patch_objects(boxes, grid)
+    if len(boxes) == 0:
+        return owner + 1
+    return torch.where(owner >= 0, labels.to(torch.int64)[owner.clamp(min=0)] + 1, torch.zeros_like(owner))
+
+
+def grounding_weights(owners: Tensor, background: float) -> Tensor:
+    """Per-patch weights of the balanced grounding loss, from :func:`patch_objects`' ``[B, N]``
+    owners: background patches ``background``; an object's patches ``m / n`` where ``n`` is its
+    own patch count and ``m`` the mean over the batch's objects — every object weighs the same
+    whatever its size, and the objects together weigh what they weigh unbalanced."""
+    weights = torch.full(owners.shape, float(background), device=owners.device)
+    counts = []
+    for i in range(owners.shape[0]):
+        ids, n = owners[i][owners[i] >= 0].unique(return_counts=True)
+        counts.append((i, ids, n))
+    total = sum(int(n.sum()) for _, _, n in counts)
+    objects = sum(len(n) for _, _, n in counts)
+    if objects == 0:
+        return weights
+    mean = total / objects
+    for i, ids, n in counts:
+        per = torch.zeros(int(ids.max()) + 1 if len(ids) else 0, device=owners.device)
+        per[ids] = mean / n.to(per.dtype)
+        mask = owners[i] >= 0
+        weights[i][mask] = per[owners[i][mask]]
+    return weights
+
+
+WORD_ATTENTION_SKIP: frozenset[str] = frozenset(
+    {"a", "an", "the", "and", "or", "of", "to", "in", "on", "at", "by", "with", "is", "are", "there", "its", "their",
+     "this", "that", "some", "next", "left", "right", "above", "below", "top", "bottom", "middle", "center"}
+    | set(NUMBER_WORDS) | set(GENERIC_NOUNS))
+"""Words whose prediction the word-attention loss leaves alone even right before a kind word
+(function words, places, counts): they do not describe the object itself."""
+
+
+def word_kinds(vocab: list[str], classes: list[str]) -> Tensor:
+    """Per token id of ``vocab``: the index in ``classes`` of the category the word names on its
+    own (a one-word category name, plural or synonym, as content accuracy reads them,
+    :class:`~vision_attn.caption_content.ObjectVocabulary`), -2 for a word that describes an
+    object without naming it (not in :data:`WORD_ATTENTION_SKIP`), -1 otherwise (special tokens,
+    function words): ``[V]`` int64."""
+    names = ObjectVocabulary([normalize_caption(c) for c in classes])
+    index = {normalize_caption(c): i for i, c in enumerate(classes)}
+    out = torch.full((len(vocab),), -1, dtype=torch.int64)
+    for v, word in enumerate(vocab):
+        if (word.startswith("<") and word.endswith(">")) or not word.strip():
+            continue
+        found = names.match([word], 0)
+        if found is not None and found[1] == 1:
+            out[v] = index[found[0]]
+        elif word.isalpha() and word not in WORD_ATTENTION_SKIP:
+            out[v] = -2
+    return out
+
+
+def word_attention_targets(targets: Tensor, kinds: Tensor, window: int = WINDOW) -> Tensor:
+    """Which category each predicted word's attention should fall on: ``[B, T]`` class index or -1.
+
+    A target word naming a category (``kinds[word] >= 0``, :func:`word_kinds`) gets its own
+    category; the up to ``window - 1`` target words just before it that describe without naming
+    (``kinds == -2``: "small", "red") get the same one — the step that says "red" is where the
+    caption decides which object comes next. Everything else is -1 (not supervised)."""
+    k = kinds.to(targets.device)[targets]  # (B, T)
+    named = torch.where(k >= 0, k, torch.full_like(k, -1))
+    out = named.clone()
+    for back in range(1, window):
+        ahead = torch.full_like(k, -1)
+        ahead[:, :-back] = named[:, back:]
+        # a describing word takes the category of a kind word ``back`` steps later, if only describing words lie between
+        between = torch.ones_like(k, dtype=torch.bool)
+        for j in range(1, back):
+            shifted = torch.zeros_like(between)
+            shifted[:, :-j] = k[:, j:] == -2
+            between &= shifted
+        out = torch.where((k == -2) & (out < 0) & between & (ahead >= 0), ahead, out)
+    return out
+
+
+def class_regions(boxes: Tensor, labels: Tensor, grid: tuple[int, int], num_classes: int) -> Tensor:
+    """Per category, the patches of a ``grid`` that belong to one of its boxes: ``[K, rows * cols]``
+    bool. A patch belongs to a box that holds its centre (:func:`patch_objects`' rule, the
+    smallest box winning), and a box holding no patch centre to the patch under its own centre."""
+    n = grid[0] * grid[1]
+    out = torch.zeros(num_classes, n, dtype=torch.bool, device=boxes.device)
+    if len(boxes) == 0:
+        return out
+    owner = patch_objects(boxes, grid)
+    labels = labels.to(torch.int64)
+    for j in range(len(boxes)):
+        mine = owner == j
+        if not mine.any():
+            cx = float((boxes[j, 0] + boxes[j, 2]) / 2)
+            cy = float((boxes[j, 1] + boxes[j, 3]) / 2)
+            col = min(grid[1] - 1, max(0, int(cx * grid[1])))
+            row = min(grid[0] - 1, max(0, int(cy * grid[0])))
+            mine = torch.zeros_like(mine)
+            mine[row * grid[1] + col] = True
+        out[labels[j]] |= mine
+    return out
+
+
+def word_attention_loss(attention: Tensor, classes: Tensor, regions: Tensor) -> Tensor | None:
+    """Mean of ``-log`` (the attention mass inside the named category's patches) over the
+    supervised steps: ``attention [B, T, N]`` (rows sum to 1), ``classes [B, T]`` from
+    :func:`word_attention_targets`, ``regions [B, K, N]`` from :func:`class_regions`. Steps
+    whose category has no box in the image are skipped; ``None`` when no step is left."""
+    b, t = classes.shape
+    picked = classes.clamp(min=0)
+    mask = torch.gather(regions, 1, picked[:, :, None].expand(b, t, regions.shape[-1]))  # (B, T, N)
+    valid = (classes >= 0) & mask.any(-1)
+    if not valid.any():
+        return None
+    mass = (attention.float() * mask).sum(-1)
+    return -torch.log(mass[valid].clamp(min=1e-6)).mean()
+
+
+def repeat_images(enc: EncoderOutput, times: int) -> EncoderOutput:
+    """``enc`` with every image's tokens repeated ``times`` times in a row (image 0 ``times``
+    times, then image 1, ...), for ``times`` captions per image; ``enc`` itself when 1."""
+    if times == 1:
+        return enc
+    rep = {f.name: getattr(enc, f.name).repeat_interleave(times, dim=0) for f in dataclasses.fields(enc)
+           if isinstance(getattr(enc, f.name), Tensor) and getattr(enc, f.name).shape[:1] == enc.tokens.shape[:1]}
+    return dataclasses.replace(enc, **rep)
 
 def concept_vocabulary(references: list[list[str]], max_share: float) -> list[str]:
     """The caption words that say what an image shows rather than how a sentence goes: every
@@ -176,6 +313,19 @@ class CaptioningTask(VisionTask):
             Captions alone teach a from-scratch encoder the objects' kinds slowly (README
             "Captioning"); 0 = off. Without an instances file the captions alone are used (logged).
             Training only: generation and the explanations do not use the head.
+        grounding_balance: weigh every object alike in the grounding loss, whatever its size
+            (its patches share one object's weight, :func:`grounding_weights`), instead of
+            every patch alike — a small object's kind gets as much of the loss as a large one's.
+        word_attention_weight: weight of an auxiliary loss on the decoder's cross-attention
+            (needs ``grounding_weight > 0``, whose boxes it reads): when the next word names a
+            category, or describes the object a category word names right after it ("red" in
+            "a red circle", :func:`word_attention_targets`), the last decoder layer's attention of
+            that step (mean over the heads; the layers before it stay free to look around) should
+            fall on the patches of that category's boxes
+            (:func:`class_regions`); the loss is ``-log`` of the mass there (attention correctness,
+            Liu et al. 2017). It teaches the decoder to look at the object it is about to name
+            — the step where a many-object caption decides which object comes next. 0 = off;
+            training only.
         grounding_classes: the category names the grounding head predicts (set from the data
             when training starts and saved in checkpoints; leave unset).
         concept_weight: weight of an auxiliary loss that needs no boxes: the words that say what
@@ -244,6 +394,8 @@ class CaptioningTask(VisionTask):
         word_dropout: float = 0.0,
         grounding_weight: float = 0.0,
         grounding_classes: list[str] | None = None,
+        grounding_balance: bool = False,
+        word_attention_weight: float = 0.0,
         concept_weight: float = 0.0,
         concept_max_share: float = 0.5,
         concept_words: list[str] | None = None,
@@ -254,6 +406,12 @@ class CaptioningTask(VisionTask):
             raise ValueError(f"--model.init_args.word_dropout must be in [0, 1), got {word_dropout}")
         if not (grounding_weight >= 0.0 and math.isfinite(grounding_weight)):
             raise ConfigError(f"--model.init_args.grounding_weight must be a number >= 0 (0 = off), got {grounding_weight}")
+        if not (word_attention_weight >= 0.0 and math.isfinite(word_attention_weight)):
+            raise ConfigError("--model.init_args.word_attention_weight must be a number >= 0 (0 = off), "
+                              f"got {word_attention_weight}")
+        if word_attention_weight > 0 and not grounding_weight > 0:
+            raise ConfigError("--model.init_args.word_attention_weight needs the instance boxes that grounding reads: "
+                              "set --model.init_args.grounding_weight > 0 too (e.g. 0.3), or word_attention_weight 0")
         if not (concept_weight >= 0.0 and math.isfinite(concept_weight)):
             raise ConfigError(f"--model.init_args.concept_weight must be a number >= 0 (0 = off), got {concept_weight}")
         if not 0.0 < concept_max_share <= 1.0:
@@ -262,6 +420,8 @@ class CaptioningTask(VisionTask):
         self.save_hyperparameters(ignore=["encoder", "optim", "init_from"])
         self.head: CaptionDecoder | None = None
         self.grounding_head: torch.nn.Linear | None = None
+        self.word_kinds: Tensor | None = None  # [V]: the category each word names (word_attention_weight)
+        self.word_kinds_classes: list[str] = []
         self.concept_head: torch.nn.Linear | None = None
         self.concept_table: Tensor | None = None  # [training images, concepts]: the targets, by dataset index
         self.class_names = None
@@ -338,6 +498,7 @@ class CaptioningTask(VisionTask):
         self.encoder.keep_embedding = embedding_memory  # the decoder reads what the encoder then returns
         classes = hp.get("grounding_classes")
         self.grounding_head = self._grounding_head(classes) if classes else None
+        self._word_kinds_for(classes)
         if self.grounding_head is not None and not self._grounding_active:
             # kept for the checkpoint, but no gradient reaches it (DDP requires every trained parameter used)
             self.grounding_head.requires_grad_(False)
@@ -347,9 +508,19 @@ class CaptioningTask(VisionTask):
             self.concept_head.requires_grad_(False)  # as the grounding head
         self.hparams.update(vocab=self.tokenizer.to_json())
 
+    def _word_kinds_for(self, classes: list[str] | None) -> None:
+        """:attr:`word_kinds` (:func:`word_kinds` of the vocabulary) for the word-attention loss."""
+        self.word_kinds_classes = list(classes or [])
+        self.word_kinds = word_kinds(self.tokenizer.vocab, classes) if classes and self._word_attention_active else None
+
     def _grounding_head(self, classes: list[str]) -> torch.nn.Linear:
         """Per patch token: the logits of background and of each of ``classes``."""
         return torch.nn.Linear(self.encoder.embed_dim, len(classes) + 1)
+
+    @property
+    def _word_attention_active(self) -> bool:
+        """Whether training adds the word-attention loss (a weight > 0, cross-entropy training)."""
+        return self.hparams.get("word_attention_weight", 0.0) > 0 and not self.hparams.scst
 
     @property
     def _grounding_active(self) -> bool:
@@ -425,6 +596,7 @@ class CaptioningTask(VisionTask):
                 if self.grounding_head is None and classes:  # started from a model trained without boxes
                     self.hparams.update(grounding_classes=classes)
                     self.grounding_head = self._grounding_head(classes).to(self.device)
+                    self._word_kinds_for(classes)
             if stage == "fit" and self._concept_active:
                 words = self._concepts(dm, self.hparams.get("concept_words"))
                 if self.concept_head is None and words:  # started from a model trained without concepts
@@ -510,12 +682,16 @@ class CaptioningTask(VisionTask):
         of the mean over the global batch's tokens."""
         return self._caption_loss(self.encode(images), tokens, across_processes)
 
-    def _caption_loss(self, enc: EncoderOutput, tokens: Tensor, across_processes: bool = False) -> Tensor:
-        """:meth:`_loss` from the encoder's output."""
+    def _caption_loss(self, enc: EncoderOutput, tokens: Tensor, across_processes: bool = False,
+                      attention: list[Tensor] | None = None) -> Tensor:
+        """:meth:`_loss` from the encoder's output; a given ``attention`` list receives the last
+        layer's cross-attention ``[B, T-1, N]`` (mean over the heads) of the teacher-forced steps."""
         inputs = tokens[:, :-1]
         if self.training and self.hparams.get("word_dropout", 0.0) > 0:
             inputs = self._drop_words(inputs)
-        logits = self.head(enc, inputs)[0]  # (B, T-1, V)
+        logits, weights = self.head(enc, inputs, need_weights=attention is not None)  # (B, T-1, V)
+        if attention is not None:
+            attention.append(weights[-1].float().mean(dim=1))
         targets = tokens[:, 1:].reshape(-1)
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=self.tokenizer.pad_id,
                                 label_smoothing=self.hparams.label_smoothing, reduction="sum")
@@ -539,11 +715,23 @@ class CaptioningTask(VisionTask):
             return self._scst_step(batch)
         images, tokens, indices, *boxes = batch
         enc = self.encode(images)
-        terms = {"caption": self._caption_loss(enc, tokens, True)}
+        supervise = bool(boxes) and self._word_attention_active and self.word_kinds is not None
+        attention: list[Tensor] | None = [] if supervise else None
+        per_image = tokens.shape[0] // len(images)  # captions_per_image: K captions per image, image by image
+        terms = {"caption": self._caption_loss(repeat_images(enc, per_image), tokens, True, attention)}
         weights = {"caption": 1.0}
         if self.grounding_head is not None and boxes and self._grounding_active:
             terms["grounding"] = self._grounding_loss(enc, boxes[0])
             weights["grounding"] = self.hparams.grounding_weight
+        if attention:
+            k = len(self.word_kinds_classes)
+            regions = torch.stack([class_regions(b.to(tokens.device), c.to(tokens.device), enc.grid, k)
+                                   for b, c in boxes[0]])
+            regions = regions.repeat_interleave(per_image, dim=0)
+            word = word_attention_loss(attention[0], word_attention_targets(tokens[:, 1:], self.word_kinds), regions)
+            if word is not None:
+                terms["word_attention"] = word
+                weights["word_attention"] = self.hparams.word_attention_weight
         if self.concept_head is not None and self.concept_table is not None and self._concept_active:
             terms["concept"] = self._concept_loss(enc, indices)
             weights["concept"] = self.hparams.concept_weight
@@ -568,13 +756,21 @@ class CaptioningTask(VisionTask):
     def _grounding_loss(self, enc: EncoderOutput, boxes: list[tuple[Tensor, Tensor]]) -> Tensor:
         """Cross-entropy of the grounding head's per-patch categories against
         :func:`patch_targets` of each image's ``(boxes, labels)``; background weighted
-        :data:`GROUNDING_BACKGROUND_WEIGHT`."""
+        :data:`GROUNDING_BACKGROUND_WEIGHT`; with ``grounding_balance`` each object's patches
+        share one object's weight (:func:`grounding_weights`)."""
         patches = enc.tokens[:, enc.num_prefix_tokens:]
         logits = self.grounding_head(patches).float()  # (B, N, K + 1)
-        targets = torch.stack([patch_targets(b.to(logits.device), c.to(logits.device), enc.grid) for b, c in boxes])
-        weight = torch.ones(logits.shape[-1], device=logits.device)
-        weight[0] = GROUNDING_BACKGROUND_WEIGHT
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), weight=weight)
+        boxes = [(b.to(logits.device), c.to(logits.device)) for b, c in boxes]
+        targets = torch.stack([patch_targets(b, c, enc.grid) for b, c in boxes])
+        flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        if not self.hparams.get("grounding_balance", False):
+            weight = torch.ones(logits.shape[-1], device=logits.device)
+            weight[0] = GROUNDING_BACKGROUND_WEIGHT
+            return F.cross_entropy(flat_logits, flat_targets, weight=weight)
+        owners = torch.stack([patch_objects(b, enc.grid) for b, _ in boxes])
+        weights = grounding_weights(owners, GROUNDING_BACKGROUND_WEIGHT).reshape(-1)
+        per_patch = F.cross_entropy(flat_logits, flat_targets, reduction="none")
+        return (weights * per_patch).sum() / weights.sum()
 
     # ------------------------------------------------------------------ self-critical training
     def _scst_statistics(self) -> tuple[CiderD, list[list[str]]]:
