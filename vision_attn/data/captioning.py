@@ -215,6 +215,8 @@ class CocoCaptions(SkipUnreadable, Dataset):
         images_dir: the split's images folder, as it is (default ``ROOT/<split>/``).
         ann_file: the split's caption file, as it is (default
             ``ROOT/annotations/captions_<split>.json``).
+        captions_per_item: captions per item (``>= 1``, checked by the datamodule's
+            ``captions_per_image``); above 1 an item's tokens are a tuple of that many.
     """
 
     def __init__(self, root: str | Path, split: str, transform: Any, tokenizer: WordTokenizer,
@@ -222,8 +224,6 @@ class CocoCaptions(SkipUnreadable, Dataset):
                  parsed: tuple[list[dict], dict[int, list[str]]] | None = None, follow_symlinks: bool = False,
                  skip_unreadable: bool = False, images_dir: str | Path | None = None,
                  ann_file: str | Path | None = None, captions_per_item: int = 1) -> None:
-        if captions_per_item < 1:
-            raise DataError(f"--data.captions_per_image must be >= 1, got {captions_per_item}")
         self.root, self.split = Path(root), split
         self.captions_per_item = captions_per_item
         self.skip_unreadable = skip_unreadable

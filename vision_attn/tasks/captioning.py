@@ -80,8 +80,12 @@ def patch_targets(boxes: Tensor, labels: Tensor, grid: tuple[int, int]) -> Tenso
     """Per patch of a ``grid = (rows, cols)`` token grid, ``1 + label`` of the smallest of
     ``boxes`` (``[N, 4]`` normalised ``x0, y0, x1, y1``) that holds the patch's centre
     (edges included), else 0 (background): ``[rows * cols]`` int64, row-major like the tokens."""
-    owner = patch_objects(boxes, grid)
-    if len(boxes) == 0:
+    return _owner_labels(patch_objects(boxes, grid), labels)
+
+
+def _owner_labels(owner: Tensor, labels: Tensor) -> Tensor:
+    """``1 + labels[owner]`` where a patch has an owner (:func:`patch_objects`), else 0."""
+    if len(labels) == 0:
         return owner + 1
     return torch.where(owner >= 0, labels.to(torch.int64)[owner.clamp(min=0)] + 1, torch.zeros_like(owner))
 
@@ -92,20 +96,15 @@ def grounding_weights(owners: Tensor, background: float) -> Tensor:
     own patch count and ``m`` the mean over the batch's objects — every object weighs the same
     whatever its size, and the objects together weigh what they weigh unbalanced."""
     weights = torch.full(owners.shape, float(background), device=owners.device)
-    counts = []
-    for i in range(owners.shape[0]):
-        ids, n = owners[i][owners[i] >= 0].unique(return_counts=True)
-        counts.append((i, ids, n))
-    total = sum(int(n.sum()) for _, _, n in counts)
-    objects = sum(len(n) for _, _, n in counts)
-    if objects == 0:
+    owned = owners >= 0
+    if not owned.any():
         return weights
-    mean = total / objects
-    for i, ids, n in counts:
-        per = torch.zeros(int(ids.max()) + 1 if len(ids) else 0, device=owners.device)
-        per[ids] = mean / n.to(per.dtype)
-        mask = owners[i] >= 0
-        weights[i][mask] = per[owners[i][mask]]
+    # one id per (image, object): patch counts per object by bincount
+    per_image = int(owners.max()) + 1
+    ids = (owners + per_image * torch.arange(owners.shape[0], device=owners.device)[:, None])[owned]
+    counts = torch.bincount(ids)
+    mean = owned.sum() / (counts > 0).sum()
+    weights[owned] = mean / counts[ids].to(weights.dtype)
     return weights
 
 
@@ -421,7 +420,6 @@ class CaptioningTask(VisionTask):
         self.head: CaptionDecoder | None = None
         self.grounding_head: torch.nn.Linear | None = None
         self.word_kinds: Tensor | None = None  # [V]: the category each word names (word_attention_weight)
-        self.word_kinds_classes: list[str] = []
         self.concept_head: torch.nn.Linear | None = None
         self.concept_table: Tensor | None = None  # [training images, concepts]: the targets, by dataset index
         self.class_names = None
@@ -510,7 +508,6 @@ class CaptioningTask(VisionTask):
 
     def _word_kinds_for(self, classes: list[str] | None) -> None:
         """:attr:`word_kinds` (:func:`word_kinds` of the vocabulary) for the word-attention loss."""
-        self.word_kinds_classes = list(classes or [])
         self.word_kinds = word_kinds(self.tokenizer.vocab, classes) if classes and self._word_attention_active else None
 
     def _grounding_head(self, classes: list[str]) -> torch.nn.Linear:
@@ -715,7 +712,7 @@ class CaptioningTask(VisionTask):
             return self._scst_step(batch)
         images, tokens, indices, *boxes = batch
         enc = self.encode(images)
-        supervise = bool(boxes) and self._word_attention_active and self.word_kinds is not None
+        supervise = bool(boxes) and self.word_kinds is not None  # set only while the loss is active
         attention: list[Tensor] | None = [] if supervise else None
         per_image = tokens.shape[0] // len(images)  # captions_per_image: K captions per image, image by image
         terms = {"caption": self._caption_loss(repeat_images(enc, per_image), tokens, True, attention)}
@@ -724,7 +721,7 @@ class CaptioningTask(VisionTask):
             terms["grounding"] = self._grounding_loss(enc, boxes[0])
             weights["grounding"] = self.hparams.grounding_weight
         if attention:
-            k = len(self.word_kinds_classes)
+            k = len(self.hparams.grounding_classes)
             regions = torch.stack([class_regions(b.to(tokens.device), c.to(tokens.device), enc.grid, k)
                                    for b, c in boxes[0]])
             regions = regions.repeat_interleave(per_image, dim=0)
@@ -760,14 +757,13 @@ class CaptioningTask(VisionTask):
         share one object's weight (:func:`grounding_weights`)."""
         patches = enc.tokens[:, enc.num_prefix_tokens:]
         logits = self.grounding_head(patches).float()  # (B, N, K + 1)
-        boxes = [(b.to(logits.device), c.to(logits.device)) for b, c in boxes]
-        targets = torch.stack([patch_targets(b, c, enc.grid) for b, c in boxes])
+        owners = torch.stack([patch_objects(b.to(logits.device), enc.grid) for b, _ in boxes])
+        targets = torch.stack([_owner_labels(o, c.to(logits.device)) for o, (_, c) in zip(owners, boxes, strict=True)])
         flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         if not self.hparams.get("grounding_balance", False):
             weight = torch.ones(logits.shape[-1], device=logits.device)
             weight[0] = GROUNDING_BACKGROUND_WEIGHT
             return F.cross_entropy(flat_logits, flat_targets, weight=weight)
-        owners = torch.stack([patch_objects(b, enc.grid) for b, _ in boxes])
         weights = grounding_weights(owners, GROUNDING_BACKGROUND_WEIGHT).reshape(-1)
         per_patch = F.cross_entropy(flat_logits, flat_targets, reduction="none")
         return (weights * per_patch).sum() / weights.sum()
