@@ -48,7 +48,8 @@ MAP50_BAR = 0.90
 # shapes.yaml ships query selection + look forward twice (this ablation's winner); every row
 # states all the aids it uses, so that the rows mean the same whatever the config turns on.
 OFF = ["--model.init_args.query_selection", "false", "--model.init_args.look_forward_twice", "false",
-       "--model.init_args.dn_groups", "0", "--model.init_args.o2m_groups", "0", "--model.init_args.pyramid", "false"]
+       "--model.init_args.dn_groups", "0", "--model.init_args.o2m_groups", "0", "--model.init_args.pyramid", "false",
+       "--model.init_args.dense_encoder", "false"]
 PLAIN = [*OFF, "--model.init_args.box_refine", "false", "--model.init_args.focal", "false",
          "--model.init_args.cost_class", "1", "--model.init_args.weight_ce", "1"]
 REMEDY = [*OFF, "--model.init_args.box_refine", "true", "--model.init_args.focal", "true"]
@@ -70,6 +71,8 @@ ROWS: dict[str, list[str]] = {
     "+ simple feature pyramid (ViTDet)": REMEDY + ["--model.init_args.pyramid", "true"],
     "+ DN with negatives + query selection + look forward twice + hybrid": REMEDY + DN + NEG + QS + HYBRID,
     "+ query selection + look forward twice + denoising at noise 0.4": REMEDY + QS + DN_04,
+    "+ query selection + look forward twice + dense token supervision (Co-DETR)": REMEDY + QS + [
+        "--model.init_args.dense_encoder", "true"],
 }
 """Row name -> overrides of the config (one aid per row against ``shapes.yaml``, then the combination)."""
 

@@ -270,6 +270,27 @@ def test_query_selection_anchors_are_detached_and_checked():
         head(_enc(grid=(2, 2)))
 
 
+@pytest.mark.parametrize("focal", [False, True])
+def test_dense_encoder_is_training_only_and_adds_no_weights(focal):
+    """Co-DETR-style dense supervision of the tokens: every token's logits and box in training
+    (the ones query selection scores), nothing at inference, the same weights as without it."""
+    on = _head(query_selection=True, dense_encoder=True, focal=focal)
+    off = _head(seed=1, query_selection=True, focal=focal)
+    off.load_state_dict(on.state_dict())  # strict: no extra parameters
+    enc = _enc()
+    with torch.no_grad():
+        _assert_same_outputs(on.eval()(enc, need_weights=True), off.eval()(enc, need_weights=True))
+        assert "dense_outputs" not in on(enc)
+        out = on.train()(enc)
+    dense = out["dense_outputs"]
+    assert dense["pred_logits"].shape == (2, 12, 3 if focal else 4) and dense["pred_boxes"].shape == (2, 12, 4)
+    assert torch.allclose(dense["centres"][1, 5], torch.tensor([(1 + 0.5) / 4, (1 + 0.5) / 3]))  # row 1, column 1
+    top = out["enc_outputs"]["pred_logits"]  # the selected tokens are rows of the dense outputs
+    assert all(any(torch.equal(row, d) for d in dense["pred_logits"][0]) for row in top[0])
+    with pytest.raises(ValueError, match="dense_encoder .* set query_selection=True"):
+        _head(dense_encoder=True)
+
+
 @pytest.mark.parametrize("switch", [dict(dn_groups=1), dict(query_selection=True), dict(look_forward_twice=True)])
 def test_box_refine_required(switch):
     with pytest.raises(ValueError, match="set box_refine=True"):
@@ -297,6 +318,7 @@ SWITCHES = {
     "o2m_hybrid": dict(o2m_groups=2, o2m_mode="hybrid", o2m_repeat=2),
     "o2m_plain_detr": dict(o2m_groups=2, box_refine=False, focal=False),
     "all": dict(dn_groups=2, dn_negatives=True, query_selection=True, look_forward_twice=True, o2m_groups=2),
+    "dense_encoder": dict(query_selection=True, dense_encoder=True),
 }
 
 
@@ -334,6 +356,7 @@ def test_a_few_training_steps_with_each_switch_reduce_the_loss(name):
         opt.step()
     assert totals[-1] < 0.8 * totals[0], totals
     assert mains[-1] < 0.8 * mains[0], mains
-    aids = {"dn_groups": "loss_dn_ce", "query_selection": "loss_enc_ce", "o2m_groups": "loss_o2m_ce"}
+    aids = {"dn_groups": "loss_dn_ce", "query_selection": "loss_enc_ce", "o2m_groups": "loss_o2m_ce",
+            "dense_encoder": "loss_dense_ce"}
     for switch, term in aids.items():
         assert (term in terms) == (switch in SWITCHES[name])

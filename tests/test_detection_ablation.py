@@ -69,5 +69,5 @@ def test_rows_state_every_aid_so_they_do_not_depend_on_the_config():
     for name, overrides in ROWS.items():
         last = {k.split(".")[-1]: v for k, v in zip(overrides[::2], overrides[1::2], strict=True)}  # last one wins
         assert {"query_selection", "look_forward_twice", "dn_groups", "o2m_groups", "pyramid", "box_refine",
-                "focal"} <= set(last), name
+                "focal", "dense_encoder"} <= set(last), name
         assert (last["query_selection"] == "true") == ("query selection" in name), name

@@ -128,3 +128,52 @@ def test_auto_batch_size_sizes_detection_from_the_training_set(tmp_path):
     with pytest.raises(DataError, match="--data.min_batch_size"):
         DetectionDataModule(synthetic=SceneSetConfig(image_size=32, num_train=40, num_val=4), cache_dir=str(tmp_path),
                             batch_size="auto", min_batch_size=0)
+
+
+def _v2_pipeline(train: bool, scale, size=(24, 32)):
+    """The torchvision v2 pipeline that ``SquareDetectionTransform`` computes in one call."""
+    from torchvision.transforms import v2 as T
+
+    ops = [T.RandomHorizontalFlip(), T.RandomResizedCrop(size, scale=scale, ratio=(0.75, 1.333), antialias=True,
+                                                         interpolation=T.InterpolationMode.BICUBIC)] if train else \
+        [T.Resize(size, interpolation=T.InterpolationMode.BICUBIC, antialias=True)]
+    ops += [T.ClampBoundingBoxes(), T.SanitizeBoundingBoxes(min_size=1.0, labels_getter=lambda s: s[2]),
+            T.ToDtype(torch.float32, scale=True), T.Normalize(mean=[0.4, 0.5, 0.6], std=[0.2, 0.25, 0.3])]
+    return T.Compose(ops)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_square_transform_equals_torchvisions_v2_pipeline(train):
+    """The same draws (the flip, then the crop, from the same generator state) and the same
+    kernels as the v2 pipeline: equal images, boxes and labels, boxes pushed out by the crop
+    dropped alike."""
+    from torchvision import tv_tensors
+
+    from vision_attn.data.detection import SquareDetectionTransform
+
+    fast = SquareDetectionTransform((24, 32), train, (0.2, 0.9), mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3))
+    slow = _v2_pipeline(train, (0.2, 0.9))
+    g = torch.Generator().manual_seed(1)
+    dropped = flipped = 0
+    for seed in range(40):
+        image = torch.randint(0, 256, (3, 40, 52), dtype=torch.uint8, generator=g)
+        xy = torch.rand(6, 2, generator=g) * torch.tensor([46.0, 34.0])
+        wh = torch.rand(6, 2, generator=g) * 12 + 0.5
+        xyxy = torch.cat([xy, xy + wh], 1)
+        labels = torch.arange(6)
+        torch.manual_seed(seed)
+        a = slow(tv_tensors.Image(image), tv_tensors.BoundingBoxes(xyxy, format="XYXY", canvas_size=(40, 52)), labels)
+        torch.manual_seed(seed)
+        params = fast.draw(image)
+        torch.manual_seed(seed)
+        b = fast(tv_tensors.Image(image), tv_tensors.BoundingBoxes(xyxy, format="XYXY", canvas_size=(40, 52)), labels)
+        assert a[0].shape == b[0].shape == (3, 24, 32)
+        assert torch.allclose(a[0], b[0], atol=1e-6)
+        assert torch.allclose(a[1].as_subclass(torch.Tensor), b[1].as_subclass(torch.Tensor), atol=1e-5)
+        assert torch.equal(a[2], b[2]) and b[1].canvas_size == (24, 32)
+        dropped += len(b[2]) < 6
+        flipped += params[0]
+    if train:  # the cases above covered flips, no flips and dropped boxes
+        assert 0 < flipped < 40 and dropped > 5
+    else:
+        assert flipped == 0

@@ -200,3 +200,73 @@ def test_encoder_selection_terms_are_matched_like_the_decoder():
     assert terms["loss_enc_bbox"].item() == pytest.approx(0.1, abs=1e-6)
     assert terms["loss_enc_giou"].item() == pytest.approx(2 / 3, abs=1e-6)
     assert {k for k in terms if "enc" in k} == {"loss_enc_ce", "loss_enc_bbox", "loss_enc_giou"}
+
+
+def test_dense_assignment_hand_computed():
+    """FCOS's rule on a 4 x 4 grid: inside the smallest box, each box owns its nearest token,
+    padding never assigned."""
+    from vision_attn.losses.set_criterion import dense_assignment
+    from vision_attn.models.detr import cell_centres
+
+    centres = cell_centres((4, 4))
+    boxes = torch.tensor([[0.25, 0.25, 0.5, 0.5], [0.3, 0.3, 0.2, 0.2], [0.9, 0.9, 0.01, 0.01]])
+    expected = torch.tensor([[0, 0, -1, -1], [0, 1, -1, -1], [-1, -1, -1, -1], [-1, -1, -1, 2]]).flatten()
+    assert torch.equal(dense_assignment(centres, boxes), expected)
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[3, 3] = mask[0, 0] = False  # the tiny box's token and box 0's nearest are padding
+    owner = dense_assignment(centres, boxes, mask.flatten()).reshape(4, 4)
+    assert owner[3, 3] == -1 and owner[0, 0] == -1
+    assert owner[2, 3] == 2  # the tiny box takes its nearest real token (first of two at the same distance)
+    assert (owner == 0).sum() == 2 and (owner == 1).sum() == 1
+    assert torch.equal(dense_assignment(centres, torch.zeros(0, 4)), torch.full((16,), -1))
+
+
+@pytest.mark.parametrize("focal", [False, True])
+def test_dense_terms_against_a_per_token_reference(focal):
+    """``loss_dense_*``: every token's class against its assigned label (background elsewhere),
+    boxes of the assigned tokens only, normalised by the number of assigned tokens."""
+    from vision_attn.boxes import box_cxcywh_to_xyxy, generalized_box_iou
+    from vision_attn.losses.set_criterion import dense_assignment
+    from vision_attn.models.detr import cell_centres
+
+    g = torch.Generator().manual_seed(0)
+    c, n = 3, 9
+    centres = cell_centres((3, 3)).expand(2, -1, -1)
+    logits = torch.randn(2, n, c if focal else c + 1, generator=g)
+    boxes = torch.rand(2, n, 4, generator=g) * 0.5 + 0.2
+    targets = [{"labels": torch.tensor([2, 0]), "boxes": torch.tensor([[0.3, 0.3, 0.5, 0.5], [0.8, 0.8, 0.2, 0.2]])},
+               {"labels": torch.zeros(0, dtype=torch.int64), "boxes": torch.zeros(0, 4)}]
+    dense = {"pred_logits": logits, "pred_boxes": boxes, "centres": centres, "mask": None}
+    crit = SetCriterion(c, HungarianMatcher(focal=focal), eos_coef=0.1, focal=focal, dense=True)
+    terms = crit({**_outputs(b=2, q=3, c=c, aux=0, focal=focal), "dense_outputs": dense}, targets,
+                 across_processes=False)
+    owner = dense_assignment(centres[0], targets[0]["boxes"])
+    assert owner.tolist() == [0, 0, -1, 0, 0, -1, -1, -1, 1]
+    n_pos = 5
+    ce, l1, giou = 0.0, 0.0, 0.0
+    weights = 0.0
+    for i in range(2):
+        for t in range(n):
+            o = int(owner[t]) if i == 0 else -1
+            label = int(targets[0]["labels"][o]) if o >= 0 else None
+            if focal:
+                y = torch.zeros(c)
+                if label is not None:
+                    y[label] = 1
+                ce += float(sigmoid_focal_loss(logits[i, t], y, 0.25, 2.0, reduction="sum"))
+            else:
+                k = label if label is not None else c
+                w = 1.0 if label is not None else 0.1
+                ce += w * float(-logits[i, t].log_softmax(-1)[k])
+                weights += w
+            if o >= 0:
+                tb = targets[0]["boxes"][o]
+                l1 += float((boxes[i, t] - tb).abs().sum())
+                giou += 1 - float(generalized_box_iou(box_cxcywh_to_xyxy(boxes[i, t][None]), box_cxcywh_to_xyxy(tb[None])))
+    assert terms["loss_dense_ce"].item() == pytest.approx(ce / n_pos if focal else ce / weights, rel=1e-5)
+    assert terms["loss_dense_bbox"].item() == pytest.approx(l1 / n_pos, rel=1e-5)
+    assert terms["loss_dense_giou"].item() == pytest.approx(giou / n_pos, rel=1e-5)
+    assert crit.weight_dict(0)["loss_dense_bbox"] == 5.0 and "loss_dense_bbox_0" not in crit.weight_dict(1)
+    with pytest.raises(ValueError, match="carry dense_outputs .* build SetCriterion with dense=True"):
+        SetCriterion(c, HungarianMatcher(focal=focal), focal=focal)(
+            {**_outputs(b=2, q=3, c=c, aux=0, focal=focal), "dense_outputs": dense}, targets, across_processes=False)

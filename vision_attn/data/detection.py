@@ -53,6 +53,7 @@ import torch
 from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2 as T
+from torchvision.transforms.v2 import functional as TF
 
 from vision_attn.boxes import box_xyxy_to_cxcywh
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
@@ -75,8 +76,8 @@ from vision_attn.data.transforms import (
 )
 from vision_attn.errors import DataError
 
-__all__ = ["CocoDetection", "CocoLayout", "DetectionDataModule", "coco_root", "detection_collate",
-           "load_coco_annotations", "split_layout", "validate_image_entry"]
+__all__ = ["CocoDetection", "CocoLayout", "DetectionDataModule", "SquareDetectionTransform", "coco_root",
+           "detection_collate", "load_coco_annotations", "split_layout", "validate_image_entry"]
 
 log = logging.getLogger(__name__)
 
@@ -436,18 +437,69 @@ def build_detection_transform(pre: dict[str, Any], train: bool, scale_jitter: tu
         raise ValueError(f"--data.resize must be one of {', '.join(RESIZE_MODES)}, got {resize!r}")
     _, h, w = pre["input_size"]
     interp = _interp(pre.get("interpolation", "bicubic"))
-    ops: list = []
-    if resize == "aspect":
-        ops += [T.RandomHorizontalFlip()] if train else []
-        ops += [AspectResize(tuple(train_sizes) if train else eval_size, max_size, interp)]
-    elif train:
-        ops += [T.RandomHorizontalFlip(), T.RandomResizedCrop((h, w), scale=scale_jitter, ratio=(0.75, 1.333),
-                                                               interpolation=interp, antialias=True)]
-    else:
-        ops += [T.Resize((h, w), interpolation=interp, antialias=True)]
+    if resize == "square":
+        return SquareDetectionTransform((h, w), train, scale_jitter, interp, pre["mean"], pre["std"])
+    ops: list = [T.RandomHorizontalFlip()] if train else []
+    ops += [AspectResize(tuple(train_sizes) if train else eval_size, max_size, interp)]
     ops += [T.ClampBoundingBoxes(), T.SanitizeBoundingBoxes(min_size=1.0, labels_getter=lambda s: s[2]),
             T.ToDtype(torch.float32, scale=True), T.Normalize(mean=list(pre["mean"]), std=list(pre["std"]))]
     return T.Compose(ops)
+
+
+class SquareDetectionTransform:
+    """The ``resize="square"`` transform of :func:`build_detection_transform`, in one call.
+
+    Training: a random horizontal flip, then a random resized crop (area ``scale`` of the image,
+    aspect ratio 3/4 to 4/3) to ``size``; evaluation: the whole image resized to ``size``. Then
+    boxes clamped to the image, boxes under 1 px (side or area) dropped with their labels, the
+    image converted to float and normalised. The same operations and kernels as torchvision's v2
+    pipeline of ``RandomHorizontalFlip``, ``RandomResizedCrop`` (or ``Resize``),
+    ``ClampBoundingBoxes``, ``SanitizeBoundingBoxes``, ``ToDtype`` and ``Normalize`` (tested equal
+    for the same draws), called on plain tensors: the pipeline's per-transform dispatch cost
+    about three times the work itself on small images (README "Detection").
+
+    Called as ``transform(image, boxes, labels)`` with a ``uint8 [3, H, W]`` image and ``XYXY``
+    pixel boxes; returns the same three (boxes as ``tv_tensors.BoundingBoxes``).
+    """
+
+    def __init__(self, size: tuple[int, int], train: bool, scale: tuple[float, float] = (0.6, 1.0),
+                 interpolation: Any = T.InterpolationMode.BICUBIC, mean: Any = (0.5, 0.5, 0.5),
+                 std: Any = (0.5, 0.5, 0.5)) -> None:
+        self.size, self.train = [int(size[0]), int(size[1])], train
+        self.crop = T.RandomResizedCrop(self.size, scale=tuple(scale), ratio=(0.75, 1.333), interpolation=interpolation,
+                                        antialias=True)
+        self.interpolation, self.mean, self.std = interpolation, list(mean), list(std)
+
+    def draw(self, image: torch.Tensor) -> tuple[bool, int, int, int, int]:
+        """``(flip, top, left, height, width)`` for one call: drawn in training (the flip first,
+        then the crop, as the v2 pipeline draws them), the whole image in evaluation."""
+        h, w = image.shape[-2:]
+        if not self.train:
+            return False, 0, 0, int(h), int(w)
+        flip = bool(torch.rand(1) < 0.5)
+        p = self.crop.make_params([image])
+        return flip, p["top"], p["left"], p["height"], p["width"]
+
+    def apply(self, image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor,
+              params: tuple[bool, int, int, int, int]) -> tuple[torch.Tensor, tv_tensors.BoundingBoxes, torch.Tensor]:
+        """The transform for given :meth:`draw` parameters."""
+        flip, top, left, height, width = params
+        fmt = tv_tensors.BoundingBoxFormat.XYXY
+        img, b = image.as_subclass(torch.Tensor), boxes.as_subclass(torch.Tensor)
+        if flip:
+            b = TF.horizontal_flip_bounding_boxes(b, fmt, tuple(img.shape[-2:]))
+            img = TF.horizontal_flip_image(img)
+        img = TF.resized_crop_image(img, top, left, height, width, self.size, self.interpolation, antialias=True)
+        b, canvas = TF.resized_crop_bounding_boxes(b, fmt, top, left, height, width, self.size)
+        b = TF.clamp_bounding_boxes(b, fmt, canvas, clamping_mode="soft")
+        bw, bh = b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]
+        keep = (bw >= 1) & (bh >= 1) & (bw * bh >= 1) & (b >= 0).all(-1)  # SanitizeBoundingBoxes' rule
+        keep &= (b[:, 0] <= canvas[1]) & (b[:, 2] <= canvas[1]) & (b[:, 1] <= canvas[0]) & (b[:, 3] <= canvas[0])
+        img = TF.normalize_image(TF.to_dtype_image(img, torch.float32, scale=True), self.mean, self.std)
+        return img, tv_tensors.BoundingBoxes(b[keep], format=fmt, canvas_size=canvas), labels[keep]
+
+    def __call__(self, image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor):
+        return self.apply(image, boxes, labels, self.draw(image))
 
 
 class DetectionDataModule(CocoLayout, SplitDataModule):

@@ -15,6 +15,12 @@ present only when the head's outputs carry them:
   the number of groups (each group holds every target once).
 - ``loss_enc_ce``, ``loss_enc_bbox``, ``loss_enc_giou``: the encoder tokens picked by mixed query
   selection, Hungarian-matched like the decoder's output (DINO's two-stage loss).
+- ``loss_dense_ce``, ``loss_dense_bbox``, ``loss_dense_giou``: every encoder token's class and box
+  (the head's ``dense_encoder``), assigned one-to-many without matching
+  (:func:`dense_assignment`: a token belongs to the smallest box its centre lies in, and each
+  box owns at least the token nearest its centre; the rest are background), as the auxiliary
+  dense heads of Co-DETR (Zong et al. 2023) with FCOS's rule (Tian et al. 2019). Normalised by
+  the number of assigned tokens.
 - ``loss_o2m_ce``, ``loss_o2m_bbox``, ``loss_o2m_giou`` (+ ``_0`` ...): the one-to-many query
   sets, each Hungarian-matched on its own (Group DETR: one set per group, the terms summed over
   groups) to the targets repeated ``o2m_repeat`` times (H-DETR; 1 for Group DETR).
@@ -38,7 +44,35 @@ from vision_attn.boxes import box_cxcywh_to_xyxy, generalized_box_iou
 from vision_attn.distributed import mean_across_processes
 from vision_attn.losses.matcher import HungarianMatcher, check_focal_alpha
 
-__all__ = ["SetCriterion", "sigmoid_focal_loss"]
+__all__ = ["SetCriterion", "dense_assignment", "sigmoid_focal_loss"]
+
+
+def dense_assignment(centres: Tensor, boxes: Tensor, mask: Tensor | None = None) -> Tensor:
+    """The target box of each token, one-to-many (FCOS's rule, Tian et al. 2019): ``[N]`` indices
+    into ``boxes`` (``-1``: background).
+
+    A token whose centre (``centres [N, 2]``, ``(x, y)`` fractions) lies inside a box
+    (``boxes [G, 4]`` ``cxcywh``) belongs to it, to the smallest such box where several overlap;
+    every box also owns the real token nearest its centre, so that a box smaller than a token
+    still has one. ``mask [N]`` (``True`` = real token): padding tokens are never assigned.
+    """
+    n = centres.shape[0]
+    owner = torch.full((n,), -1, dtype=torch.int64, device=centres.device)
+    if len(boxes) == 0 or n == 0:
+        return owner
+    boxes = boxes.to(centres.dtype)
+    offset = (centres[:, None, :] - boxes[None, :, :2]).abs()  # (N, G, 2)
+    inside = (offset <= boxes[None, :, 2:] / 2).all(-1)
+    if mask is not None:
+        inside &= mask[:, None]
+    area = (boxes[:, 2] * boxes[:, 3])[None, :].expand(n, -1)
+    smallest = torch.where(inside, area, torch.full_like(area, float("inf"))).argmin(1)
+    owner = torch.where(inside.any(1), smallest, owner)
+    dist = (centres[:, None, :] - boxes[None, :, :2]).pow(2).sum(-1)  # (N, G)
+    if mask is not None:
+        dist = dist.masked_fill(~mask[:, None], float("inf"))
+    owner[dist.argmin(0)] = torch.arange(len(boxes), device=centres.device)
+    return owner
 
 
 def _num_boxes(targets: list[dict[str, Tensor]], device: torch.device, across_processes: bool) -> float:
@@ -47,6 +81,13 @@ def _num_boxes(targets: list[dict[str, Tensor]], device: torch.device, across_pr
     if across_processes:
         n = mean_across_processes(n)
     return max(float(n), 1.0)
+
+
+def _box_terms(src: Tensor, target: Tensor, norm: float) -> tuple[Tensor, Tensor]:
+    """``(L1, 1 - GIoU)`` of paired ``cxcywh`` boxes, each summed and divided by ``norm``."""
+    loss_bbox = F.l1_loss(src, target, reduction="none").sum() / norm
+    giou = generalized_box_iou(box_cxcywh_to_xyxy(src), box_cxcywh_to_xyxy(target)).diagonal()
+    return loss_bbox, (1 - giou).sum() / norm
 
 
 class SetCriterion(nn.Module):
@@ -68,9 +109,10 @@ class SetCriterion(nn.Module):
         o2m: expect one-to-many outputs (``loss_o2m_*`` terms).
         o2m_repeat: times each target is repeated for the one-to-many sets (H-DETR's ``K``; 1
             for Group DETR's independent groups).
+        dense: expect every encoder token's outputs (``loss_dense_*`` terms, :func:`dense_assignment`).
     """
 
-    PARTS = ("", "dn_", "enc_", "o2m_")  # term name infixes: loss_ce, loss_dn_ce, loss_enc_ce, loss_o2m_ce
+    PARTS = ("", "dn_", "enc_", "o2m_", "dense_")  # term name infixes: loss_ce, loss_dn_ce, loss_enc_ce, ...
     WITH_AUX = ("", "dn_", "o2m_")  # the encoder's selection is one output, without auxiliary layers
 
     def __init__(
@@ -88,13 +130,14 @@ class SetCriterion(nn.Module):
         enc: bool = False,
         o2m: bool = False,
         o2m_repeat: int = 1,
+        dense: bool = False,
     ) -> None:
         super().__init__()
         check_focal_alpha(focal_alpha)
         if o2m_repeat < 1:
             raise ValueError(f"o2m_repeat must be >= 1 (1 = Group DETR's independent groups), got {o2m_repeat}")
         self.o2m_repeat = o2m_repeat
-        self.parts = tuple(p for p, on in zip(self.PARTS[1:], (dn, enc, o2m), strict=True) if on)
+        self.parts = tuple(p for p, on in zip(self.PARTS[1:], (dn, enc, o2m, dense), strict=True) if on)
         self.num_classes = num_classes
         self.matcher = matcher
         self.base_weights = {"loss_ce": weight_ce, "loss_bbox": weight_bbox, "loss_giou": weight_giou}
@@ -141,10 +184,7 @@ class SetCriterion(nn.Module):
             classes = torch.full(logits.shape[:2], self.num_classes, dtype=torch.int64, device=logits.device)
             classes[b_idx, q_idx] = matched_labels
             loss_ce = F.cross_entropy(logits.transpose(1, 2), classes, weight=self.empty_weight.to(logits.dtype))
-        src = boxes[b_idx, q_idx]
-        loss_bbox = F.l1_loss(src, matched_boxes, reduction="none").sum() / num_boxes
-        giou = generalized_box_iou(box_cxcywh_to_xyxy(src), box_cxcywh_to_xyxy(matched_boxes)).diagonal()
-        loss_giou = (1 - giou).sum() / num_boxes
+        loss_bbox, loss_giou = _box_terms(boxes[b_idx, q_idx], matched_boxes, num_boxes)
         with torch.no_grad():  # predicted "objects" vs true count, per image (logged only)
             if self.focal:
                 n_pred = (logits.sigmoid().amax(-1) > 0.5).sum(1)
@@ -178,10 +218,38 @@ class SetCriterion(nn.Module):
         else:
             classes = torch.cat([labels, torch.full((len(neg_q),), self.num_classes, dtype=torch.int64, device=device)])
             loss_ce = F.cross_entropy(rows, classes, weight=self.empty_weight.to(logits.dtype))
-        src = boxes[pos_b, pos_q]
-        loss_bbox = F.l1_loss(src, target_boxes, reduction="none").sum() / norm
-        giou = generalized_box_iou(box_cxcywh_to_xyxy(src), box_cxcywh_to_xyxy(target_boxes)).diagonal()
-        loss_giou = (1 - giou).sum() / norm
+        loss_bbox, loss_giou = _box_terms(boxes[pos_b, pos_q], target_boxes, norm)
+        return {"loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou}
+
+    def _dense_terms(self, out: dict, targets: list[dict[str, Tensor]], across_processes: bool) -> dict[str, Tensor]:
+        """Every token's class and box against :func:`dense_assignment` (no matching)."""
+        logits, boxes, centres, mask = out["pred_logits"], out["pred_boxes"], out["centres"], out.get("mask")
+        device = logits.device
+        owners = [dense_assignment(centres[i], t["boxes"].to(device), None if mask is None else mask[i])
+                  for i, t in enumerate(targets)]
+        owner = torch.stack(owners)  # (B, N)
+        pos = owner >= 0
+        labels = torch.stack([torch.where(o >= 0, t["labels"].to(device)[o.clamp(min=0)], -1) if len(t["labels"])
+                              else torch.full_like(o, -1) for o, t in zip(owners, targets, strict=True)])
+        n_pos = torch.tensor(float(pos.sum()), device=device)
+        if across_processes:
+            n_pos = mean_across_processes(n_pos)
+        norm = max(float(n_pos), 1.0)
+        real = torch.ones_like(pos) if mask is None else mask
+        if self.focal:
+            onehot = torch.zeros_like(logits)
+            onehot[pos] = F.one_hot(labels[pos], self.num_classes).to(logits.dtype)
+            focal = sigmoid_focal_loss(logits[real], onehot[real], self.focal_alpha, self.focal_gamma, reduction="sum")
+            loss_ce = focal / norm
+        else:
+            classes = torch.where(pos, labels, torch.full_like(labels, self.num_classes))
+            loss_ce = F.cross_entropy(logits[real], classes[real], weight=self.empty_weight.to(logits.dtype))
+        if not bool(pos.any()):
+            zero = boxes.sum() * 0
+            return {"loss_ce": loss_ce, "loss_bbox": zero, "loss_giou": zero}
+        target_boxes = torch.cat([t["boxes"].to(device=device, dtype=boxes.dtype)[o[o >= 0]]
+                                  for o, t in zip(owners, targets, strict=True)])
+        loss_bbox, loss_giou = _box_terms(boxes[pos], target_boxes, norm)
         return {"loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou}
 
     def _layers(self, out: dict, part: str, terms_of) -> dict[str, Tensor]:
@@ -207,7 +275,7 @@ class SetCriterion(nn.Module):
                 steps must not synchronise per batch.
         """
         for key, part, flag in (("dn_outputs", "dn_", "dn"), ("enc_outputs", "enc_", "enc"),
-                                ("o2m_outputs", "o2m_", "o2m")):
+                                ("o2m_outputs", "o2m_", "o2m"), ("dense_outputs", "dense_", "dense")):
             if key in outputs and part not in self.parts:
                 raise ValueError(f"the outputs carry {key} but the criterion has no weights for them: "
                                  f"build SetCriterion with {flag}=True")
@@ -220,6 +288,9 @@ class SetCriterion(nn.Module):
             enc = outputs["enc_outputs"]
             terms.update(self._layers({"pred_logits": enc["pred_logits"], "pred_boxes": enc["pred_boxes"]}, "enc_",
                                       lambda lg, bx: self._terms(lg, bx, targets, num_boxes)))
+        if "dense_outputs" in outputs:
+            dense = self._dense_terms(outputs["dense_outputs"], targets, across_processes)
+            terms.update({_name(k, "dense_"): v for k, v in dense.items()})
         if "o2m_outputs" in outputs:
             k = self.o2m_repeat
             repeated = [{"labels": t["labels"].repeat(k), "boxes": t["boxes"].repeat(k, 1)} for t in targets]

@@ -29,6 +29,12 @@ Further published training aids, each off by default (then the head is exactly t
   best-scoring tokens' boxes (detached) become the anchors, the query contents stay learned.
   Output key ``enc_outputs`` (logits and boxes of the selected tokens), trained by the set
   criterion with its own Hungarian matching.
+- **Dense token supervision** (``dense_encoder``, with query selection; the auxiliary dense heads
+  of Co-DETR, Zong et al. 2023): while training, every token's class and box (those query
+  selection scores) are returned as ``dense_outputs`` and trained one-to-many by the set
+  criterion (FCOS's assignment: the tokens inside a box learn it). Unlike Co-DETR, whose auxiliary
+  heads are separate, it trains the selection head itself: no extra weights, nothing changes at
+  inference.
 - **Look forward twice** (``look_forward_twice``; DINO): layer ``i``'s box is predicted from
   layer ``i - 1``'s box *without* detaching it, so layer ``i - 1``'s box head also learns from
   layer ``i``'s loss; the forward values are those of plain refinement.
@@ -326,6 +332,8 @@ class DETRHead(nn.Module):
         o2m_mode: ``"group"`` (Group DETR) or ``"hybrid"`` (H-DETR), see the module docstring.
         pyramid: cross-attend over ViTDet's simple feature pyramid (:class:`SimpleFeaturePyramid`)
             instead of the patch tokens alone.
+        dense_encoder: also return every token's class and box while training (``dense_outputs``,
+            Co-DETR's dense auxiliary supervision). Needs ``query_selection``.
     """
 
     def __init__(
@@ -349,8 +357,12 @@ class DETRHead(nn.Module):
         o2m_groups: int = 0,
         o2m_mode: str = "group",
         pyramid: bool = False,
+        dense_encoder: bool = False,
     ) -> None:
         super().__init__()
+        if dense_encoder and not query_selection:
+            raise ValueError("dense_encoder supervises the tokens query selection scores: set query_selection=True "
+                             "(or switch dense_encoder off)")
         if hidden_dim % 4:
             raise ValueError(f"hidden_dim must be divisible by 4, got {hidden_dim}")
         for name, on in (("dn_groups", dn_groups > 0), ("query_selection", query_selection),
@@ -370,6 +382,7 @@ class DETRHead(nn.Module):
         self.dn_groups, self.label_noise_ratio, self.box_noise_scale = dn_groups, label_noise_ratio, box_noise_scale
         self.dn_negatives, self.query_selection, self.look_forward_twice = dn_negatives, query_selection, look_forward_twice
         self.o2m_groups, self.o2m_mode, self.pyramid = o2m_groups, o2m_mode, bool(pyramid)
+        self.dense_encoder = bool(dense_encoder)
         if not pyramid:  # (with it, each pyramid level has its own projection)
             self.input_proj = nn.Linear(in_dim, hidden_dim)
         self.layers = nn.ModuleList(DecoderLayer(hidden_dim, num_heads, mlp_ratio, dropout) for _ in range(num_layers))
@@ -443,9 +456,13 @@ class DETRHead(nn.Module):
             if mask is not None:
                 score = score.masked_fill(~mask, float("-inf"))
             top = score.topk(self.num_queries, dim=1).indices  # (B, Q)
+        enc = {}
+        if self.dense_encoder and self.training:  # every token's class and box (one-to-many, training only)
+            enc["dense_outputs"] = {"pred_logits": logits, "pred_boxes": unsig.sigmoid(),
+                                    "centres": proposals[..., :2].to(memory.dtype).expand(b, -1, -1), "mask": mask}
         logits = torch.gather(logits, 1, top[..., None].expand(-1, -1, logits.shape[-1]))
         boxes = torch.gather(unsig, 1, top[..., None].expand(-1, -1, 4)).sigmoid()
-        return boxes.detach(), {"pred_logits": logits, "pred_boxes": boxes}
+        return boxes.detach(), {"pred_logits": logits, "pred_boxes": boxes, **enc}
 
     def _denoising_queries(self, targets: list[dict[str, Tensor]], device: torch.device) -> tuple[Tensor, Tensor, Tensor, dict]:
         """Noised ground truth as queries: ``(contents [B, D, hidden], boxes [B, D, 4], real [B, D], meta)``.
@@ -539,6 +556,8 @@ class DETRHead(nn.Module):
         result: dict = {}
         if self.query_selection:
             reference, result["enc_outputs"] = self._select_queries(memory, proposals, memory_mask)
+            if "dense_outputs" in result["enc_outputs"]:
+                result["dense_outputs"] = result["enc_outputs"].pop("dense_outputs")
             x = self.query_content.weight.unsqueeze(0).expand(b, -1, -1)
         else:
             x = memory.new_zeros(b, q, self.hidden_dim)

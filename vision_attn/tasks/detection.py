@@ -72,6 +72,9 @@ class DetectionTask(VisionTask):
         o2m_repeat: H-DETR's ``K`` (``o2m_mode="hybrid"`` only).
         pyramid: cross-attend over ViTDet's simple feature pyramid of the last patch map (strides
             1/2, 1, 2, 4 patches) instead of the patch tokens alone.
+        dense_encoder: also train every encoder token's class and box, one-to-many (Co-DETR's
+            auxiliary dense supervision with FCOS's assignment; ``loss_dense_*``). Needs
+            ``query_selection``; training only.
         cost_class: matcher class cost.
         cost_bbox: matcher L1 cost.
         cost_giou: matcher GIoU cost.
@@ -118,6 +121,7 @@ class DetectionTask(VisionTask):
         o2m_mode: str = "group",
         o2m_repeat: int = 6,
         pyramid: bool = False,
+        dense_encoder: bool = False,
         cost_class: float = 1.0,
         cost_bbox: float = 5.0,
         cost_giou: float = 2.0,
@@ -151,14 +155,14 @@ class DetectionTask(VisionTask):
         aids = {k: hp.get(k, v) for k, v in (("dn_groups", 0), ("label_noise_ratio", 0.5), ("box_noise_scale", 1.0),
                                              ("dn_negatives", False), ("query_selection", False),
                                              ("look_forward_twice", False), ("o2m_groups", 0), ("o2m_mode", "group"),
-                                             ("pyramid", False))}
+                                             ("pyramid", False), ("dense_encoder", False))}
         self.head = DETRHead(self.encoder.embed_dim, n, hp.num_queries, hp.hidden_dim, hp.num_layers, hp.num_heads,
                              hp.mlp_ratio, hp.dropout, hp.focal, hp.box_refine, **aids)
         matcher = HungarianMatcher(hp.cost_class, hp.cost_bbox, hp.cost_giou, focal=hp.focal)
         repeat = hp.get("o2m_repeat", 6) if aids["o2m_mode"] == "hybrid" else 1
         self.criterion = SetCriterion(n, matcher, hp.weight_ce, hp.weight_bbox, hp.weight_giou, hp.eos_coef, hp.focal,
                                       dn=aids["dn_groups"] > 0, enc=aids["query_selection"], o2m=aids["o2m_groups"] > 0,
-                                      o2m_repeat=repeat)
+                                      o2m_repeat=repeat, dense=aids["dense_encoder"])
         self.val_pairs: list[tuple[dict, dict]] = []  # (prediction, target) per validation image
         self.hparams.update(num_classes=n, class_names=self.class_names, category_ids=self.category_ids)
 
@@ -203,7 +207,8 @@ class DetectionTask(VisionTask):
         for k in ("loss_ce", "loss_bbox", "loss_giou", "cardinality_error"):
             self.log(f"{stage}/{k}", terms[k], on_step=False, on_epoch=True, batch_size=bs, sync_dist=True)
         for k in ("loss_dn_ce", "loss_dn_bbox", "loss_dn_giou", "loss_enc_ce", "loss_enc_bbox", "loss_enc_giou",
-                  "loss_o2m_ce", "loss_o2m_bbox", "loss_o2m_giou"):
+                  "loss_o2m_ce", "loss_o2m_bbox", "loss_o2m_giou", "loss_dense_ce", "loss_dense_bbox",
+                  "loss_dense_giou"):
             if k in terms:  # the training aids' terms, when switched on (dn and o2m: training only)
                 self.log(f"{stage}/{k}", terms[k], on_step=False, on_epoch=True, batch_size=bs, sync_dist=True)
         if stage != "train":
