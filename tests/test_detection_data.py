@@ -177,3 +177,36 @@ def test_square_transform_equals_torchvisions_v2_pipeline(train):
         assert 0 < flipped < 40 and dropped > 5
     else:
         assert flipped == 0
+
+
+@pytest.mark.parametrize("resize", ["square", "aspect"])
+def test_hflip_off_and_no_crop_leave_training_images_as_in_evaluation(resize):
+    """``scale_jitter [1, 1]`` and ``hflip False``: training reads every image as evaluation does;
+    with flips on, about half come out mirrored (the boxes with them)."""
+    from torchvision import tv_tensors
+
+    g = torch.Generator().manual_seed(0)
+    image = torch.randint(0, 256, (3, 24, 24), dtype=torch.uint8, generator=g)
+    boxes = torch.tensor([[2.0, 3.0, 9.0, 12.0]])
+    kw = dict(resize=resize, train_sizes=(24,), eval_size=24, max_size=None) if resize == "aspect" else {}
+    pre = {**PRE, "input_size": (3, 24, 24)}
+    ref = build_detection_transform(pre, train=False, **kw)
+    still = build_detection_transform(pre, train=True, scale_jitter=(1.0, 1.0), hflip=False, **kw)
+    flips = build_detection_transform(pre, train=True, scale_jitter=(1.0, 1.0), **kw)
+
+    def run(tf):
+        return tf(tv_tensors.Image(image), tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(24, 24)),
+                  torch.tensor([1]))
+
+    expected = run(ref)
+    mirrored = 0
+    torch.manual_seed(0)
+    for _ in range(20):
+        a = run(still)
+        assert torch.equal(a[0], expected[0]) and torch.equal(a[1], expected[1])
+        b = run(flips)
+        if not torch.equal(b[0], expected[0]):
+            mirrored += 1
+            assert torch.equal(b[0], expected[0].flip(-1))
+            assert torch.allclose(b[1].as_subclass(torch.Tensor), torch.tensor([[15.0, 3.0, 22.0, 12.0]]))
+    assert 3 < mirrored < 17

@@ -424,7 +424,8 @@ RESIZE_MODES = ("square", "aspect")
 
 def build_detection_transform(pre: dict[str, Any], train: bool, scale_jitter: tuple[float, float] = (0.6, 1.0),
                               resize: str = "square", train_sizes: tuple[int, ...] = DETR_TRAIN_SIZES,
-                              eval_size: int = DETR_EVAL_SIZE, max_size: int | None = DETR_MAX_SIZE):
+                              eval_size: int = DETR_EVAL_SIZE, max_size: int | None = DETR_MAX_SIZE,
+                              hflip: bool = True):
     """Paired image + box transforms.
 
     ``resize="square"``: evaluation resizes the whole image to the input size (no crop, so
@@ -432,14 +433,15 @@ def build_detection_transform(pre: dict[str, Any], train: bool, scale_jitter: tu
     scale-jittered random crop. ``resize="aspect"``: keep the aspect ratio (shorter side
     ``eval_size``, or in training one of ``train_sizes`` with a random flip; longer side at most
     ``max_size``; :class:`~vision_attn.data.transforms.AspectResize`). Both then clamp and drop
-    boxes that vanished."""
+    boxes that vanished. ``hflip=False``: no random flip in training (digits, text, any class a
+    mirror image changes)."""
     if resize not in RESIZE_MODES:
         raise ValueError(f"--data.resize must be one of {', '.join(RESIZE_MODES)}, got {resize!r}")
     _, h, w = pre["input_size"]
     interp = _interp(pre.get("interpolation", "bicubic"))
     if resize == "square":
-        return SquareDetectionTransform((h, w), train, scale_jitter, interp, pre["mean"], pre["std"])
-    ops: list = [T.RandomHorizontalFlip()] if train else []
+        return SquareDetectionTransform((h, w), train, scale_jitter, interp, pre["mean"], pre["std"], hflip)
+    ops: list = [T.RandomHorizontalFlip()] if train and hflip else []
     ops += [AspectResize(tuple(train_sizes) if train else eval_size, max_size, interp)]
     ops += [T.ClampBoundingBoxes(), T.SanitizeBoundingBoxes(min_size=1.0, labels_getter=lambda s: s[2]),
             T.ToDtype(torch.float32, scale=True), T.Normalize(mean=list(pre["mean"]), std=list(pre["std"]))]
@@ -449,7 +451,7 @@ def build_detection_transform(pre: dict[str, Any], train: bool, scale_jitter: tu
 class SquareDetectionTransform:
     """The ``resize="square"`` transform of :func:`build_detection_transform`, in one call.
 
-    Training: a random horizontal flip, then a random resized crop (area ``scale`` of the image,
+    Training: a random horizontal flip (unless ``hflip=False``), then a random resized crop (area ``scale`` of the image,
     aspect ratio 3/4 to 4/3) to ``size``; evaluation: the whole image resized to ``size``. Then
     boxes clamped to the image, boxes under 1 px (side or area) dropped with their labels, the
     image converted to float and normalised. The same operations and kernels as torchvision's v2
@@ -464,8 +466,8 @@ class SquareDetectionTransform:
 
     def __init__(self, size: tuple[int, int], train: bool, scale: tuple[float, float] = (0.6, 1.0),
                  interpolation: Any = T.InterpolationMode.BICUBIC, mean: Any = (0.5, 0.5, 0.5),
-                 std: Any = (0.5, 0.5, 0.5)) -> None:
-        self.size, self.train = [int(size[0]), int(size[1])], train
+                 std: Any = (0.5, 0.5, 0.5), hflip: bool = True) -> None:
+        self.size, self.train, self.hflip = [int(size[0]), int(size[1])], train, hflip
         self.crop = T.RandomResizedCrop(self.size, scale=tuple(scale), ratio=(0.75, 1.333), interpolation=interpolation,
                                         antialias=True)
         self.interpolation, self.mean, self.std = interpolation, list(mean), list(std)
@@ -476,7 +478,7 @@ class SquareDetectionTransform:
         h, w = image.shape[-2:]
         if not self.train:
             return False, 0, 0, int(h), int(w)
-        flip = bool(torch.rand(1) < 0.5)
+        flip = bool(torch.rand(1) < 0.5) if self.hflip else False
         p = self.crop.make_params([image])
         return flip, p["top"], p["left"], p["height"], p["width"]
 
@@ -526,7 +528,10 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         num_workers: loader processes per training process; ``auto`` (default): the usable cores
             left after two per training process, at most 8 — 0 on a 2-core machine
             (:func:`~vision_attn.data.loading.resolve_num_workers`).
-        scale_jitter: area range of the training random-resized crop.
+        scale_jitter: area range of the training random-resized crop (``[1.0, 1.0]``: the whole
+            image, no crop).
+        hflip: random horizontal flips in training (off for digits, text, or any class that a
+            mirror image changes).
         max_pixels: refuse larger images.
         follow_symlinks: follow symbolic links inside a split folder that lead outside it
             (refused by default: training skips such images, evaluation stops).
@@ -572,6 +577,7 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         train_sizes: tuple[int, ...] = DETR_TRAIN_SIZES,
         eval_size: int = DETR_EVAL_SIZE,
         max_size: int | None = DETR_MAX_SIZE,
+        hflip: bool = True,
     ) -> None:
         super().__init__()
         if resize not in RESIZE_MODES:
@@ -589,6 +595,7 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         check_num_workers(num_workers)
         self._init_batching(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size)
         self.num_workers, self.scale_jitter, self.max_pixels = num_workers, scale_jitter, max_pixels
+        self.hflip = bool(hflip)
         train_ann_file = self.split_paths(train_split)[1]
         ann = load_coco_annotations(train_ann_file)
         self._train_annotations: dict[str, Any] | None = ann  # parsed once; handed to the train dataset
@@ -604,7 +611,7 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
 
     def dataset(self, split: str, train: bool = False) -> CocoDetection:
         tf = build_detection_transform(model_preprocess(self), train, self.scale_jitter, self.resize,
-                                       self.train_sizes, self.eval_size, self.max_size)
+                                       self.train_sizes, self.eval_size, self.max_size, self.hflip)
         parsed = None
         if split == self.train_split and self._train_annotations is not None:
             parsed, self._train_annotations = self._train_annotations, None  # used once, then freed
