@@ -225,12 +225,17 @@ class SetCriterion(nn.Module):
         """Every token's class and box against :func:`dense_assignment` (no matching)."""
         logits, boxes, centres, mask = out["pred_logits"], out["pred_boxes"], out["centres"], out.get("mask")
         device = logits.device
-        owners = [dense_assignment(centres[i], t["boxes"].to(device), None if mask is None else mask[i])
-                  for i, t in enumerate(targets)]
-        owner = torch.stack(owners)  # (B, N)
+        all_labels = torch.cat([t["labels"] for t in targets]).to(device)
+        all_boxes = torch.cat([t["boxes"] for t in targets]).to(device=device, dtype=boxes.dtype)
+        # each token's target as an index into the batch's concatenated targets (-1: background)
+        owner, start = [], 0
+        for i, t in enumerate(targets):
+            o = dense_assignment(centres[i], all_boxes[start : start + len(t["labels"])], None if mask is None else mask[i])
+            owner.append(torch.where(o >= 0, o + start, o))
+            start += len(t["labels"])
+        owner = torch.stack(owner)  # (B, N)
         pos = owner >= 0
-        labels = torch.stack([torch.where(o >= 0, t["labels"].to(device)[o.clamp(min=0)], -1) if len(t["labels"])
-                              else torch.full_like(o, -1) for o, t in zip(owners, targets, strict=True)])
+        labels = all_labels[owner[pos]]
         n_pos = torch.tensor(float(pos.sum()), device=device)
         if across_processes:
             n_pos = mean_across_processes(n_pos)
@@ -238,18 +243,17 @@ class SetCriterion(nn.Module):
         real = torch.ones_like(pos) if mask is None else mask
         if self.focal:
             onehot = torch.zeros_like(logits)
-            onehot[pos] = F.one_hot(labels[pos], self.num_classes).to(logits.dtype)
+            onehot[pos] = F.one_hot(labels, self.num_classes).to(logits.dtype)
             focal = sigmoid_focal_loss(logits[real], onehot[real], self.focal_alpha, self.focal_gamma, reduction="sum")
             loss_ce = focal / norm
         else:
-            classes = torch.where(pos, labels, torch.full_like(labels, self.num_classes))
+            classes = torch.full(pos.shape, self.num_classes, dtype=torch.int64, device=device)
+            classes[pos] = labels
             loss_ce = F.cross_entropy(logits[real], classes[real], weight=self.empty_weight.to(logits.dtype))
         if not bool(pos.any()):
             zero = boxes.sum() * 0
             return {"loss_ce": loss_ce, "loss_bbox": zero, "loss_giou": zero}
-        target_boxes = torch.cat([t["boxes"].to(device=device, dtype=boxes.dtype)[o[o >= 0]]
-                                  for o, t in zip(owners, targets, strict=True)])
-        loss_bbox, loss_giou = _box_terms(boxes[pos], target_boxes, norm)
+        loss_bbox, loss_giou = _box_terms(boxes[pos], all_boxes[owner[pos]], norm)
         return {"loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou}
 
     def _layers(self, out: dict, part: str, terms_of) -> dict[str, Tensor]:

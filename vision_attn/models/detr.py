@@ -438,8 +438,11 @@ class DETRHead(nn.Module):
         return names & own
 
     # ------------------------------------------------------------------ queries
-    def _select_queries(self, memory: Tensor, proposals: Tensor, mask: Tensor | None = None) -> tuple[Tensor, dict]:
-        """DINO's mixed query selection: ``(anchors [B, Q, 4] detached, enc_outputs)``.
+    def _select_queries(self, memory: Tensor, proposals: Tensor, mask: Tensor | None = None
+                        ) -> tuple[Tensor, dict, dict | None]:
+        """DINO's mixed query selection: ``(anchors [B, Q, 4] detached, enc_outputs, dense_outputs)``
+        (``dense_outputs``: every token's logits, box, centre and mask with ``dense_encoder`` while
+        training, else ``None``).
 
         ``proposals``: ``[1 or B, N, 4]`` each memory token's proposal box; ``mask``: ``[B, N]``
         real tokens (padding is never selected)."""
@@ -456,13 +459,13 @@ class DETRHead(nn.Module):
             if mask is not None:
                 score = score.masked_fill(~mask, float("-inf"))
             top = score.topk(self.num_queries, dim=1).indices  # (B, Q)
-        enc = {}
+        dense = None
         if self.dense_encoder and self.training:  # every token's class and box (one-to-many, training only)
-            enc["dense_outputs"] = {"pred_logits": logits, "pred_boxes": unsig.sigmoid(),
-                                    "centres": proposals[..., :2].to(memory.dtype).expand(b, -1, -1), "mask": mask}
+            dense = {"pred_logits": logits, "pred_boxes": unsig.sigmoid(),
+                     "centres": proposals[..., :2].to(memory.dtype).expand(b, -1, -1), "mask": mask}
         logits = torch.gather(logits, 1, top[..., None].expand(-1, -1, logits.shape[-1]))
         boxes = torch.gather(unsig, 1, top[..., None].expand(-1, -1, 4)).sigmoid()
-        return boxes.detach(), {"pred_logits": logits, "pred_boxes": boxes, **enc}
+        return boxes.detach(), {"pred_logits": logits, "pred_boxes": boxes}, dense
 
     def _denoising_queries(self, targets: list[dict[str, Tensor]], device: torch.device) -> tuple[Tensor, Tensor, Tensor, dict]:
         """Noised ground truth as queries: ``(contents [B, D, hidden], boxes [B, D, 4], real [B, D], meta)``.
@@ -555,9 +558,9 @@ class DETRHead(nn.Module):
         q = self.num_queries
         result: dict = {}
         if self.query_selection:
-            reference, result["enc_outputs"] = self._select_queries(memory, proposals, memory_mask)
-            if "dense_outputs" in result["enc_outputs"]:
-                result["dense_outputs"] = result["enc_outputs"].pop("dense_outputs")
+            reference, result["enc_outputs"], dense = self._select_queries(memory, proposals, memory_mask)
+            if dense is not None:
+                result["dense_outputs"] = dense
             x = self.query_content.weight.unsqueeze(0).expand(b, -1, -1)
         else:
             x = memory.new_zeros(b, q, self.hidden_dim)
