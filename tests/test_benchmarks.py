@@ -55,7 +55,10 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     # the captioner gets a few steps: pointing needs captions that name an object of the image
     for task, n_train, extra, epochs in (("detection", 8, ["--model.init_args.num_queries", "4"], 1),
                                          ("captioning", 8, ["--data.init_args.batch_size", "4",
-                                                            "--model.init_args.optim.lr", "0.003"], 25)):
+                                                            "--model.init_args.optim.lr", "0.003",
+                                                            # 50 steps of a width-32 model: the plain MLP
+                                                            # names objects sooner than the local one
+                                                            f"{enc}local_mlp", "false"], 25)):
         train_main(["--config", str(REPO / "configs" / task / "shapes.yaml"),
                     "--data.init_args.synthetic.num_train", str(n_train), "--data.init_args.synthetic.num_val", "3",
                     "--data.init_args.synthetic.image_size", "32", "--data.init_args.num_workers", "0",

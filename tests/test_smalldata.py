@@ -23,6 +23,7 @@ from vision_attn.models import ClassificationHead, EncoderOutput
 from vision_attn.models.smalldata import (
     LSA_TEMPERATURE_KEY,
     LocalitySelfAttention,
+    LocalMlp,
     SequencePooling,
     ShiftedPatchTokenizer,
     apply_locality_self_attention,
@@ -362,3 +363,117 @@ def test_explanations_of_a_seq_pooled_model(class_token):
     assert torch.allclose(expl.maps["attention"], normalize_maps(manual[:, p:].reshape(3, 4, 4)), atol=1e-6)
     with pytest.raises(ValueError, match="pass the encoder output"):
         explained_token(task.head, p)
+
+
+# ---------------------------------------------------------------------------- local feed-forward
+def _local_reference(mlp: LocalMlp, x: torch.Tensor, grid: tuple[int, int], valid=None) -> torch.Tensor:
+    """LocalMlp written out cell by cell: fc1, then per patch cell the sum over its 3x3
+    neighbourhood (cells outside the grid, or padded, count as zero) of the kernel tap times the
+    neighbour, plus the bias; the prefix tokens skip it; then the activation and fc2."""
+    p = mlp.num_prefix_tokens
+    h = mlp.fc1(x)
+    gh, gw = grid
+    w = mlp.dwconv.weight[:, 0]  # (C, 3, 3)
+    cells = h[:, p:].reshape(h.shape[0], gh, gw, -1)
+    if valid is not None:
+        cells = cells * valid[..., None]
+    out = torch.zeros_like(cells)
+    for i in range(gh):
+        for j in range(gw):
+            acc = mlp.dwconv.bias.expand(h.shape[0], -1).clone()
+            for di in (-1, 0, 1):
+                for dj in (-1, 0, 1):
+                    if 0 <= i + di < gh and 0 <= j + dj < gw:
+                        acc = acc + cells[:, i + di, j + dj] * w[:, di + 1, dj + 1]
+            out[:, i, j] = acc
+    h = torch.cat([h[:, :p], out.reshape(h.shape[0], gh * gw, -1)], dim=1)
+    return mlp.fc2(mlp.act(h))
+
+
+def test_local_mlp_equals_a_cell_by_cell_reference_and_the_prefix_skips_the_convolution():
+    enc = _encoder(local_mlp=True)
+    mlp = enc.model.blocks[0].mlp
+    assert isinstance(mlp, LocalMlp) and enc.model.num_prefix_tokens == 1
+    with torch.no_grad():
+        mlp.dwconv.weight.normal_()
+        mlp.dwconv.bias.normal_()
+    x = torch.randn(2, 1 + 3 * 5, 32, dtype=torch.float64)
+    mlp.double()
+    mlp.grid, mlp.valid = (3, 5), None
+    torch.testing.assert_close(mlp(x), _local_reference(mlp, x, (3, 5)), rtol=1e-12, atol=1e-12)
+    valid = torch.zeros(2, 3, 5, dtype=torch.float64)
+    valid[0, :2, :4] = 1
+    valid[1] = 1
+    mlp.valid = valid.bool()
+    torch.testing.assert_close(mlp(x), _local_reference(mlp, x, (3, 5), valid), rtol=1e-12, atol=1e-12)
+    # the class token goes through fc1 -> act -> fc2 only; a patch token's output changes with its neighbours
+    plain = mlp.fc2(mlp.act(mlp.fc1(x[:, :1])))
+    torch.testing.assert_close(mlp(x)[:, :1], plain, rtol=1e-12, atol=1e-12)
+    y = x.clone()
+    y[:, 1 + 2] += 1.0  # cell (0, 2): its neighbour (1, 3) changes, the far cell (2, 0) does not
+    mlp.valid = None
+    d = (mlp(y) - mlp(x)).abs().sum(-1)
+    assert d[0, 1 + 1 * 5 + 3] > 1e-6 and d[0, 1 + 2 * 5 + 0] == 0
+
+
+def test_local_mlp_encoder_gives_a_padded_image_its_own_tokens():
+    """A padded batch (images of different sizes): a real token of the small image is what the
+    image alone gives, because padded cells enter the convolution as zeros."""
+    enc = _encoder(local_mlp=True)
+    small, big = _images(1, (16, 24), seed=3), _images(1, (32, 32), seed=4)
+    batch = torch.zeros(2, 3, 32, 32)
+    batch[0, :, :16, :24], batch[1] = small[0], big[0]
+    with torch.no_grad():
+        out = enc(batch, image_sizes=torch.tensor([[16, 24], [32, 32]]))
+        alone = enc(small).tokens[0, 1:]
+        big_alone = enc(big).tokens[0]
+    real = out.tokens[0, 1:].reshape(4, 4, -1)[:2, :3].reshape(6, -1)
+    torch.testing.assert_close(real, alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.tokens[1], big_alone, rtol=0, atol=1e-5)
+    # without the mask the padding would leak in: the check above can fail
+    enc.model.blocks[0].mlp.valid = None
+    enc._set_local_grid = lambda grid, valid: [setattr(b.mlp, "grid", grid) for b in enc.model.blocks]
+    with torch.no_grad():
+        leaky = enc(batch, image_sizes=torch.tensor([[16, 24], [32, 32]])).tokens[0, 1:].reshape(4, 4, -1)[:2, :3]
+    assert (leaky.reshape(6, -1) - alone).abs().max() > 1e-3
+
+
+def test_local_mlp_weights_checkpoints_lrp_and_merging(shapes_root, tmp_path):
+    from vision_attn.merge import merge_tokens
+
+    src = _encoder(local_mlp=True)
+    path = tmp_path / "local.safetensors"
+    save_file({k: v.contiguous() for k, v in src.model.state_dict().items()}, str(path))
+    loaded = _encoder(seed=5, local_mlp=True, weights_file=str(path))
+    x = _images()
+    with torch.no_grad():
+        assert torch.equal(loaded(x).tokens, src(x).tokens)
+    with pytest.raises(EncoderError, match="local_mlp=True too"):
+        _encoder(weights_file=str(path))
+    plain = tmp_path / "plain.safetensors"
+    save_file({k: v.contiguous() for k, v in _encoder().model.state_dict().items()}, str(plain))
+    with pytest.raises(EncoderError, match="local_mlp=False to use"):
+        _encoder(local_mlp=True, weights_file=str(plain))
+    with pytest.raises(EncoderError, match="token merging cannot run with local_mlp"):
+        merge_tokens(_encoder(local_mlp=True), 2)
+
+    task = _task(local_mlp=True).double()
+    budget = relevance_budget(task, _images().double())
+    assert budget["total"] == pytest.approx(budget["score"], rel=1e-9)
+
+    from vision_attn.data.classification import ImageFolderDataModule
+
+    torch.manual_seed(0)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", local_mlp=True, **TINY_VIT))
+    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    before = task.encoder.model.blocks[0].mlp.dwconv.weight.detach().clone()
+    trainer.fit(task, datamodule=dm)
+    assert not torch.equal(before, task.encoder.model.blocks[0].mlp.dwconv.weight)  # trained
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    rebuilt = load_task(tmp_path / "m.ckpt", expected_task="classification").eval()
+    assert isinstance(rebuilt.encoder.model.blocks[1].mlp, LocalMlp)
+    task.eval()
+    with torch.no_grad():
+        assert torch.equal(rebuilt(x), task(x))

@@ -385,6 +385,11 @@ def merge_tokens(model: nn.Module, r: int) -> nn.Module:
         return model
     blocks = list(vit.blocks)
     for i, blk in enumerate(blocks):
+        if hasattr(getattr(blk, "mlp", None), "dwconv"):
+            raise EncoderError(
+                f"token merging cannot run with local_mlp=True (block {i}'s feed-forward convolves the patch grid, "
+                "which merged tokens no longer form): use merge_r=0 with this encoder"
+            )
         if type(blk) is not TimmBlock or not isinstance(getattr(blk, "attn", None), TimmAttention):
             raise EncoderError(
                 f"token merging supports timm's ViT Block with timm's Attention; block {i} is "

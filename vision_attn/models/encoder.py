@@ -32,6 +32,7 @@ from vision_attn.errors import CheckpointError, EncoderError
 from vision_attn.models.smalldata import (
     LSA_TEMPERATURE_KEY,
     ShiftedPatchTokenizer,
+    apply_local_mlp,
     apply_locality_self_attention,
 )
 
@@ -197,6 +198,11 @@ class ViTEncoder(nn.Module):
         stem_channels: width of the first conv of ``stem='conv'`` (doubling per stride-2 conv up
             to ``embed_dim``); ``None``: ``embed_dim / patch_size`` (at least 8). Ignored, with
             a warning, for the other stems.
+        local_mlp: a depthwise 3x3 convolution over the patch grid inside every block's
+            feed-forward (:class:`~vision_attn.models.smalldata.LocalMlp`; LocalViT, CeiT,
+            PVTv2), for small models trained from scratch: each block mixes a token with its
+            neighbours. Weights must come from an encoder built the same way (a plain timm file
+            is refused with a clear error); token merging cannot run on it.
     """
 
     def __init__(
@@ -219,6 +225,7 @@ class ViTEncoder(nn.Module):
         preprocess: dict[str, Any] | None = None,
         lsa: bool = False,
         stem_channels: int | None = None,
+        local_mlp: bool = False,
     ) -> None:
         super().__init__()
         # The constructor arguments, minus where the weights came from: enough to rebuild the
@@ -229,6 +236,7 @@ class ViTEncoder(nn.Module):
             "drop_rate": drop_rate, "drop_path_rate": drop_path_rate, "dynamic_img_size": dynamic_img_size,
             "timm_kwargs": dict(timm_kwargs or {}), "stem": stem, "preprocess": dict(preprocess or {}),
             "lsa": bool(lsa), "stem_channels": stem_channels,
+            "local_mlp": bool(local_mlp),
         }
         if pretrained and weights_file:
             raise EncoderError("Give either pretrained=True (timm hub) or weights_file=PATH, not both.")
@@ -291,6 +299,9 @@ class ViTEncoder(nn.Module):
             raise EncoderError(f"stem must be 'patch', 'conv' or 'spt', got {stem!r}")
         if lsa:
             apply_locality_self_attention(model)
+        if local_mlp:
+            apply_local_mlp(model)
+        self.local_mlp = bool(local_mlp)
         self.model = model
         self.name = name
         self.stem = stem
@@ -458,6 +469,17 @@ class ViTEncoder(nn.Module):
                 f"weights file {path} holds locality self-attention temperatures (*.attn.{LSA_TEMPERATURE_KEY}): it "
                 "was saved from an encoder with lsa=True; build this one with lsa=True too."
             )
+        has_dwconv = any(".mlp.dwconv." in k for k in state)
+        if getattr(self, "local_mlp", False) and not has_dwconv:
+            raise EncoderError(
+                f"weights file {path} has no local feed-forward convolutions (blocks.N.mlp.dwconv.*), but this "
+                "encoder was built with local_mlp=True; build it with local_mlp=False to use these weights."
+            )
+        if not getattr(self, "local_mlp", False) and has_dwconv:
+            raise EncoderError(
+                f"weights file {path} holds local feed-forward convolutions (blocks.N.mlp.dwconv.*): it was saved "
+                "from an encoder with local_mlp=True; build this one with local_mlp=True too."
+            )
 
     # ------------------------------------------------------------------ forward
     def grid_for(self, height: int, width: int) -> tuple[int, int]:
@@ -494,8 +516,14 @@ class ViTEncoder(nn.Module):
             valid = self._valid_grids(image_sizes, grid, x.shape[0])
             if any(v != grid for v in valid):
                 return self._forward_padded(x, valid, grid)
+        self._set_local_grid(grid, None)
         tokens = self.model.forward_features(x)  # (B, P + h*w, D)
         return EncoderOutput(tokens=tokens, num_prefix_tokens=self.num_prefix_tokens, grid=grid)
+
+    def _set_local_grid(self, grid: tuple[int, int], valid: Tensor | None) -> None:
+        if getattr(self, "local_mlp", False):
+            for block in self.model.blocks:
+                block.mlp.grid, block.mlp.valid = grid, valid
 
     def _valid_grids(self, image_sizes: Tensor, grid: tuple[int, int], batch: int) -> list[tuple[int, int]]:
         """Per image, its real patch rows and columns: ``ceil(size / patch)`` (a patch holding any
@@ -570,6 +598,7 @@ class ViTEncoder(nn.Module):
             patch_mask[i, :h, :w] = True
         patch_mask = patch_mask.reshape(b, gh * gw)
         keep = torch.cat([patch_mask.new_ones(b, m.num_prefix_tokens), patch_mask], dim=1)[:, None, None, :]
+        self._set_local_grid(grid, patch_mask.reshape(b, gh, gw))
         for blk in m.blocks:
             tokens = blk(tokens, attn_mask=keep)
         tokens = m.norm(tokens)

@@ -1,7 +1,7 @@
 """Small-data techniques for ViTs trained from scratch, on top of timm's blocks.
 
 A plain ViT has no locality prior: on a few thousand images it learns slowly where a CNN does
-not. Three published remedies, each an option of the suite's models (all off by default, so a
+not. Four published remedies, each an option of the suite's models (all off by default, so a
 pretrained timm ViT stays exactly timm's):
 
 - **Shifted patch tokenization** (SPT; Lee, Lee & Song 2021, "Vision Transformer for Small-Size
@@ -17,6 +17,11 @@ pretrained timm ViT stays exactly timm's):
   0: the usual scale at first, positive always), and the *diagonal* of the score matrix is masked
   to ``-inf`` before the softmax, so a token spreads its attention over the *other* tokens
   instead of mostly itself: :class:`LocalitySelfAttention`, ``ViTEncoder(lsa=True)``.
+- **Local feed-forward** (LocalViT, Li et al. 2021; CeiT's locally-enhanced feed-forward, Yuan
+  et al. 2021; PVTv2's convolutional feed-forward, Wang et al. 2022): a depthwise 3x3
+  convolution over the patch grid between the two linear layers of every block's MLP, so each
+  block mixes a token with its eight neighbours: :class:`LocalMlp`,
+  ``ViTEncoder(local_mlp=True)``.
 - **Sequence pooling** (Hassani et al. 2021, "Escaping the Big Data Paradigm with Compact
   Transformers", CCT): instead of a class token, the head reads a weighted mean of the output
   tokens whose weights the model learns: ``w = softmax_i(Linear(x_i))``, ``z = sum_i w_i x_i``:
@@ -47,9 +52,11 @@ except ImportError:  # pragma: no cover - older timm
 __all__ = [
     "DIAGONAL_SHIFTS",
     "LSA_TEMPERATURE_KEY",
+    "LocalMlp",
     "LocalitySelfAttention",
     "SequencePooling",
     "ShiftedPatchTokenizer",
+    "apply_local_mlp",
     "apply_locality_self_attention",
     "shift_image",
 ]
@@ -269,3 +276,56 @@ class SequencePooling(nn.Module):
         weights = self.weights_point(self.weights(tokens)).unsqueeze(1)  # (B, 1, N)
         return (weights @ self.values_point(tokens)).squeeze(1)  # (B, 1, N) @ (B, N, D) -> (B, D)
 
+
+
+# ---------------------------------------------------------------------------- local MLP
+class LocalMlp(nn.Module):
+    """A timm ``Mlp`` with a depthwise 3x3 convolution over the patch grid between its two
+    linear layers (the "locally-enhanced feed-forward" of LocalViT, Li et al. 2021, CeiT, Yuan
+    et al. 2021, and PVTv2's convolutional feed-forward, Wang et al. 2022): ``fc1 -> dwconv ->
+    act -> fc2``, the prefix tokens skipping the convolution. Every block then mixes each
+    token with its 8 neighbours, the locality a small from-scratch ViT otherwise learns slowly.
+
+    The patch grid is not part of the tokens: :class:`~vision_attn.models.encoder.ViTEncoder`
+    sets :attr:`grid` (and, for a padded batch, :attr:`valid`: per image its real rows and
+    columns; padded cells enter the convolution as zeros, so a real token sees what it would see
+    alone) before each forward.
+    """
+
+    def __init__(self, mlp: nn.Module, num_prefix_tokens: int) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = mlp.fc1, mlp.act, mlp.fc2
+        self.drop1 = getattr(mlp, "drop1", nn.Identity())
+        self.norm = getattr(mlp, "norm", nn.Identity())
+        self.drop2 = getattr(mlp, "drop2", nn.Identity())
+        hidden = self.fc1.out_features
+        self.dwconv = nn.Conv2d(hidden, hidden, 3, 1, 1, groups=hidden)
+        self.num_prefix_tokens = int(num_prefix_tokens)
+        self.grid: tuple[int, int] | None = None
+        self.valid: Tensor | None = None  # [B, h, w] bool, or None when every cell is real
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        p = self.num_prefix_tokens
+        prefix, cells = h[:, :p], h[:, p:]
+        b, n, c = cells.shape
+        gh, gw = self.grid if self.grid is not None else (int(round(n ** 0.5)),) * 2
+        if gh * gw != n:
+            raise EncoderError(f"LocalMlp: {n} patch tokens do not fill the {gh}x{gw} grid it was given "
+                               "(token merging or dropping cannot be combined with local_mlp)")
+        img = cells.transpose(1, 2).reshape(b, c, gh, gw)
+        if self.valid is not None:
+            img = img * self.valid.unsqueeze(1).to(img.dtype)
+        img = self.dwconv(img)
+        h = torch.cat([prefix, img.reshape(b, c, n).transpose(1, 2)], dim=1) if p else img.reshape(b, c, n).transpose(1, 2)
+        h = self.drop1(self.act(h))
+        return self.drop2(self.fc2(self.norm(h)))
+
+
+def apply_local_mlp(model: nn.Module) -> int:
+    """Replace every block's ``mlp`` of a timm ViT by a :class:`LocalMlp`; returns the count."""
+    count = 0
+    for block in model.blocks:
+        block.mlp = LocalMlp(block.mlp, model.num_prefix_tokens)
+        count += 1
+    return count
