@@ -1,4 +1,5 @@
-"""ONNX export: ONNX Runtime gives PyTorch's outputs (atol 1e-4) for every task, at another batch size."""
+"""ONNX export: ONNX Runtime gives PyTorch's outputs (atol 1e-4) for every task, at another batch size
+(the detector with the local feed-forward encoder of configs/detection/shapes.yaml)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,11 @@ def _checkpoint(task, path):
 
 def _tasks():
     torch.manual_seed(0)
-    enc = lambda: create_encoder("vit_tiny_patch16_224", stem="conv", **TINY_VIT)  # noqa: E731
+    enc = lambda **kw: create_encoder("vit_tiny_patch16_224", stem="conv", **TINY_VIT, **kw)  # noqa: E731
     return {
         "classification": ClassificationTask(enc(), class_names=["a", "b", "c"]),
-        "detection": DetectionTask(enc(), class_names=["a", "b"], num_queries=5, hidden_dim=32, num_layers=2,
+        # the shapes detector's encoder: its local feed-forward exports too
+        "detection": DetectionTask(enc(local_mlp=True), class_names=["a", "b"], num_queries=5, hidden_dim=32, num_layers=2,
                                    num_heads=2, box_refine=True, focal=True),
         "captioning": CaptioningTask(enc(), vocab=[*SPECIAL_TOKENS, "a", "red", "circle"], hidden_dim=32,
                                      num_layers=1, num_heads=2),

@@ -23,8 +23,8 @@ log = logging.getLogger("vision_attn.demo")
 
 TASKS = {
     "classification": "configs/classification/shapes.yaml",  # about 3 minutes on 2 CPU cores
-    "detection": "configs/detection/shapes.yaml",  # about 9 minutes on 2 CPU cores (20 epochs, batch 8)
-    "captioning": "configs/captioning/shapes.yaml",  # about 3 minutes on 2 CPU cores (training + evaluation)
+    "detection": "configs/detection/shapes.yaml",  # about 7 minutes on 2 CPU cores (12 epochs, batch 8)
+    "captioning": "configs/captioning/shapes.yaml",  # about 4 minutes on 2 CPU cores (training + evaluation)
 }
 
 

@@ -449,7 +449,7 @@ class ViTEncoder(nn.Module):
         log.info("loaded encoder weights from %s", path)
 
     def _check_stem_and_lsa(self, state: dict[str, Tensor], path: str) -> None:
-        """Clear errors for weights of another stem or attention kind than this encoder's."""
+        """Clear errors for weights of another stem, attention or feed-forward kind than this encoder's."""
         stem = getattr(self, "stem", "patch")
         has_linear_patch = any(k.endswith("patch_embed.proj.weight") for k in state)
         if stem != "patch" and has_linear_patch:
