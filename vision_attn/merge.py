@@ -46,6 +46,7 @@ from timm.models.vision_transformer import Block as TimmBlock
 from torch import Tensor, nn
 
 from vision_attn.errors import EncoderError
+from vision_attn.models.smalldata import LocalMlp
 
 __all__ = [
     "MergeState",
@@ -385,7 +386,7 @@ def merge_tokens(model: nn.Module, r: int) -> nn.Module:
         return model
     blocks = list(vit.blocks)
     for i, blk in enumerate(blocks):
-        if hasattr(getattr(blk, "mlp", None), "dwconv"):
+        if isinstance(getattr(blk, "mlp", None), LocalMlp):
             raise EncoderError(
                 f"token merging cannot run with local_mlp=True (block {i}'s feed-forward convolves the patch grid, "
                 "which merged tokens no longer form): use merge_r=0 with this encoder"

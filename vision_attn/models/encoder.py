@@ -596,9 +596,9 @@ class ViTEncoder(nn.Module):
         patch_mask = torch.zeros(b, gh, gw, dtype=torch.bool, device=x.device)
         for i, (h, w) in enumerate(valid):
             patch_mask[i, :h, :w] = True
+        self._set_local_grid(grid, patch_mask)
         patch_mask = patch_mask.reshape(b, gh * gw)
         keep = torch.cat([patch_mask.new_ones(b, m.num_prefix_tokens), patch_mask], dim=1)[:, None, None, :]
-        self._set_local_grid(grid, patch_mask.reshape(b, gh, gw))
         for blk in m.blocks:
             tokens = blk(tokens, attn_mask=keep)
         tokens = m.norm(tokens)

@@ -316,8 +316,8 @@ class LocalMlp(nn.Module):
         img = cells.transpose(1, 2).reshape(b, c, gh, gw)
         if self.valid is not None:
             img = img * self.valid.unsqueeze(1).to(img.dtype)
-        img = self.dwconv(img)
-        h = torch.cat([prefix, img.reshape(b, c, n).transpose(1, 2)], dim=1) if p else img.reshape(b, c, n).transpose(1, 2)
+        cells = self.dwconv(img).reshape(b, c, n).transpose(1, 2)
+        h = torch.cat([prefix, cells], dim=1) if p else cells
         h = self.drop1(self.act(h))
         return self.drop2(self.fc2(self.norm(h)))
 
