@@ -315,3 +315,22 @@ def test_embedding_memory_adds_the_first_blocks_input_per_patch():
     moved = EncoderOutput(enc.tokens, 1, enc.grid, embedding_tokens=enc.embedding_tokens.roll(1, dims=1))
     assert not torch.allclose(dec(moved, tokens)[0], logits)  # the words depend on the embedding tokens
     assert CaptionDecoder(12, in_dim=16, hidden_dim=16).embedding_proj is None  # off by default
+
+
+def test_pixel_memory_adds_each_patchs_own_pixels():
+    """``pixel_dim``: memory token ``n`` = projected output token ``n`` + projected pixels of
+    patch ``n``; the words depend on them; without the pixel tokens it is a clear error."""
+    torch.manual_seed(0)
+    dec = CaptionDecoder(12, in_dim=16, hidden_dim=16, num_layers=2, num_heads=2, dropout=0.0, pixel_dim=12).eval()
+    enc = _enc()
+    tokens = torch.tensor([[BOS, 5, 6], [BOS, 7, 8]])
+    with pytest.raises(ValueError, match="keep_pixels"):
+        dec(enc, tokens)
+    n = enc.tokens.shape[1] - 1
+    enc.pixel_tokens = torch.randn(2, n, 12)
+    memory, _ = dec.encode_memory(enc)
+    torch.testing.assert_close(memory, dec.input_proj(enc.tokens[:, 1:]) + dec.pixel_proj(enc.pixel_tokens))
+    logits, _ = dec(enc, tokens)
+    moved = EncoderOutput(enc.tokens, 1, enc.grid, pixel_tokens=enc.pixel_tokens.roll(1, dims=1))
+    assert not torch.allclose(dec(moved, tokens)[0], logits)
+    assert CaptionDecoder(12, in_dim=16, hidden_dim=16).pixel_proj is None  # off by default

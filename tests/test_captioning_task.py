@@ -544,23 +544,27 @@ def test_concept_loss_teaches_the_encoder_the_named_objects_without_boxes(tmp_pa
         _task(concept_max_share=0.0)
 
 
-def test_embedding_memory_trains_survives_checkpoints_and_is_explained(tmp_path):
-    """``embedding_memory``: the encoder hands its embedding tokens to the decoder; a checkpoint
-    restores the switch (same captions), and the per-word relevance maps still come out."""
+@pytest.mark.parametrize("switch", ["embedding_memory", "pixel_memory"])
+def test_memory_extras_train_survive_checkpoints_and_are_explained(tmp_path, switch):
+    """``embedding_memory`` / ``pixel_memory``: the encoder hands its embedding (pixel) tokens to
+    the decoder; a checkpoint restores the switch (same captions), and the per-word relevance
+    maps still come out."""
     from vision_attn.explain.decoder_relevance import caption_relevance
 
     dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp_path / "data"), batch_size=8, num_workers=0,
                               max_length=24)
     L.seed_everything(0)
-    task = _task(optim=Optimization(lr=3e-3), embedding_memory=True)
+    task = _task(optim=Optimization(lr=3e-3), **{switch: True})
     trainer = _trainer(tmp_path, max_steps=6, enable_checkpointing=False, limit_val_batches=0)
     trainer.fit(task, datamodule=dm)
-    assert task.encoder.keep_embedding and task.head.embedding_proj is not None
-    assert task.head.embedding_proj[0].weight.grad is not None  # trained
+    flag, proj = {"embedding_memory": ("keep_embedding", "embedding_proj"),
+                  "pixel_memory": ("keep_pixels", "pixel_proj")}[switch]
+    assert getattr(task.encoder, flag) and getattr(task.head, proj) is not None
+    assert getattr(task.head, proj)[0].weight.grad is not None  # trained
     ckpt = tmp_path / "em.ckpt"
     trainer.save_checkpoint(ckpt)
     loaded = load_task(ckpt, expected_task="captioning")
-    assert loaded.encoder.keep_embedding and loaded.hparams.embedding_memory
+    assert getattr(loaded.encoder, flag) and loaded.hparams[switch]
     images = torch.stack([dm.datasets["train"][i][0] for i in range(3)])
     task.eval()
     a, b = task.generate(images), loaded.generate(images)

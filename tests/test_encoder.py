@@ -224,3 +224,26 @@ def test_embedding_tokens_are_the_first_blocks_input(name):
     torch.testing.assert_close(padded.tokens[0, p:].reshape(4, 4, -1)[:3, :2],
                                small.tokens[0, p:].reshape(3, 2, -1), atol=1e-5, rtol=1e-5)
     assert not any(m._forward_pre_hooks for m in enc.model.blocks)  # the capture leaves no hook behind
+
+
+def test_pixel_tokens_are_each_patchs_own_pixels():
+    """``keep_pixels``: pixel token ``n`` is patch ``n``'s pixels (row-major patches, channel
+    first within one, as F.unfold orders them), checked against slicing the image by hand; the
+    grid follows the encoder's (a 24 x 16 image gives 3 x 2 patches); off by default, and the
+    output tokens are the same either way."""
+    enc = create_encoder("vit_tiny_patch16_224", **TINY_VIT).eval()
+    ph, pw = enc.patch_size
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        plain = enc(x)
+        enc.keep_pixels = True
+        out = enc(x)
+        small = enc(x[:1, :, :24, :16])
+    assert plain.pixel_tokens is None and torch.equal(out.tokens, plain.tokens)
+    gh, gw = out.grid
+    assert out.pixel_tokens.shape == (2, gh * gw, 3 * ph * pw)
+    for r, c in [(0, 0), (1, 2), (gh - 1, gw - 1)]:
+        patch = x[:, :, r * ph:(r + 1) * ph, c * pw:(c + 1) * pw]
+        assert torch.equal(out.pixel_tokens[:, r * gw + c], patch.reshape(2, -1))
+    assert small.grid == (24 // ph, 16 // pw)
+    assert torch.equal(small.pixel_tokens[0].reshape(*small.grid, -1), out.pixel_tokens[0].reshape(gh, gw, -1)[:small.grid[0], :small.grid[1]])

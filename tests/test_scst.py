@@ -256,6 +256,8 @@ def test_init_from_refuses_another_task_vocabulary_or_architecture(data, tmp_pat
         _task(other_vocab, init_from=ckpt)
     with pytest.raises(CheckpointError, match=r"model\.hidden_dim=32, this model has 64"):
         _task(init_from=ckpt, hidden_dim=64)
+    with pytest.raises(CheckpointError, match=r"model\.pixel_memory=False, this model has True"):
+        _task(init_from=ckpt, pixel_memory=True)
     with pytest.raises(CheckpointError, match=r"model\.encoder\.depth=2, this model has 3"):
         CaptioningTask(create_encoder("vit_tiny_patch16_224", **{**TINY_VIT, "depth": 3}), hidden_dim=32,
                        num_layers=2, num_heads=2, mlp_ratio=2.0, max_length=24, init_from=ckpt)
@@ -385,6 +387,7 @@ def test_scst_config_starts_from_a_cross_entropy_run(tmp_path):
                       "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1",
                       "--trainer.default_root_dir", str(tmp_path / "scst")])
     assert cli.model.hparams.scst and cli.trainer.global_step == 2 and cli.model.optim.lr == pytest.approx(1e-4)
+    assert cli.model.optim.encoder_lr is None  # not shapes.yaml's faster encoder: the whole model at 1e-4
     assert cli.model.hparams.scst_baseline == "mean" and cli.model.hparams.scst_temperature == 0.5
     header = (tmp_path / "scst" / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert "train/reward_step" in header and "train/baseline_step" in header

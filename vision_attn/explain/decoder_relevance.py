@@ -28,7 +28,8 @@ The memory the decoder reads is the encoder's patch tokens ``P .. T-1`` after pe
 ``embedding_memory`` adds, per memory token, the same patch's token from before the encoder's
 first block: a skip around the encoder whose relevance is the patch itself, which is the
 identity part of ``R̄^ii = rownorm(R^ii - I) + I``; the rule is kept as it is (it does not weigh
-the two paths by how much each contributes). With the DETR head's simple feature
+the two paths by how much each contributes). ``pixel_memory`` (the patch's own pixels added to
+its memory token) is the same kind of skip and is treated the same way. With the DETR head's simple feature
 pyramid (``pyramid=True``) the memory is the pyramid levels' tokens, each made from a known
 patch or block of patches; ``Ā^qi [Q, M]`` is first carried to the patches by the pyramid's
 linear, mass-preserving map (:meth:`~vision_attn.models.detr.SimpleFeaturePyramid.to_patches`:

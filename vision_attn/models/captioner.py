@@ -114,6 +114,9 @@ class CaptionDecoder(nn.Module):
             :attr:`EncoderOutput.embedding_tokens`, each through its own linear + LayerNorm) to
             the projected output tokens of the same patch: the memory keeps one token per
             patch, so the cross-attention maps and their explanations are unchanged in shape.
+        pixel_dim: add each patch's own pixels (:attr:`EncoderOutput.pixel_tokens`, ``pixel_dim``
+            values each, through their own linear + LayerNorm) to its memory token, a path to the
+            colours that no training of the encoder can remove; ``None``: off.
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class CaptionDecoder(nn.Module):
         max_length: int = 32,
         pad_id: int = 0,
         embedding_memory: bool = False,
+        pixel_dim: int | None = None,
     ) -> None:
         super().__init__()
         if hidden_dim % 4:
@@ -136,6 +140,8 @@ class CaptionDecoder(nn.Module):
         self.input_proj = nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.LayerNorm(hidden_dim))
         self.embedding_proj = (nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.LayerNorm(hidden_dim))
                                if embedding_memory else None)
+        self.pixel_proj = (nn.Sequential(nn.Linear(pixel_dim, hidden_dim), nn.LayerNorm(hidden_dim))
+                           if pixel_dim else None)
         self.embed = nn.Embedding(vocab_size, hidden_dim, padding_idx=pad_id)
         self.pos = nn.Parameter(torch.zeros(max_length, hidden_dim))
         self.drop = nn.Dropout(dropout)
@@ -156,6 +162,10 @@ class CaptionDecoder(nn.Module):
             if enc.embedding_tokens is None:
                 raise ValueError("embedding_memory needs the encoder's embedding tokens (ViTEncoder.keep_embedding = True)")
             memory = memory + self.embedding_proj(enc.embedding_tokens[:, enc.num_prefix_tokens :])
+        if self.pixel_proj is not None:
+            if enc.pixel_tokens is None:
+                raise ValueError("pixel_memory needs the encoder's pixel tokens (ViTEncoder.keep_pixels = True)")
+            memory = memory + self.pixel_proj(enc.pixel_tokens.to(memory.dtype))
         pos = sine_position_embedding_2d(enc.grid, self.hidden_dim, device=memory.device).to(memory.dtype)
         return memory, pos.unsqueeze(0)
 

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import timm
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vision_attn.checkpoint_io import load_state_dict_file
@@ -54,6 +55,9 @@ class EncoderOutput:
             ``image_sizes``); ``None`` when every patch is real.
         embedding_tokens: ``[B, P + N, D]`` the tokens entering the first block (patch embedding +
             positions), only when :attr:`ViTEncoder.keep_embedding` is set; else ``None``.
+        pixel_tokens: ``[B, N, 3 * p * p]`` each patch's own pixels (the normalised input, channel
+            first then row-major within the patch, as ``F.unfold`` orders them), only when
+            :attr:`ViTEncoder.keep_pixels` is set; else ``None``.
     """
 
     tokens: Tensor
@@ -61,6 +65,7 @@ class EncoderOutput:
     grid: tuple[int, int]
     patch_mask: Tensor | None = None
     embedding_tokens: Tensor | None = None
+    pixel_tokens: Tensor | None = None
 
     def valid_grids(self) -> list[tuple[int, int]]:
         """Per image, the ``(rows, columns)`` of its real patches (the top-left corner of the
@@ -317,6 +322,9 @@ class ViTEncoder(nn.Module):
         # Set by a head that reads the first block's input too (the caption decoder's
         # ``embedding_memory``): forward then fills ``EncoderOutput.embedding_tokens``.
         self.keep_embedding: bool = False
+        # Set by a head that reads each patch's pixels (the caption decoder's ``pixel_memory``):
+        # forward then fills ``EncoderOutput.pixel_tokens``.
+        self.keep_pixels: bool = False
 
     def architecture_config(self) -> dict[str, Any]:
         """``{"class_path", "init_args"}`` that rebuilds this encoder without downloading weights."""
@@ -500,15 +508,28 @@ class ViTEncoder(nn.Module):
         if x.dim() != 4 or x.shape[1] != 3:
             raise EncoderError(f"ViTEncoder expects images [B, 3, H, W], got {tuple(x.shape)}")
         if not self.keep_embedding:
-            return self._forward(x, image_sizes)
-        kept: list[Tensor] = []
-        hook = self.model.blocks[0].register_forward_pre_hook(lambda _m, args: kept.append(args[0]))
-        try:
             out = self._forward(x, image_sizes)
-        finally:
-            hook.remove()
-        out.embedding_tokens = kept[0]
+        else:
+            kept: list[Tensor] = []
+            hook = self.model.blocks[0].register_forward_pre_hook(lambda _m, args: kept.append(args[0]))
+            try:
+                out = self._forward(x, image_sizes)
+            finally:
+                hook.remove()
+            out.embedding_tokens = kept[0]
+        if self.keep_pixels:
+            out.pixel_tokens = self.pixel_patches(x, out.grid)
         return out
+
+    def pixel_patches(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
+        """Each patch's pixels ``[B, N, 3 * ph * pw]`` of images ``[B, 3, H, W]`` on the token
+        ``grid`` (a partial patch at the bottom or right edge, which the dynamic-size encoder pads
+        with zeros, is padded the same way)."""
+        ph, pw = self.patch_size
+        pad_h, pad_w = grid[0] * ph - x.shape[-2], grid[1] * pw - x.shape[-1]
+        if pad_h > 0 or pad_w > 0:
+            x = F.pad(x, (0, max(pad_w, 0), 0, max(pad_h, 0)))
+        return F.unfold(x[..., : grid[0] * ph, : grid[1] * pw], (ph, pw), stride=(ph, pw)).transpose(1, 2)
 
     def _forward(self, x: Tensor, image_sizes: Tensor | None) -> EncoderOutput:
         grid = self.grid_for(x.shape[-2], x.shape[-1])

@@ -233,7 +233,7 @@ def concept_targets(references: list[list[str]], words: list[str]) -> Tensor:
 
 
 # what ``init_from`` compares between the checkpoint and the configured model (else a clear error)
-DECODER_ARCHITECTURE = ("hidden_dim", "num_layers", "num_heads", "mlp_ratio", "max_length")
+DECODER_ARCHITECTURE = ("hidden_dim", "num_layers", "num_heads", "mlp_ratio", "max_length", "embedding_memory", "pixel_memory")
 ENCODER_ARCHITECTURE = ("name", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "stem",
                         "lsa", "timm_kwargs")
 
@@ -347,6 +347,12 @@ class CaptioningTask(VisionTask):
             tokens are dominated by what the grounding loss asks for (the objects' kinds).
             Measured on the embedded scenes (README "Captioning"): it stops the colour collapse
             of the grounded recipe's bad draws. Off by default; a checkpoint remembers it.
+        pixel_memory: the decoder also reads each patch's own pixels (linear + LayerNorm of its
+            ``3 * p * p`` normalised values, added to the patch's memory token): a path to the
+            colours that no training of the encoder can close — with a fast-learning encoder
+            (``optim.encoder_lr``) the stem's embeddings lost the colours on some seeds, and the
+            captions named one colour for everything (README "Captioning"). Off by default; a
+            checkpoint remembers it.
         init_from: a captioning checkpoint of ``train.py`` whose weights (and vocabulary, and
             preprocessing) this model starts from — the weights only: the optimiser, the schedule
             and the epoch start afresh (``--ckpt_path`` resumes a run instead). Read with the
@@ -399,6 +405,7 @@ class CaptioningTask(VisionTask):
         concept_max_share: float = 0.5,
         concept_words: list[str] | None = None,
         embedding_memory: bool = False,
+        pixel_memory: bool = False,
     ) -> None:
         super().__init__(encoder, optim, compile)
         if not 0.0 <= word_dropout < 1.0:
@@ -492,8 +499,10 @@ class CaptioningTask(VisionTask):
         embedding_memory = bool(hp.get("embedding_memory", False))  # checkpoints from before the option lack it
         self.head = CaptionDecoder(len(self.tokenizer), self.encoder.embed_dim, hp.hidden_dim, hp.num_layers, hp.num_heads,
                                    hp.mlp_ratio, hp.dropout, hp.max_length, self.tokenizer.pad_id,
-                                   embedding_memory=embedding_memory)
+                                   embedding_memory=embedding_memory,
+                                   pixel_dim=self._pixel_dim() if hp.get("pixel_memory", False) else None)
         self.encoder.keep_embedding = embedding_memory  # the decoder reads what the encoder then returns
+        self.encoder.keep_pixels = bool(hp.get("pixel_memory", False))
         classes = hp.get("grounding_classes")
         self.grounding_head = self._grounding_head(classes) if classes else None
         self._word_kinds_for(classes)
@@ -509,6 +518,11 @@ class CaptioningTask(VisionTask):
     def _word_kinds_for(self, classes: list[str] | None) -> None:
         """:attr:`word_kinds` (:func:`word_kinds` of the vocabulary) for the word-attention loss."""
         self.word_kinds = word_kinds(self.tokenizer.vocab, classes) if classes and self._word_attention_active else None
+
+    def _pixel_dim(self) -> int:
+        """Values per patch of the encoder's pixel tokens (``pixel_memory``)."""
+        ph, pw = self.encoder.patch_size
+        return 3 * ph * pw
 
     def _grounding_head(self, classes: list[str]) -> torch.nn.Linear:
         """Per patch token: the logits of background and of each of ``classes``."""
