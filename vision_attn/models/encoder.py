@@ -526,10 +526,9 @@ class ViTEncoder(nn.Module):
         ``grid`` (a partial patch at the bottom or right edge, which the dynamic-size encoder pads
         with zeros, is padded the same way)."""
         ph, pw = self.patch_size
-        pad_h, pad_w = grid[0] * ph - x.shape[-2], grid[1] * pw - x.shape[-1]
-        if pad_h > 0 or pad_w > 0:
-            x = F.pad(x, (0, max(pad_w, 0), 0, max(pad_h, 0)))
-        return F.unfold(x[..., : grid[0] * ph, : grid[1] * pw], (ph, pw), stride=(ph, pw)).transpose(1, 2)
+        h, w = grid[0] * ph, grid[1] * pw
+        x = F.pad(x, (0, max(w - x.shape[-1], 0), 0, max(h - x.shape[-2], 0)))[..., :h, :w]
+        return F.unfold(x, (ph, pw), stride=(ph, pw)).transpose(1, 2)
 
     def _forward(self, x: Tensor, image_sizes: Tensor | None) -> EncoderOutput:
         grid = self.grid_for(x.shape[-2], x.shape[-1])

@@ -277,7 +277,6 @@ class SequencePooling(nn.Module):
         return (weights @ self.values_point(tokens)).squeeze(1)  # (B, 1, N) @ (B, N, D) -> (B, D)
 
 
-
 # ---------------------------------------------------------------------------- local MLP
 class LocalMlp(nn.Module):
     """A timm ``Mlp`` with a depthwise 3x3 convolution over the patch grid between its two

@@ -497,12 +497,13 @@ class CaptioningTask(VisionTask):
         hp = self.hparams
         self.tokenizer = WordTokenizer.restore(vocab)
         embedding_memory = bool(hp.get("embedding_memory", False))  # checkpoints from before the option lack it
+        pixel_memory = bool(hp.get("pixel_memory", False))  # ... and this one
         self.head = CaptionDecoder(len(self.tokenizer), self.encoder.embed_dim, hp.hidden_dim, hp.num_layers, hp.num_heads,
                                    hp.mlp_ratio, hp.dropout, hp.max_length, self.tokenizer.pad_id,
                                    embedding_memory=embedding_memory,
-                                   pixel_dim=self._pixel_dim() if hp.get("pixel_memory", False) else None)
+                                   pixel_dim=self._pixel_dim() if pixel_memory else None)
         self.encoder.keep_embedding = embedding_memory  # the decoder reads what the encoder then returns
-        self.encoder.keep_pixels = bool(hp.get("pixel_memory", False))
+        self.encoder.keep_pixels = pixel_memory
         classes = hp.get("grounding_classes")
         self.grounding_head = self._grounding_head(classes) if classes else None
         self._word_kinds_for(classes)
