@@ -8,9 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from vision_attn.attention import (
+    EXPLICIT_MAX_SCORES,
     KVCache,
     MultiHeadAttention,
     causal_mask,
+    explicit_attention,
+    explicit_is_faster,
     scaled_dot_product_attention,
 )
 
@@ -61,6 +64,41 @@ def test_sdpa_matches_torch(need_weights: bool, mask_kind: str):
         assert torch.allclose(w @ v, ref, atol=ATOL)
     else:
         assert w is None
+
+
+@pytest.mark.parametrize("tq,tk", [(6, 6), (4, 64), (130, 130)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_cpu_path_choice_same_values_and_gradients(monkeypatch, tq: int, tk: int, masked: bool):
+    # Short sequences on the CPU skip the fused kernel (faster there); long ones use it. Either
+    # way the output and the gradients are torch's fused result.
+    assert explicit_is_faster(torch.device("cpu"), tq, tk) == (tq * tk <= EXPLICIT_MAX_SCORES)
+    assert not explicit_is_faster(torch.device("cuda"), 4, 4) and not explicit_is_faster(torch.device("meta"), 4, 4)
+    q, k, v = (t.requires_grad_(True) for t in _qkv(tq=tq, tk=tk, d=8))
+    mask = torch.rand(2, 1, tq, tk, generator=torch.Generator().manual_seed(3)) > 0.4 if masked else None
+    if masked:
+        mask[..., 0] = True
+    calls = []
+    fused = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    out, _ = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert len(calls) == (0 if tq * tk <= EXPLICIT_MAX_SCORES else 1)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    monkeypatch.undo()
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_explicit_attention_restores_flags_even_after_an_error():
+    a, b = MultiHeadAttention(8, 2), MultiHeadAttention(8, 2)
+    b.fused_attn = False
+    with pytest.raises(RuntimeError, match="boom"), explicit_attention([a, b]):
+        assert not a.fused_attn and not b.fused_attn
+        raise RuntimeError("boom")
+    assert a.fused_attn and not b.fused_attn
 
 
 def test_key_mask_excludes_padding():

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from vision_attn import create_encoder
+from vision_attn.attention import explicit_attention
 from vision_attn.checkpoint_io import CheckpointError
 from vision_attn.errors import EncoderError
 from vision_attn.models.encoder import ViTEncoder
@@ -39,12 +40,56 @@ def test_tokens_equal_timm_forward_features(name: str, prefix: int):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         out = enc(x)
-        expected = ref.forward_features(x)
+        fused = ref.forward_features(x)
+        # short sequences on the CPU run timm's own explicit attention path (faster there)
+        with explicit_attention(blk.attn for blk in ref.blocks):
+            expected = ref.forward_features(x)
     assert torch.equal(out.tokens, expected)
+    torch.testing.assert_close(out.tokens, fused, rtol=1e-5, atol=1e-5)
     assert out.num_prefix_tokens == prefix == enc.num_prefix_tokens
     assert out.grid == (4, 4)
     assert out.tokens.shape == (2, prefix + 16, 32)
     assert out.patch_tokens.shape == (2, 16, 32)
+
+
+def test_conv_stem_channels_last_same_values_and_gradients():
+    # On the CPU the stem runs channels-last (oneDNN's faster layout): the same outputs and
+    # gradients as the contiguous layout, and the tokens come out in timm's (B, N, D) order.
+    from vision_attn.models.encoder import ConvStem
+
+    torch.manual_seed(0)
+    stem = ConvStem(8, 32)
+    x = torch.randn(3, 3, 32, 32)
+    y = stem(x)
+    assert y.shape == (3, 32, 4, 4) and y.is_contiguous(memory_format=torch.channels_last)
+    ref = stem.layers(x)  # the contiguous layout, as on other devices
+    assert ref.is_contiguous()
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(ref)
+    grads = torch.autograd.grad(y, list(stem.parameters()), g)
+    ref_grads = torch.autograd.grad(stem.layers(x), list(stem.parameters()), g)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
+                         stem="conv").eval()
+    pe = enc.model.patch_embed
+    with torch.no_grad():
+        tokens = pe(x)  # timm's patch embedding around the stem: flatten + transpose (or NHWC)
+        expected = pe.proj.layers(x).permute(0, 2, 3, 1)  # (B, h, w, D) from the contiguous layout
+    torch.testing.assert_close(tokens.reshape(expected.shape), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_encoder_attention_path_restores_flags():
+    # Short sequences on the CPU run the blocks' explicit attention path; the flags are restored
+    # after the forward, so a capture or a move to the GPU sees the module as it was built.
+    enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
+    seen = []
+    hook = enc.model.blocks[0].attn.register_forward_pre_hook(lambda m, _a: seen.append(m.fused_attn))
+    with torch.no_grad():
+        enc(torch.randn(1, 3, 32, 32))
+    hook.remove()
+    assert seen == [False]
+    assert all(blk.attn.fused_attn for blk in enc.model.blocks)
 
 
 def test_dynamic_image_size_non_square(tiny_encoder):

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from vision_attn.attention import explicit_attention
 from vision_attn.explain.rollout import HeadFusion, RelevanceStream, RolloutStream
 
 __all__ = [
@@ -98,26 +99,20 @@ def observe_attention(
         calls[0] += 1
         callback(inputs[0])
 
-    saved_flags = [(m, m.fused_attn) for _, m in modules]
     handles = []
-    try:
-        for _, m in modules:
-            m.fused_attn = False
-            handles.append(m.attn_drop.register_forward_pre_hook(hook))
-        yield modules
-    except BaseException:
-        raise
-    else:
-        if not calls[0]:
-            raise AttentionCaptureError(
-                f"the attention capture recorded nothing: none of the {len(modules)} attention modules "
-                "of the model ran inside the `with` block. Call the model inside it."
-            )
-    finally:
-        for handle in handles:
-            handle.remove()
-        for m, flag in saved_flags:
-            m.fused_attn = flag
+    with explicit_attention(m for _, m in modules):
+        try:
+            for _, m in modules:
+                handles.append(m.attn_drop.register_forward_pre_hook(hook))
+            yield modules
+        finally:
+            for handle in handles:
+                handle.remove()
+    if not calls[0]:
+        raise AttentionCaptureError(
+            f"the attention capture recorded nothing: none of the {len(modules)} attention modules "
+            "of the model ran inside the `with` block. Call the model inside it."
+        )
 
 
 @contextmanager

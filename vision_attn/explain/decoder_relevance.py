@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vision_attn.attention import explicit_attention
 from vision_attn.errors import ConfigError
 from vision_attn.explain.capture import AttentionCaptureError, attention_modules
 from vision_attn.explain.rollout import normalize_maps
@@ -122,7 +123,6 @@ def _record(groups: dict[str, list[nn.Module]]) -> Iterator[dict[str, list[Tenso
     equal leaf that does — the value is the same and nothing upstream could carry a gradient.
     """
     records: dict[str, list[Tensor]] = {name: [] for name in groups}
-    saved: list[tuple[nn.Module, bool]] = []
     handles = []
 
     def make_hook(name: str) -> Callable:
@@ -137,18 +137,15 @@ def _record(groups: dict[str, list[nn.Module]]) -> Iterator[dict[str, list[Tenso
 
         return hook
 
-    try:
-        for name, modules in groups.items():
-            for m in modules:
-                saved.append((m, m.fused_attn))
-                m.fused_attn = False
-                handles.append(m.attn_drop.register_forward_pre_hook(make_hook(name)))
-        yield records
-    finally:
-        for handle in handles:
-            handle.remove()
-        for m, flag in saved:
-            m.fused_attn = flag
+    with explicit_attention(m for modules in groups.values() for m in modules):
+        try:
+            for name, modules in groups.items():
+                for m in modules:
+                    handles.append(m.attn_drop.register_forward_pre_hook(make_hook(name)))
+            yield records
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 @contextmanager
