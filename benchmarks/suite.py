@@ -18,6 +18,7 @@ import torch
 
 from benchmarks.caption_kv_cache import run as kv_cache
 from benchmarks.common import machine, write_result
+from benchmarks.cpu_paths import pair_row as cpu_paths_row
 from benchmarks.reference_pairs import attention_paths, capture_memory, encoder_pairs, map_backends
 from benchmarks.training_loop import augmentation_pair, training_pairs
 
@@ -35,6 +36,9 @@ def run_all(repeats: int = 7, quick: bool = False) -> dict:
         rows.append(map_backends(images=10, repeats=1))
         rows += training_pairs(repeats=1, steps=7, batch=8)
         rows.append(augmentation_pair(repeats=1, images=4))
+        rows.append(cpu_paths_row(steps=1, batch=2, tokens=5, vocab=12, hidden=16, layers=1,
+                                  encoder=dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
+                                               stem="conv", local_mlp=True)))
     else:
         rows += encoder_pairs(repeats=repeats)
         rows.append(attention_paths(repeats=2 * repeats))
@@ -43,6 +47,7 @@ def run_all(repeats: int = 7, quick: bool = False) -> dict:
         rows.append(map_backends(images=500, repeats=3))
         rows += training_pairs(repeats=5, steps=40)
         rows.append(augmentation_pair(repeats=repeats))
+        rows.append(cpu_paths_row(steps=60))
     rows.insert(5, {"pair": "caption generation, KV cache vs recomputing the prefix (30 tokens, beam 3)",
                     "ours": kv["median_s"]["cached"], "reference": kv["median_s"]["uncached"], "ratio": kv["speedup"],
                     "goal": ">= 3x faster", "met": kv["speedup"] >= 3.0 and kv["same_tokens"],

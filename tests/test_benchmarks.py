@@ -25,9 +25,9 @@ def test_benchmark_suite_runs_tiny_and_reports_every_pair():
 
     result = run_all(quick=True)
     pairs = [r["pair"] for r in result["rows"]]
-    assert len(pairs) == 11 and len(set(pairs)) == 11
+    assert len(pairs) == 12 and len(set(pairs)) == 12
     assert all(r["ratio"] > 0 and isinstance(r["met"], bool) for r in result["rows"])
-    assert format_table(result).count("\n") == 12
+    assert format_table(result).count("\n") == 13
 
 
 def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
