@@ -4,9 +4,10 @@
 
 Two choices the suite makes on the CPU (both give the same values up to rounding, tested):
 
-- attention over short sequences (at most ``EXPLICIT_MAX_SCORES`` scores per head) runs the
-  explicit path (matmul, softmax, matmul) instead of ``F.scaled_dot_product_attention``'s fused
-  kernel, in the encoder's blocks and in the decoder's self- and cross-attention;
+- attention over short sequences (at least ``EXPLICIT_MIN_QUERIES`` queries, at most
+  ``EXPLICIT_MAX_SCORES`` scores per head) runs the explicit path (matmul, softmax, matmul)
+  instead of ``F.scaled_dot_product_attention``'s fused kernel, in the encoder's blocks and in
+  the decoder's self- and cross-attention;
 - the convolutional stem runs channels-last (oneDNN's faster layout).
 
 The step is the captioning shapes recipe's architecture (``configs/captioning/shapes.yaml``:

@@ -9,6 +9,7 @@ from torch import nn
 
 from vision_attn.attention import (
     EXPLICIT_MAX_SCORES,
+    EXPLICIT_MIN_QUERIES,
     KVCache,
     MultiHeadAttention,
     causal_mask,
@@ -66,12 +67,15 @@ def test_sdpa_matches_torch(need_weights: bool, mask_kind: str):
         assert w is None
 
 
-@pytest.mark.parametrize("tq,tk", [(6, 6), (4, 64), (130, 130)])
+@pytest.mark.parametrize("tq,tk", [(8, 8), (16, 64), (1, 64), (4, 4), (130, 130)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_cpu_path_choice_same_values_and_gradients(monkeypatch, tq: int, tk: int, masked: bool):
-    # Short sequences on the CPU skip the fused kernel (faster there); long ones use it. Either
-    # way the output and the gradients are torch's fused result.
-    assert explicit_is_faster(torch.device("cpu"), tq, tk) == (tq * tk <= EXPLICIT_MAX_SCORES)
+    # Short sequences on the CPU skip the fused kernel (faster there); long ones, and one or a
+    # few queries at a time (incremental decoding), use it. Either way the output and the
+    # gradients are torch's fused result.
+    explicit = EXPLICIT_MIN_QUERIES <= tq and tq * tk <= EXPLICIT_MAX_SCORES
+    assert explicit == (tq in (8, 16))
+    assert explicit_is_faster(torch.device("cpu"), tq, tk) == explicit
     assert not explicit_is_faster(torch.device("cuda"), 4, 4) and not explicit_is_faster(torch.device("meta"), 4, 4)
     q, k, v = (t.requires_grad_(True) for t in _qkv(tq=tq, tk=tk, d=8))
     mask = torch.rand(2, 1, tq, tk, generator=torch.Generator().manual_seed(3)) > 0.4 if masked else None
@@ -81,7 +85,7 @@ def test_cpu_path_choice_same_values_and_gradients(monkeypatch, tq: int, tk: int
     fused = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
     out, _ = scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    assert len(calls) == (0 if tq * tk <= EXPLICIT_MAX_SCORES else 1)
+    assert len(calls) == (0 if explicit else 1)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
     monkeypatch.undo()

@@ -23,9 +23,9 @@ Whenever the attention weights are not needed the fused kernel
 (:func:`torch.nn.functional.scaled_dot_product_attention`) computes the same result without
 materialising the ``T x T`` weights; set ``need_weights=True`` (or turn the module's
 ``fused_attn`` flag off, as :func:`vision_attn.capture_attention` does) for the explicit path.
-One exception, for speed: on the CPU, short sequences (at most
-:data:`EXPLICIT_MAX_SCORES` scores per head) take the explicit path, which is faster there
-(:func:`explicit_is_faster`).
+One exception, for speed: on the CPU, short sequences (at least :data:`EXPLICIT_MIN_QUERIES`
+queries, at most :data:`EXPLICIT_MAX_SCORES` scores per head) take the explicit path, which is
+faster there (:func:`explicit_is_faster`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "EXPLICIT_MAX_SCORES",
+    "EXPLICIT_MIN_QUERIES",
     "KVCache",
     "MultiHeadAttention",
     "causal_mask",
@@ -49,19 +50,24 @@ __all__ = [
     "scaled_dot_product_attention",
 ]
 
-# Up to this many scores per head (query x key positions), the explicit path (matmul, softmax,
-# matmul) trains faster on the CPU than PyTorch's fused kernel: forward + backward, 2 threads,
-# fused vs explicit ms: 64 x 64 tokens (batch 16, 4 heads of 32) 2.29 vs 1.46, 20 x 20 0.82 vs
-# 0.48, 65 x 65 (batch 64, 3 heads of 64) 13.5 vs 9.7; 197 x 197 is about even and 256 x 256
-# favours the fused kernel (21.8 vs 31.7). README "Performance".
+# On the CPU, the explicit path (matmul, softmax, matmul) is faster than PyTorch's fused kernel
+# for attention of at least EXPLICIT_MIN_QUERIES queries with at most EXPLICIT_MAX_SCORES scores
+# per head. Forward + backward, 2 threads, fused vs explicit us: 64 x 64 tokens (batch 16, 4
+# heads of 32) 4302 vs 3074, 30 x 30 (batch 24, 8 heads) 3965 vs 2335, 12 queries x 64 keys 723
+# vs 651; inference 1039 vs 631 and 1326 vs 680. Longer sequences favour the fused kernel
+# (256 x 256: 21.8 vs 31.7 ms; 197 x 197 about even), and so does one query at a time
+# (incremental decoding: 1 x 64, batch 3: 26 vs 49 us). README "Performance".
 EXPLICIT_MAX_SCORES = 128 * 128
+EXPLICIT_MIN_QUERIES = 8
 
 
 def explicit_is_faster(device: torch.device, num_queries: int, num_keys: int) -> bool:
     """Whether attention of ``num_queries`` queries over ``num_keys`` keys on ``device`` runs
-    faster on the explicit path than in the fused kernel: on the CPU, for at most
-    :data:`EXPLICIT_MAX_SCORES` scores per head. The result is the same up to rounding."""
-    return device.type == "cpu" and num_queries * num_keys <= EXPLICIT_MAX_SCORES
+    faster on the explicit path than in the fused kernel: on the CPU, for at least
+    :data:`EXPLICIT_MIN_QUERIES` queries and at most :data:`EXPLICIT_MAX_SCORES` scores per head.
+    The result is the same up to rounding."""
+    return (device.type == "cpu" and num_queries >= EXPLICIT_MIN_QUERIES
+            and num_queries * num_keys <= EXPLICIT_MAX_SCORES)
 
 
 @contextlib.contextmanager
