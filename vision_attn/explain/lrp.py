@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vision_attn.attention import MultiHeadAttention
+from vision_attn.attention import MultiHeadAttention, explicit_attention
 from vision_attn.errors import ConfigError
 from vision_attn.models.smalldata import SequencePooling
 
@@ -242,7 +242,7 @@ def lrp_rules(task, rules: bool = True, trace: bool = False) -> Iterator[LRPTrac
     _check_supported(modules)
     record = LRPTrace()
     handles = []
-    flags: list[tuple[nn.Module, bool]] = []
+    attention = [m for m in modules if isinstance(m, (*_TIMM_ATTENTION, MultiHeadAttention))]
 
     def replace(proxy_fn):
         def hook(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
@@ -268,37 +268,33 @@ def lrp_rules(task, rules: bool = True, trace: bool = False) -> Iterator[LRPTrac
             record.probabilities.append(inputs[0])
         return (_ScaleGradient.apply(inputs[0], half(inputs[0])), *inputs[1:]) if rules else None
 
-    try:
-        for m in modules:
-            is_attention = isinstance(m, (*_TIMM_ATTENTION, MultiHeadAttention))
-            if is_attention:
-                flags.append((m, m.fused_attn))
-                m.fused_attn = False
-                if trace or rules:
+    with explicit_attention(attention):
+        try:
+            for m in modules:
+                is_attention = isinstance(m, (*_TIMM_ATTENTION, MultiHeadAttention))
+                if is_attention and (trace or rules):
                     handles.append(m.attn_drop.register_forward_pre_hook(weights))
-            if isinstance(m, SequencePooling) and (trace or rules):  # w of w x: recorded, halved
-                handles.append(m.weights_point.register_forward_pre_hook(weights))
-            if not rules:
-                continue
-            if isinstance(m, SequencePooling):  # x of w x: half
-                handles.append(m.values_point.register_forward_hook(scaled(half)))
-            elif is_attention:  # Q, K (of Q Kᵀ) and V (of A V): half each
-                projections = (m.qkv,) if isinstance(m, _TIMM_ATTENTION) else (m.q_proj, m.k_proj, m.v_proj)
-                handles.extend(proj.register_forward_hook(scaled(half)) for proj in projections)
-            elif isinstance(m, nn.LayerNorm) and type(m).__name__ != "LayerNorm2d":
-                handles.append(m.register_forward_hook(replace(_layer_norm_proxy)))
-            elif isinstance(m, nn.GroupNorm):
-                handles.append(m.register_forward_hook(replace(_group_norm_proxy)))
-            elif isinstance(m, _RMS_NORMS):
-                handles.append(m.register_forward_hook(replace(_rms_norm_proxy)))
-            elif isinstance(m, _ACTIVATIONS) and not isinstance(m, nn.ReLU):  # ReLU's gradient already is the rule
-                handles.append(m.register_forward_hook(activation))
-        yield record
-    finally:
-        for handle in handles:
-            handle.remove()
-        for m, flag in flags:
-            m.fused_attn = flag
+                if isinstance(m, SequencePooling) and (trace or rules):  # w of w x: recorded, halved
+                    handles.append(m.weights_point.register_forward_pre_hook(weights))
+                if not rules:
+                    continue
+                if isinstance(m, SequencePooling):  # x of w x: half
+                    handles.append(m.values_point.register_forward_hook(scaled(half)))
+                elif is_attention:  # Q, K (of Q Kᵀ) and V (of A V): half each
+                    projections = (m.qkv,) if isinstance(m, _TIMM_ATTENTION) else (m.q_proj, m.k_proj, m.v_proj)
+                    handles.extend(proj.register_forward_hook(scaled(half)) for proj in projections)
+                elif isinstance(m, nn.LayerNorm) and type(m).__name__ != "LayerNorm2d":
+                    handles.append(m.register_forward_hook(replace(_layer_norm_proxy)))
+                elif isinstance(m, nn.GroupNorm):
+                    handles.append(m.register_forward_hook(replace(_group_norm_proxy)))
+                elif isinstance(m, _RMS_NORMS):
+                    handles.append(m.register_forward_hook(replace(_rms_norm_proxy)))
+                elif isinstance(m, _ACTIVATIONS) and not isinstance(m, nn.ReLU):  # ReLU's gradient already is the rule
+                    handles.append(m.register_forward_hook(activation))
+            yield record
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 # ---------------------------------------------------------------------------- relevance

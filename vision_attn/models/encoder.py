@@ -552,8 +552,7 @@ class ViTEncoder(nn.Module):
         on the CPU, :func:`~vision_attn.attention.explicit_is_faster`), else as it is."""
         if not explicit_is_faster(device, num_tokens, num_tokens):
             return contextlib.nullcontext()
-        return explicit_attention(a for a in (getattr(b, "attn", None) for b in self.model.blocks)
-                                  if getattr(a, "fused_attn", False))
+        return explicit_attention(b.attn for b in self.model.blocks if getattr(getattr(b, "attn", None), "fused_attn", False))
 
     def _set_local_grid(self, grid: tuple[int, int], valid: Tensor | None) -> None:
         if getattr(self, "local_mlp", False):
