@@ -72,3 +72,43 @@ def test_eval_faithfulness_covers_every_class_and_reports_it(shapes_root, tmp_pa
     metrics = explain_eval_split(task, ds, options, tmp_path)
     assert metrics["explain_images"] == 5.0 and metrics["explain_classes"] == 5.0
     assert {"deletion_auc", "insertion_auc", "deletion_auc_random"} <= set(metrics)
+
+
+def test_shared_curve_ends_give_the_same_curves_with_fewer_model_calls():
+    from vision_attn.explain.faithfulness import curve_ends, end_probabilities
+
+    gen = torch.Generator().manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(2),
+                              torch.nn.Flatten(), torch.nn.Linear(16, 5))
+    seen = []
+
+    def proba(x):
+        seen.append(x.shape[0])
+        return net(x).softmax(-1)
+
+    images = torch.randn(3, 3, 16, 16, generator=gen)
+    rows = torch.tensor([0, 0, 1, 2, 2])  # several explained targets per image, as detections are
+    target = torch.tensor([1, 4, 0, 2, 3])
+    sal = torch.rand(5, 4, 4, generator=gen)
+    shared = end_probabilities(proba, images)
+    assert sum(seen) == 3 + 1 + 3  # the images, one zero image, the blurred images
+    for mode in ("deletion", "insertion"):
+        for baseline in ("zero", "blur"):
+            seen.clear()
+            full = deletion_insertion_curve(proba, images[rows], sal, target, mode, 4, baseline)
+            assert sum(seen) == 5 * 5
+            seen.clear()
+            ends = curve_ends(shared, rows, target, mode, baseline)
+            inner = deletion_insertion_curve(proba, images[rows], sal, target, mode, 4, baseline, ends=ends)
+            assert sum(seen) == 5 * 3  # only the points in between
+            torch.testing.assert_close(inner, full, atol=1e-6, rtol=0)
+    # deletion starts at the image's own probability; insertion ends there
+    mine = proba(images)[rows].gather(1, target[:, None]).squeeze(1)
+    torch.testing.assert_close(curve_ends(shared, rows, target, "deletion")[0], mine)
+    torch.testing.assert_close(curve_ends(shared, rows, target, "insertion")[1], mine)
+    # nothing to explain: no model call, empty curves
+    seen.clear()
+    none = end_probabilities(proba, images[:0])
+    empty = deletion_insertion_curve(proba, images[:0], sal[:0], target[:0], "deletion", 4,
+                                     ends=curve_ends(none, rows[:0], target[:0], "deletion"))
+    assert seen == [] and empty.shape == (0, 5)

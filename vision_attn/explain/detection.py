@@ -486,7 +486,12 @@ def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects
         max_objects: most detections measured per image (the best ones).
     """
     from vision_attn.explain.evaluate import select_images
-    from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
+    from vision_attn.explain.faithfulness import (
+        auc,
+        curve_ends,
+        deletion_insertion_curve,
+        end_probabilities,
+    )
     from vision_attn.explain.localisation import grid_to_image, localisation
     from vision_attn.explain.sanity import cascading_randomisation, sanity_metrics, spearman
     from vision_attn.outputs import write_json, write_npy
@@ -546,10 +551,13 @@ def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects
         rows = torch.tensor([j for j, q in enumerate(queries) for _ in range(len(q))], dtype=torch.long)
         if options.faithfulness and len(rows):
             target = torch.cat([q.cpu() * width + c.cpu() for q, c in zip(queries, labels, strict=True)]).to(device)
+            rows = rows.to(device)
+            shared = end_probabilities(proba, images)  # every curve's first and last point, once per image
             for m in methods:
                 sal = torch.cat(maps[m]).to(device)  # (R, h, w): one row per detection
                 for mode in ("deletion", "insertion"):
-                    curve = deletion_insertion_curve(proba, images[rows.to(device)], sal, target, mode, options.steps)
+                    curve = deletion_insertion_curve(proba, images[rows], sal, target, mode, options.steps,
+                                                     ends=curve_ends(shared, rows, target, mode))
                     key = f"{mode}_auc_{m}"
                     sums[key] = sums.get(key, 0.0) + float(auc(curve).sum())
         if options.sanity and len(rows):

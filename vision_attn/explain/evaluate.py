@@ -337,7 +337,11 @@ def _add_deletion_curves(task, images: torch.Tensor, expl, steps: int, report, t
                          keep: torch.Tensor | None = None) -> None:
     """Accumulate the mean deletion curve of each method (and a random baseline) over ``total``
     images, from the batch's images where ``keep`` (``[B]`` bool; default all) is true."""
-    from vision_attn.explain.faithfulness import deletion_insertion_curve
+    from vision_attn.explain.faithfulness import (
+        curve_ends,
+        deletion_insertion_curve,
+        end_probabilities,
+    )
 
     keep = torch.ones(images.shape[0], dtype=torch.bool) if keep is None else keep.cpu()
 
@@ -350,10 +354,12 @@ def _add_deletion_curves(task, images: torch.Tensor, expl, steps: int, report, t
         maps["random"] = torch.rand(images.shape[0], *expl.grid, generator=torch.Generator().manual_seed(0))
     report.curves = report.curves or {}
     rows = keep.nonzero().flatten()
-    images, target = images[rows.to(images.device)], expl.target[rows.to(expl.target.device)]
+    images, target = images[rows.to(images.device)], expl.target[rows.to(expl.target.device)].to(images.device)
+    index = torch.arange(images.shape[0], device=images.device)
+    ends = curve_ends(end_probabilities(proba, images), index, target)  # the same for every map
     for method, sal in maps.items():
         sal = sal[rows.to(sal.device)].to(images.device)
-        curve = deletion_insertion_curve(proba, images, sal, target, "deletion", steps).sum(0) / total
+        curve = deletion_insertion_curve(proba, images, sal, target, "deletion", steps, ends=ends).sum(0) / total
         prev = report.curves.get(method, [0.0] * len(curve))
         report.curves[method] = [a + float(b) for a, b in zip(prev, curve, strict=True)]
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["auc", "blur", "deletion_insertion_curve"]
+__all__ = ["auc", "blur", "curve_ends", "deletion_insertion_curve", "end_probabilities"]
 
 
 def blur(images: Tensor, kernel: int = 11, sigma: float = 5.0) -> Tensor:
@@ -35,6 +35,30 @@ def auc(curve: Tensor) -> Tensor:
 
 
 @torch.no_grad()
+def end_probabilities(predict_proba: Callable[[Tensor], Tensor], images: Tensor) -> dict[str, Tensor]:
+    """What every deletion / insertion curve of ``images`` starts or ends with, whatever its
+    saliency map: the class probabilities ``[B, C]`` of the images (``image``), of the
+    ``zero`` baseline (one all-zero image, the same for every image of the batch) and of the
+    ``blur`` baseline. One pass over the images serves the curves of every map and of every
+    detection or word that explains them (see :func:`curve_ends`)."""
+    if not images.shape[0]:
+        return dict.fromkeys(("image", "zero", "blur"), images.new_zeros(0, 0))
+    zero = predict_proba(torch.zeros_like(images[:1])).expand(images.shape[0], -1)
+    return {"image": predict_proba(images), "zero": zero, "blur": predict_proba(blur(images))}
+
+
+def curve_ends(ends: dict[str, Tensor], rows: Tensor, target: Tensor,
+               mode: Literal["deletion", "insertion"] = "deletion",
+               baseline: Literal["zero", "blur"] | None = None) -> tuple[Tensor, Tensor]:
+    """The ``ends`` argument of :func:`deletion_insertion_curve` for curves over
+    ``images[rows]`` of ``target``, from :func:`end_probabilities` of ``images``."""
+    baseline = baseline or ("zero" if mode == "deletion" else "blur")
+    image = ends["image"][rows].gather(1, target.view(-1, 1)).squeeze(1)
+    base = ends[baseline][rows].gather(1, target.view(-1, 1)).squeeze(1)
+    return (image, base) if mode == "deletion" else (base, image)
+
+
+@torch.no_grad()
 def deletion_insertion_curve(
     predict_proba: Callable[[Tensor], Tensor],
     images: Tensor,
@@ -44,6 +68,7 @@ def deletion_insertion_curve(
     steps: int = 16,
     baseline: Literal["zero", "blur"] | None = None,
     chunk: int = 256,
+    ends: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Probability of ``target`` as patches are deleted (or inserted) in saliency order.
 
@@ -58,6 +83,9 @@ def deletion_insertion_curve(
         baseline: what a removed patch becomes: ``zero`` (the normalisation mean) or ``blur``
             (the blurred image). Default: ``zero`` for deletion, ``blur`` for insertion.
         chunk: images per model call (the curve points of several images are batched).
+        ends: ``[B]`` probabilities of ``target`` at the first and the last point, when the
+            caller already has them (they do not depend on the saliency: the image itself and
+            its baseline, see :func:`curve_ends`); only the points in between are computed.
 
     Returns:
         ``[B, steps + 1]`` probabilities at ``0, 1/steps, ..., 1`` of the patches changed.
@@ -75,7 +103,11 @@ def deletion_insertion_curve(
     rank.scatter_(1, order, torch.arange(n, device=order.device).expand(b, n))
     counts = torch.tensor([round(k * n / steps) for k in range(steps + 1)], device=images.device)
     probs = torch.empty(b, steps + 1, device=images.device)
-    pairs = [(i, k) for k in range(steps + 1) for i in range(b)]  # (image, curve point)
+    inner = ends is not None
+    if inner:
+        probs[:, 0], probs[:, steps] = ends[0].to(probs), ends[1].to(probs)
+    points = range(1, steps) if inner else range(steps + 1)
+    pairs = [(i, k) for k in points for i in range(b)]  # (image, curve point)
     for start in range(0, len(pairs), chunk):
         ii = torch.tensor([p[0] for p in pairs[start : start + chunk]], device=images.device)
         kk = torch.tensor([p[1] for p in pairs[start : start + chunk]], device=images.device)

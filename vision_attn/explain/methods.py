@@ -44,7 +44,12 @@ from torch import Tensor, nn
 
 from vision_attn.errors import ConfigError
 from vision_attn.explain.capture import capture_attention
-from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
+from vision_attn.explain.faithfulness import (
+    auc,
+    curve_ends,
+    deletion_insertion_curve,
+    end_probabilities,
+)
 from vision_attn.explain.lrp import lrp_relevance
 from vision_attn.explain.rollout import (
     HeadFusion,
@@ -498,10 +503,14 @@ def faithfulness(task, images: Tensor, explanation: Explanation, steps: int = 16
         return task(x).float().softmax(dim=-1)
 
     out: dict[str, dict[str, Tensor]] = {}
+    target = explanation.target.to(images.device)
+    rows = torch.arange(images.shape[0], device=images.device)
+    shared = end_probabilities(proba, images)  # the curves' first and last points, the same for every map
     for method in faithful_methods(explanation.maps):
         sal = explanation.maps[method]
         out[method] = {
-            f"{mode}_auc": auc(deletion_insertion_curve(proba, images, sal, explanation.target, mode, steps))
+            f"{mode}_auc": auc(deletion_insertion_curve(proba, images, sal, target, mode, steps,
+                                                        ends=curve_ends(shared, rows, target, mode)))
             for mode in ("deletion", "insertion")
         }
     return out
