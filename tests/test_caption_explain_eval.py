@@ -125,6 +125,22 @@ def test_word_curves_match_a_per_word_reference(captioner, mode):
 
         ref = deletion_insertion_curve(proba, images[b : b + 1], sal[r : r + 1], tokens[b][t : t + 1], mode, 4)
         torch.testing.assert_close(got[r], ref[0], rtol=1e-5, atol=1e-6)
+    # the shared first and last points give the same curves with two model calls fewer per row
+    from vision_attn.explain.captioning import word_end_probabilities
+    from vision_attn.explain.faithfulness import order_ends
+
+    shared = word_end_probabilities(task, images, tokens, items, chunk=2)
+    assert set(shared) == {"image", "zero", "blur"} and shared["image"].shape == (3,)
+    calls = []
+    hook = task.register_forward_pre_hook(lambda module, args: calls.append(len(args[0])))
+    try:
+        inner = word_probability_curves(task, images, tokens, items, sal, mode, steps=4, chunk=5,
+                                        ends=order_ends(shared, mode))
+    finally:
+        hook.remove()
+    assert sum(calls) == 3 * 3  # 3 words x the 3 inner points
+    torch.testing.assert_close(inner, got, rtol=1e-5, atol=1e-6)
+    assert word_end_probabilities(task, images, tokens, [])["image"].shape == (0,)
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])

@@ -63,14 +63,14 @@ from torch import Tensor
 from vision_attn.data.detection import load_coco_annotations
 from vision_attn.data.imageio import read_image
 from vision_attn.data.tokenizer import normalize_caption
-from vision_attn.explain.faithfulness import auc, blur
+from vision_attn.explain.faithfulness import auc, blur, order_ends
 from vision_attn.explain.localisation import grid_to_image, localisation
 from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
 __all__ = ["RANDOM_DRAWS", "caption_strip", "explain_captioning", "named_words", "pointing_game", "random_word_maps",
-           "teacher_forced_word_maps", "word_attention_maps", "word_probability_curves", "write_caption_overlays"]
+           "teacher_forced_word_maps", "word_attention_maps", "word_end_probabilities", "word_probability_curves", "write_caption_overlays"]
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,7 @@ def word_probability_curves(
     mode: Literal["deletion", "insertion"] = "deletion",
     steps: int = 16,
     chunk: int = 128,
+    ends: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The probability of explained words as patches are deleted (or inserted) in map order.
 
@@ -230,6 +231,9 @@ def word_probability_curves(
         mode: ``deletion`` or ``insertion``.
         steps: curve points after the start (``steps + 1`` in all).
         chunk: (word, curve point) rows per model call.
+        ends: ``[R]`` probabilities at the first and last point when the caller has them
+            (:func:`word_end_probabilities`, :func:`~vision_attn.explain.faithfulness.order_ends`);
+            only the points in between are computed.
 
     Returns:
         ``[R, steps + 1]`` probabilities at ``0, 1/steps, ..., 1`` of the patches changed.
@@ -244,16 +248,7 @@ def word_probability_curves(
     device = images.device
     if r_total == 0:
         return torch.zeros(0, steps + 1, device=device)
-    b_idx = torch.tensor([b for b, _ in items], device=device)
-    t_idx = torch.tensor([t for _, t in items], device=device)
-    seqs = [torch.as_tensor(tokens[b]).long().flatten().cpu() for b, _ in items]
-    longest = max(int(t) for _, t in items) + 1  # the inputs up to the explained word suffice (causal)
-    full = torch.full((r_total, longest + 1), task.tokenizer.pad_id, dtype=torch.long)
-    full[:, 0] = task.tokenizer.bos_id
-    for r, s in enumerate(seqs):
-        full[r, 1 : min(len(s), longest) + 1] = s[:longest]
-    full = full.to(device)  # (R, 1 + longest): <bos> w_0 .. ; inputs [:, :-1], word t = full[:, t + 1]
-    target = full[torch.arange(r_total, device=device), t_idx + 1]
+    b_idx, t_idx, full, target = _word_rows(task, tokens, items, device)
     base = torch.zeros_like(images) if mode == "deletion" else blur(images)
     n = h * w
     order = saliency.reshape(r_total, n).float().argsort(dim=1, descending=True, stable=True)
@@ -262,7 +257,10 @@ def word_probability_curves(
     rank = rank.to(device)
     counts = torch.tensor([round(k * n / steps) for k in range(steps + 1)], device=device)
     probs = torch.empty(r_total, steps + 1, device=device)
-    pairs = [(r, k) for k in range(steps + 1) for r in range(r_total)]  # (word, curve point)
+    if ends is not None:
+        probs[:, 0], probs[:, steps] = ends[0].to(probs), ends[1].to(probs)
+    points = range(steps + 1) if ends is None else range(1, steps)
+    pairs = [(r, k) for k in points for r in range(r_total)]  # (word, curve point)
     for start in range(0, len(pairs), chunk):
         rr = torch.tensor([p[0] for p in pairs[start : start + chunk]], device=device)
         kk = torch.tensor([p[1] for p in pairs[start : start + chunk]], device=device)
@@ -270,10 +268,49 @@ def word_probability_curves(
         changed = F.interpolate(changed, size=(H, W), mode="nearest")  # (n, 1, H, W)
         img, bas = images[b_idx[rr]], base[b_idx[rr]]
         x = img * (1 - changed) + bas * changed if mode == "deletion" else bas * (1 - changed) + img * changed
-        logits = task(x, full[rr, :-1])  # (n, longest, V)
-        logp = F.log_softmax(logits[torch.arange(len(rr), device=device), t_idx[rr]].float(), dim=-1)
-        probs[rr, kk] = logp.gather(1, target[rr, None]).squeeze(1).exp()
+        probs[rr, kk] = _word_probability(task, x, full[rr], t_idx[rr], target[rr])
     return probs
+
+
+def _word_rows(task, tokens: Sequence[Tensor], items: Sequence[tuple[int, int]], device: torch.device
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(image index, position, <bos> + caption, word id)`` of each explained word ``(b, t)``;
+    the captions are cut after the last explained position (the decoder is causal)."""
+    b_idx = torch.tensor([b for b, _ in items], device=device)
+    t_idx = torch.tensor([t for _, t in items], device=device)
+    seqs = [torch.as_tensor(tokens[b]).long().flatten().cpu() for b, _ in items]
+    longest = max(int(t) for _, t in items) + 1  # the inputs up to the explained word suffice (causal)
+    full = torch.full((len(items), longest + 1), task.tokenizer.pad_id, dtype=torch.long)
+    full[:, 0] = task.tokenizer.bos_id
+    for r, s in enumerate(seqs):
+        full[r, 1 : min(len(s), longest) + 1] = s[:longest]
+    full = full.to(device)  # (R, 1 + longest): <bos> w_0 .. ; inputs [:, :-1], word t = full[:, t + 1]
+    return b_idx, t_idx, full, full[torch.arange(len(items), device=device), t_idx + 1]
+
+
+def _word_probability(task, images: Tensor, full: Tensor, t_idx: Tensor, target: Tensor) -> Tensor:
+    """Teacher-forced probability of word ``target`` at position ``t_idx`` of each row."""
+    logits = task(images, full[:, :-1])  # (n, longest, V)
+    logp = F.log_softmax(logits[torch.arange(len(t_idx), device=images.device), t_idx].float(), dim=-1)
+    return logp.gather(1, target[:, None]).squeeze(1).exp()
+
+
+@torch.no_grad()
+def word_end_probabilities(task, images: Tensor, tokens: Sequence[Tensor], items: Sequence[tuple[int, int]],
+                           chunk: int = 128) -> dict[str, Tensor]:
+    """The explained words' ``[R]`` probabilities on the images (``image``) and on their
+    ``zero`` and ``blur`` baselines: the first and last points of every map's deletion and
+    insertion curves (:func:`~vision_attn.explain.faithfulness.order_ends`), computed once."""
+    device = images.device
+    if not items:
+        return dict.fromkeys(("image", "zero", "blur"), torch.zeros(0, device=device))
+    b_idx, t_idx, full, target = _word_rows(task, tokens, items, device)
+    out = {}
+    for name, x in (("image", images), ("zero", torch.zeros_like(images)), ("blur", blur(images))):
+        out[name] = torch.cat([_word_probability(task, x[b_idx[s : s + chunk]], full[s : s + chunk],
+                                                 t_idx[s : s + chunk], target[s : s + chunk])
+                               for s in range(0, len(items), chunk)])
+    return out
 
 
 def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], options, truths=None) -> list:
@@ -391,10 +428,12 @@ def _measure_batch(task, images: Tensor, explained: list, rows: list[tuple[int, 
     if not options.faithfulness or not items:
         return
     tokens = [e.extras["tokens"] for e in explained]
+    shared = word_end_probabilities(task, images, tokens, items)  # every map's first and last points, once
     for m in tally.methods:
         sal = torch.cat(grids[m]).to(images.device)  # (R, h, w)
         for key, mode in (("deletion_auc", "deletion"), ("insertion_auc", "insertion")):
-            curves = word_probability_curves(task, images, tokens, items, sal, mode, options.steps)
+            curves = word_probability_curves(task, images, tokens, items, sal, mode, options.steps,
+                                             ends=order_ends(shared, mode))
             tally.auc[f"{key}_{m}"] += float(auc(curves).sum())
     tally.faithful += len(items)
 

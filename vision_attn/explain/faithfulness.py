@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["auc", "blur", "curve_ends", "deletion_insertion_curve", "end_probabilities"]
+__all__ = ["auc", "blur", "curve_ends", "deletion_insertion_curve", "end_probabilities", "order_ends"]
 
 
 def blur(images: Tensor, kernel: int = 11, sigma: float = 5.0) -> Tensor:
@@ -52,10 +52,17 @@ def curve_ends(ends: dict[str, Tensor], rows: Tensor, target: Tensor,
                baseline: Literal["zero", "blur"] | None = None) -> tuple[Tensor, Tensor]:
     """The ``ends`` argument of :func:`deletion_insertion_curve` for curves over
     ``images[rows]`` of ``target``, from :func:`end_probabilities` of ``images``."""
+    picked = {k: v[rows].gather(1, target.view(-1, 1)).squeeze(1) for k, v in ends.items()}
+    return order_ends(picked, mode, baseline)
+
+
+def order_ends(probs: dict[str, Tensor], mode: Literal["deletion", "insertion"] = "deletion",
+               baseline: Literal["zero", "blur"] | None = None) -> tuple[Tensor, Tensor]:
+    """``(first, last)`` point of a curve from the ``[R]`` probabilities of what is explained on
+    the ``image`` and on its ``zero`` and ``blur`` baselines: deletion runs from the image to
+    its baseline (``zero`` by default), insertion from its baseline (``blur``) to the image."""
     baseline = baseline or ("zero" if mode == "deletion" else "blur")
-    image = ends["image"][rows].gather(1, target.view(-1, 1)).squeeze(1)
-    base = ends[baseline][rows].gather(1, target.view(-1, 1)).squeeze(1)
-    return (image, base) if mode == "deletion" else (base, image)
+    return (probs["image"], probs[baseline]) if mode == "deletion" else (probs[baseline], probs["image"])
 
 
 @torch.no_grad()
