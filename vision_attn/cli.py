@@ -274,10 +274,38 @@ class _GuardedParser(LightningArgumentParser):
         return super().error(message, ex)
 
 
+_DATACLASS_FIELD = re.compile(r"--model\.(?:init_args\.)?optim\.(\w+)")
+_NULLS = ("null", "none", "~")
+
+
+def _null_dataclass_fields(argv: list[str]) -> list[str]:
+    """``argv`` with ``--model.optim.FIELD null`` given as ``--model.optim '{"FIELD": null}'``.
+
+    jsonargparse (4.53) rejects a null given to one field of a dataclass inside a model's
+    ``init_args`` ("Expected a <class 'NoneType'>, given value: None"); the mapping form sets the
+    same field and keeps the others.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        match = _DATACLASS_FIELD.fullmatch(name)
+        if not eq and i + 1 < len(argv):
+            value = argv[i + 1]
+        if match and value.strip().lower() in _NULLS:
+            out += ["--model.optim", json.dumps({match.group(1): None})]
+            i += 1 if eq else 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 class _VisionAttnCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         argv = kwargs.pop("args", None)
         self._argv, self.allow_import = split_allow_import(list(sys.argv[1:] if argv is None else argv))
+        self._argv = _null_dataclass_fields(self._argv)
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("run", False)
