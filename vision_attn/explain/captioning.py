@@ -63,7 +63,7 @@ from torch import Tensor
 from vision_attn.data.detection import load_coco_annotations
 from vision_attn.data.imageio import read_image
 from vision_attn.data.tokenizer import normalize_caption
-from vision_attn.explain.faithfulness import auc, blur, order_ends
+from vision_attn.explain.faithfulness import auc, blur, order_ends, points_to_compute
 from vision_attn.explain.localisation import grid_to_image, localisation
 from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
@@ -257,10 +257,7 @@ def word_probability_curves(
     rank = rank.to(device)
     counts = torch.tensor([round(k * n / steps) for k in range(steps + 1)], device=device)
     probs = torch.empty(r_total, steps + 1, device=device)
-    if ends is not None:
-        probs[:, 0], probs[:, steps] = ends[0].to(probs), ends[1].to(probs)
-    points = range(steps + 1) if ends is None else range(1, steps)
-    pairs = [(r, k) for k in points for r in range(r_total)]  # (word, curve point)
+    pairs = [(r, k) for k in points_to_compute(probs, ends) for r in range(r_total)]  # (word, curve point)
     for start in range(0, len(pairs), chunk):
         rr = torch.tensor([p[0] for p in pairs[start : start + chunk]], device=device)
         kk = torch.tensor([p[1] for p in pairs[start : start + chunk]], device=device)

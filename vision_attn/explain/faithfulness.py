@@ -65,6 +65,16 @@ def order_ends(probs: dict[str, Tensor], mode: Literal["deletion", "insertion"] 
     return (probs["image"], probs[baseline]) if mode == "deletion" else (probs[baseline], probs["image"])
 
 
+def points_to_compute(probs: Tensor, ends: tuple[Tensor, Tensor] | None) -> range:
+    """The curve points still to compute for ``[R, S+1]`` curves ``probs``: all of them, or,
+    with known ``ends`` (written into ``probs`` here), the points in between."""
+    steps = probs.shape[1] - 1
+    if ends is None:
+        return range(steps + 1)
+    probs[:, 0], probs[:, steps] = ends[0].to(probs), ends[1].to(probs)
+    return range(1, steps)
+
+
 @torch.no_grad()
 def deletion_insertion_curve(
     predict_proba: Callable[[Tensor], Tensor],
@@ -110,11 +120,7 @@ def deletion_insertion_curve(
     rank.scatter_(1, order, torch.arange(n, device=order.device).expand(b, n))
     counts = torch.tensor([round(k * n / steps) for k in range(steps + 1)], device=images.device)
     probs = torch.empty(b, steps + 1, device=images.device)
-    inner = ends is not None
-    if inner:
-        probs[:, 0], probs[:, steps] = ends[0].to(probs), ends[1].to(probs)
-    points = range(1, steps) if inner else range(steps + 1)
-    pairs = [(i, k) for k in points for i in range(b)]  # (image, curve point)
+    pairs = [(i, k) for k in points_to_compute(probs, ends) for i in range(b)]  # (image, curve point)
     for start in range(0, len(pairs), chunk):
         ii = torch.tensor([p[0] for p in pairs[start : start + chunk]], device=images.device)
         kk = torch.tensor([p[1] for p in pairs[start : start + chunk]], device=images.device)
