@@ -13,7 +13,8 @@ them — counts as right when the decoder's most likely next word is that word. 
 Which failure a model has shows in the two splits side by side: kinds near chance on both
 (1 / number of categories when the language prior is uniform) mean the encoder does not yet
 tell the kinds apart; high on training and low on validation mean it memorised the images.
-``--root`` defaults to the embedded scenes with the settings of ``configs/captioning/shapes.yaml``.
+``--root`` defaults to the embedded scenes of 2000 training images: the first 2000 of
+``configs/captioning/shapes.yaml``'s 5500 (the scenes are drawn in order) and the same validation scenes.
 """
 
 from __future__ import annotations
