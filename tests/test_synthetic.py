@@ -193,3 +193,24 @@ def test_digit_scenes_captions_name_the_annotated_digits(tmp_path):
             assert any(a[0] == first and b[0] == second and a[2] < b[2] for a in boxes[i] for b in boxes[i])
             checked += 1
     assert checked > 0
+
+
+def test_more_training_scenes_keep_the_first_ones_and_the_validation_scenes(tmp_path):
+    """configs/captioning/shapes.yaml draws 5500 training scenes where earlier recipes drew 2000, and
+    the README compares their validation numbers: a larger num_train must only append training
+    scenes (the first ones unchanged) and leave the validation scenes and their captions as they were."""
+    from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
+
+    small = ensure_shapes_coco(SceneSetConfig(num_train=3, num_val=3, image_size=32), tmp_path / "a")
+    large = ensure_shapes_coco(SceneSetConfig(num_train=7, num_val=3, image_size=32), tmp_path / "b")
+
+    def split(root, name):
+        caps = json.loads((root / "annotations" / f"captions_{name}.json").read_text())
+        images = sorted(caps["images"], key=lambda im: im["id"])
+        texts = [[c["caption"] for c in caps["annotations"] if c["image_id"] == im["id"]] for im in images]
+        return [(root / name / im["file_name"]).read_bytes() for im in images], texts
+
+    (small_train, small_train_caps), (large_train, large_train_caps) = split(small, "train"), split(large, "train")
+    assert len(large_train) == 7 and large_train[:3] == small_train and large_train_caps[:3] == small_train_caps
+    assert large_train[3] not in small_train  # the extra scenes are new ones
+    assert split(small, "val") == split(large, "val")
