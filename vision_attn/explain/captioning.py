@@ -63,7 +63,7 @@ from torch import Tensor
 from vision_attn.data.detection import load_coco_annotations
 from vision_attn.data.imageio import read_image
 from vision_attn.data.tokenizer import normalize_caption
-from vision_attn.explain.faithfulness import auc, blur, order_ends, points_to_compute
+from vision_attn.explain.faithfulness import auc, blur, order_ends, perturbation_curves
 from vision_attn.explain.localisation import grid_to_image, localisation
 from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
@@ -250,23 +250,8 @@ def word_probability_curves(
         return torch.zeros(0, steps + 1, device=device)
     b_idx, t_idx, full, target = _word_rows(task, tokens, items, device)
     base = torch.zeros_like(images) if mode == "deletion" else blur(images)
-    n = h * w
-    order = saliency.reshape(r_total, n).float().argsort(dim=1, descending=True, stable=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(n, device=order.device).expand(r_total, n))
-    rank = rank.to(device)
-    counts = torch.tensor([round(k * n / steps) for k in range(steps + 1)], device=device)
-    probs = torch.empty(r_total, steps + 1, device=device)
-    pairs = [(r, k) for k in points_to_compute(probs, ends) for r in range(r_total)]  # (word, curve point)
-    for start in range(0, len(pairs), chunk):
-        rr = torch.tensor([p[0] for p in pairs[start : start + chunk]], device=device)
-        kk = torch.tensor([p[1] for p in pairs[start : start + chunk]], device=device)
-        changed = (rank[rr] < counts[kk, None]).view(-1, 1, h, w).to(images.dtype)
-        changed = F.interpolate(changed, size=(H, W), mode="nearest")  # (n, 1, H, W)
-        img, bas = images[b_idx[rr]], base[b_idx[rr]]
-        x = img * (1 - changed) + bas * changed if mode == "deletion" else bas * (1 - changed) + img * changed
-        probs[rr, kk] = _word_probability(task, x, full[rr], t_idx[rr], target[rr])
-    return probs
+    return perturbation_curves(lambda x, rows: _word_probability(task, x, full[rows], t_idx[rows], target[rows]),
+                               images, base, saliency, b_idx, mode, steps, chunk, ends)
 
 
 def _word_rows(task, tokens: Sequence[Tensor], items: Sequence[tuple[int, int]], device: torch.device

@@ -65,14 +65,48 @@ def order_ends(probs: dict[str, Tensor], mode: Literal["deletion", "insertion"] 
     return (probs["image"], probs[baseline]) if mode == "deletion" else (probs[baseline], probs["image"])
 
 
-def points_to_compute(probs: Tensor, ends: tuple[Tensor, Tensor] | None) -> range:
-    """The curve points still to compute for ``[R, S+1]`` curves ``probs``: all of them, or,
-    with known ``ends`` (written into ``probs`` here), the points in between."""
-    steps = probs.shape[1] - 1
-    if ends is None:
-        return range(steps + 1)
-    probs[:, 0], probs[:, steps] = ends[0].to(probs), ends[1].to(probs)
-    return range(1, steps)
+def perturbation_curves(
+    score: Callable[[Tensor, Tensor], Tensor],
+    images: Tensor,
+    base: Tensor,
+    saliency: Tensor,
+    image_of_row: Tensor,
+    mode: Literal["deletion", "insertion"],
+    steps: int,
+    chunk: int,
+    ends: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """The curves of ``R`` maps: for each row its image with the ``round(k * n / steps)`` most
+    salient of its ``n`` patches changed (deletion: to ``base``; insertion: from ``base`` back to
+    the image), scored by ``score(x, rows) -> [len(rows)]``; ``chunk`` (row, point) inputs per call.
+
+    ``saliency`` is ``[R, h, w]``, ``image_of_row`` ``[R]`` indexes ``images`` / ``base``
+    (``[B, 3, H, W]``); ties in the ranking are broken by position. With ``ends`` (``[R]`` each,
+    the first and last points, which do not depend on the map) only the points in between are
+    scored. Returns ``[R, steps + 1]``.
+    """
+    rows, (H, W), (h, w) = saliency.shape[0], images.shape[-2:], saliency.shape[-2:]
+    device, n = images.device, h * w
+    order = saliency.reshape(rows, n).float().argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(n, device=order.device).expand(rows, n))
+    rank = rank.to(device)
+    counts = torch.tensor([round(k * n / steps) for k in range(steps + 1)], device=device)
+    probs = torch.empty(rows, steps + 1, device=device)
+    points = range(steps + 1)
+    if ends is not None:
+        probs[:, 0], probs[:, steps] = ends[0].to(probs), ends[1].to(probs)
+        points = range(1, steps)
+    pairs = [(r, k) for k in points for r in range(rows)]  # (row, curve point)
+    for start in range(0, len(pairs), chunk):
+        rr = torch.tensor([p[0] for p in pairs[start : start + chunk]], device=device)
+        kk = torch.tensor([p[1] for p in pairs[start : start + chunk]], device=device)
+        changed = (rank[rr] < counts[kk, None]).view(-1, 1, h, w).to(images.dtype)
+        changed = F.interpolate(changed, size=(H, W), mode="nearest")  # (chunk, 1, H, W)
+        img, bas = images[image_of_row[rr]], base[image_of_row[rr]]
+        x = img * (1 - changed) + bas * changed if mode == "deletion" else bas * (1 - changed) + img * changed
+        probs[rr, kk] = score(x, rr).float()
+    return probs
 
 
 @torch.no_grad()
@@ -113,22 +147,5 @@ def deletion_insertion_curve(
         raise ValueError(f"image size {H}x{W} is not a multiple of the saliency grid {h}x{w}")
     baseline = baseline or ("zero" if mode == "deletion" else "blur")
     base = torch.zeros_like(images) if baseline == "zero" else blur(images)
-    n = h * w
-    # Rank of each patch in saliency order (0 = most salient); ties broken by position.
-    order = saliency.reshape(b, n).float().argsort(dim=1, descending=True, stable=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(n, device=order.device).expand(b, n))
-    counts = torch.tensor([round(k * n / steps) for k in range(steps + 1)], device=images.device)
-    probs = torch.empty(b, steps + 1, device=images.device)
-    pairs = [(i, k) for k in points_to_compute(probs, ends) for i in range(b)]  # (image, curve point)
-    for start in range(0, len(pairs), chunk):
-        ii = torch.tensor([p[0] for p in pairs[start : start + chunk]], device=images.device)
-        kk = torch.tensor([p[1] for p in pairs[start : start + chunk]], device=images.device)
-        changed = (rank[ii] < counts[kk, None]).view(-1, 1, h, w).to(images.dtype)
-        changed = F.interpolate(changed, size=(H, W), mode="nearest")  # (n, 1, H, W)
-        if mode == "deletion":
-            x = images[ii] * (1 - changed) + base[ii] * changed
-        else:
-            x = base[ii] * (1 - changed) + images[ii] * changed
-        probs[ii, kk] = predict_proba(x).gather(1, target[ii].view(-1, 1)).squeeze(1).float()
-    return probs
+    return perturbation_curves(lambda x, rows: predict_proba(x).gather(1, target[rows].view(-1, 1)).squeeze(1),
+                               images, base, saliency, torch.arange(b, device=images.device), mode, steps, chunk, ends)
