@@ -289,3 +289,43 @@ def test_holdout_scores_predictions_files_against_references(tmp_path):
     right = score_captioning(tmp_path / "right.json", root / "annotations" / "captions_val.json")
     wrong = score_captioning(tmp_path / "wrong.json", root / "annotations" / "captions_val.json")
     assert right["bleu4"] > 0.9 and right["cider"] > wrong["cider"] + 1.0 and wrong["bleu4"] < right["bleu4"]
+
+
+def test_caption_ceiling_rows_against_direct_cider_d(tmp_path):
+    """The reference rows equal CIDEr-D computed by hand from the same references: the verbatim
+    reference averaged over which one is used, the per-image best of them (which a prediction
+    equal to each image's best reference reaches exactly, and no reference exceeds), and the
+    held-out reference against the others."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from benchmarks.caption_ceiling import prediction_row, read_predictions, reference_rows
+    from vision_attn.caption_metrics import cider_d
+
+    refs = {1: ["a red circle", "a red circle on the left", "one red circle"],
+            2: ["two blue squares", "a pair of blue squares", "two squares in blue"],
+            3: ["a green triangle above a circle", "a triangle over a circle", "a green triangle and a circle"]}
+    rows = reference_rows(refs)
+    per = np.array([[cider_d({i: refs[i][j] for i in refs}, refs)[1][i] for i in refs] for j in range(3)])
+    assert rows["reference"] == pytest.approx(per.mean())
+    assert rows["best reference"] == pytest.approx(per.max(0).mean()) and rows["best reference"] > rows["reference"]
+    held = [cider_d({i: refs[i][j] for i in refs}, {i: [c for n, c in enumerate(r) if n != j] for i, r in refs.items()})[0]
+            for j in range(3)]
+    assert rows["held-out reference"] == pytest.approx(np.mean(held)) and rows["held-out reference"] < rows["reference"]
+
+    best = {i: refs[i][int(per[:, n].argmax())] for n, i in enumerate(refs)}
+    assert prediction_row(best, refs)["all references"] == pytest.approx(rows["best reference"])
+    wrong = {i: "a yellow star" for i in refs}
+    assert prediction_row(wrong, refs)["all references"] < 0.1 * rows["reference"]
+
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "predictions.json").write_text(json.dumps(
+        [{"image_id": i, "caption": c.upper() + "."} for i, c in best.items()]))
+    assert read_predictions(tmp_path, refs) == best  # normalised as eval.py does
+    (tmp_path / "eval" / "predictions.json").write_text(json.dumps([{"image_id": 1, "caption": "a red circle"}]))
+    with pytest.raises(SystemExit, match="no caption for 2 of the 3 images"):
+        read_predictions(Path(tmp_path), refs)
+    with pytest.raises(ValueError, match="same number"):
+        reference_rows({1: ["a", "b"], 2: ["c", "d", "e"]})

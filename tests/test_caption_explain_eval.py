@@ -202,3 +202,30 @@ def test_each_head_has_its_measured_default_and_a_given_order_wins():
     assert not given.methods_default
     assert decoder_methods(given) == decoder_methods(given, "captioning") == ["attention", "relevance"]
     assert decoder_methods(ExplainOptions(methods=["rollout"]), "captioning") == ["attention"]
+
+
+def test_grounded_positions_leave_out_words_that_name_nothing():
+    from vision_attn.explain.captioning import grounded_positions
+
+    words = "there are a red circle and two squares above the cross in a picture".split()
+    assert [words[t] for t in grounded_positions(words)] == ["red", "circle", "two", "squares", "above", "cross", "in"]
+    assert grounded_positions(["a", "the", "of"]) == [0, 1, 2]  # nothing else: every word
+    assert grounded_positions([]) == []
+
+
+def test_without_boxes_the_grounded_words_are_measured_and_saved(captioner, tmp_path, monkeypatch):
+    """A split without an instances file: faithfulness and saved maps over every generated word
+    that can name something (not "a", "the", "of", ...), no localisation numbers."""
+    import vision_attn.explain.captioning as explain_captioning
+    from vision_attn.explain.captioning import UNGROUNDED_WORDS, grounded_positions
+
+    task, val, words = captioner
+    monkeypatch.setattr(explain_captioning, "_split_boxes", lambda dataset: None)
+    metrics = write_caption_overlays(task, val, _options(save_maps=True), tmp_path)
+    assert not any(k.startswith(("pointing", "energy")) for k in metrics)
+    expected = [[w[t] for t in grounded_positions(w)] for w in words.values()]
+    assert metrics["explain_words"] == sum(map(len, expected)) > 0
+    assert metrics["explain_words"] < sum(map(len, words.values()))  # the untrained captions say "a" too
+    index = json.loads((tmp_path / "maps" / "index.json").read_text())
+    assert [e["word"] for e in index] == [w for ws in expected for w in ws]
+    assert any(w in UNGROUNDED_WORDS for ws in words.values() for w in ws)  # there was something to leave out

@@ -24,8 +24,9 @@ uniform maps over the patch grid: its localisation numbers are the mean over
   the words. ``pointing_acc`` / ``pointing_acc_random`` are the previous version's names of
   ``pointing_attention`` / ``pointing_random`` (kept for one version).
 - **Faithfulness** (``--explain.faithfulness``): ``deletion_auc_<method>`` /
-  ``insertion_auc_<method>`` over the same words (every generated word when the split has no
-  boxes): the patches are removed (deletion; replaced by the normalisation mean) or put back
+  ``insertion_auc_<method>`` over the same words (when the split has no boxes, every generated
+  word that can name something in the image: :func:`grounded_positions` leaves out the
+  :data:`UNGROUNDED_WORDS`, such as "a", "of", "there", "picture"): the patches are removed (deletion; replaced by the normalisation mean) or put back
   into a blurred image (insertion) in the order of the word's map, and the curve follows the
   word's *probability* ``exp(log p(word | <bos>, earlier words, image))``, teacher-forced on
   the generated caption. Probabilities lie in ``[0, 1]``, so the AUCs do too (log-probabilities
@@ -69,8 +70,8 @@ from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
-__all__ = ["RANDOM_DRAWS", "caption_strip", "explain_captioning", "named_words", "pointing_game", "random_word_maps",
-           "teacher_forced_word_maps", "word_attention_maps", "word_end_probabilities", "word_probability_curves", "write_caption_overlays"]
+__all__ = ["RANDOM_DRAWS", "UNGROUNDED_WORDS", "caption_strip", "explain_captioning", "grounded_positions", "named_words",
+           "pointing_game", "random_word_maps", "teacher_forced_word_maps", "word_attention_maps", "word_end_probabilities", "word_probability_curves", "write_caption_overlays"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,29 @@ def caption_strip(rgb: np.ndarray, words: list[str], maps: torch.Tensor, alpha: 
 def _is_box(value) -> bool:
     return (isinstance(value, list) and len(value) == 4
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
+
+
+UNGROUNDED_WORDS = frozenset({
+    # articles, determiners, pronouns
+    "a", "an", "the", "this", "that", "these", "those", "it", "its", "they", "them", "their", "he", "his", "him",
+    "she", "her", "we", "our", "you", "your", "i", "my", "some", "any", "each", "every", "other", "another",
+    # auxiliaries and copulas, conjunctions, non-spatial prepositions
+    "is", "are", "was", "were", "be", "been", "being", "am", "has", "have", "had", "do", "does", "can", "will",
+    "and", "or", "but", "nor", "so", "than", "then", "while", "which", "who", "whom", "whose", "what",
+    "of", "with", "to", "for", "at", "by", "as", "from", "there", "here", "very",
+    # the frame of a caption, not its content
+    "picture", "image", "photo", "photograph", "shows", "showing", "contains", "containing",
+})
+"""Words a caption uses that name nothing in the image. Without boxes, :func:`grounded_positions`
+leaves them out of the explained words: their probability hardly depends on the pixels, so
+their deletion / insertion curves say little about a map and cost as much as the rest (spatial
+words such as "above", "left", "on" and every number, colour and object word stay)."""
+
+
+def grounded_positions(words: list[str]) -> list[int]:
+    """Positions of the ``words`` outside :data:`UNGROUNDED_WORDS` (all positions if none is)."""
+    kept = [t for t, w in enumerate(words) if w.lower() not in UNGROUNDED_WORDS]
+    return kept or list(range(len(words)))
 
 
 def _split_boxes(dataset) -> dict[int, NamedBoxes] | None:
@@ -378,7 +402,7 @@ def _measure_batch(task, images: Tensor, explained: list, rows: list[tuple[int, 
         if boxes is not None:
             named = named_words(words, boxes.get(image_id, []))
         else:
-            named = [(t, []) for t in range(len(words))]
+            named = [(t, []) for t in grounded_positions(words)]
         if not named:
             continue
         positions = [t for t, _ in named]
