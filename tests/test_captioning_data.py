@@ -266,3 +266,18 @@ def test_auto_batch_size_for_captions(coco_root):
     expected = 1 << ((images // 2).bit_length() - 1)  # largest power of two <= images / 2 steps
     assert dm.train_dataloader().batch_size == expected and len(dm.train_dataloader()) >= 2
     assert dm.hparams["train_images"] == images and dm.val_dataloader().batch_size == 64
+
+
+def test_decoded_images_are_read_once_across_epochs(coco_root, monkeypatch):
+    import vision_attn.data.captioning as captioning
+    from vision_attn.data.transforms import build_eval_transform
+
+    calls = []
+    real = captioning.read_image
+    monkeypatch.setattr(captioning, "read_image", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    tok = WordTokenizer.train(c for cs in read_captions(coco_root, "train")[1].values() for c in cs)
+    ds = CocoCaptions(coco_root, "train", build_eval_transform(PRE), tok, sample="first", max_length=12)
+    first = [ds[i][0] for i in range(len(ds))]
+    second = [ds[i][0] for i in range(len(ds))]
+    assert len(calls) == len(ds) == len(set(calls))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

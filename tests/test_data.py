@@ -194,3 +194,17 @@ def test_bad_num_workers_is_a_clear_error(shapes_root, bad):
     for module in (ImageFolderDataModule, DetectionDataModule, CaptioningDataModule):
         with pytest.raises(DataError, match="--data.num_workers must be"):
             module(root=str(shapes_root), num_workers=bad)
+
+
+def test_decoded_images_are_read_once_across_epochs(tmp_path, monkeypatch):
+    import vision_attn.data.classification as classification
+
+    root = _folder(tmp_path, {"train": {"a": 2, "b": 1}, "val": {"a": 1}})
+    calls = []
+    real = classification.read_image
+    monkeypatch.setattr(classification, "read_image", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    ds = ImageFolderDataset(root, "train", ["a", "b"])
+    first = [ds[i][0] for i in range(len(ds))]
+    second = [ds[i][0] for i in range(len(ds))]
+    assert len(calls) == len(ds) == 3
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, second, strict=True))

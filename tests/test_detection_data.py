@@ -210,3 +210,26 @@ def test_hflip_off_and_no_crop_leave_training_images_as_in_evaluation(resize):
             assert torch.equal(b[0], expected[0].flip(-1))
             assert torch.allclose(b[1].as_subclass(torch.Tensor), torch.tensor([[15.0, 3.0, 22.0, 12.0]]))
     assert 3 < mirrored < 17
+
+
+def test_decoded_images_are_cached_and_items_unchanged(tmp_path, monkeypatch):
+    """The second epoch reads no file (the decoded pixels are kept), and gives the items the
+    first gave; with the cache off every access decodes the file again."""
+    import vision_attn.data.detection as detection
+
+    root = _coco(tmp_path)
+    Image.new("RGB", (80, 40), (200, 30, 60)).save(root / "val" / "a.png")
+    calls = []
+    real = detection.read_image
+    monkeypatch.setattr(detection, "read_image", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    ds = CocoDetection(root, "val", build_detection_transform(PRE, train=False))
+    first = [ds[i] for i in range(len(ds))]
+    second = [ds[i] for i in range(len(ds))]
+    assert len(calls) == 2  # one decode per image
+    for (x1, t1), (x2, t2) in zip(first, second, strict=True):
+        assert torch.equal(x1, x2) and torch.equal(t1["boxes"], t2["boxes"])
+    monkeypatch.setenv("VISION_ATTN_DECODED_CACHE_MB", "0")
+    off = CocoDetection(root, "val", build_detection_transform(PRE, train=False))
+    for _ in range(2):
+        items = [off[i] for i in range(len(off))]
+    assert len(calls) == 6 and torch.equal(items[0][0], first[0][0])

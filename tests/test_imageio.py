@@ -164,3 +164,45 @@ def test_fifo_and_folder_are_refused_without_opening(tmp_path):
     (tmp_path / "dir.png").mkdir()
     with pytest.raises(ImageReadError, match="a folder"):
         read_image(tmp_path / "dir.png")
+
+
+def test_decoded_cache_keeps_a_split_that_fits_and_hands_out_copies():
+    from vision_attn.data.imageio import DecodedCache
+
+    calls = []
+
+    def read(value):
+        def go():
+            calls.append(value)
+            return np.full((2, 3, 3), value, dtype=np.uint8)  # 18 bytes
+        return go
+
+    cache = DecodedCache(items=3, max_bytes=54)  # 3 x 18: the split fits
+    first = cache.get(0, read(5))
+    first[:] = 0  # a transform writing into its input
+    again = cache.get(0, read(99))
+    assert calls == [5] and again.tolist() == np.full((2, 3, 3), 5).tolist()  # read once, unchanged
+    assert again is not cache.get(0, read(99))
+    for k in (1, 2):
+        cache.get(k, read(k))
+    assert len(cache) == 3 and cache.used == 54
+    cache.get(3, read(3))  # more items than announced: the budget still holds
+    assert len(cache) == 3 and cache.used == 54 and calls == [5, 1, 2, 3]
+
+
+def test_decoded_cache_keeps_nothing_when_the_split_does_not_fit(monkeypatch):
+    from vision_attn.data.imageio import DecodedCache
+
+    n = []
+    read = lambda: n.append(1) or np.zeros((2, 3, 3), dtype=np.uint8)  # noqa: E731
+    big = DecodedCache(items=4, max_bytes=54)  # 4 x 18 > 54: decided by the first image
+    for _ in range(3):
+        big.get(0, read)
+    assert len(n) == 3 and len(big) == 0 and big.enabled is False
+    monkeypatch.setenv("VISION_ATTN_DECODED_CACHE_MB", "0")
+    off = DecodedCache(items=1)
+    off.get(0, read), off.get(0, read)
+    assert len(n) == 5 and len(off) == 0
+    monkeypatch.setenv("VISION_ATTN_DECODED_CACHE_MB", "lots")
+    with pytest.raises(ValueError, match="VISION_ATTN_DECODED_CACHE_MB"):
+        DecodedCache(items=1)

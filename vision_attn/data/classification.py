@@ -198,7 +198,7 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
 
     def _load(self, index: int) -> tuple[torch.Tensor, int, int]:
         rel, label = self.samples[index]
-        img = read_image(self.root / rel, max_pixels=self.max_pixels)
+        img = self.cached_read(index, lambda: read_image(self.root / rel, max_pixels=self.max_pixels))
         if self.transform is not None:
             img = self.transform(img)
         return img, label, index

@@ -382,7 +382,7 @@ class CocoDetection(SkipUnreadable, Dataset):
 
     def _load(self, index: int):
         im = self.images[index]
-        rgb = self.read_rgb(index)
+        rgb = self.cached_read(index, lambda: self.read_rgb(index))
         h, w = rgb.shape[:2]
         anns = self.annotations[im["id"]]
         xyxy = torch.tensor([a[0] for a in anns], dtype=torch.float32).reshape(-1, 4)

@@ -44,10 +44,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from vision_attn.data.imageio import ImageReadError
+from vision_attn.data.imageio import DecodedCache, ImageReadError
 from vision_attn.errors import DataError
 
 __all__ = [
@@ -140,6 +141,14 @@ class SkipUnreadable:
 
     skip_unreadable: bool = False
     _skipped: set[str] | None = None
+    _decoded: DecodedCache | None = None
+
+    def cached_read(self, index: int, read: Callable[[], np.ndarray]) -> np.ndarray:
+        """``read()`` of image ``index``, kept for the next epochs when the split fits in memory
+        (:class:`~vision_attn.data.imageio.DecodedCache`)."""
+        if self._decoded is None:
+            self._decoded = DecodedCache(len(self))
+        return self._decoded.get(index, read)
 
     def _load(self, index: int):
         raise NotImplementedError
