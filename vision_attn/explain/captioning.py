@@ -26,10 +26,10 @@ uniform maps over the patch grid: its localisation numbers are the mean over
 - **Faithfulness** (``--explain.faithfulness``): ``deletion_auc_<method>`` /
   ``insertion_auc_<method>`` over the same words (when the split has no boxes, every generated
   word that can name something in the image: :func:`grounded_positions` leaves out the
-  :data:`UNGROUNDED_WORDS`, such as "a", "of", "there", "picture"): the patches are removed (deletion; replaced by the normalisation mean) or put back
-  into a blurred image (insertion) in the order of the word's map, and the curve follows the
-  word's *probability* ``exp(log p(word | <bos>, earlier words, image))``, teacher-forced on
-  the generated caption. Probabilities lie in ``[0, 1]``, so the AUCs do too (log-probabilities
+  :data:`UNGROUNDED_WORDS`, such as "a", "of", "there", "picture"): the patches are removed
+  (deletion; replaced by the normalisation mean) or put back into a blurred image (insertion)
+  in the order of the word's map, and the curve follows the word's *probability*
+  ``exp(log p(word | <bos>, earlier words, image))``, teacher-forced on the generated caption. Probabilities lie in ``[0, 1]``, so the AUCs do too (log-probabilities
   would not: unbounded below). Lower deletion / higher insertion is better.
   ``deletion_auc`` / ``insertion_auc`` are the first method's; ``explain_words`` counts the
   words.
@@ -70,8 +70,9 @@ from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
-__all__ = ["RANDOM_DRAWS", "UNGROUNDED_WORDS", "caption_strip", "explain_captioning", "grounded_positions", "named_words",
-           "pointing_game", "random_word_maps", "teacher_forced_word_maps", "word_attention_maps", "word_end_probabilities", "word_probability_curves", "write_caption_overlays"]
+__all__ = ["RANDOM_DRAWS", "UNGROUNDED_WORDS", "caption_strip", "explain_captioning", "grounded_positions",
+           "named_words", "pointing_game", "random_word_maps", "teacher_forced_word_maps", "word_attention_maps",
+           "word_end_probabilities", "word_probability_curves", "write_caption_overlays"]
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ UNGROUNDED_WORDS = frozenset({
     "a", "an", "the", "this", "that", "these", "those", "it", "its", "they", "them", "their", "he", "his", "him",
     "she", "her", "we", "our", "you", "your", "i", "my", "some", "any", "each", "every", "other", "another",
     # auxiliaries and copulas, conjunctions, non-spatial prepositions
-    "is", "are", "was", "were", "be", "been", "being", "am", "has", "have", "had", "do", "does", "can", "will",
+    "is", "are", "was", "were", "be", "been", "being", "am", "has", "have", "had", "do", "does",
     "and", "or", "but", "nor", "so", "than", "then", "while", "which", "who", "whom", "whose", "what",
     "of", "with", "to", "for", "at", "by", "as", "from", "there", "here", "very",
     # the frame of a caption, not its content
