@@ -4,20 +4,24 @@
         [--json benchmarks/results/caption_ceiling.json]
 
 Template captions leave a captioner little room above its references, and a relative goal
-("SCST: +10 % CIDEr-D") can ask for more than the metric gives. Rows, each CIDEr-D with the
-document frequencies of ``eval.py`` (the references of the scored images, normalised as
+("SCST: +10 % CIDEr-D") can ask for more than the metric gives. Rows (captions normalised as
 ``eval.py`` normalises them):
 
-- ``reference``: reference ``j`` of every image used as its caption, scored against all of the
-  image's references (itself included, as a prediction would be), averaged over ``j``: what
-  writing one of the references verbatim scores;
+- ``reference``: each reference of an image used as its caption, scored against all of the
+  image's references (itself included, as a prediction would be), with ``eval.py``'s document
+  frequencies (every reference of the scored images); the mean over an image's references, then
+  over the images: what writing one of the references verbatim scores;
 - ``best reference``: per image, the best of those (an oracle that knows which of its
-  references is the most consensual): about the top a captioner can reach by picking among the
-  phrasings the references use;
-- ``held-out reference``: reference ``j`` against the *other* references (the COCO protocol's
-  human score), averaged over ``j``;
+  references is the most consensual). Not an upper bound of the metric (a caption spliced from
+  pieces of the references can score a little higher), but the top of what picking among the
+  references' own phrasings reaches;
+- ``held-out reference``: the COCO protocol's human score: in round ``j`` every image's
+  reference ``j`` (``j`` modulo its number of references) against its other references, the
+  document frequencies from those other references; the mean over the rounds;
 - one row per run (``RUN/eval/predictions.json``, or a predictions file): its corpus CIDEr-D
   against all references, and against the same held-out sets as the row above.
+
+Images may have different numbers of references (COCO: 5-7); each needs at least two.
 
 ``--root`` defaults to the embedded scenes of ``--config``'s ``synthetic`` settings
 (``configs/captioning/shapes.yaml``: its image ids are those of that recipe's runs).
@@ -34,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import write_result
-from vision_attn.caption_metrics import cider_d
+from vision_attn.caption_metrics import CiderD, cider_d
 from vision_attn.data.tokenizer import normalize_caption
 
 log = logging.getLogger("benchmarks.caption_ceiling")
@@ -42,29 +46,42 @@ log = logging.getLogger("benchmarks.caption_ceiling")
 
 def reference_rows(references: Mapping[Hashable, Sequence[str]]) -> dict[str, float]:
     """``{"reference", "best reference", "held-out reference"}`` CIDEr-D of normalised
-    ``{image: [references]}`` (every image needs at least two references, the same number)."""
-    counts = {len(r) for r in references.values()}
-    if len(counts) != 1 or min(counts) < 2:
-        raise ValueError(f"every image needs the same number (>= 2) of references, got {sorted(counts)}")
-    k = counts.pop()
+    ``{image: [references]}`` (see the module docstring; at least two references per image)."""
+    _check_references(references)
     ids = list(references)
-    per_image = [cider_d({i: references[i][j] for i in ids}, references)[1] for j in range(k)]
-    per_reference = np.array([[scores[i] for i in ids] for scores in per_image])  # [k, images]
-    held = [cider_d({i: references[i][j] for i in ids}, _without(references, j))[0] for j in range(k)]
-    return {"reference": float(per_reference.mean()), "best reference": float(per_reference.max(0).mean()),
-            "held-out reference": float(np.mean(held))}
+    scorer = CiderD([references[i] for i in ids])  # eval.py's document frequencies
+    per_image = [scorer.scores(list(references[i]), references[i]) for i in ids]  # each reference as the caption
+    rounds = [cider_d(held, rest)[0] for held, rest in _held_out_rounds(references)]
+    return {"reference": float(np.mean([np.mean(s) for s in per_image])),
+            "best reference": float(np.mean([max(s) for s in per_image])),
+            "held-out reference": float(np.mean(rounds))}
 
 
 def prediction_row(predictions: Mapping[Hashable, str], references: Mapping[Hashable, Sequence[str]]) -> dict[str, float]:
     """``{"all references", "held-out"}``: CIDEr-D of ``{image: caption}`` against all
-    references, and averaged over ``j`` against the references without the ``j``-th."""
-    k = len(next(iter(references.values())))
+    references, and in the held-out rounds of :func:`reference_rows` against each image's
+    references without the held-out one."""
+    _check_references(references)
     return {"all references": cider_d(predictions, references)[0],
-            "held-out": float(np.mean([cider_d(predictions, _without(references, j))[0] for j in range(k)]))}
+            "held-out": float(np.mean([cider_d(predictions, rest)[0] for _, rest in _held_out_rounds(references)]))}
 
 
-def _without(references: Mapping[Hashable, Sequence[str]], j: int) -> dict[Hashable, list[str]]:
-    return {i: [c for n, c in enumerate(refs) if n != j] for i, refs in references.items()}
+def _check_references(references: Mapping[Hashable, Sequence[str]]) -> None:
+    few = [i for i, refs in references.items() if len(refs) < 2]
+    if not references or few:
+        raise ValueError(f"every image needs at least two reference captions (image id {few[0] if few else None} "
+                         "has fewer): the held-out rows compare one with the others")
+
+
+def _held_out_rounds(references: Mapping[Hashable, Sequence[str]]):
+    """``(held-out caption per image, the other references per image)`` for ``j`` in ``0 ..
+    most references - 1`` (image ``i`` holds out its reference ``j mod len``)."""
+    for j in range(max(len(r) for r in references.values())):
+        held, rest = {}, {}
+        for i, refs in references.items():
+            k = j % len(refs)
+            held[i], rest[i] = refs[k], [c for n, c in enumerate(refs) if n != k]
+        yield held, rest
 
 
 def read_predictions(path: Path, references: Mapping[Hashable, Sequence[str]]) -> dict[Hashable, str]:
@@ -77,7 +94,12 @@ def read_predictions(path: Path, references: Mapping[Hashable, Sequence[str]]) -
         raise SystemExit(f"{file}: cannot read the predictions ({err}); pass eval.py's predictions.json or its run folder") from err
     if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("caption"), str) for r in rows):
         raise SystemExit(f"{file}: expected eval.py's list of {{\"image_id\", \"caption\"}}")
-    out = {r.get("image_id"): normalize_caption(r["caption"]) for r in rows}
+    ids = [r.get("image_id") for r in rows]
+    bad = next((i for i in ids if not isinstance(i, (int, str)) or isinstance(i, bool)), None)
+    if bad is not None or len(set(ids)) != len(ids):
+        what = f"image id {bad!r} is not a number or text" if bad is not None else "an image id appears twice"
+        raise SystemExit(f"{file}: {what}; expected one caption per image, as eval.py writes")
+    out = {r["image_id"]: normalize_caption(r["caption"]) for r in rows}
     missing = [i for i in references if i not in out]
     if missing:
         raise SystemExit(f"{file}: no caption for {len(missing)} of the {len(references)} images (e.g. image id "
@@ -117,7 +139,10 @@ def main() -> None:
     root = Path(args.root) if args.root else embedded_root(Path(args.config))
     images, captions = read_captions(root, args.split)
     references = {im["id"]: [normalize_caption(c) for c in captions[im["id"]]] for im in images}
-    rows: dict[str, dict[str, float]] = {"references": reference_rows(references)}
+    try:
+        rows: dict[str, dict[str, float]] = {"references": reference_rows(references)}
+    except ValueError as err:
+        raise SystemExit(f"{root}/annotations/captions_{args.split}.json: {err}") from err
     for run in args.runs:
         rows[run] = prediction_row(read_predictions(Path(run), references), references)
     write_result(args.json, {"root": str(root), "split": args.split, "images": len(references), "rows": rows})

@@ -78,3 +78,51 @@ _SLOW_FILES = ("test_distributed.py", "test_notebooks.py")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(_SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def cached_and_uncached_epochs(make_dataset, monkeypatch, seed: int = 3) -> tuple[list, list]:
+    """Items of a second epoch over ``make_dataset()`` with the decoded-image cache on (the
+    first epoch filled it) and of one epoch over a fresh dataset with it off, both drawn after
+    seeding every random source with ``seed``: a training transform then draws the same."""
+    import random
+
+    import numpy as np
+    import torch
+
+    def epoch(ds):
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        return [ds[i] for i in range(len(ds))]
+
+    monkeypatch.delenv("VISION_ATTN_DECODED_CACHE_MB", raising=False)
+    cached = make_dataset()
+    epoch(cached)
+    on = epoch(cached)
+    assert cached._decoded is not None and len(cached._decoded) == len(cached)  # every image kept
+    monkeypatch.setenv("VISION_ATTN_DECODED_CACHE_MB", "0")
+    uncached = make_dataset()
+    off = epoch(uncached)
+    assert len(uncached._decoded) == 0
+    return on, off
+
+
+def assert_same_items(a, b) -> None:
+    """Items (tuples / dicts / lists of tensors, arrays and plain values) equal element by element."""
+    import numpy as np
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same_items(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_items(x, y)
+    else:
+        assert a == b

@@ -327,5 +327,18 @@ def test_caption_ceiling_rows_against_direct_cider_d(tmp_path):
     (tmp_path / "eval" / "predictions.json").write_text(json.dumps([{"image_id": 1, "caption": "a red circle"}]))
     with pytest.raises(SystemExit, match="no caption for 2 of the 3 images"):
         read_predictions(Path(tmp_path), refs)
-    with pytest.raises(ValueError, match="same number"):
-        reference_rows({1: ["a", "b"], 2: ["c", "d", "e"]})
+    with pytest.raises(ValueError, match="image id 2 has fewer"):
+        reference_rows({1: ["a b", "c d"], 2: ["e f"]})
+    dup = tmp_path / "dup.json"
+    dup.write_text(json.dumps([{"image_id": 1, "caption": "a"}, {"image_id": 1, "caption": "b"}]))
+    with pytest.raises(SystemExit, match="appears twice"):
+        read_predictions(dup, refs)
+
+    # By hand: an image whose references all say the same (at least four words, none shared with
+    # another image) scores CIDEr-D 10 with any of them: every n-gram vector is its reference's,
+    # cosine 1 for n = 1..4, no length penalty; the same against the other references. The
+    # images may have different numbers of references (COCO: 5-7).
+    same = {1: ["a red circle on the left"] * 3, 2: ["two blue squares in a row"] * 2, 3: ["one green star up top"] * 4}
+    assert reference_rows(same) == pytest.approx({"reference": 10.0, "best reference": 10.0, "held-out reference": 10.0})
+    assert prediction_row({i: r[0] for i, r in same.items()}, same) == pytest.approx({"all references": 10.0,
+                                                                                    "held-out": 10.0})

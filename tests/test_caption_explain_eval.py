@@ -208,7 +208,10 @@ def test_grounded_positions_leave_out_words_that_name_nothing():
     from vision_attn.explain.captioning import grounded_positions
 
     words = "there are a red circle and two squares above the cross in a picture".split()
-    assert [words[t] for t in grounded_positions(words)] == ["red", "circle", "two", "squares", "above", "cross", "in"]
+    assert [words[t] for t in grounded_positions(words)] == ["red", "circle", "two", "squares", "above", "cross", "in",
+                                                             "picture"]
+    frame = "a picture of a dog by a framed photo and a close up of a cat".split()  # only the frames go
+    assert [frame[t] for t in grounded_positions(frame)] == ["dog", "by", "framed", "photo", "cat"]
     assert grounded_positions(["a", "the", "of"]) == [0, 1, 2]  # nothing else: every word
     assert grounded_positions([]) == []
 

@@ -233,9 +233,11 @@ def test_attach_boxes_needs_a_transform_boxes_can_follow(coco_root, tmp_path):
     assert _boxes_dataset(copy, build_train_transform(PRE, "none")).attach_boxes() is None
 
 
-def test_attached_boxes_stay_on_the_stored_pixels_of_an_exif_rotated_image(tmp_path):
+@pytest.mark.parametrize("read_before", [False, True])
+def test_attached_boxes_stay_on_the_stored_pixels_of_an_exif_rotated_image(tmp_path, read_before):
     """Boxes are drawn on the stored pixels (as the detection data reads them): with boxes
-    attached, the image is not turned by its EXIF orientation, so the box stays on the object."""
+    attached, the image is not turned by its EXIF orientation, so the box stays on the object —
+    also when the dataset already read (and cached) the turned image before the boxes came."""
     from vision_attn.data.transforms import build_train_transform
 
     from .conftest import write_exif_rotated_jpeg
@@ -249,6 +251,8 @@ def test_attached_boxes_stay_on_the_stored_pixels_of_an_exif_rotated_image(tmp_p
          "annotations": [{"id": 1, "image_id": 1, "category_id": 3, "bbox": [28, 2, 8, 8], "area": 64, "iscrowd": 0}]}))
     tok = WordTokenizer.train(["a white square"])
     ds = CocoCaptions(tmp_path, "val", build_train_transform(PRE, "none"), tok)
+    if read_before:
+        ds[0]
     assert ds.attach_boxes() == ["square"]
     picture, _, _, (boxes, labels) = ds[0]
     torch.testing.assert_close(boxes, torch.tensor([[0.7, 0.1, 0.9, 0.5]]))
@@ -269,15 +273,22 @@ def test_auto_batch_size_for_captions(coco_root):
 
 
 def test_decoded_images_are_read_once_across_epochs(coco_root, monkeypatch):
+    """Cached or not, the same items under the same seed, boxes attached and the training
+    transform drawing crops and colours; each image decoded once."""
     import vision_attn.data.captioning as captioning
-    from vision_attn.data.transforms import build_eval_transform
+    from vision_attn.data.transforms import build_train_transform
+
+    from .conftest import assert_same_items, cached_and_uncached_epochs
 
     calls = []
     real = captioning.read_image
     monkeypatch.setattr(captioning, "read_image", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
-    tok = WordTokenizer.train(c for cs in read_captions(coco_root, "train")[1].values() for c in cs)
-    ds = CocoCaptions(coco_root, "train", build_eval_transform(PRE), tok, sample="first", max_length=12)
-    first = [ds[i][0] for i in range(len(ds))]
-    second = [ds[i][0] for i in range(len(ds))]
-    assert len(calls) == len(ds) == len(set(calls))
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+    def make():
+        ds = _boxes_dataset(coco_root, build_train_transform(PRE, "small", hflip=False))
+        ds.attach_boxes()
+        return ds
+
+    on, off = cached_and_uncached_epochs(make, monkeypatch)
+    assert len(calls) == 2 * len(on) and len(set(calls)) == len(on)
+    assert_same_items(on, off)

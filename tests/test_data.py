@@ -197,14 +197,17 @@ def test_bad_num_workers_is_a_clear_error(shapes_root, bad):
 
 
 def test_decoded_images_are_read_once_across_epochs(tmp_path, monkeypatch):
+    """Cached or not, the same items under the same seed through the random training transform;
+    each image decoded once."""
     import vision_attn.data.classification as classification
+
+    from .conftest import assert_same_items, cached_and_uncached_epochs
 
     root = _folder(tmp_path, {"train": {"a": 2, "b": 1}, "val": {"a": 1}})
     calls = []
     real = classification.read_image
     monkeypatch.setattr(classification, "read_image", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
-    ds = ImageFolderDataset(root, "train", ["a", "b"])
-    first = [ds[i][0] for i in range(len(ds))]
-    second = [ds[i][0] for i in range(len(ds))]
-    assert len(calls) == len(ds) == 3
-    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, second, strict=True))
+    tf = build_train_transform(PRE, "small")
+    on, off = cached_and_uncached_epochs(lambda: ImageFolderDataset(root, "train", ["a", "b"], tf), monkeypatch)
+    assert len(calls) == 3 + 3
+    assert_same_items(on, off)

@@ -213,23 +213,40 @@ def test_hflip_off_and_no_crop_leave_training_images_as_in_evaluation(resize):
 
 
 def test_decoded_images_are_cached_and_items_unchanged(tmp_path, monkeypatch):
-    """The second epoch reads no file (the decoded pixels are kept), and gives the items the
-    first gave; with the cache off every access decodes the file again."""
+    """The second epoch reads no file (the decoded pixels are kept) and, under the same seed,
+    gives the items that reading every file gives, through the random training transform; an
+    EXIF-turned image is read twice once (turned, then as stored) and never again."""
     import vision_attn.data.detection as detection
 
-    root = _coco(tmp_path)
+    from .conftest import assert_same_items, cached_and_uncached_epochs, write_exif_rotated_jpeg
+
+    root = _coco(tmp_path / "coco")
     Image.new("RGB", (80, 40), (200, 30, 60)).save(root / "val" / "a.png")
     calls = []
     real = detection.read_image
     monkeypatch.setattr(detection, "read_image", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
-    ds = CocoDetection(root, "val", build_detection_transform(PRE, train=False))
-    first = [ds[i] for i in range(len(ds))]
-    second = [ds[i] for i in range(len(ds))]
-    assert len(calls) == 2  # one decode per image
-    for (x1, t1), (x2, t2) in zip(first, second, strict=True):
-        assert torch.equal(x1, x2) and torch.equal(t1["boxes"], t2["boxes"])
-    monkeypatch.setenv("VISION_ATTN_DECODED_CACHE_MB", "0")
-    off = CocoDetection(root, "val", build_detection_transform(PRE, train=False))
-    for _ in range(2):
-        items = [off[i] for i in range(len(off))]
-    assert len(calls) == 6 and torch.equal(items[0][0], first[0][0])
+    tf = build_detection_transform(PRE, train=True, scale_jitter=(0.2, 0.5))
+    on, off = cached_and_uncached_epochs(lambda: CocoDetection(root, "val", tf), monkeypatch)
+    assert len(calls) == 2 + 2  # cached: one read per image over two epochs; uncached: one epoch
+    assert_same_items(on, off)
+
+    (tmp_path / "exif").mkdir()
+    write_exif_rotated_jpeg(tmp_path / "exif")  # 40x20 stored, displayed 20x40; annotated as stored
+    image = {"id": 1, "file_name": "a.jpg", "width": 40, "height": 20}
+    (tmp_path / "exif" / "annotations" / "instances_val.json").write_text(json.dumps(
+        {"images": [image], "categories": [{"id": 3, "name": "square"}],
+         "annotations": [{"id": 1, "image_id": 1, "category_id": 3, "bbox": [28, 2, 8, 8]}]}))
+    monkeypatch.delenv("VISION_ATTN_DECODED_CACHE_MB")
+    calls.clear()
+    ds = CocoDetection(tmp_path / "exif", "val", build_detection_transform(PRE, train=False))
+    first, second = ds[0], ds[0]
+    assert len(calls) == 2 and first[1]["orig_size"].tolist() == [20, 40]  # the stored orientation, kept
+    assert_same_items(first, second)
+
+
+def test_a_bad_decoded_cache_setting_stops_the_data_module(monkeypatch):
+    from vision_attn.data.synthetic import SceneSetConfig
+
+    monkeypatch.setenv("VISION_ATTN_DECODED_CACHE_MB", "inf")
+    with pytest.raises(DataError, match="VISION_ATTN_DECODED_CACHE_MB must be a number of MiB >= 0"):
+        DetectionDataModule(synthetic=SceneSetConfig(num_train=4, num_val=2, image_size=32), num_workers=0)

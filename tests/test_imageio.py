@@ -167,35 +167,37 @@ def test_fifo_and_folder_are_refused_without_opening(tmp_path):
 
 
 def test_decoded_cache_keeps_a_split_that_fits_and_hands_out_copies():
-    from vision_attn.data.imageio import DecodedCache
+    from vision_attn.data.imageio import ENTRY_OVERHEAD, DecodedCache
 
     calls = []
 
-    def read(value):
+    def read(value, side=2):
         def go():
             calls.append(value)
-            return np.full((2, 3, 3), value, dtype=np.uint8)  # 18 bytes
+            return np.full((side, 3, 3), value, dtype=np.uint8)  # 9 * side bytes
         return go
 
-    cache = DecodedCache(items=3, max_bytes=54)  # 3 x 18: the split fits
+    one = 18 + ENTRY_OVERHEAD
+    cache = DecodedCache(items=3, max_bytes=3 * one)  # the split fits
     first = cache.get(0, read(5))
     first[:] = 0  # a transform writing into its input
     again = cache.get(0, read(99))
     assert calls == [5] and again.tolist() == np.full((2, 3, 3), 5).tolist()  # read once, unchanged
     assert again is not cache.get(0, read(99))
-    for k in (1, 2):
-        cache.get(k, read(k))
-    assert len(cache) == 3 and cache.used == 54
-    cache.get(3, read(3))  # more items than announced: the budget still holds
-    assert len(cache) == 3 and cache.used == 54 and calls == [5, 1, 2, 3]
+    cache.get(1, read(1))
+    cache.get(2, read(2, side=40))  # larger than the first image suggested: the budget still holds
+    cache.get(3, read(3))
+    assert len(cache) == 3 and cache.used == 3 * one and calls == [5, 1, 2, 3]
+    cache.get(2, read(2, side=40))
+    assert calls == [5, 1, 2, 3, 2]  # not kept: read again
 
 
 def test_decoded_cache_keeps_nothing_when_the_split_does_not_fit(monkeypatch):
-    from vision_attn.data.imageio import DecodedCache
+    from vision_attn.data.imageio import ENTRY_OVERHEAD, DecodedCache, cache_budget
 
     n = []
     read = lambda: n.append(1) or np.zeros((2, 3, 3), dtype=np.uint8)  # noqa: E731
-    big = DecodedCache(items=4, max_bytes=54)  # 4 x 18 > 54: decided by the first image
+    big = DecodedCache(items=4, max_bytes=3 * (18 + ENTRY_OVERHEAD))  # 4 images do not fit in 3: off
     for _ in range(3):
         big.get(0, read)
     assert len(n) == 3 and len(big) == 0 and big.enabled is False
@@ -203,6 +205,21 @@ def test_decoded_cache_keeps_nothing_when_the_split_does_not_fit(monkeypatch):
     off = DecodedCache(items=1)
     off.get(0, read), off.get(0, read)
     assert len(n) == 5 and len(off) == 0
-    monkeypatch.setenv("VISION_ATTN_DECODED_CACHE_MB", "lots")
-    with pytest.raises(ValueError, match="VISION_ATTN_DECODED_CACHE_MB"):
-        DecodedCache(items=1)
+    monkeypatch.setenv("VISION_ATTN_DECODED_CACHE_MB", "1.5")
+    assert cache_budget() == 3 * 2**19
+    for bad in ("lots", "inf", "1e400", "-1", "nan"):
+        monkeypatch.setenv("VISION_ATTN_DECODED_CACHE_MB", bad)
+        with pytest.raises(ValueError, match="VISION_ATTN_DECODED_CACHE_MB must be a number of MiB"):
+            cache_budget()
+
+
+def test_decoded_cache_budget_is_shared_among_loader_workers(monkeypatch):
+    """Each worker holds its own copy of the dataset, so each gets its share of the budget."""
+    import torch.utils.data as tud
+
+    from vision_attn.data.imageio import DEFAULT_CACHE_BYTES, DecodedCache
+
+    monkeypatch.delenv("VISION_ATTN_DECODED_CACHE_MB", raising=False)
+    assert DecodedCache(items=1).max_bytes == DEFAULT_CACHE_BYTES
+    monkeypatch.setattr(tud, "get_worker_info", lambda: type("Info", (), {"num_workers": 4})())
+    assert DecodedCache(items=1).max_bytes == DEFAULT_CACHE_BYTES // 4

@@ -310,8 +310,9 @@ class CocoCaptions(SkipUnreadable, Dataset):
 
     def _load(self, index: int):
         # boxes are drawn on the stored pixels (as the detection data reads them): no EXIF turn then
-        image = self.cached_read(index, lambda: read_image(self.image_path(index), self.max_pixels,
-                                                            apply_exif=self.boxes is None))
+        exif = self.boxes is None
+        image = self.cached_read((index, exif), lambda: read_image(self.image_path(index), self.max_pixels,
+                                                                    apply_exif=exif))
         boxes = None
         if self.boxes is not None:
             xyxy, labels = self.boxes.get(self.images[index]["id"], (torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64)))

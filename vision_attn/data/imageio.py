@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_PIXELS",
     "DecodedCache",
+    "cache_budget",
     "IMAGE_EXTENSIONS",
     "ImageReadError",
     "decoded_bytes",
@@ -46,7 +47,7 @@ DEFAULT_MAX_PIXELS = 178_956_970  # PIL's own default bomb limit
 # Decoded bytes (PIL keeps RGB in 4 bytes a pixel): an 80-megapixel RGB photo or a 36-megapixel
 # RGBA PNG fits; PIL's own bomb check refuses more than 89 M pixels in any case.
 DEFAULT_MAX_BYTES = 320 * 2**20
-DEFAULT_CACHE_BYTES = 256 * 2**20  # per dataset object and loader process; VISION_ATTN_DECODED_CACHE_MB overrides
+DEFAULT_CACHE_BYTES = 256 * 2**20  # per dataset, shared out among its loader workers; VISION_ATTN_DECODED_CACHE_MB overrides
 _BLOCK_PIXELS = 1 << 20  # pixels converted at a time (bounds the temporaries of to_rgb_array)
 
 
@@ -211,21 +212,21 @@ class DecodedCache:
     """The decoded images of one dataset, kept in memory so that later epochs skip the file and
     the decoder (on 2 CPU cores the PNG decode was about two thirds of the captioner's data time).
 
-    Only when the whole split fits: the first image decides, ``items`` times its bytes must stay
-    within ``max_bytes`` (default :data:`DEFAULT_CACHE_BYTES`, or the environment's
-    ``VISION_ATTN_DECODED_CACHE_MB``; 0 turns it off). A few thousand small pictures are kept;
-    COCO is not, and then nothing is held. The cache never holds more than ``max_bytes``, and
-    hands out copies, so a transform that writes into its input cannot change it. Each loader
-    process has its own (workers are persistent, so it lasts across epochs).
+    Turned on when the split looks small enough: the first image decides, ``items`` times its
+    bytes must stay within ``max_bytes``. A few thousand small pictures are kept; COCO is not,
+    and then nothing is held. Whatever the later images weigh, the cache never holds more than
+    ``max_bytes`` (each entry counted with :data:`ENTRY_OVERHEAD` bytes of bookkeeping): once
+    full, the rest are read from their files every time. It hands out copies, so a transform that
+    writes into its input cannot change it.
+
+    ``max_bytes`` defaults to :func:`cache_budget`, split evenly between a loader's worker
+    processes (each has its own copy of the dataset, hence of its cache; workers are persistent,
+    so it lasts across epochs).
     """
 
     def __init__(self, items: int, max_bytes: int | None = None) -> None:
         if max_bytes is None:
-            env = os.environ.get("VISION_ATTN_DECODED_CACHE_MB", "").strip()
-            try:
-                max_bytes = int(float(env) * 2**20) if env else DEFAULT_CACHE_BYTES
-            except ValueError as err:
-                raise ValueError(f"VISION_ATTN_DECODED_CACHE_MB must be a number of MiB, got {env!r}") from err
+            max_bytes = cache_budget() // _loader_processes()
         self.items, self.max_bytes, self.used = int(items), max(0, int(max_bytes)), 0
         self.enabled: bool | None = None if self.max_bytes > 0 else False  # None: decided by the first image
         self._arrays: dict = {}
@@ -236,13 +237,44 @@ class DecodedCache:
         if kept is not None:
             return kept.copy()
         arr = read()
+        cost = arr.nbytes + ENTRY_OVERHEAD
         if self.enabled is None:
-            self.enabled = arr.nbytes * self.items <= self.max_bytes
-        if self.enabled and self.used + arr.nbytes <= self.max_bytes:
+            self.enabled = cost * self.items <= self.max_bytes
+        if self.enabled and self.used + cost <= self.max_bytes:
             self._arrays[key] = arr
-            self.used += arr.nbytes
+            self.used += cost
             return arr.copy()
         return arr
 
     def __len__(self) -> int:
         return len(self._arrays)
+
+
+ENTRY_OVERHEAD = 256  # bytes of an array object and its dictionary slot, counted with each kept image
+
+
+def cache_budget() -> int:
+    """Bytes of decoded images one dataset may keep (:class:`DecodedCache`):
+    :data:`DEFAULT_CACHE_BYTES`, or ``VISION_ATTN_DECODED_CACHE_MB`` MiB (0 turns the cache off).
+
+    Raises:
+        ValueError: the variable is not a finite number >= 0.
+    """
+    env = os.environ.get("VISION_ATTN_DECODED_CACHE_MB", "").strip()
+    if not env:
+        return DEFAULT_CACHE_BYTES
+    try:
+        mib = float(env)
+    except ValueError:
+        mib = float("nan")
+    if not (0 <= mib < 2**40):  # also refuses nan and inf
+        raise ValueError(f"VISION_ATTN_DECODED_CACHE_MB must be a number of MiB >= 0 (0 = off), got {env!r}")
+    return int(mib * 2**20)
+
+
+def _loader_processes() -> int:
+    """The number of loader workers when called inside one, else 1."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    return max(1, info.num_workers) if info is not None else 1

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 
 import lightning as L
@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from vision_attn.data.imageio import DecodedCache, ImageReadError
+from vision_attn.data.imageio import DecodedCache, ImageReadError, cache_budget
 from vision_attn.errors import DataError
 
 __all__ = [
@@ -143,12 +143,13 @@ class SkipUnreadable:
     _skipped: set[str] | None = None
     _decoded: DecodedCache | None = None
 
-    def cached_read(self, index: int, read: Callable[[], np.ndarray]) -> np.ndarray:
-        """``read()`` of image ``index``, kept for the next epochs when the split fits in memory
+    def cached_read(self, key: Hashable, read: Callable[[], np.ndarray]) -> np.ndarray:
+        """``read()`` of the image ``key`` names (its index, and anything else that changes the
+        pixels read), kept for the next epochs when the split fits in memory
         (:class:`~vision_attn.data.imageio.DecodedCache`)."""
         if self._decoded is None:
             self._decoded = DecodedCache(len(self))
-        return self._decoded.get(index, read)
+        return self._decoded.get(key, read)
 
     def _load(self, index: int):
         raise NotImplementedError
@@ -394,6 +395,10 @@ class SplitDataModule(L.LightningDataModule):
         """Check and keep the batch settings (``batch_size``: an int or ``auto``, the rule's bounds,
         the evaluation batch; see :func:`auto_batch_size`)."""
         check_batch_sizing(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size)
+        try:
+            cache_budget()  # a bad VISION_ATTN_DECODED_CACHE_MB stops here, not in a loader worker
+        except ValueError as err:
+            raise DataError(str(err)) from err
         self.batch_size = batch_size  # as configured: an int or "auto"
         self.min_steps_per_epoch, self.min_batch_size, self.max_batch_size = (
             min_steps_per_epoch, min_batch_size, max_batch_size)

@@ -26,10 +26,11 @@ uniform maps over the patch grid: its localisation numbers are the mean over
 - **Faithfulness** (``--explain.faithfulness``): ``deletion_auc_<method>`` /
   ``insertion_auc_<method>`` over the same words (when the split has no boxes, every generated
   word that can name something in the image: :func:`grounded_positions` leaves out the
-  :data:`UNGROUNDED_WORDS`, such as "a", "of", "there", "picture"): the patches are removed
-  (deletion; replaced by the normalisation mean) or put back into a blurred image (insertion)
-  in the order of the word's map, and the curve follows the word's *probability*
-  ``exp(log p(word | <bos>, earlier words, image))``, teacher-forced on the generated caption. Probabilities lie in ``[0, 1]``, so the AUCs do too (log-probabilities
+  :data:`UNGROUNDED_WORDS` such as "a", "of", "there", and the frame "a picture of"): the
+  patches are removed (deletion; replaced by the normalisation mean) or put back into a blurred
+  image (insertion) in the order of the word's map, and the curve follows the word's
+  *probability* ``exp(log p(word | <bos>, earlier words, image))``, teacher-forced on the
+  generated caption. Probabilities lie in ``[0, 1]``, so the AUCs do too (log-probabilities
   would not: unbounded below). Lower deletion / higher insertion is better.
   ``deletion_auc`` / ``insertion_auc`` are the first method's; ``explain_words`` counts the
   words.
@@ -70,7 +71,7 @@ from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
-__all__ = ["RANDOM_DRAWS", "UNGROUNDED_WORDS", "caption_strip", "explain_captioning", "grounded_positions",
+__all__ = ["FRAME_WORDS", "RANDOM_DRAWS", "UNGROUNDED_WORDS", "caption_strip", "explain_captioning", "grounded_positions",
            "named_words", "pointing_game", "random_word_maps", "teacher_forced_word_maps", "word_attention_maps",
            "word_end_probabilities", "word_probability_curves", "write_caption_overlays"]
 
@@ -153,19 +154,29 @@ UNGROUNDED_WORDS = frozenset({
     # auxiliaries and copulas, conjunctions, non-spatial prepositions
     "is", "are", "was", "were", "be", "been", "being", "am", "has", "have", "had", "do", "does",
     "and", "or", "but", "nor", "so", "than", "then", "while", "which", "who", "whom", "whose", "what",
-    "of", "with", "to", "for", "at", "by", "as", "from", "there", "here", "very",
-    # the frame of a caption, not its content
-    "picture", "image", "photo", "photograph", "shows", "showing", "contains", "containing",
+    "of", "with", "to", "for", "as", "there", "here", "very", "shows", "showing", "contains", "containing",
 })
 """Words a caption uses that name nothing in the image. Without boxes, :func:`grounded_positions`
 leaves them out of the explained words: their probability hardly depends on the pixels, so
 their deletion / insertion curves say little about a map and cost as much as the rest (spatial
-words such as "above", "left", "on" and every number, colour and object word stay)."""
+words such as "above", "left", "on", "at", "by" and every number, colour and object word stay)."""
+
+FRAME_WORDS = frozenset({"picture", "image", "photo", "photograph", "photography", "view", "close", "closeup"})
+"""The frame of a caption ("a picture of ...", "a close up of ..."): ungrounded when "of" follows
+(or "up of", for "close up of"); "a picture hanging on the wall" keeps its picture."""
 
 
 def grounded_positions(words: list[str]) -> list[int]:
-    """Positions of the ``words`` outside :data:`UNGROUNDED_WORDS` (all positions if none is)."""
-    kept = [t for t, w in enumerate(words) if w.lower() not in UNGROUNDED_WORDS]
+    """Positions of the ``words`` that can name something in the image: not in
+    :data:`UNGROUNDED_WORDS`, and not a :data:`FRAME_WORDS` frame (all positions if none is)."""
+    low = [w.lower() for w in words]
+
+    def frame(t: int) -> bool:
+        rest = low[t + 1 : t + 3]
+        return low[t] in FRAME_WORDS and (rest[:1] == ["of"] or rest == ["up", "of"])
+
+    framed = {t + k for t in range(len(low)) if frame(t) for k in ((0, 1) if low[t + 1] == "up" else (0,))}
+    kept = [t for t, w in enumerate(low) if w not in UNGROUNDED_WORDS and t not in framed]
     return kept or list(range(len(words)))
 
 
