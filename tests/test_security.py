@@ -9,8 +9,12 @@ import io
 import json
 import logging
 import os
+import re
+import resource
+import struct
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -20,7 +24,7 @@ import torch
 from vision_attn import create_encoder, load_task
 from vision_attn.checkpoint_io import SafeCheckpointIO, load_checkpoint_file
 from vision_attn.cli import TrainCLI, eval_main, run_entry, train_main
-from vision_attn.errors import CheckpointError, ConfigError
+from vision_attn.errors import CheckpointError, ConfigError, EncoderError, VisionAttnError
 from vision_attn.tasks import ClassificationTask
 
 from .conftest import REPO, TINY_VIT
@@ -92,7 +96,10 @@ def test_no_spelling_of_the_config_imports_an_outside_module(spelling, tmp_path,
         return str(path)
 
     enforced_before = _common.parsing_settings["import_paths_enforced"]
-    with pytest.raises(ConfigError, match=rf"refusing to import '{mod}\.\w+'.*--allow_import {mod}"):
+    # an abbreviated option is no option at all (a usage error); every other spelling is refused by the policy
+    refused = (pytest.raises(SystemExit) if spelling == "abbreviated_conf" else
+               pytest.raises(ConfigError, match=rf"refusing to import '{mod}\.\w+'.*--allow_import {mod}"))
+    with refused:
         train_main([*_tiny_args(shapes_root, tmp_path / "out"), *SPELLINGS[spelling](write, mod)])
     assert not marker.exists() and mod not in sys.modules  # its code never ran
     assert not (tmp_path / "out").exists()  # nothing was built or written
@@ -213,16 +220,18 @@ def test_nested_class_paths_in_a_checkpoint_are_refused_before_import(tmp_path, 
         task_args["encoder"]["class_path"] = f"{mod}.Enc"
 
     ckpt = _crafted_checkpoint(tmp_path / "enc.ckpt", outside_encoder)
-    with pytest.raises(CheckpointError, match=rf"class '{mod}.Enc' is not part of vision_attn"):
+    refused = rf"encoder class '{mod}.Enc' is not part of vision_attn; refusing to import it"
+    with pytest.raises(CheckpointError, match=refused):
         load_task(ckpt)
     args = ["--config", CONFIG, "--data.init_args.root", str(shapes_root), "--ckpt_path", str(ckpt),
             "--output_dir", str(tmp_path / "ev")]
-    with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: class '{mod}.Enc'"):
+    with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: {refused}"):
         eval_main(args)  # eval.py built the model from the stored config, importing the encoder's module
-    with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: class '{mod}.Enc'.*--allow_import {mod}"):
-        eval_main([*args, "--allow_import", "some_other_module"])  # only the prefix the user allowed
-    with pytest.raises(CheckpointError, match=rf"class '{mod}.Enc' is not part of vision_attn"):
-        load_task(ckpt, allow_import=(f"{mod}x",))  # a prefix is a whole module name, not a string prefix
+    # a checkpoint names no code: its encoder is refused even when the user allows that very module
+    with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: {refused}.*with or without --allow_import"):
+        eval_main([*args, "--allow_import", mod])
+    with pytest.raises(CheckpointError, match=refused):
+        load_task(ckpt, allow_import=(mod,))
     assert not marker.exists() and mod not in sys.modules
 
     def class_path_in_task_args(task_args, enc_args):
@@ -331,3 +340,217 @@ def test_train_py_refuses_resume_and_imports_with_one_line(tmp_path, shapes_root
     assert len(lines) == 1 and "refusing to import 'evil_cli_mod.Cb'" in lines[0], res.stderr[-2000:]
     assert "Traceback" not in res.stderr
     assert not marker.exists() and not Path(f"{marker}.import").exists()
+
+
+# ------------------------------------------------------------------ loosely typed values
+
+PROCESS_CLASS = "torch.distributed.elastic.multiprocessing.subprocess_handler.SubprocessHandler"
+
+
+def _starts_a_process(marker: Path) -> dict:
+    """A class-path mapping to a torch class whose constructor starts ``touch marker``."""
+    return {"class_path": PROCESS_CLASS,
+            "init_args": {"entrypoint": "/usr/bin/touch", "args": [str(marker)], "env": {}, "stdout": None,
+                          "stderr": None, "local_rank_id": 0}}
+
+
+@pytest.mark.parametrize("where", ["timm_kwargs", "timm_kwargs_file", "preprocess", "optimizer", "callback"])
+def test_a_class_path_inside_a_config_value_starts_nothing(where, tmp_path, shapes_root, capsys):
+    marker = tmp_path / "process-ran"
+    spec = _starts_a_process(marker)
+    cfg = tmp_path / "hostile.yaml"
+    cfg.write_text(json.dumps({"model": {"init_args": {"encoder": {"init_args": {"timm_kwargs": {"x": spec}}}}}}))
+    extra = {"timm_kwargs": [f"{ENC}timm_kwargs", json.dumps({"x": spec})],
+             "timm_kwargs_file": ["--config", str(cfg)],
+             "preprocess": [f"{ENC}preprocess", json.dumps({"crop_pct": spec})],
+             "optimizer": ["--optimizer", json.dumps(spec)],
+             "callback": [f"--trainer.callbacks+={PROCESS_CLASS}"]}[where]
+    with pytest.raises((SystemExit, ConfigError)):
+        run_entry(lambda: train_main([*_tiny_args(shapes_root, tmp_path / "out"), *extra]))
+    assert [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]  # one line, named
+    time.sleep(0.2)
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def _edited_meta_checkpoint(path: Path, edit) -> Path:
+    torch.manual_seed(0)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["a", "b", "c"])
+    meta = task.checkpoint_meta()
+    edit(meta)
+    torch.save({"state_dict": task.state_dict(), "vision_attn": meta}, path)
+    return path
+
+
+def _enc_args(meta: dict) -> dict:
+    return meta["model"]["init_args"]["encoder"]["init_args"]
+
+
+@pytest.mark.parametrize("field", ["timm_kwargs", "preprocess", "drop_rate", "data_config"])
+def test_a_class_path_stored_in_a_checkpoint_starts_nothing(field, tmp_path, shapes_root, capsys):
+    marker = tmp_path / "process-ran"
+    spec = _starts_a_process(marker)
+
+    def edit(meta):
+        if field == "timm_kwargs":
+            _enc_args(meta)["timm_kwargs"] = {"qk_norm": spec}
+        elif field == "preprocess":
+            _enc_args(meta)["preprocess"] = {"mean": spec}
+        elif field == "drop_rate":
+            _enc_args(meta)["drop_rate"] = spec
+        else:
+            meta["data_config"]["crop_pct"] = spec
+
+    ckpt = _edited_meta_checkpoint(tmp_path / f"{field}.ckpt", edit)
+    with pytest.raises(CheckpointError, match=r"is not .*plain data of the documented types only"):
+        load_task(ckpt)
+    args = ["--config", CONFIG, "--data.init_args.root", str(shapes_root), "--ckpt_path", str(ckpt),
+            "--output_dir", str(tmp_path / "ev")]
+    with pytest.raises(SystemExit) as exit_info:
+        run_entry(lambda: eval_main(args))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: checkpoint {ckpt}:") and len(err.strip().splitlines()) == 2
+    time.sleep(0.2)
+    assert not marker.exists() and not (tmp_path / "ev" / "metrics.json").exists()
+
+
+def test_allow_import_in_a_config_file_of_predict_or_export_is_refused(tmp_path):
+    from vision_attn import export, predict
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("allow_import: [some_module]\n")
+    for main in (predict.main, export.main):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--config", str(cfg), "--ckpt_path", str(tmp_path / "x.ckpt"), "--images", str(tmp_path),
+                  "--output_dir", str(tmp_path / "o")] if main is predict.main else
+                 ["--config", str(cfg), "--ckpt_path", str(tmp_path / "x.ckpt"), "--output_dir", str(tmp_path / "o")])
+        assert exit_info.value.code == 2
+    assert "some_module" not in sys.modules
+
+
+CODE_LOADING = ["torch.hub", "torch.serialization", "torch.package", "torch.utils.cpp_extension",
+                "lightning.fabric.utilities.cloud_io", "dill", "joblib", "cloudpickle", "numpy", "builtins",
+                "numpy.lib.format", "torch.distributed.elastic"]
+
+
+@pytest.mark.parametrize("prefix", CODE_LOADING)
+def test_allow_import_refuses_modules_that_fetch_or_unpickle_code(prefix, tmp_path, shapes_root, capsys):
+    with pytest.raises(ConfigError, match=rf"--allow_import '{re.escape(prefix)}' is refused"):
+        TrainCLI(args=[*_tiny_args(shapes_root, tmp_path / "out"), "--allow_import", prefix])
+    from vision_attn import predict
+
+    with pytest.raises(SystemExit):
+        predict.main(["--ckpt_path", "x.ckpt", "--images", str(tmp_path), "--output_dir", str(tmp_path / "o"),
+                      "--allow_import", prefix])
+    assert "is refused" in capsys.readouterr().err
+
+
+def test_abbreviated_options_are_not_options(tmp_path, shapes_root, capsys):
+    with pytest.raises(ConfigError, match="spell the option out in full as --allow_import"):
+        TrainCLI(args=[*_tiny_args(shapes_root, tmp_path / "out"), "--allow_imp", "mymod"])
+    with pytest.raises(SystemExit):
+        TrainCLI(args=[*_tiny_args(shapes_root, tmp_path / "out"), "--trainer.max_epoch", "3"])
+    assert "unrecognized arguments: --trainer.max_epoch" in capsys.readouterr().err
+    from vision_attn import predict
+
+    with pytest.raises(SystemExit):
+        predict.main(["--ckpt_path", "x.ckpt", "--images", str(tmp_path), "--output_dir", str(tmp_path / "o"),
+                      "--allow_imp", "mymod"])
+    assert "unrecognized arguments: --allow_imp" in capsys.readouterr().err
+    assert "mymod" not in sys.modules
+
+
+# ------------------------------------------------------------------ bounded sizes
+
+def _header_only_safetensors(path: Path, shape: list[int]) -> Path:
+    """A safetensors file of a few bytes that declares ``head.weight`` of ``shape`` (zero elements)."""
+    header = json.dumps({"head.weight": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    return path
+
+
+@pytest.mark.parametrize("shape", [[2**24, 0], [2**31, 0]])
+def test_a_tiny_weights_file_cannot_declare_a_huge_model(shape, tmp_path):
+    from vision_attn.models.sources import load_model
+
+    weights = _header_only_safetensors(tmp_path / "w.safetensors", shape)
+    assert weights.stat().st_size < 120
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointError, match=r"tensor 'head.weight' declares shape .* VISION_ATTN_MAX_TENSOR_DIM"):
+        load_model("timm:vit_tiny_patch16_224", weights_file=weights)
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) < 500_000  # KiB: nothing sized from it
+
+
+@pytest.mark.parametrize(("edit", "limit"), [
+    (lambda m: _enc_args(m).update(embed_dim=4096, depth=24, num_heads=16), "VISION_ATTN_MAX_MODEL_BYTES"),
+    (lambda m: _enc_args(m).update(img_size=100_000), "VISION_ATTN_MAX_IMG_SIZE"),
+    (lambda m: m["data_config"].update(input_size=[3, 40_000, 40_000]), "VISION_ATTN_MAX_INPUT_SIZE"),
+    (lambda m: _enc_args(m).update(num_classes=2**26), "VISION_ATTN_MAX_NUM_CLASSES"),
+    (lambda m: m["model"]["init_args"].update(class_names=[str(i) for i in range(2**20 + 1)]),
+     "VISION_ATTN_MAX_NUM_CLASSES"),
+])
+def test_checkpoint_sizes_are_bounded_before_anything_is_allocated(edit, limit, tmp_path):
+    ckpt = _edited_meta_checkpoint(tmp_path / "big.ckpt", edit)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(VisionAttnError, match=limit):
+        load_task(ckpt)
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) < 1_000_000  # KiB
+
+
+def test_size_limits_can_be_raised_by_environment(tmp_path, monkeypatch):
+    ckpt = _edited_meta_checkpoint(tmp_path / "c.ckpt", lambda m: None)  # img_size 32
+    monkeypatch.setenv("VISION_ATTN_MAX_IMG_SIZE", "16")
+    with pytest.raises(CheckpointError, match=r"img_size = 32 lies outside 1..16.*VISION_ATTN_MAX_IMG_SIZE"):
+        load_task(ckpt)
+    monkeypatch.setenv("VISION_ATTN_MAX_IMG_SIZE", "32")
+    monkeypatch.setenv("VISION_ATTN_MAX_MODEL_BYTES", "10K")
+    with pytest.raises(VisionAttnError, match=r"would take .* KiB .* more than the 10.0 KiB .*VISION_ATTN_MAX_MODEL"):
+        load_task(ckpt)
+    monkeypatch.delenv("VISION_ATTN_MAX_MODEL_BYTES")
+    assert load_task(ckpt).encoder.init_args["img_size"] == 32
+
+
+def test_weights_of_other_shapes_are_one_clear_line(tmp_path):
+    torch.manual_seed(0)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["a", "b", "c"])
+    state = task.state_dict()
+    state["encoder.model.blocks.0.mlp.fc1.weight"] = torch.zeros(7, 32)
+    ckpt = tmp_path / "shapes.ckpt"
+    torch.save({"state_dict": state, "vision_attn": task.checkpoint_meta()}, ckpt)
+    with pytest.raises(CheckpointError, match=r"weights do not fit .* shapes differ: \['encoder.model.blocks.0.mlp"
+                                              r".fc1.weight \(7, 32\) \(model \(64, 32\)\)'\]") as info:
+        load_task(ckpt)
+    assert "\n" not in str(info.value)
+    weights = tmp_path / "enc.pth"
+    torch.save({k[len("encoder.model."):]: v for k, v in state.items() if k.startswith("encoder.model.")}, weights)
+    with pytest.raises(EncoderError, match=r"does not fit .* shapes differ for 1 tensors, e.g. blocks.0.mlp.fc1"):
+        create_encoder("vit_tiny_patch16_224", weights_file=str(weights), **TINY_VIT)
+
+
+def test_weights_with_nan_are_named_in_a_warning(tmp_path, caplog):
+    enc = create_encoder("vit_tiny_patch16_224", **TINY_VIT)
+    state = enc.model.state_dict()
+    state["blocks.1.attn.qkv.weight"][0, 0] = float("nan")
+    weights = tmp_path / "nan.pth"
+    torch.save(state, weights)
+    with caplog.at_level(logging.WARNING):
+        create_encoder("vit_tiny_patch16_224", weights_file=str(weights), **TINY_VIT)
+    assert "1 tensors hold NaN or infinite values (e.g. blocks.1.attn.qkv.weight)" in caplog.text
+
+
+def test_a_checkpoint_cannot_make_loading_read_another_file(tmp_path, caplog):
+    from vision_attn.tasks import CaptioningTask
+
+    other = tmp_path / "other.ckpt"
+    other.write_bytes(b"not a checkpoint: reading it would fail")
+    torch.manual_seed(0)
+    task = CaptioningTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), vocab=["<pad>", "<bos>", "<eos>", "<unk>",
+                                                                                    "a", "circle"], hidden_dim=32,
+                          num_layers=1, num_heads=2)
+    meta = task.checkpoint_meta()
+    meta["model"]["init_args"]["init_from"] = str(other)  # "start from this checkpoint" planted in the metadata
+    ckpt = tmp_path / "cap.ckpt"
+    torch.save({"state_dict": task.state_dict(), "vision_attn": meta}, ckpt)
+    with caplog.at_level(logging.WARNING):
+        loaded = load_task(ckpt)
+    assert "ignoring the stored argument init_from" in caplog.text and loaded.init_from is None

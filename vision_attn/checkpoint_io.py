@@ -13,8 +13,10 @@ beyond :data:`MAX_LOAD_BYTES_ENV` (default 16 GiB).
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -32,8 +34,10 @@ __all__ = [
     "check_local_file",
     "check_checkpoint_file",
     "check_unpacked_size",
+    "check_tensor_shapes",
     "load_checkpoint_file",
     "load_state_dict_file",
+    "safetensors_shapes",
 ]
 
 _SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
@@ -110,13 +114,16 @@ def check_unpacked_size(path: str | Path, what: str = "checkpoint") -> None:
         )
 
 
-def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", what: str = "checkpoint") -> Any:
+def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", what: str = "checkpoint",
+                         mmap: bool = False) -> Any:
     """Load a ``.ckpt`` / ``.pth`` / ``.pt`` / ``.bin`` safely (tensors and plain containers only).
 
     Args:
         path: a local file (URLs are refused).
         map_location: as for ``torch.load``.
         what: how messages name the file (``"checkpoint"``, ``"weights file"``).
+        mmap: map the tensors of a zip archive instead of reading them (their shapes can then be
+            checked before any data is read).
 
     Raises:
         CheckpointError: naming the file, for a URL, a missing, oversized or unreadable file, and
@@ -125,7 +132,8 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", what: str 
     path = check_local_file(path, what)
     check_unpacked_size(path, what)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True,
+                          mmap=mmap and zipfile.is_zipfile(path))
     except Exception as err:  # noqa: BLE001 - every failure becomes one clear message
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         if "weights_only" in str(err) or "Unsupported global" in str(err):
@@ -162,6 +170,64 @@ class SafeCheckpointIO(TorchCheckpointIO):
         return load_checkpoint_file(path, map_location=location, what="checkpoint")
 
 
+_SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+                      "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_MAX_HEADER = 100 << 20  # safetensors' own bound on the JSON header
+
+
+def safetensors_shapes(path: str | Path) -> dict[str, tuple[tuple[int, ...], int]]:
+    """``{name: (shape, bytes per element)}`` from a ``.safetensors`` file's header, without
+    reading any tensor.
+
+    Raises:
+        CheckpointError: naming the file, for a header that is not what the format defines.
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            raw = f.read(8)
+            (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (-1,)
+            if not 0 < n <= min(_MAX_HEADER, path.stat().st_size - 8):
+                raise CheckpointError(f"cannot read weights file {path}: not a safetensors file (header size {n})")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read weights file {path}: not a safetensors file ({err})") from err
+    if not isinstance(header, dict):
+        raise CheckpointError(f"cannot read weights file {path}: its header is not a mapping")
+    shapes: dict[str, tuple[tuple[int, ...], int]] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        size = _SAFETENSORS_BYTES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        if (not isinstance(shape, list) or size is None
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise CheckpointError(f"cannot read weights file {path}: tensor {name!r} has no valid dtype and shape")
+        shapes[str(name)] = (tuple(shape), size)
+    return shapes
+
+
+def check_tensor_shapes(shapes: dict[str, tuple[tuple[int, ...], int]], what: str) -> None:
+    """Refuse tensors whose declared shapes are out of bounds, before any is read or allocated:
+    a dimension above :data:`~vision_attn.schema.LIMITS` ``["tensor_dim"]`` (``VISION_ATTN_MAX_TENSOR_DIM``),
+    or a size above the load limit counting zero-sized dimensions as one (a ``[2**31, 0]`` tensor
+    holds nothing, but a model sized from it would not)."""
+    from vision_attn.schema import limit
+
+    top_dim, top_bytes = limit("tensor_dim"), max_load_bytes()
+    for name, (shape, item) in shapes.items():
+        big = [d for d in shape if d > top_dim]
+        declared = item
+        for d in shape:
+            declared *= max(d, 1)
+        if big or declared > top_bytes:
+            raise CheckpointError(
+                f"{what}: tensor {name!r} declares shape {list(shape)}, beyond the {top_dim} elements per dimension "
+                f"and {_human(top_bytes)} per tensor vision_attn reads; if you trust the file, raise "
+                f"VISION_ATTN_MAX_TENSOR_DIM or {MAX_LOAD_BYTES_ENV}"
+            )
+
+
 def load_state_dict_file(path: str | Path) -> dict[str, Tensor]:
     """A flat ``{name: tensor}`` from a weights file, unwrapping ``state_dict`` / ``model`` keys."""
     path = Path(path)
@@ -175,15 +241,17 @@ def load_state_dict_file(path: str | Path) -> dict[str, Tensor]:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        check_tensor_shapes(safetensors_shapes(path), f"weights file {path}")
         try:
             return load_file(str(path), device="cpu")
         except (SafetensorError, OSError, ValueError) as err:
             raise CheckpointError(f"cannot read weights file {path}: {err}") from err
-    obj = load_checkpoint_file(path, what="weights file")
+    obj = load_checkpoint_file(path, what="weights file", mmap=True)
     for key in ("state_dict", "model", "state_dict_ema", "model_ema"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not all(isinstance(v, Tensor) for v in obj.values()):
         raise CheckpointError(f"weights file {path} does not hold a state dict of tensors")
+    check_tensor_shapes({str(k): (tuple(v.shape), v.element_size()) for k, v in obj.items()}, f"weights file {path}")
     return obj

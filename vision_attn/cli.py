@@ -137,31 +137,101 @@ class RunCheckpoint(ModelCheckpoint):
 
 
 # ---------------------------------------------------------------------------------------------
-# What a config may import. Importing a module runs its code, so the check sits where the
-# parser (jsonargparse) turns a dotted path from any value — class_path, a class or callable
-# given as a string, on the command line, in a --config file or string, in a group file such
-# as --trainer FILE — into an object: jsonargparse's import-path policy, enforced for the
-# whole of parsing and building. No spelling of the command line reaches an import around it.
+# What a config may import. Importing a module runs its code, and building a class runs its
+# constructor, so the check sits where the parser (jsonargparse) turns a dotted path from any
+# value (class_path, a class or callable given as a string, on the command line, in a --config
+# file or string, in a group file such as --trainer FILE) into an object: jsonargparse's
+# import-path policy, enforced for the whole of parsing and building. The policy names exact
+# *classes*, not packages (torch and Lightning themselves hold classes that start processes,
+# unpickle or download); everything else needs --allow_import on the command line.
 
-ALLOWED_IMPORTS = ("vision_attn", "torch", "lightning", "lightning_fabric", "pytorch_lightning")
-# Inside the allowed packages: what fetches or runs code by itself (hub, unpickling loaders,
-# native extensions, the CLI's own unchecked class instantiation). Never allowed by default.
-DENIED_IMPORTS = (
-    "torch.hub", "torch.load", "torch.serialization", "torch.package", "torch.jit.load",
-    "torch.utils.cpp_extension", "torch.utils.model_zoo", "torch.ops", "torch.classes",
-    "lightning.fabric.utilities.cloud_io", "lightning_fabric.utilities.cloud_io",
-    "lightning.pytorch.cli.instantiate_class", "pytorch_lightning.cli.instantiate_class",
-    "lightning.pytorch.cli.LightningCLI", "pytorch_lightning.cli.LightningCLI",
+# Lightning's and torch's classes a config may name, by their public paths (the modules that
+# define them are added from the objects).
+_TORCH_LIGHTNING_CLASSES = {
+    "lightning.pytorch.callbacks": (
+        "BackboneFinetuning", "BatchSizeFinder", "DeviceStatsMonitor", "EarlyStopping", "EMAWeightAveraging",
+        "GradientAccumulationScheduler", "LambdaCallback", "LearningRateFinder", "LearningRateMonitor",
+        "ModelCheckpoint", "ModelPruning", "ModelSummary", "OnExceptionCheckpoint", "RichModelSummary",
+        "RichProgressBar", "SpikeDetection", "StochasticWeightAveraging", "ThroughputMonitor", "Timer",
+        "TQDMProgressBar", "WeightAveraging"),
+    "lightning.pytorch.loggers": ("CSVLogger", "TensorBoardLogger"),
+    "lightning.pytorch.strategies": ("DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "SingleDeviceStrategy"),
+    "lightning.pytorch.profilers": ("AdvancedProfiler", "PassThroughProfiler", "PyTorchProfiler", "SimpleProfiler"),
+    "lightning.pytorch.plugins.environments": (
+        "KubeflowEnvironment", "LightningEnvironment", "LSFEnvironment", "MPIEnvironment", "SLURMEnvironment",
+        "TorchElasticEnvironment"),
+    "lightning.pytorch.cli": ("ReduceLROnPlateau",),
+}
+# Modules that fetch, unpickle, compile or run code. Denied even when a prefix above them is
+# allowed (the most specific entry wins), and refused as --allow_import prefixes.
+CODE_LOADING_MODULES = (
+    "torch.hub", "torch.load", "torch.serialization", "torch.package", "torch.jit", "torch.utils.cpp_extension",
+    "torch.utils.model_zoo", "torch.ops", "torch.classes", "torch._inductor", "torch._dynamo", "torch.compiler",
+    "torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher", "torch.multiprocessing",
+    "lightning.fabric.utilities.cloud_io", "lightning_fabric.utilities.cloud_io", "lightning.pytorch.cli.instantiate_class",
+    "pytorch_lightning.cli.instantiate_class", "lightning.pytorch.cli.LightningCLI", "pytorch_lightning.cli.LightningCLI",
+    "builtins", "dill", "joblib", "cloudpickle", "numpy", "pickle", "_pickle", "marshal", "shelve", "importlib",
+    "runpy", "code", "codeop", "ctypes", "pydoc", "pkgutil", "zipimport", "webbrowser", "urllib", "http", "socket",
+    "requests", "fsspec", "huggingface_hub", "timm", "jsonargparse", "yaml",
 )
+DENIED_IMPORTS = CODE_LOADING_MODULES  # the name earlier versions exported
 ALLOW_IMPORT_FLAG = "--allow_import"
 ALLOW_IMPORT_HELP = (
-    "Also allow the config to import classes and callables from modules under this prefix "
-    "(repeatable, command line only, e.g. --allow_import my_callbacks). By default a config may "
-    "only name vision_attn, torch and Lightning objects: importing a module runs its code, so "
-    "allow only code you trust. Never taken from a config file or a checkpoint."
+    "Also allow the config to import classes and callables from modules under this prefix, or one class by "
+    "its full path (repeatable, command line only, e.g. --allow_import my_callbacks). By default a config "
+    "may only name the suite's own tasks, encoders, data modules and callbacks, and torch's and Lightning's "
+    "optimizers, schedulers, callbacks, loggers and strategies: importing a module runs its code, so allow "
+    "only code you trust. Never taken from a config file or a checkpoint."
 )
 _DENIED = re.compile(r"Importing '([^']+)' is not allowed, denied by the '([^']+)' entry")
 _GUARD_BASE: list[dict[str, bool]] = []  # jsonargparse's verdicts before the outermost guard
+
+
+def _suite_classes() -> list[type]:
+    """The suite's own classes a config may name: its registered tasks, the encoder, the data
+    modules and their generated-data settings, the option groups, the checkpoint callback and the
+    sharding strategy."""
+    from vision_attn.data import CaptioningDataModule, DetectionDataModule, ImageFolderDataModule
+    from vision_attn.data.synthetic import DigitSceneConfig, SceneSetConfig, ShapesConfig
+    from vision_attn.distributed import BlockFSDPStrategy
+    from vision_attn.models import ViTEncoder
+    from vision_attn.tasks.optim import Optimization
+
+    tasks = [cls for cls in TASKS.values() if cls.__module__.split(".")[0] == "vision_attn"]
+    return [*tasks, ViTEncoder, ImageFolderDataModule, DetectionDataModule, CaptioningDataModule,
+            ShapesConfig, SceneSetConfig, DigitSceneConfig, Optimization, ExplainOptions, GenerationOptions,
+            RunCheckpoint, BlockFSDPStrategy]
+
+
+def allowed_class_paths() -> list[str]:
+    """Every import path by which a config may name a class without ``--allow_import``: each
+    class's defining path and its public ones (``torch.optim.AdamW`` and
+    ``torch.optim.adamw.AdamW``). Optimizers and schedulers are torch's (all of
+    ``torch.optim`` and ``torch.optim.lr_scheduler``); the rest are listed by name."""
+    import importlib
+
+    classes: dict[str, type] = {}
+    for module_name, names in _TORCH_LIGHTNING_CLASSES.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            if isinstance(getattr(module, name, None), type):
+                classes[f"{module_name}.{name}"] = getattr(module, name)
+    for module, base in ((torch.optim, torch.optim.Optimizer),
+                         (torch.optim.lr_scheduler, (torch.optim.lr_scheduler.LRScheduler,
+                                                     torch.optim.lr_scheduler.ReduceLROnPlateau))):
+        for name, obj in vars(module).items():
+            if isinstance(obj, type) and issubclass(obj, base) and obj not in (torch.optim.Optimizer,
+                                                                                 torch.optim.lr_scheduler.LRScheduler):
+                classes[f"{module.__name__}.{name}"] = obj
+    public = ("vision_attn", "vision_attn.tasks", "vision_attn.models", "vision_attn.data", "vision_attn.cli",
+              "vision_attn.distributed", "vision_attn.data.synthetic")
+    for cls in _suite_classes():
+        for module_name in public:
+            if getattr(sys.modules.get(module_name), cls.__name__, None) is cls:
+                classes[f"{module_name}.{cls.__name__}"] = cls
+    paths = set(classes)
+    paths.update(f"{cls.__module__}.{cls.__qualname__}" for cls in classes.values())
+    return sorted(paths)
 
 
 def _parsing_settings() -> dict[str, Any]:
@@ -172,9 +242,10 @@ def _parsing_settings() -> dict[str, Any]:
 
 @contextlib.contextmanager
 def import_guard(extra: tuple[str, ...] = ()) -> Iterator[None]:
-    """While active, the parser imports nothing outside :data:`ALLOWED_IMPORTS` and ``extra``
-    (nor :data:`DENIED_IMPORTS`): a value naming anything else is a parse error. The parser's
-    previous settings are restored on exit, so nothing leaks into other parsers of the process."""
+    """While active, the parser imports nothing but the classes of :func:`allowed_class_paths`
+    and what ``extra`` allows (never :data:`CODE_LOADING_MODULES`): a value naming anything
+    else is a parse error. The parser's previous settings are restored on exit, so nothing leaks
+    into other parsers of the process."""
     from jsonargparse import set_parsing_settings
 
     settings = _parsing_settings()
@@ -184,8 +255,9 @@ def import_guard(extra: tuple[str, ...] = ()) -> Iterator[None]:
     _GUARD_BASE.append(_GUARD_BASE[0] if _GUARD_BASE else dict(saved[0]))
     settings["import_path_verdicts"] = dict(_GUARD_BASE[-1])
     try:
-        set_parsing_settings(import_path_denylist=["*", *DENIED_IMPORTS],
-                             import_path_allowlist=[*ALLOWED_IMPORTS, *extra])
+        denied = [m for m in CODE_LOADING_MODULES if m != "jsonargparse"]
+        set_parsing_settings(import_path_denylist=["*", *denied],
+                             import_path_allowlist=[*allowed_class_paths(), *extra])
         yield
     finally:
         settings["import_path_verdicts"], settings["import_paths_enforced"] = saved
@@ -196,43 +268,53 @@ def split_allow_import(args: list[str]) -> tuple[list[str], tuple[str, ...]]:
     """``(other args, prefixes)``: the ``--allow_import PREFIX`` options taken out of ``args``.
 
     Raises:
-        ConfigError: for a prefix that is not a dotted module path, or one that jsonargparse
-            denies by default (``os``, ``subprocess``, ``pickle``, ... run or load code).
+        ConfigError: for a prefix that is not a dotted module path, one inside a module that can
+            fetch, unpickle or run code (:data:`CODE_LOADING_MODULES` and jsonargparse's own
+            list: ``os``, ``subprocess``, ...), and for an abbreviation of the flag.
     """
     rest: list[str] = []
     prefixes: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg in (ALLOW_IMPORT_FLAG, ALLOW_IMPORT_FLAG + "+"):
-            if i + 1 >= len(args):
+        name = arg.split("=", 1)[0]
+        if name in (ALLOW_IMPORT_FLAG, ALLOW_IMPORT_FLAG + "+"):
+            if "=" in arg:
+                prefixes.append(arg.split("=", 1)[1])
+            elif i + 1 >= len(args):
                 raise ConfigError(
                     f"{ALLOW_IMPORT_FLAG} needs a module prefix, e.g. {ALLOW_IMPORT_FLAG} my_callbacks"
                 )
-            prefixes.append(args[i + 1])
-            i += 2
-            continue
-        if arg.startswith((ALLOW_IMPORT_FLAG + "=", ALLOW_IMPORT_FLAG + "+=")):
-            prefixes.append(arg.split("=", 1)[1])
+            else:
+                prefixes.append(args[i + 1])
+                i += 1
+        elif len(name) > 4 and name != ALLOW_IMPORT_FLAG and ALLOW_IMPORT_FLAG.startswith(name):
+            raise ConfigError(f"{name}: spell the option out in full as {ALLOW_IMPORT_FLAG}")
         else:
             rest.append(arg)
         i += 1
+    for prefix in prefixes:
+        refuse_import_prefix(prefix)
+    return rest, tuple(prefixes)
+
+
+def refuse_import_prefix(prefix: str) -> None:
+    """Raise :class:`ConfigError` for an ``--allow_import`` value that is not a dotted path or that
+    lies inside a module that fetches, unpickles or runs code."""
     from jsonargparse._common import default_import_path_denylist
 
-    for prefix in prefixes:
-        if not prefix or not all(p.isidentifier() for p in prefix.split(".")):
-            raise ConfigError(
-                f"{ALLOW_IMPORT_FLAG} {prefix!r}: give a module prefix such as my_pkg or my_pkg.callbacks"
-            )
-        parts = prefix.split(".")
-        risky = [e for e in ("jsonargparse", *default_import_path_denylist)
-                 if e in {".".join(parts[:n]) for n in range(1, len(parts) + 1)}]
-        if risky:
-            raise ConfigError(
-                f"{ALLOW_IMPORT_FLAG} {prefix!r} is refused: {risky[0]} can run commands, load pickled "
-                "data or change the import policy; put the code you need in a module of your own"
-            )
-    return rest, tuple(prefixes)
+    if not prefix or not all(p.isidentifier() for p in prefix.split(".")):
+        raise ConfigError(
+            f"{ALLOW_IMPORT_FLAG} {prefix!r}: give a module prefix such as my_pkg or my_pkg.callbacks"
+        )
+    parts = prefix.split(".")
+    parents = {".".join(parts[:n]) for n in range(1, len(parts) + 1)}
+    risky = [e for e in (*CODE_LOADING_MODULES, *default_import_path_denylist) if e in parents]
+    if risky:
+        raise ConfigError(
+            f"{ALLOW_IMPORT_FLAG} {prefix!r} is refused: {risky[0]} can run commands, load pickled or remote "
+            "code or change the import policy; put the code you need in a module of your own"
+        )
 
 
 def _import_refused(message: str, key: str | None = None) -> ConfigError | None:
@@ -248,10 +330,13 @@ def _import_refused(message: str, key: str | None = None) -> ConfigError | None:
             f"{prefix}refusing to import {path!r}: {entry} can fetch, load or run code, which a config "
             "may not ask for"
         )
+    top = path.split(".")[0]
+    hint = path if top in ("vision_attn", "torch", "lightning") else top
     return ConfigError(
-        f"{prefix}refusing to import {path!r}: it is not part of vision_attn, torch or Lightning, and "
-        "importing a module runs its code. If you trust it, allow it explicitly on the command line "
-        f"with {ALLOW_IMPORT_FLAG} {path.split('.')[0]}"
+        f"{prefix}refusing to import {path!r}: it is not one of the classes a config may name (the suite's "
+        "tasks, encoders, data modules and callbacks; torch's and Lightning's optimizers, schedulers, "
+        "callbacks, loggers and strategies), and importing runs code. If you trust it, allow it explicitly "
+        f"on the command line with {ALLOW_IMPORT_FLAG} {hint}"
     )
 
 
@@ -271,7 +356,38 @@ class _GuardedParser(LightningArgumentParser):
             refused = _import_refused(message)
             if refused is not None:
                 raise refused from ex
+            if not os.environ.get("VISION_ATTN_DEBUG"):
+                sys.stderr.write(f"error: {condense_parse_error(message)}\n"
+                                 f"(see {self.prog} --help; VISION_ATTN_DEBUG=1 shows the parser's whole message)\n")
+                raise SystemExit(2)
         return super().error(message, ex)
+
+
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+_GIVEN = re.compile(r"(Got value|Given value): .*")
+_EXPECTED = re.compile(r"Expected an? <class '([^']+)'>")
+
+
+def condense_parse_error(message: str, width: int = 240) -> str:
+    """One line from jsonargparse's nested error message: the full key (``model.encoder.preprocess``)
+    and the innermost reason, with long values cut."""
+    keys: list[str] = []
+    for key in _PARSER_KEY.findall(message):
+        if not keys or keys[-1] != key:
+            keys.append(key)
+    lines = [ln.strip(" -") for ln in message.splitlines() if ln.strip(" -")]
+    skip = ("Parser key", "Does not validate", "Subtypes:", "Errors:", "Given value type", "Problem with given")
+    reasons = [ln for ln in lines if not ln.startswith(skip) and not ln.startswith("Given value:")]
+    expected = [m.group(1) for ln in reasons if (m := _EXPECTED.match(ln))]
+    if len(set(expected)) > 1:
+        given = next((m.group(0) for ln in lines if (m := _GIVEN.search(ln))), "")
+        reason = f"expected one of {', '.join(dict.fromkeys(expected))}" + (f"; {given}" if given else "")
+    else:
+        reason = reasons[0] if reasons else lines[0] if lines else message
+    reason = _GIVEN.sub(lambda m: m.group(0)[:80] + ("..." if len(m.group(0)) > 80 else ""), reason)
+    text = f"config key {'.'.join(keys)}: {reason}" if keys else reason
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 _DATACLASS_FIELD = re.compile(r"--model\.(?:init_args\.)?optim\.(\w+)")
@@ -326,6 +442,7 @@ class _VisionAttnCLI(LightningCLI):
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         parser = super().init_parser(**kwargs)
         parser.main = True
+        parser.allow_abbrev = False  # options are spelled out: --trainer.max_epoch is not --trainer.max_epochs
         return parser
 
     def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -743,6 +860,8 @@ def one_line(err: BaseException) -> str:
         lines = [ln for ln in text.splitlines() if ln.strip()]
         last = lines[-1]
         return last.split(": ", 1)[1] if ": " in last and last.split(": ", 1)[0].endswith("Error") else last
+    if "\n" in text.strip():  # jsonargparse's nested report of a value it could not build
+        return condense_parse_error(text)
     return text
 
 

@@ -34,6 +34,7 @@ __all__ = ["SUBCOMMANDS", "main", "normalize_flags", "parse_command"]
 log = logging.getLogger("vision_attn")
 
 TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
+COMMAND_LINE_ONLY = ("allow_import",)  # options a --config file may not set
 
 
 def normalize_flags(argv: Sequence[str], renamed: dict[str, str] | None = None,
@@ -79,14 +80,16 @@ def normalize_flags(argv: Sequence[str], renamed: dict[str, str] | None = None,
 def parse_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None, required: Sequence[str] = (),
                   renamed: dict[str, str] | None = None) -> argparse.Namespace:
     """Parse an argparse subcommand the vision_attn way: old spellings normalised
-    (:func:`normalize_flags`), ``--config FILE`` (repeatable; YAML mapping of option names to
-    values, later files and the command line win) as defaults, ``required`` options checked
-    after the config files are applied.
+    (:func:`normalize_flags`), no abbreviated options, ``--config FILE`` (repeatable; YAML mapping
+    of option names to values, later files and the command line win) as defaults, ``required``
+    options checked after the config files are applied.
 
     Raises:
-        ConfigError: for a config file that cannot be read, is not a mapping or names an option
-            the command does not have.
+        ConfigError: for a config file that cannot be read, is not a mapping, names an option the
+            command does not have, or sets one that only the command line may give
+            (:data:`COMMAND_LINE_ONLY`).
     """
+    parser.allow_abbrev = False  # an option is spelled out: --allow_imp is not --allow_import
     switches = [a.option_strings[0] for a in parser._actions
                 if isinstance(a, argparse._StoreTrueAction) and a.option_strings]
     argv = normalize_flags(sys.argv[1:] if argv is None else argv, renamed, switches)
@@ -104,6 +107,12 @@ def parse_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None, r
         unknown = sorted(str(k) for k in data if k not in dests)
         if unknown:
             raise ConfigError(f"--config {path}: unknown options {unknown}; see {parser.prog} --help")
+        only_here = sorted(str(k) for k in data if k in COMMAND_LINE_ONLY)
+        if only_here:
+            raise ConfigError(
+                f"--config {path}: {only_here} may only be given on the command line (--allow_import PREFIX "
+                "opens the import policy, which no file may do)"
+            )
         parser.set_defaults(**data)
     args = parser.parse_args(argv)
     missing = [f"--{r}" for r in required if getattr(args, r, None) in (None, "")]

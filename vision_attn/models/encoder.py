@@ -38,6 +38,13 @@ from vision_attn.models.smalldata import (
     apply_local_mlp,
     apply_locality_self_attention,
 )
+from vision_attn.schema import (
+    JSONValue,
+    PreprocessOverrides,
+    check_limits,
+    check_model_bytes,
+    check_value,
+)
 
 __all__ = ["CHECKPOINT_TIMM_KWARGS", "ConvStem", "EncoderOutput", "ViTEncoder", "create_encoder", "suggest_model_names"]
 
@@ -100,6 +107,38 @@ CHECKPOINT_TIMM_KWARGS = frozenset({
     "dynamic_img_pad", "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate",
     "attn_drop_rate", "drop_path_rate", "weight_init", "fix_init", "distilled",
 })
+
+
+# timm keyword arguments that tell timm where weights come from (a file, a download, a cache):
+# refused in ``timm_kwargs`` everywhere (``pretrained`` and ``weights_file`` say it instead).
+TIMM_SOURCE_KWARGS = frozenset({
+    "pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path", "cache_dir",
+    "pretrained_strict", "feature_cfg", "kwargs_filter",
+})
+
+
+def checked_timm_kwargs(timm_kwargs: Any, what: str = "ViTEncoder") -> dict[str, Any]:
+    """``timm_kwargs`` as a dict, after checking that it holds JSON scalars or lists of them under
+    string keys, none of :data:`TIMM_SOURCE_KWARGS`.
+
+    Raises:
+        EncoderError: naming the key, for anything else (a nested mapping, a class path, an object).
+    """
+    if timm_kwargs is None:
+        return {}
+    check_value(timm_kwargs, dict[str, JSONValue], "timm_kwargs", what, EncoderError)
+    sources = sorted(k for k in timm_kwargs if k in TIMM_SOURCE_KWARGS)
+    if sources:
+        raise EncoderError(
+            f"{what}: timm_kwargs {sources} would make timm read or download weights; give the weights "
+            "with pretrained=true or weights_file=PATH instead"
+        )
+    return dict(timm_kwargs)
+
+
+def _short_args(kwargs: dict[str, Any], width: int = 200) -> str:
+    text = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _plain_data(value: Any) -> bool:
@@ -188,7 +227,9 @@ class ViTEncoder(nn.Module):
         drop_path_rate: stochastic depth.
         dynamic_img_size: accept any input size (multiple of the patch size), resampling the
             position embeddings on the fly.
-        timm_kwargs: further keyword arguments for ``timm.create_model``.
+        timm_kwargs: further keyword arguments for ``timm.create_model``: JSON scalars or lists of
+            them (``{"qk_norm": true, "reg_tokens": 4}``). Arguments that make timm read files
+            or download (:data:`TIMM_SOURCE_KWARGS`) are refused: use ``weights_file``.
         stem: how pixels become tokens (all three give the same ``p x p`` token grid):
             ``patch`` (timm's linear patch embedding: what pretrained timm weights need),
             ``conv`` (:class:`ConvStem`, Xiao et al. 2021) or ``spt`` (shifted patch
@@ -231,9 +272,9 @@ class ViTEncoder(nn.Module):
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         dynamic_img_size: bool = True,
-        timm_kwargs: dict[str, Any] | None = None,
+        timm_kwargs: dict[str, JSONValue] | None = None,
         stem: Literal["patch", "conv", "spt"] = "patch",
-        preprocess: dict[str, Any] | None = None,
+        preprocess: PreprocessOverrides | None = None,
         lsa: bool = False,
         stem_channels: int | None = None,
         local_mlp: bool = False,
@@ -251,7 +292,9 @@ class ViTEncoder(nn.Module):
         }
         if pretrained and weights_file:
             raise EncoderError("Give either pretrained=True (timm hub) or weights_file=PATH, not both.")
-        kwargs: dict[str, Any] = dict(timm_kwargs or {})
+        kwargs: dict[str, Any] = checked_timm_kwargs(timm_kwargs)
+        if preprocess is not None:
+            check_value(preprocess, PreprocessOverrides, "preprocess", "ViTEncoder", EncoderError)
         sizes = {
             "img_size": img_size,
             "patch_size": patch_size,
@@ -267,10 +310,15 @@ class ViTEncoder(nn.Module):
             drop_path_rate=drop_path_rate,
             dynamic_img_size=dynamic_img_size,
         )
-        arch = name.split(".")[0]
+        arch = name.split(".")[0] if isinstance(name, str) else ""
         if not timm.is_model(arch):
             raise EncoderError(f"Unknown timm model name {name!r}.{suggest_model_names(arch)}")
+        check_limits({**kwargs, **dict(preprocess or {})}, f"encoder {name}",
+                     error=EncoderError)
         try:
+            # sized on the meta device first: nothing is allocated for a model beyond the limit
+            check_model_bytes(lambda: timm.create_model(name, pretrained=False, **kwargs), f"encoder {name}",
+                              EncoderError)
             model = timm.create_model(name, pretrained=pretrained, **kwargs)
         except TypeError as err:
             raise EncoderError(
@@ -279,9 +327,19 @@ class ViTEncoder(nn.Module):
                 "model such as vit_tiny_patch16_224, deit_small_distilled_patch16_224 or "
                 "vit_base_patch16_reg4_gap_256 (list them with timm.list_models('vit_*'))."
             ) from err
+        except EncoderError:
+            raise
+        except (AssertionError, ValueError, ZeroDivisionError, OverflowError, MemoryError) as err:
+            raise EncoderError(
+                f"timm model {name!r} cannot be built with {_short_args(kwargs)}: "
+                f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
+            ) from err
         except (OSError, RuntimeError) as err:
             if not pretrained:
-                raise
+                raise EncoderError(
+                    f"timm model {name!r} cannot be built with {_short_args(kwargs)}: "
+                    f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
+                ) from err
             raise EncoderError(
                 f"could not get pretrained weights for timm model {name!r} ({type(err).__name__}: "
                 f"{str(err).splitlines()[0] if str(err) else ''}). Offline? Download them once where "
@@ -446,6 +504,17 @@ class ViTEncoder(nn.Module):
                     path, key, tuple(state[key].shape), tuple(own[key].shape),
                 )
                 del state[key]
+        wrong = [f"{k} {tuple(v.shape)} (model {tuple(own[k].shape)})"
+                 for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        if wrong:
+            raise EncoderError(
+                f"weights file {path} does not fit timm model {self.name!r}: shapes differ for {len(wrong)} tensors, "
+                f"e.g. {'; '.join(wrong[:3])}. Check that the file was saved from the same architecture and sizes."
+            )
+        bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad:
+            log.warning("weights %s: %d tensors hold NaN or infinite values (e.g. %s); predictions will not be "
+                        "meaningful", path, len(bad), bad[0])
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if k.split(".")[0] not in heads]
         lsa_missing = [k for k in missing if k.endswith("." + LSA_TEMPERATURE_KEY)]

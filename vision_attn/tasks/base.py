@@ -23,8 +23,15 @@ from torch import nn
 from vision_attn.checkpoint_io import CheckpointError, load_checkpoint_file
 from vision_attn.data.transforms import whole_image
 from vision_attn.distributed import gather_objects
-from vision_attn.errors import DataError, TrainingDivergedError
+from vision_attn.errors import DataError, TrainingDivergedError, VisionAttnError
 from vision_attn.models.encoder import ViTEncoder
+from vision_attn.schema import (
+    PreprocessOverrides,
+    check_limits,
+    check_model_bytes,
+    check_value,
+    constructor_hints,
+)
 from vision_attn.tasks.optim import (
     DEFAULT_OPTIM,
     V1_OPTIMIZATION_KEYS,
@@ -44,6 +51,12 @@ log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "vision_attn"
 CHECKPOINT_FORMAT = 2  # 2: optimisation settings grouped in "optim", out of the model's arguments
 RUNTIME_ARGS = ("compile", "optim")  # constructor arguments that describe the run, not the model
+# Encoder classes a checkpoint may name: the suite's own, never a class from another module
+# (not even one allowed with --allow_import: a checkpoint is data, and names no code to import).
+CHECKPOINT_ENCODERS: dict[str, type[ViTEncoder]] = {
+    "vision_attn.models.ViTEncoder": ViTEncoder,
+    "vision_attn.models.encoder.ViTEncoder": ViTEncoder,
+}
 
 
 @dataclasses.dataclass
@@ -103,6 +116,9 @@ class VisionTask(L.LightningModule):
     headline_metrics: tuple[str, ...] = ()  # the metrics a summary shows first (demo, report)
     eval_file_names: tuple[str, ...] = ()  # the files :meth:`eval_files` gives, next to metrics.json
     overlay_description: str = ""  # what one overlay panel shows (demo, README)
+    # constructor arguments that say where a run's weights came from (a file to read), never
+    # taken from a checkpoint: dropped with a warning when a checkpoint holds them
+    source_args: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -423,20 +439,38 @@ def checked_data_settings(meta: dict[str, Any], what: str) -> dict[str, Any] | N
 def _checked_model_config(model_cfg: Any, what: str,
                           allow_import: tuple[str, ...] = ()) -> tuple[type, type, dict[str, Any]]:
     """``(task class, encoder class, model config)`` of a checkpoint's ``model`` entry, checked
-    before anything is built from it: the task and encoder class paths must be vision_attn
-    classes, no other class path may appear, the task's arguments must be plain data that its
-    constructor takes, and the encoder's are those of
-    :meth:`~vision_attn.models.ViTEncoder.checked_architecture_args` (no pretrained weights, no
-    weights file, only architecture arguments for timm)."""
+    before anything is built from it:
+
+    - the task is a registered :class:`VisionTask` of vision_attn (or of a module allowed with
+      ``allow_import``); the encoder is the suite's :class:`~vision_attn.models.ViTEncoder`;
+    - every argument is plain data of the type the constructor declares
+      (:func:`~vision_attn.schema.check_value`; no class path anywhere), sizes within
+      :data:`~vision_attn.schema.LIMITS`;
+    - arguments that point at files (``pretrained``, ``weights_file``, a task's
+      :attr:`VisionTask.source_args`) are dropped with a warning; the encoder's are those of
+      :meth:`~vision_attn.models.ViTEncoder.checked_architecture_args`.
+    """
 
     model_cfg = _class_spec(model_cfg, f"{CHECKPOINT_KEY}.model", what)
     cls = resolve_class(model_cfg.get("class_path"), VisionTask, what, allow_import)
     init_args = dict(model_cfg.get("init_args") or {})
     for key in (*RUNTIME_ARGS, *V1_OPTIMIZATION_KEYS):  # how it was trained (format 1 kept lr etc. here)
         init_args.pop(key, None)
+    for key in cls.source_args:
+        if init_args.pop(key, None) is not None:
+            log.warning("%s: ignoring the stored argument %s (weights come from the checkpoint)", what, key)
     enc_cfg = _class_spec(init_args.pop("encoder", None), "model.init_args.encoder", what)
-    enc_cls = resolve_class(enc_cfg.get("class_path"), ViTEncoder, what, allow_import)
+    enc_path = enc_cfg.get("class_path")
+    enc_cls = CHECKPOINT_ENCODERS.get(enc_path) if isinstance(enc_path, str) else None
+    if enc_cls is None:
+        raise CheckpointError(
+            f"{what}: encoder class {enc_path!r} is not part of vision_attn; refusing to import it (a checkpoint "
+            f"may name only {', '.join(sorted(CHECKPOINT_ENCODERS))}, with or without --allow_import)"
+        )
     enc_args = enc_cls.checked_architecture_args(enc_cfg.get("init_args") or {}, what)
+    enc_hints = constructor_hints(enc_cls)
+    for key, value in enc_args.items():
+        check_value(value, enc_hints.get(key), f"model.init_args.encoder.init_args.{key}", what)
     params = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     unknown = sorted(str(k) for k in init_args
@@ -446,10 +480,13 @@ def _checked_model_config(model_cfg: Any, what: str,
             f"{what}: model.init_args has keys {unknown} that {cls.__name__} does not take; "
             "use a checkpoint written by train.py"
         )
+    hints = constructor_hints(cls)
     for key, value in init_args.items():
         _check_plain(value, f"model.init_args.{key}", what)
+        check_value(value, hints.get(key, Any), f"model.init_args.{key}", what)
     encoder = {"class_path": enc_cfg["class_path"], "init_args": enc_args}
     model = {"class_path": model_cfg["class_path"], "init_args": {**init_args, "encoder": encoder}}
+    check_limits(model["init_args"], what, "model.init_args")
     return cls, enc_cls, model
 
 
@@ -469,8 +506,16 @@ def read_task_meta(path: str | Path, allow_import: tuple[str, ...] = ()) -> tupl
     meta = ckpt[CHECKPOINT_KEY]
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {path}: its {CHECKPOINT_KEY!r} entry is not a mapping")
-    cls, _, model_cfg = _checked_model_config(meta.get("model"), f"checkpoint {path}", allow_import)
-    if TASKS.get(meta.get("task")) is not cls:  # the registry names the class the checkpoint names
+    what = f"checkpoint {path}"
+    check_value(meta.get("format", 1), int, f"{CHECKPOINT_KEY}.format", what)
+    check_value(meta.get("task"), str, f"{CHECKPOINT_KEY}.task", what)
+    for key, hint in (("data_config", PreprocessOverrides), ("optim", Optimization)):
+        if meta.get(key) is not None:
+            check_value(meta[key], hint, f"{CHECKPOINT_KEY}.{key}", what)
+            check_limits(meta[key], what, f"{CHECKPOINT_KEY}.{key}")
+    checked_data_settings(meta, what)
+    cls, _, model_cfg = _checked_model_config(meta.get("model"), what, allow_import)
+    if TASKS.get(meta["task"]) is not cls:  # the registry names the class the checkpoint names
         raise CheckpointError(
             f"checkpoint {path}: its task {meta.get('task')!r} is not the registered name of "
             f"{model_cfg['class_path']} ({cls.task_name!r}); use a checkpoint written by vision-attn fit"
@@ -485,34 +530,62 @@ def build_task_from_meta(meta: dict[str, Any], what: str = "checkpoint",
     model_cfg = meta.get("model") if isinstance(meta, dict) else None
     cls, enc_cls, model_cfg = _checked_model_config(model_cfg, what, allow_import)
     init_args = dict(model_cfg["init_args"])
-    enc_cfg = init_args.pop("encoder")
-    encoder = enc_cls(**enc_cfg["init_args"])
-    return cls(encoder=encoder, **init_args)
+    enc_args = init_args.pop("encoder")["init_args"]
+
+    def build() -> VisionTask:
+        return cls(encoder=enc_cls(**enc_args), **init_args)
+
+    try:
+        check_model_bytes(build, what)  # sized on the meta device before anything is allocated
+        return build()
+    except VisionAttnError:
+        raise
+    except (AssertionError, ValueError, TypeError, RuntimeError, ZeroDivisionError, OverflowError) as err:
+        raise CheckpointError(f"{what}: the model it describes cannot be built: {one_line(err)}") from err
+
+
+def check_state_shapes(model: nn.Module, state: Any, what: str) -> None:
+    """Refuse, before loading, a state dict that is not a mapping of tensors or whose tensors do not
+    have the shapes of ``model``'s (one line naming the first keys that differ)."""
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{what}: its state_dict is not a mapping of tensors; use a checkpoint written by train.py")
+    own = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} (model {tuple(own[k].shape)})"
+             for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if wrong or missing or unexpected:
+        parts = [f"{label} {items[:3]}{' ...' if len(items) > 3 else ''} ({len(items)})"
+                 for label, items in (("shapes differ:", wrong), ("missing", missing), ("unexpected", unexpected))
+                 if items]
+        raise CheckpointError(f"{what}: weights do not fit the model it describes: {'; '.join(parts)}")
 
 
 def restore_from_checkpoint(task: VisionTask, meta: dict[str, Any], ckpt: dict[str, Any], what: str) -> VisionTask:
     """Load a checkpoint's weights into ``task`` and its stored preprocessing into the encoder
     (the stored one wins over today's timm defaults), then switch to eval mode."""
+    if getattr(task, "head", True) is None:
+        raise CheckpointError(
+            f"{what} does not store the model's {task.built_from} (model.init_args in its "
+            f"{CHECKPOINT_KEY!r} entry), so its head cannot be rebuilt; use a checkpoint written by train.py"
+        )
+    check_state_shapes(task, ckpt.get("state_dict"), what)
     try:
         task.load_state_dict(ckpt["state_dict"])
     except RuntimeError as err:
-        if getattr(task, "head", True) is None:
-            raise CheckpointError(
-                f"{what} does not store the model's {task.built_from} (model.init_args in its "
-                f"{CHECKPOINT_KEY!r} entry), so its head cannot be rebuilt; use a checkpoint written by train.py"
-            ) from err
-        raise CheckpointError(f"{what}: weights do not fit the model it describes: {err}") from err
+        raise CheckpointError(f"{what}: weights do not fit the model it describes: {one_line(err)}") from err
     stored = meta.get("data_config")
     if stored:
-        allowed = {"input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode"}
-        if not isinstance(stored, dict) or set(stored) - allowed or not all(
-                isinstance(v, (int, float, str, list, tuple)) for v in stored.values()):
-            raise CheckpointError(
-                f"{what}: its stored preprocessing (data_config) is not a mapping of "
-                f"{', '.join(sorted(allowed))}; use a checkpoint written by train.py"
-            )
+        check_value(stored, PreprocessOverrides, f"{CHECKPOINT_KEY}.data_config", what)
+        check_limits(stored, what, f"{CHECKPOINT_KEY}.data_config")
         task.encoder.data_config = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()}
     return task.eval()
+
+
+def one_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type's name when empty)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def load_task(path: str | Path, expected_task: str | None = None, map_location: str = "cpu",

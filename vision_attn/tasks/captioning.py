@@ -362,6 +362,7 @@ class CaptioningTask(VisionTask):
 
     task_name = "captioning"
     built_from = "tokenizer vocabulary"
+    source_args = ("init_from",)  # a checkpoint to start from: never read because a checkpoint names it
     monitor = ("val/cider", "max")
     crop_at_inference = False  # a centre crop would cut objects off: the whole image, resized
     export_output_names = ("tokens",)  # the encoder's; beam search stays in PyTorch
