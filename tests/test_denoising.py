@@ -7,6 +7,8 @@ training) unchanged by the training-only aids; a few training steps with each ai
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -95,15 +97,24 @@ def test_self_attention_never_reaches_blocked_queries_or_padding():
 # ---------------------------------------------------------------------------------------------- noise
 
 
-def test_label_noise_flips_the_given_share_uniformly():
+@pytest.mark.parametrize(("ratio", "num_classes"), [(0.4, 4), (0.5, 3), (1.0, 5)])
+def test_label_noise_flips_half_the_ratio_uniformly_as_dino(ratio, num_classes):
+    """DINO's ``prepare_for_cdn``: a label is redrawn with probability ``ratio * 0.5``, uniformly
+    from the ``C`` classes (the same class one time in ``C``), so it changes with probability
+    ``ratio / 2 * (1 - 1 / C)``; every other class equally often."""
     g = torch.Generator().manual_seed(0)
-    labels = torch.zeros(200_000, dtype=torch.int64)
-    noised = noise_labels(labels, num_classes=4, ratio=0.4, generator=g)
-    # flipped with p = 0.4 to a uniform class, which is another class 3 times in 4
-    assert abs(float((noised != 0).float().mean()) - 0.4 * 3 / 4) < 0.005
-    counts = torch.bincount(noised[noised != 0], minlength=4)[1:].float()
-    assert torch.all((counts / counts.sum() - 1 / 3).abs() < 0.01)
-    assert torch.equal(noise_labels(labels[:10], 4, 0.0), labels[:10])
+    n = 200_000
+    labels = torch.arange(n) % num_classes
+    noised = noise_labels(labels, num_classes=num_classes, ratio=ratio, generator=g)
+    changed = noised != labels
+    expected = ratio / 2 * (1 - 1 / num_classes)
+    assert abs(float(changed.float().mean()) - expected) < 4 * (expected * (1 - expected) / n) ** 0.5 + 1e-4
+    for c in range(num_classes):  # a changed label c goes to each of the other classes equally often
+        to = torch.bincount(noised[changed & (labels == c)], minlength=num_classes).float()
+        assert to[c] == 0 and torch.all((to / to.sum() - 1 / (num_classes - 1)).abs()[torch.arange(num_classes) != c]
+                                        < 0.02)
+    assert noised.min() >= 0 and noised.max() < num_classes
+    assert torch.equal(noise_labels(labels[:10], num_classes, 0.0), labels[:10])
 
 
 def test_box_noise_bounds_positive_and_negative():
@@ -151,6 +162,63 @@ def test_denoising_layout_and_reconstruction_start():
     plain = _head(dn_groups=3, label_noise_ratio=0.0, box_noise_scale=0.0).train()(_enc(), targets=TARGETS)
     assert plain["dn_meta"]["group_size"] == 2 and plain["dn_outputs"]["pred_boxes"].shape == (2, 6, 4)
     assert [n.numel() for n in plain["dn_meta"]["negative"]] == [0, 0]
+
+
+# several targets per image, with different labels and boxes: a pairing of denoising queries with
+# the wrong target (another of the same image, or another image's) changes every term
+MANY_TARGETS = [
+    {"labels": torch.tensor([2, 0]), "boxes": torch.tensor([[0.3, 0.3, 0.2, 0.2], [0.7, 0.6, 0.3, 0.2]])},
+    {"labels": torch.tensor([1, 0, 2]),
+     "boxes": torch.tensor([[0.5, 0.4, 0.4, 0.3], [0.2, 0.75, 0.2, 0.3], [0.8, 0.2, 0.25, 0.2]])},
+]
+
+
+@pytest.mark.parametrize("focal", [False, True])
+def test_denoising_criterion_pairs_each_query_with_its_own_target(focal):
+    """The head's ``dn_meta`` through the set criterion, two and three targets per image: outputs
+    written by hand from the layout (group ``g`` of size ``2 * 3``: slot ``k`` reconstructs target
+    ``k``, slot ``3 + k`` is its negative) are perfect, so the box terms are 0 and the class term
+    is the hand-computed loss of rows scoring 4 on the right class and 0 elsewhere."""
+    from vision_attn.losses.matcher import HungarianMatcher
+    from vision_attn.losses.set_criterion import SetCriterion
+
+    head = _head(dn_groups=2, dn_negatives=True, focal=focal, label_noise_ratio=0.0, box_noise_scale=0.0).train()
+    out = head(_enc(), targets=MANY_TARGETS)
+    meta = out["dn_meta"]
+    assert meta["groups"] == 2 and meta["group_size"] == 6
+    c = 3
+    logits = torch.full((2, 12, c if focal else c + 1), 7.0)  # padding rows: left out of every term
+    boxes = torch.full((2, 12, 4), 0.5)
+    for i, t in enumerate(MANY_TARGETS):
+        for g in range(2):
+            for k, (label, box) in enumerate(zip(t["labels"], t["boxes"], strict=True)):
+                positive, negative = g * 6 + k, g * 6 + 3 + k
+                logits[i, positive] = 0.0
+                logits[i, positive, label] = 4.0
+                boxes[i, positive] = box
+                logits[i, negative] = 0.0
+                if not focal:
+                    logits[i, negative, c] = 4.0  # "no object"
+                boxes[i, negative] = torch.tensor([0.1, 0.1, 0.05, 0.05])
+    dn = {"pred_logits": logits, "pred_boxes": boxes,
+          "aux_outputs": [{"pred_logits": logits.clone(), "pred_boxes": boxes.clone()}]}
+    main = {k: out[k] for k in ("pred_logits", "pred_boxes", "aux_outputs")}
+    crit = SetCriterion(c, HungarianMatcher(focal=focal), eos_coef=0.1, focal=focal, dn=True)
+    terms = crit({**main, "dn_outputs": dn, "dn_meta": meta}, MANY_TARGETS, across_processes=False)
+    if focal:  # sigmoid focal loss (alpha 0.25, gamma 2) summed over rows and classes, over 5 boxes x 2 groups
+        def fl(x, y, a=0.25, gamma=2.0):
+            p = 1 / (1 + math.exp(-x))
+            pt, at = (p, a) if y else (1 - p, 1 - a)
+            return -at * (1 - pt) ** gamma * math.log(pt)
+
+        positives, negatives = 5 * 2, 5 * 2
+        expected = (positives * (fl(4.0, 1) + (c - 1) * fl(0.0, 0)) + negatives * c * fl(0.0, 0)) / (5 * 2)
+    else:  # every row: -log softmax = log(e^4 + 3) - 4 (the class weights then cancel in the mean)
+        expected = math.log(math.exp(4.0) + 3) - 4.0
+    for suffix in ("", "_0"):
+        assert terms[f"loss_dn_ce{suffix}"].item() == pytest.approx(expected, rel=1e-5)
+        assert terms[f"loss_dn_bbox{suffix}"].item() == pytest.approx(0.0, abs=1e-7)
+        assert terms[f"loss_dn_giou{suffix}"].item() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_denoising_with_no_targets_in_the_batch_keeps_the_graph():

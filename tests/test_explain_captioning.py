@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from vision_attn.caption_content import AnnotatedObjects
 from vision_attn.explain.captioning import (
     caption_strip,
     named_words,
@@ -62,6 +63,32 @@ def test_named_words_lists_each_words_own_boxes():
     boxes = [({"circle", "red"}, [0, 0, 1, 1]), ({"circle", "blue"}, [2, 2, 3, 3])]
     assert named_words(["a", "red", "circle", "dog"], boxes) == [(1, [[0, 0, 1, 1]]),
                                                                  (2, [[0, 0, 1, 1], [2, 2, 3, 3]])]
+
+
+def test_named_words_read_plurals_multi_word_names_and_synonyms_as_content_accuracy_does():
+    """The content parser's matcher (:class:`~vision_attn.caption_content.ObjectVocabulary`):
+    "circles" names the circle, "man" a person (a COCO synonym), "traffic light" the traffic
+    light (scored at its last word, "light"); the longest name wins ("teddy bear" is no bear)."""
+    person, light, circle = [0.0, 0.0, 10.0, 10.0], [20.0, 0.0, 30.0, 10.0], [0.0, 20.0, 10.0, 30.0]
+    bear, teddy = [20.0, 20.0, 30.0, 30.0], [12.0, 12.0, 18.0, 18.0]
+    boxes = [({"person"}, person), ({"traffic light"}, light), ({"circle", "red"}, circle), ({"bear"}, bear),
+             ({"teddy bear"}, teddy)]
+    words = "a man near two red circles under a traffic light with a teddy bear and bears".split()
+    assert named_words(words, boxes) == [(1, [person]), (4, [circle]), (5, [circle]), (9, [light]), (13, [teddy]),
+                                         (15, [bear])]
+    # the pointing game scores each of those words against its own object's box
+    maps = np.zeros((len(words), 32, 32), np.float32)
+    peaks = {1: (5, 5), 4: (25, 5), 5: (25, 5), 9: (5, 25), 13: (15, 15), 15: (25, 25)}  # (row, column)
+    for t, (r, c) in peaks.items():
+        maps[t, r, c] = 1.0
+    assert pointing_game(words, maps, boxes) == (6, 6, pytest.approx(6.0))
+    maps[5], maps[9] = maps[1], maps[13]  # "circles" on the person, "light" on the teddy bear: misses
+    assert pointing_game(words, maps, boxes) == (4, 6, pytest.approx(4.0))
+    # the split's vocabulary, as content accuracy builds it: in an image with a bear only, "teddy
+    # bear" still names a teddy bear (nothing here), "bears" the bear; colours word for word
+    split = AnnotatedObjects(["person", "bear", "teddy bear"], ["red"], {}).vocabulary()
+    only = [({"bear", "red"}, bear)]
+    assert named_words("a red teddy bear and two bears".split(), only, split) == [(1, [bear]), (6, [bear])]
 
 
 def test_random_baseline_points_at_about_the_box_share():

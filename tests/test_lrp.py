@@ -29,12 +29,13 @@ MODELS = [
 ]
 
 
-def _task(name: str = "vit_tiny_patch16_224", head: str = "linear", sinks: bool = True) -> ClassificationTask:
+def _task(name: str = "vit_tiny_patch16_224", head: str = "linear", sinks: bool = True,
+          **encoder_kw) -> ClassificationTask:
     """A float64 tiny classifier. ``sinks``: non-zero biases and embeddings (every place that
-    keeps relevance is used); otherwise all of them zero."""
+    keeps relevance is used); otherwise all of them zero. ``encoder_kw``: more encoder arguments."""
     torch.manual_seed(0)
     kw = {"num_classes": 3} if head == "timm" else {}
-    task = ClassificationTask(create_encoder(name, **TINY_VIT, **kw), num_classes=3, head=head)
+    task = ClassificationTask(create_encoder(name, **TINY_VIT, **kw, **encoder_kw), num_classes=3, head=head)
     with torch.no_grad():
         for pname, p in task.named_parameters():
             leaf = pname.rsplit(".", 1)[-1]
@@ -61,6 +62,20 @@ def test_relevance_is_conserved(name, head):
     assert budget["softmax"] != 0.0
 
 
+@pytest.mark.parametrize(("name", "head"), MODELS)
+def test_relevance_is_conserved_with_qk_norm(name, head):
+    """timm's ``qk_norm=True`` (LayerNorms on every head's q and k, with non-zero biases): the q / k
+    norms' biases keep their share of the halved relevance of ``Q Kᵀ``, so the ledger still closes."""
+    task, images = _task(name, head, qk_norm=True), _images()
+    attn = task.encoder.model.blocks[0].attn
+    assert isinstance(attn.q_norm, nn.LayerNorm) and float(attn.k_norm.bias.detach().abs().sum()) > 0
+    budget = relevance_budget(task, images)
+    logits = task.head(task.encoder(images)).detach()
+    assert budget["score"] == pytest.approx(float(logits.max(dim=1).values.sum()), rel=1e-12)
+    assert budget["total"] == pytest.approx(budget["score"], rel=1e-10)
+    assert abs(budget["pixels"]) > 1e-3 * abs(budget["score"])
+
+
 def test_without_biases_the_pixels_and_softmax_hold_the_logit():
     """Biases and embeddings zeroed: what the pixels get is the logit minus the softmax's share."""
     task, images = _task(sinks=False), _images(1)
@@ -69,6 +84,24 @@ def test_without_biases_the_pixels_and_softmax_hold_the_logit():
     assert budget["pixels"] + budget["softmax"] == pytest.approx(budget["score"], rel=1e-10)
     result = lrp_relevance(task, images)
     assert float(result.maps.sum()) == pytest.approx(budget["pixels"], rel=1e-10)  # maps: patch sums
+
+
+@pytest.mark.parametrize("size", [(33, 41), (37, 45), (32, 40)])
+def test_patch_sums_use_the_padded_patch_grid(size):
+    """timm's ``dynamic_img_pad``: an image of sides that are not multiples of the patch size is
+    padded at the bottom / right to whole 8 x 8 patches; each map cell sums the pixel relevance of
+    its own 8 x 8 cell (the last row / column: the part of it inside the image)."""
+    task = _task(dynamic_img_pad=True)
+    images = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    result = lrp_relevance(task, images)
+    pixels = result.pixels.sum(dim=1)  # (B, H, W)
+    rows, cols = -(-size[0] // 8), -(-size[1] // 8)
+    assert result.maps.shape == (2, rows, cols)
+    expected = torch.zeros(2, rows, cols, dtype=torch.float64)
+    for r in range(rows):
+        for c in range(cols):
+            expected[:, r, c] = pixels[:, 8 * r : 8 * r + 8, 8 * c : 8 * c + 8].sum(dim=(1, 2))
+    torch.testing.assert_close(result.maps, expected, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize(("name", "head"), MODELS)

@@ -68,6 +68,34 @@ def test_layer_decay_scales_each_encoder_layer_by_hand():
         assert wd == (0.0 if name in no_decay else 0.1), name
 
 
+@pytest.mark.parametrize(("name", "classifiers"), [
+    ("vit_tiny_patch16_224", ("head",)),
+    ("deit_tiny_distilled_patch16_224", ("head", "head_dist")),
+    ("vit_little_patch16_reg4_gap_256", ("head",)),  # with fc_norm: the encoder's (pooled features' norm)
+])
+@pytest.mark.parametrize("layer_decay", [None, 0.5])
+def test_timm_head_classifier_learns_at_the_head_lr(name, classifiers, layer_decay):
+    """``head='timm'``: the classifier lives in the encoder (``encoder.model.head``, and
+    ``head_dist`` of a distilled DeiT) but is a head: ``lr``, not ``encoder_lr``, and no layer
+    decay; everything else of the encoder (``fc_norm`` included) gets ``encoder_lr``."""
+    torch.manual_seed(0)
+    encoder = create_encoder(name, **TINY_VIT, num_classes=3)
+    optim = Optimization(lr=1e-3, encoder_lr=1e-4, weight_decay=0.1, layer_decay=layer_decay)
+    task = ClassificationTask(encoder, num_classes=3, head="timm", optim=optim)
+    got = _lr_and_decay_by_name(task, param_groups(task, task.optim))
+    heads = [n for n in got if n.startswith(tuple(f"encoder.model.{c}." for c in classifiers))]
+    assert len(heads) == 2 * len(classifiers)  # weight and bias of each classifier
+    assert (name == "vit_little_patch16_reg4_gap_256") == any(n.startswith("encoder.model.fc_norm.") for n in got)
+    for n, (lr, wd) in got.items():
+        if n in heads:
+            assert lr == pytest.approx(1e-3), n
+            assert wd == (0.1 if n.endswith(".weight") else 0.0), n
+        elif layer_decay is None:
+            assert lr == pytest.approx(1e-4), n
+        else:  # depth 2: at most 1e-4 (final norm, fc_norm: layer 3, factor 1), down to 1e-4 * 0.5 ** 3
+            assert 1e-4 * 0.125 * (1 - 1e-9) <= lr <= 1e-4 * (1 + 1e-9), n
+
+
 def _todays_groups(task, optim):
     """The grouping before layer decay existed: (encoder?, decayed?) in order of first appearance."""
     no_decay = no_weight_decay_names(task)

@@ -14,8 +14,11 @@ uniform maps over the patch grid: its localisation numbers are the mean over
 
 - **Localisation** (when the split has boxes, ``ROOT/annotations/instances_<split>.json`` as
   the embedded shapes data and COCO do): the explained words are the generated words that name
-  an object of the image — its category ("circle", "dog") or, where annotations carry one, its
-  ``colour`` ("red"). Each word's map is mapped to the original image's pixels
+  an object of the image — its category or, where annotations carry one, its ``colour``
+  ("red"). Category names are read as content accuracy reads them (:func:`named_words`, with
+  :class:`~vision_attn.caption_content.ObjectVocabulary`): plurals ("circles"), synonyms ("man"
+  for a person) and names of several words ("traffic light", scored at its last word). Each
+  word's map is mapped to the original image's pixels
   (:func:`~vision_attn.explain.localisation.grid_to_image` through the evaluation
   preprocessing) and scored against the boxes of the objects the word names
   (:func:`~vision_attn.explain.localisation.localisation`): ``pointing_<method>`` is the share
@@ -52,7 +55,7 @@ uniform maps over the patch grid: its localisation numbers are the mean over
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -62,18 +65,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vision_attn.caption_content import ObjectVocabulary
 from vision_attn.data.detection import load_coco_annotations
 from vision_attn.data.imageio import read_image
 from vision_attn.data.tokenizer import normalize_caption
+from vision_attn.errors import DataError
 from vision_attn.explain.faithfulness import auc, blur, order_ends, perturbation_curves
 from vision_attn.explain.localisation import grid_to_image, localisation
 from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
-__all__ = ["FRAME_WORDS", "RANDOM_DRAWS", "UNGROUNDED_WORDS", "caption_strip", "explain_captioning", "grounded_positions",
-           "named_words", "pointing_game", "random_word_maps", "teacher_forced_word_maps", "word_attention_maps",
-           "word_end_probabilities", "word_probability_curves", "write_caption_overlays"]
+__all__ = ["FRAME_WORDS", "RANDOM_DRAWS", "UNGROUNDED_WORDS", "boxes_vocabulary", "caption_strip", "explain_captioning",
+           "grounded_positions", "named_words", "pointing_game", "random_word_maps", "teacher_forced_word_maps",
+           "word_attention_maps", "word_end_probabilities", "word_probability_curves", "write_caption_overlays"]
 
 log = logging.getLogger(__name__)
 
@@ -198,24 +203,63 @@ def _split_boxes(dataset) -> dict[int, NamedBoxes] | None:
         if a.get("image_id") not in images or a.get("category_id") not in names:
             continue
         x, y, bw, bh = (float(v) for v in a["bbox"])
-        words = {names[a["category_id"]]} | ({normalize_caption(a["colour"])} if isinstance(a.get("colour"), str) else set())
+        colour = a.get("colour", a.get("color"))  # as content accuracy reads it
+        words = {names[a["category_id"]]} | ({normalize_caption(colour)} if isinstance(colour, str) else set())
         out.setdefault(a["image_id"], []).append((words, [x, y, x + bw, y + bh]))
     return out
 
 
-def named_words(words: list[str], boxes: NamedBoxes) -> list[tuple[int, list[list[float]]]]:
+def boxes_vocabulary(boxes: Iterable[NamedBoxes]) -> ObjectVocabulary:
+    """An :class:`~vision_attn.caption_content.ObjectVocabulary` whose categories are every name
+    of the ``boxes`` (of one image or of a split), with the default synonyms."""
+    return ObjectVocabulary(sorted({name for image in boxes for names, _ in image for name in names if name}))
+
+
+def _split_vocabulary(dataset, boxes: dict[int, NamedBoxes]) -> ObjectVocabulary:
+    """The vocabulary content accuracy reads the split's captions with (every category of the
+    instances file, its colours), or, for a dataset without ``annotated_objects`` (or an instances
+    file content accuracy cannot read, which it reports), the boxes'."""
+    try:
+        annotated = dataset.annotated_objects() if callable(getattr(dataset, "annotated_objects", None)) else None
+    except DataError:
+        annotated = None
+    return annotated.vocabulary() if annotated is not None else boxes_vocabulary(boxes.values())
+
+
+def named_words(words: list[str], boxes: NamedBoxes, vocab: ObjectVocabulary | None = None
+                ) -> list[tuple[int, list[list[float]]]]:
     """``[(position, boxes it names)]`` of the ``words`` that name one of the image's ``boxes``
-    (``[(names, xyxy)]``), in caption order."""
+    (``[(names, xyxy)]``), in caption order.
+
+    Words are matched as content accuracy matches them
+    (:meth:`~vision_attn.caption_content.ObjectVocabulary.match`): from each word the longest
+    category name, its last word possibly plural, or a synonym ("men" names a ``person``); the
+    words of a matched name are consumed ("teddy bear" is no ``bear``) and a name of several
+    words is scored at its last word. Any other word names the boxes that carry it as a name
+    (a colour, "red").
+
+    Args:
+        words: the caption's words.
+        boxes: the image's ``[(names of the box, [x0, y0, x1, y1])]``.
+        vocab: the vocabulary (evaluation uses the split's, the one content accuracy reads its
+            captions with); default: the names of ``boxes`` (:func:`boxes_vocabulary`).
+    """
+    vocab = vocab if vocab is not None else boxes_vocabulary([boxes])
+    low = [normalize_caption(w) for w in words]
     out = []
-    for t, word in enumerate(words):
-        own = [box for names, box in boxes if word in names]
+    i = 0
+    while i < len(low):
+        found = vocab.match(low, i)
+        name, span = found if found is not None else (low[i], 1)
+        own = [box for names, box in boxes if name in names] if name else []
         if own:
-            out.append((t, own))
+            out.append((i + span - 1, own))
+        i += span
     return out
 
 
-def pointing_game(words: list[str], maps: np.ndarray | Tensor, boxes: NamedBoxes, tolerance: float = 1.0
-                  ) -> tuple[int, int, float]:
+def pointing_game(words: list[str], maps: np.ndarray | Tensor, boxes: NamedBoxes, tolerance: float = 1.0,
+                  vocab: ObjectVocabulary | None = None) -> tuple[int, int, float]:
     """``(hits, object words, summed energy share)`` of one caption.
 
     Args:
@@ -223,9 +267,10 @@ def pointing_game(words: list[str], maps: np.ndarray | Tensor, boxes: NamedBoxes
         maps: ``[len(words), H, W]`` one map per word in original image pixels.
         boxes: the image's ``[(words naming the box, [x0, y0, x1, y1] pixels)]``.
         tolerance: of the hit, in pixels (:func:`~vision_attn.explain.localisation.pointing_hit`).
+        vocab: how words name boxes (:func:`named_words`).
     """
     hits, energy = 0, 0.0
-    named = named_words(words, boxes)
+    named = named_words(words, boxes, vocab)
     for t, own in named:
         hit, share = localisation(np.asarray(maps[t]), own, tolerance)
         hits += int(hit)
@@ -401,10 +446,11 @@ class _Tally:
 
 def _measure_batch(task, images: Tensor, explained: list, rows: list[tuple[int, int, int, np.ndarray]],
                    boxes: dict[int, NamedBoxes] | None, options, tally: _Tally, generator: torch.Generator,
-                   out_dir: Path, index: list[dict]) -> None:
+                   out_dir: Path, index: list[dict], vocab: ObjectVocabulary | None = None) -> None:
     """Localisation, faithfulness and saved maps of the batch's explained images.
 
-    ``rows``: ``(batch position j, split index i, image id, original picture)`` per image to measure."""
+    ``rows``: ``(batch position j, split index i, image id, original picture)`` per image to
+    measure; ``vocab``: how words name boxes (:func:`named_words`)."""
     pre = task.inference_data_config()
     grid = task.encoder.grid_for(*images.shape[-2:])
     items, grids = [], {m: [] for m in tally.methods}
@@ -412,7 +458,7 @@ def _measure_batch(task, images: Tensor, explained: list, rows: list[tuple[int, 
         e = explained[j]
         words = e.extras["words"]
         if boxes is not None:
-            named = named_words(words, boxes.get(image_id, []))
+            named = named_words(words, boxes.get(image_id, []), vocab)
         else:
             named = [(t, []) for t in grounded_positions(words)]
         if not named:
@@ -494,6 +540,7 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
 
     chosen = set(overlay_images(dataset, options, "captioning"))
     boxes = _split_boxes(dataset)
+    vocab = _split_vocabulary(dataset, boxes) if boxes is not None else None
     measured = boxes is not None or options.faithfulness or options.save_maps or options.sanity
     picked = (set(select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection,
                                 options.seed)) if measured else set())
@@ -523,7 +570,7 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
             if i in picked:
                 rows.append((j, i, image_id, pictures[j]))
         if rows:
-            _measure_batch(task, images, explained, rows, boxes, options, tally, generator, out_dir, index)
+            _measure_batch(task, images, explained, rows, boxes, options, tally, generator, out_dir, index, vocab)
     if written:
         log.info("wrote %d per-word attention strips to %s", written, out_dir / "overlays")
     if options.save_maps and picked:

@@ -17,7 +17,10 @@ operation's backward is modified, so one autograd pass yields the relevance of e
 - **The bilinear products** ``Q Kᵀ`` and ``A V`` — uniform rule: each factor receives half of
   the product's relevance, i.e. half the gradient. The gradient is halved where the factors
   are made: at the query / key / value projections' outputs and at the attention weights
-  (where :func:`~vision_attn.explain.capture.capture_attention` records them).
+  (where :func:`~vision_attn.explain.capture.capture_attention` records them). With timm's
+  ``qk_norm`` (norms ``q_norm`` / ``k_norm`` on each head's query and key) the factors of
+  ``Q Kᵀ`` are the norms' outputs: the gradient is halved there (the norms' biases keep their
+  share of the halved relevance), and at the ``qkv`` projection only the value third is halved.
 - **Sequence pooling** (CCT's ``sum_i w_i x_i`` with ``w = softmax(Linear(x))``) — a one-query
   attention: its softmax keeps its ordinary backward (recorded for the ledger) and the product
   ``w x`` gets the uniform rule, half the gradient to the weights and half to the tokens.
@@ -34,6 +37,10 @@ ever changed.
     result = lrp_relevance(task, images)     # task: encoder + head, e.g. ClassificationTask
     result.pixels   # [B, 3, H, W] signed relevance of every input value
     result.maps     # [B, h, w] summed over each patch's pixels (the ``lrp`` method's map)
+
+The patches are the encoder's: ``patch_size`` pixels a side on the grid the encoder reports;
+with timm's ``dynamic_img_pad`` the last row / column of patches overhangs the image (the
+padding holds no relevance).
 
 **Conservation.** With the rules on, the input relevance plus what the biases, the additive
 embeddings and the softmaxes kept sums to the explained logit (to rounding):
@@ -218,6 +225,14 @@ def _check_supported(modules: list[nn.Module]) -> None:
                               "another method")
 
 
+def _qk_norms(attention: nn.Module) -> tuple[nn.Module, ...]:
+    """``(q_norm, k_norm)`` of a timm attention module (``nn.Identity`` without ``qk_norm``), else ``()``."""
+    if not isinstance(attention, _TIMM_ATTENTION):
+        return ()
+    norms = (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))
+    return norms if all(isinstance(n, nn.Module) for n in norms) else ()
+
+
 @contextmanager
 def lrp_rules(task, rules: bool = True, trace: bool = False) -> Iterator[LRPTrace]:
     """Context manager installing the AttnLRP rules on every module of ``task`` (see the module
@@ -262,6 +277,11 @@ def lrp_rules(task, rules: bool = True, trace: bool = False) -> Iterator[LRPTrac
     def half(out: Tensor) -> Tensor:
         return torch.tensor(0.5, dtype=out.dtype, device=out.device)
 
+    def value_third_half(out: Tensor) -> Tensor:  # timm's qkv output [..., 3 * dim]: q | k | v
+        scale = torch.ones(out.shape[-1], dtype=out.dtype, device=out.device)
+        scale[2 * out.shape[-1] // 3 :] = 0.5
+        return scale
+
     def weights(_module: nn.Module, inputs: tuple) -> tuple | None:
         # The softmax output A, before it meets V in A V: recorded, and halved when rules apply.
         if trace:
@@ -280,6 +300,8 @@ def lrp_rules(task, rules: bool = True, trace: bool = False) -> Iterator[LRPTrac
                     continue
                 if isinstance(m, SequencePooling):  # x of w x: half
                     handles.append(m.values_point.register_forward_hook(scaled(half)))
+                elif is_attention and _qk_norms(m):  # V (of A V) at qkv; Q, K at their norms, below
+                    handles.append(m.qkv.register_forward_hook(scaled(value_third_half)))
                 elif is_attention:  # Q, K (of Q Kᵀ) and V (of A V): half each
                     projections = (m.qkv,) if isinstance(m, _TIMM_ATTENTION) else (m.q_proj, m.k_proj, m.v_proj)
                     handles.extend(proj.register_forward_hook(scaled(half)) for proj in projections)
@@ -291,6 +313,9 @@ def lrp_rules(task, rules: bool = True, trace: bool = False) -> Iterator[LRPTrac
                     handles.append(m.register_forward_hook(replace(_rms_norm_proxy)))
                 elif isinstance(m, _ACTIVATIONS) and not isinstance(m, nn.ReLU):  # ReLU's gradient already is the rule
                     handles.append(m.register_forward_hook(activation))
+            if rules:  # Q, K of Q Kᵀ after a q / k norm: half, applied after the norm's own rule
+                for m in attention:
+                    handles.extend(norm.register_forward_hook(scaled(half)) for norm in _qk_norms(m))
             yield record
         finally:
             for handle in handles:
@@ -317,13 +342,28 @@ class LRPResult:
     target: Tensor
 
 
-def _patch_sums(pixels: Tensor, grid: tuple[int, int]) -> Tensor:
-    """``[B, H, W]`` -> ``[B, h, w]`` sums over each patch's pixels (zero-padded at the right /
-    bottom when the patches overhang the image, as timm's dynamic padding does)."""
+def _patch_size(encoder: nn.Module) -> tuple[int, int] | None:
+    """The encoder's patch ``(height, width)`` in pixels, when it says (a ViTEncoder or a timm ViT)."""
+    size = getattr(encoder, "patch_size", None)
+    if size is None:
+        size = getattr(getattr(getattr(encoder, "model", encoder), "patch_embed", None), "patch_size", None)
+    if isinstance(size, int):
+        return size, size
+    return (int(size[0]), int(size[1])) if isinstance(size, (tuple, list)) and len(size) == 2 else None
+
+
+def _patch_sums(pixels: Tensor, grid: tuple[int, int], patch: tuple[int, int] | None = None) -> Tensor:
+    """``[B, H, W]`` -> ``[B, h, w]`` sums over each patch's pixels.
+
+    ``patch``: the patch ``(height, width)``; the cells are ``patch`` pixels a side from the top
+    left, the last row / column zero-padded where it overhangs the image (timm's
+    ``dynamic_img_pad``); pixels right of / below the grid (which a patch embedding without
+    padding never reads) are left out. ``None``: the image divided evenly into the grid's cells.
+    """
     b, height, width = pixels.shape
     h, w = grid
-    ph, pw = math.ceil(height / h), math.ceil(width / w)
-    pixels = F.pad(pixels, (0, w * pw - width, 0, h * ph - height))
+    ph, pw = patch if patch is not None else (math.ceil(height / h), math.ceil(width / w))
+    pixels = F.pad(pixels, (0, w * pw - width, 0, h * ph - height))  # (B, h * ph, w * pw): padded or cut
     return pixels.reshape(b, h, ph, w, pw).sum(dim=(2, 4))  # (B, h, w)
 
 
@@ -359,8 +399,8 @@ def lrp_relevance(task, images: Tensor, target: Tensor | None = None, rules: boo
         x, out, logits, target, score, _ = _forward(task, images, target, rules, trace=False)
         (grad,) = torch.autograd.grad(score, x)
     pixels = (x * grad).detach()
-    return LRPResult(pixels=pixels, maps=_patch_sums(pixels.sum(dim=1), out.grid), logits=logits.detach(),
-                     target=target)
+    maps = _patch_sums(pixels.sum(dim=1), out.grid, _patch_size(task.encoder))
+    return LRPResult(pixels=pixels, maps=maps, logits=logits.detach(), target=target)
 
 
 def _softmax_share(probs: Tensor, grad: Tensor) -> Tensor:

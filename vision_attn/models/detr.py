@@ -272,11 +272,12 @@ def query_group_mask(
 
 
 def noise_labels(labels: Tensor, num_classes: int, ratio: float, generator: torch.Generator | None = None) -> Tensor:
-    """Each label replaced, with probability ``ratio``, by a class drawn uniformly from ``0..C-1``
-    (which may be the same class, as in DN-DETR / DINO)."""
+    """Each label replaced, with probability ``ratio / 2``, by a class drawn uniformly from
+    ``0..C-1`` (which may be the same class), as DINO's ``prepare_for_cdn`` does with its
+    ``label_noise_ratio``: a label changes with probability ``ratio / 2 * (1 - 1 / C)``."""
     if ratio <= 0:
         return labels.clone()
-    flip = torch.rand(labels.shape, generator=generator, device=labels.device) < ratio
+    flip = torch.rand(labels.shape, generator=generator, device=labels.device) < ratio * 0.5
     random = torch.randint(0, num_classes, labels.shape, generator=generator, device=labels.device)
     return torch.where(flip, random, labels)
 
@@ -320,7 +321,9 @@ class DETRHead(nn.Module):
         box_refine: learned anchor boxes, box-conditioned positional queries and iterative
             per-layer box refinement (see the module docstring).
         dn_groups: denoising groups (DN-DETR); 0 = off. Needs ``box_refine``.
-        label_noise_ratio: probability that a denoising query's label is replaced by a random one.
+        label_noise_ratio: DINO's ``label_noise_ratio``: a denoising query's label is redrawn
+            uniformly from the ``C`` classes with probability ``label_noise_ratio / 2``
+            (:func:`noise_labels`); the default 0.5 is DINO's (a quarter of the labels redrawn).
         box_noise_scale: denoising box noise, as a fraction of the box's half size
             (:func:`noise_boxes`).
         dn_negatives: add DINO's contrastive negatives (a second, noisier copy per group that

@@ -60,7 +60,9 @@ class DetectionTask(VisionTask):
         focal: sigmoid focal-loss classification (remedy) instead of softmax + no-object.
         box_refine: anchor boxes + iterative box refinement (remedy).
         dn_groups: denoising query groups while training (DN-DETR); 0 = off. Needs ``box_refine``.
-        label_noise_ratio: denoising: probability of a flipped label.
+        label_noise_ratio: denoising: DINO's ``label_noise_ratio``, a label is redrawn uniformly
+            with probability ``label_noise_ratio / 2`` (the default 0.5 is DINO's: a quarter of
+            the labels redrawn; :func:`~vision_attn.models.detr.noise_labels`).
         box_noise_scale: denoising: box noise as a fraction of the half box size.
         dn_negatives: denoising with DINO's contrastive negatives ("no object" targets).
         query_selection: DINO's mixed query selection (anchors from the top-k encoder tokens, with

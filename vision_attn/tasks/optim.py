@@ -25,9 +25,9 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from vision_attn.errors import ConfigError
 
-__all__ = ["EMAWeights", "Optimization", "WarmupCosineSchedule", "build_optimizers", "cosine_factor",
-           "default_optimizers", "ema_callbacks", "encoder_layer_ids", "no_weight_decay_names", "param_groups",
-           "warmup_cosine"]
+__all__ = ["EMAWeights", "Optimization", "WarmupCosineSchedule", "build_optimizers", "classifier_names",
+           "cosine_factor", "default_optimizers", "ema_callbacks", "encoder_layer_ids", "no_weight_decay_names",
+           "param_groups", "warmup_cosine"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class Optimization:
 
     Args:
         lr: peak learning rate of the heads (and of the encoder unless ``encoder_lr`` is set).
+            With ``head='timm'`` the timm model's classifier is a head, although it lives in
+            the encoder (:func:`param_groups`).
         encoder_lr: peak learning rate of the encoder (e.g. lower when fine-tuning).
         weight_decay: weight decay of the weight matrices. Not decayed
             (:func:`no_weight_decay_names`): biases and norm weights (every parameter with
@@ -164,16 +166,32 @@ def encoder_layer_ids(vit: nn.Module) -> tuple[dict[str, int], int]:
     return ids, num_layers
 
 
+def classifier_names(model: nn.Module) -> set[str]:
+    """Names of the parameters of the timm classifier inside a task's encoder: the modules its
+    ``classifier_keys()`` names (``head``; ``head``, ``head_dist`` for a distilled DeiT) under
+    ``encoder.model``. Only the classifier: the pooled features' ``fc_norm`` stays the encoder's."""
+    encoder = getattr(model, "encoder", None)
+    keys = getattr(encoder, "classifier_keys", None)
+    vit = getattr(encoder, "model", None)
+    if not callable(keys) or not isinstance(getattr(vit, "pretrained_cfg", None), dict):  # not a timm model
+        return set()
+    prefixes = tuple(f"encoder.model.{key}." for key in keys())
+    return {name for name, _ in model.named_parameters() if name.startswith(prefixes)}
+
+
 def param_groups(model: nn.Module, optim: Optimization) -> list[dict[str, Any]]:
     """Parameter groups of a task: the peak ``lr`` and ``weight_decay`` of each group, trainable
     parameters only (see :class:`Optimization`).
 
-    Parameters named ``encoder.*`` are the encoder's (learning rate ``encoder_lr`` when set).
+    Parameters named ``encoder.*`` are the encoder's (learning rate ``encoder_lr`` when set),
+    except the timm model's own classifier (``encoder.model.head.*``, and ``head_dist.*`` of a
+    distilled DeiT: :func:`classifier_names`), a head (``head='timm'``) that learns at ``lr``.
     With ``optim.layer_decay`` the encoder's parameters are also split by layer (the timm model
     ``model.encoder.model``; :func:`encoder_layer_ids`) and their learning rate scaled by
     ``layer_decay ** (L + 1 - layer_id)``; the heads keep theirs.
     """
     no_decay = no_weight_decay_names(model)
+    classifier = classifier_names(model)
     layer_ids: dict[str, int] = {}
     top = 0
     if optim.layer_decay is not None:
@@ -190,7 +208,7 @@ def param_groups(model: nn.Module, optim: Optimization) -> list[dict[str, Any]]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        is_encoder = name.startswith("encoder.")
+        is_encoder = name.startswith("encoder.") and name not in classifier
         layer = layer_ids.get(name, top) if is_encoder else top  # top: factor 1 (or no layer decay)
         groups.setdefault((is_encoder, name not in no_decay, layer), []).append(p)
     out = []
