@@ -281,3 +281,21 @@ def test_auto_pooling_of_a_register_model_without_class_token_is_the_mean():
     assert enc.num_prefix_tokens == 4 and getattr(enc.model, "cls_token", None) is None
     task = ClassificationTask(enc, num_classes=3)
     assert task.head.pooling == "mean" and explained_token(task.head, enc.num_prefix_tokens) == "patches"
+
+
+def test_grid_maps_reach_pixels_through_the_padded_patch_grid():
+    from types import SimpleNamespace
+
+    from vision_attn.explain.api import grid_to_pixels
+
+    model = SimpleNamespace(encoder=SimpleNamespace(patch_size=(8, 8)))
+    grid = torch.tensor([[1.0, 0.0], [0.0, 0.0]])[None, None]  # a 12 x 12 image padded to 16 x 16: two 8-px cells
+    pixels = grid_to_pixels(grid, (12, 12), model)[0, 0]
+    assert pixels.shape == (12, 12)
+    # cell centres lie at 4 and 12 (8 px apart); pixel row 8 (centre 8.5) is 4.5 / 8 of the way from the
+    # first to the second: 1 - 0.5625. A grid stretched over the unpadded 12 px puts the centres at 3
+    # and 9 (6 px apart): 1 - 5.5 / 6 there
+    assert pixels[8, 2].item() == pytest.approx(0.4375)
+    assert pixels[2, 2].item() == pytest.approx(1.0)
+    stretched = grid_to_pixels(grid, (12, 12), SimpleNamespace())[0, 0]  # without a patch size: stretched
+    assert stretched[8, 2].item() == pytest.approx(1 / 12, abs=1e-6)

@@ -51,6 +51,21 @@ def _as_batch(model, images: Tensor | Sequence[Any]) -> Tensor:
     return torch.stack(batch)
 
 
+def grid_to_pixels(grid_maps: Tensor, size: tuple[int, int], model: Any) -> Tensor:
+    """Maps over the patch grid ``[B, C, h, w]`` as ``[B, C, H, W]`` over the input pixels: each
+    cell covers one patch of the encoder (``model.encoder.patch_size``), so a grid padded beyond
+    the image (``dynamic_img_pad``) is drawn at the padded size and cropped to the image."""
+    h, w = grid_maps.shape[-2:]
+    patch = getattr(getattr(model, "encoder", None), "patch_size", None)
+    if patch is None:
+        return F.interpolate(grid_maps, size=tuple(size), mode="bilinear", align_corners=False)
+    padded = (h * int(patch[0]), w * int(patch[1]))  # (H', W'): the pixels the grid covers
+    if padded[0] < size[0] or padded[1] < size[1]:  # a grid that drops the edge pixels: stretched over them
+        return F.interpolate(grid_maps, size=tuple(size), mode="bilinear", align_corners=False)
+    up = F.interpolate(grid_maps, size=padded, mode="bilinear", align_corners=False)
+    return up[..., : size[0], : size[1]]
+
+
 def explain_images(
     model,
     images: Tensor | Sequence[Any],
@@ -114,8 +129,7 @@ def explain_images(
             expl = explain_classifier(model, x, (method,), target=t, target_class=target_class, token=token,
                                       **options)
             grid_maps = expl.maps[method][:, None]  # (b, 1, h, w)
-            up = F.interpolate(grid_maps, size=x.shape[-2:], mode="bilinear", align_corners=False)
-            chunks.append(normalize_maps(up[:, 0]).to(batch.device))  # (b, H, W)
+            chunks.append(normalize_maps(grid_to_pixels(grid_maps, x.shape[-2:], model)[:, 0]).to(batch.device))
     finally:
         model.train(was_training)
     return torch.cat(chunks)
