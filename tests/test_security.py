@@ -554,3 +554,23 @@ def test_a_checkpoint_cannot_make_loading_read_another_file(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         loaded = load_task(ckpt)
     assert "ignoring the stored argument init_from" in caplog.text and loaded.init_from is None
+
+
+def test_config_sizes_are_bounded_before_anything_is_built(tmp_path, shapes_root):
+    with pytest.raises(ConfigError, match=r"model.init_args.num_classes = 67108864 .*VISION_ATTN_MAX_NUM_CLASSES"):
+        TrainCLI(args=[*_tiny_args(shapes_root, tmp_path / "out"), "--model.init_args.num_classes", str(2**26)])
+    with pytest.raises(VisionAttnError, match=r"encoder vit_tiny_patch16_224: the model it describes would take"):
+        run_entry_raising(lambda: TrainCLI(args=[*_tiny_args(shapes_root, tmp_path / "out"), f"{ENC}embed_dim",
+                                                 "8192", f"{ENC}depth", "64", f"{ENC}num_heads", "64"]))
+    assert not (tmp_path / "out").exists()
+
+
+def run_entry_raising(fn):
+    """``fn()``, re-raising the suite's error that the config parser wrapped while building."""
+    try:
+        return fn()
+    except ValueError as err:
+        cause: BaseException | None = err
+        while cause is not None and not isinstance(cause, VisionAttnError):
+            cause = cause.__cause__ or cause.__context__
+        raise (cause or err) from None

@@ -50,6 +50,7 @@ from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.report import Report, read_training_curves, write_report
 from vision_attn.models.captioner import GenerationOptions
 from vision_attn.outputs import write_json
+from vision_attn.schema import check_limits
 from vision_attn.tasks.base import (
     TASKS,
     VisionTask,
@@ -544,6 +545,9 @@ class TrainCLI(_VisionAttnCLI):
             self._print_run_config()
             raise SystemExit(0)
         check_resume_path(cfg.get("ckpt_path"), Path(cfg.trainer.default_root_dir))
+        model = cfg.get("model")
+        model = model.as_dict() if hasattr(model, "as_dict") else model
+        check_limits((model or {}).get("init_args") or {}, "the config", "model.init_args", ConfigError)
 
     def _monitor(self) -> tuple[str, str]:
         cls = resolve_class(self.config.model.class_path, VisionTask, "--model", self.allow_import)
