@@ -574,3 +574,15 @@ def run_entry_raising(fn):
         while cause is not None and not isinstance(cause, VisionAttnError):
             cause = cause.__cause__ or cause.__context__
         raise (cause or err) from None
+
+
+def test_the_security_page_lists_what_a_config_may_name_and_the_limits():
+    from vision_attn.cli import _TORCH_LIGHTNING_CLASSES, CODE_LOADING_MODULES, _suite_classes
+    from vision_attn.schema import LIMITS
+
+    page = (REPO / "docs" / "security.md").read_text()
+    names = [n for group in _TORCH_LIGHTNING_CLASSES.values() for n in group] + [c.__name__ for c in _suite_classes()]
+    assert [n for n in names if f"`{n}`" not in page and f".{n}`" not in page] == []
+    listed = {m for m in CODE_LOADING_MODULES if f"`{m}`" in page}
+    assert len(listed) >= 25 and "`torch.hub`" in page and "`numpy`" in page
+    assert [k for k in LIMITS if f"VISION_ATTN_MAX_{k.upper()}" not in page] == []
