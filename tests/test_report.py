@@ -646,3 +646,13 @@ def test_quality_table_leaves_out_counts_and_old_names(tmp_path):
     table = table[: table.index("</table>")]
     assert re.findall(r'<tr class="[a-z]+"><th>([^<]+)</th>', table) == ["attention", "relevance", "random (baseline)"]
     assert "over 172 generated words (172 name an object of the image" in page
+
+
+def test_embedded_json_holds_no_nan():
+    import json
+
+    from vision_attn.explain.report import script_json
+
+    text = script_json({"a": float("nan"), "b": [1.0, float("inf")], "c": "</script>"})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in embedded JSON")) == {
+        "a": None, "b": [1.0, None], "c": "</script>"}

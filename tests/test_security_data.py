@@ -165,6 +165,58 @@ def test_non_integer_image_ids_are_clear_errors(tmp_path, kind, bad_id):
         CocoDetection(tmp_path, "val") if kind == "instances" else read_captions(tmp_path, "val")
 
 
+@pytest.mark.parametrize("kind", ["instances", "captions"])
+@pytest.mark.parametrize("bad_id", [-1, 10**30, 2**63], ids=["negative", "10**30", "2**63"])
+def test_image_ids_outside_what_coco_tools_accept_are_clear_errors(tmp_path, kind, bad_id):
+    """COCO ids are non-negative 64-bit integers: 0 <= id < 2**63."""
+    _png(tmp_path / "val" / "a.png")
+    _coco_split(tmp_path, ["a.png"], kind=kind, ids=[bad_id])
+    with pytest.raises(DataError, match=rf"{kind}_val.json: image id {bad_id} is not an integer from 0 to 2\*\*63 - 1"):
+        CocoDetection(tmp_path, "val") if kind == "instances" else read_captions(tmp_path, "val")
+    _coco_split(tmp_path, ["a.png"], kind=kind, ids=[2**63 - 1])  # the largest id is accepted
+    assert len(CocoDetection(tmp_path, "val") if kind == "instances" else read_captions(tmp_path, "val")[0]) == 1
+
+
+@pytest.mark.parametrize("bad_id", [-1, 10**30, True], ids=["negative", "10**30", "true"])
+def test_category_ids_outside_what_coco_tools_accept_are_clear_errors(tmp_path, bad_id):
+    from vision_attn.data.captioning import read_annotated_objects
+
+    _png(tmp_path / "val" / "a.png")
+    _coco_split(tmp_path, ["a.png"])
+    path = tmp_path / "annotations" / "instances_val.json"
+    data = json.loads(path.read_text())
+    data["categories"] = [{"id": bad_id, "name": "thing"}]
+    data["annotations"][0]["category_id"] = bad_id
+    path.write_text(json.dumps(data))
+    match = rf"instances_val.json: category id {json.dumps(bad_id)} is not an integer from 0 to 2\*\*63 - 1"
+    with pytest.raises(DataError, match=match):
+        CocoDetection(tmp_path, "val")
+    with pytest.raises(DataError, match=match):
+        read_annotated_objects(path)  # captioning's content accuracy reads the categories too
+
+
+def test_an_annotation_whose_image_id_is_true_is_not_attached_to_image_1(tmp_path, caplog):
+    """``true`` equals ``1`` in Python: it must not attach a caption (or object) to image 1."""
+    bad_id = True
+    from vision_attn.data.captioning import read_annotated_objects
+
+    _png(tmp_path / "val" / "a.png")
+    path = _coco_split(tmp_path, ["a.png"], kind="captions") / "annotations" / "captions_val.json"
+    data = json.loads(path.read_text())
+    data["annotations"].append({"id": 7, "image_id": bad_id, "caption": "a hidden caption"})
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING):
+        _, captions = read_captions(tmp_path, "val")
+    assert captions == {1: ["a black square"]}
+    assert "dropped 1 captions (unknown image id), e.g. annotation id 7" in caplog.text
+    path = _coco_split(tmp_path, ["a.png"]) / "annotations" / "instances_val.json"
+    data = json.loads(path.read_text())
+    data["annotations"].append({"id": 7, "image_id": bad_id, "category_id": 1, "bbox": [0, 0, 2, 2]})
+    path.write_text(json.dumps(data))
+    assert len(CocoDetection(tmp_path, "val").annotations[1]) == 1
+    assert len(read_annotated_objects(path).objects[1]) == 1
+
+
 # --- 15.11 (part): deeply nested and malformed annotation files ---------------------------------
 
 

@@ -5,8 +5,10 @@ and short, so a long file name cannot fail an evaluation (item 11)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
+import unicodedata
 from pathlib import Path
 
 import cv2
@@ -175,3 +177,92 @@ def test_long_file_name_does_not_fail_the_evaluation(tmp_path):
     names = sorted(p.name for p in (out / "overlays").iterdir())
     assert len(names) == 2 and all(len(n.encode()) <= MAX_NAME_BYTES and n.endswith(".png") for n in names)
     assert any(n.startswith("00000_circle_yyyy") for n in names)
+
+
+# --- non-finite numbers and control characters in output files ----------------------------------
+
+
+def _strict_json(text: str):
+    """``json.loads`` that refuses ``NaN``, ``Infinity`` and ``-Infinity`` (not JSON)."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_write_json_writes_non_finite_numbers_as_null_with_one_warning(tmp_path, caplog):
+    nan, inf = float("nan"), float("inf")
+    obj = [{"file": "a.png", "score": nan, "topk": [{"label": "x", "score": np.float32("nan")}]},
+           {"file": "b.png", "score": 0.5, "box": (1.0, -inf, np.float64(inf)), "s": torch.tensor(nan),
+            "ok": np.float32(0.25), "n": np.int64(3), "arr": np.array([1.0, nan])},
+           {"per_class": {"red circle": torch.tensor([inf, 2.0])}}]
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING, logger="vision_attn.outputs"):
+        write_json(out / "predictions.json", obj, root=out)
+    back = _strict_json((out / "predictions.json").read_text())
+    assert back == [{"file": "a.png", "score": None, "topk": [{"label": "x", "score": None}]},
+                    {"file": "b.png", "score": 0.5, "box": [1.0, None, None], "s": None, "ok": 0.25, "n": 3,
+                     "arr": [1.0, None]},
+                    {"per_class": {"red circle": [None, 2.0]}}]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "predictions.json: 7 non-finite values written as null (first at [0].score)" in warnings[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vision_attn.outputs"):
+        write_json(out / "metrics.json", {"acc": 1.0, "map": 0.5}, root=out)
+        write_json(out / "one.json", {"per_class": {"a b": {"ap": -inf}}}, root=out)
+    assert [r.getMessage().rsplit("/", 1)[-1] for r in caplog.records] == [
+        'one.json: 1 non-finite values written as null (first at per_class["a b"].ap)']
+    assert _strict_json((out / "one.json").read_text()) == {"per_class": {"a b": {"ap": None}}}
+
+
+def test_a_model_with_nan_weights_writes_valid_predictions_json(tmp_path, caplog):
+    from vision_attn.predict import predict_folder
+    from vision_attn.tasks import ClassificationTask
+
+    from .test_export import _checkpoint
+
+    torch.manual_seed(0)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["a", "b", "c"])
+    with torch.no_grad():
+        for p in task.parameters():
+            p.fill_(float("nan"))
+    ckpt = _checkpoint(task, tmp_path / "m.ckpt")
+    images = tmp_path / "imgs"
+    images.mkdir()
+    for name in ("a.png", "b.png"):
+        Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(images / name)
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING, logger="vision_attn.outputs"):
+        predict_folder(ckpt, images, out, overlays=False, topk=2, progress=False, report_images=0)
+    records = _strict_json((out / "predictions.json").read_text())
+    assert [r["file"] for r in records] == ["a.png", "b.png"]
+    assert all(r["score"] is None and all(t["score"] is None for t in r["topk"]) for r in records)
+    assert "predictions.json: 6 non-finite values written as null (first at [0].score)" in caplog.text
+
+
+_INVISIBLE = ["\u202e", "\u202a", "\u2066", "\u2069", "\u200b", "\u200d", "\u200f", "\ufeff", "\u2060", "\x85",
+              "\x9b", "\u00ad", "\u2028"]
+
+
+@pytest.mark.parametrize("char", _INVISIBLE, ids=[f"U+{ord(c):04X}" for c in _INVISIBLE])
+def test_safe_filename_replaces_control_and_format_characters(char):
+    name = safe_filename(f"photo{char}gnp.exe.png")
+    assert char not in name and name == safe_filename(f"photo{char}gnp.exe.png")
+    assert name.endswith(".png") and name.startswith("photo_gnp.exe-")
+    assert name != safe_filename("photognp.exe.png") and name != safe_filename("photo_gnp.exe.png")
+
+
+def test_overlay_names_carry_no_bidi_override_or_zero_width_character(tmp_path):
+    from vision_attn.predict import overlay_name
+
+    spoof, hidden = "photo\u202egnp.exe.png", "pho\u200bto.png"
+    names = {overlay_name(Path(n)).name for n in (spoof, hidden, "photo.png", "photo_gnp.exe.png")}
+    assert len(names) == 4
+    for name in names:
+        assert not any(unicodedata.category(c) in ("Cc", "Cf") for c in name)
+    out = tmp_path / "out"
+    written = save_png(out / "overlays" / f"00001_{spoof}", IMG, root=out)
+    assert written.name.startswith("00001_photo_gnp.exe-") and "\u202e" not in written.name
+    assert [p.name for p in (out / "overlays").iterdir()] == [written.name]

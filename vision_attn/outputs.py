@@ -12,17 +12,26 @@ Every writer here (:func:`write_bytes`, :func:`write_text`, :func:`write_json`,
   readers never see half a file (Ctrl-C included); the temporary is removed on any failure.
 
 Names built from data (image ids, file names, class names) go through :func:`safe_filename`
-first: one path component, no separators or control characters, no leading dot, at most
-:data:`MAX_NAME_BYTES` bytes (long names are truncated and end with a short hash, so the result
-is deterministic and distinct names stay distinct).
+first: one path component, no separators, no control or invisible format characters (bidi
+overrides such as ``photo<U+202E>gnp.exe.png``, zero-width spaces), no leading dot, at most
+:data:`MAX_NAME_BYTES` bytes (a changed or long name ends with a short hash, so the result is
+deterministic and distinct names stay distinct).
+
+JSON files are strict JSON whatever the values hold (:func:`write_json`, :func:`json_ready`):
+NumPy and PyTorch numbers become plain ones, and non-finite numbers (a model with NaN weights
+scores ``NaN``), which JSON has no way to write, become ``null``, with one warning per file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import os
+import sys
 import tempfile
+import unicodedata
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -36,6 +45,7 @@ __all__ = [
     "MAX_NAME_BYTES",
     "OutputPathError",
     "atomic_output",
+    "json_ready",
     "resolve_under",
     "safe_filename",
     "write_bytes",
@@ -45,11 +55,18 @@ __all__ = [
     "write_text",
 ]
 
+log = logging.getLogger(__name__)
+
 MAX_NAME_BYTES = 200
 """Longest file name written, in UTF-8 bytes: file systems allow 255, and the temporary file's
 name (``.<up to 40 characters>.<random>.tmp``) must fit too."""
 
 _HASH_CHARS = 10
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+"""Unicode categories replaced in file names: controls (C0, DEL, C1), format characters (bidi
+embeddings, overrides and isolates U+202A-U+202E and U+2066-U+2069, marks such as U+200E/F,
+zero-width U+200B-U+200D, U+2060, U+FEFF, the soft hyphen) and the line and paragraph
+separators U+2028/U+2029: each either hides or reorders what a listing shows, or breaks a line."""
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read the process umask once: mkstemp creates 0600, results get the usual mode
 
@@ -71,10 +88,16 @@ def _truncate_bytes(text: str, limit: int) -> str:
     return text.encode("utf-8", "surrogateescape")[:limit].decode("utf-8", "ignore")
 
 
+def _unsafe_char(c: str) -> bool:
+    return c in "/\\" or unicodedata.category(c) in _UNSAFE_CATEGORIES
+
+
 def safe_filename(name: str, max_bytes: int = MAX_NAME_BYTES) -> str:
     """``name`` as one safe, deterministic file name component.
 
-    Separators (``/``, ``\\``), NUL and control characters become ``_``; a leading ``.``
+    Separators (``/``, ``\\``), NUL, control characters (C0, DEL, C1: Unicode category ``Cc``),
+    invisible format characters (category ``Cf``: bidi overrides and isolates, zero-width
+    spaces and joiners, U+FEFF, U+2060) and line or paragraph separators become ``_``; a leading ``.``
     (``..``, hidden files) becomes ``_``; an empty name becomes ``_``. A name that had to change,
     or is longer than ``max_bytes`` UTF-8 bytes, ends with ``-`` and a short hash of the original
     (before its extension, which is kept when it is short), so two different names never map to
@@ -89,7 +112,7 @@ def safe_filename(name: str, max_bytes: int = MAX_NAME_BYTES) -> str:
     """
     if max_bytes < 32:
         raise ValueError(f"max_bytes must be at least 32, got {max_bytes}")
-    clean = "".join("_" if c in "/\\" or ord(c) < 32 or ord(c) == 127 else c for c in str(name))
+    clean = "".join("_" if _unsafe_char(c) else c for c in str(name))
     if clean.startswith("."):
         clean = "_" + clean[1:]
     clean = clean or "_"
@@ -200,9 +223,77 @@ def write_text(path: str | Path, text: str, root: str | Path | None = None) -> P
     return write_bytes(path, text.encode("utf-8"), root)
 
 
+def _key_path(parent: str, key: Any) -> str:
+    """``parent`` extended by a dict key: ``a.b`` for identifiers, ``a["b c"]`` for other keys
+    (JSON-escaped, so no key can put a control character into a log line)."""
+    if isinstance(key, str) and key.isidentifier() and key.isascii():
+        return f"{parent}.{key}" if parent else key
+    return f"{parent}[{json.dumps(str(key))}]"
+
+
+def _plain(value: Any) -> Any:
+    """NumPy scalars and arrays and PyTorch tensors as Python numbers and lists; others as they are."""
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    torch = sys.modules.get("torch")  # a tensor can only exist once torch is imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    return value
+
+
+def json_ready(obj: Any) -> tuple[Any, int, str | None]:
+    """``obj`` as plain values that :func:`json.dumps` writes as strict JSON.
+
+    NumPy scalars and arrays and PyTorch tensors (at any depth) become Python numbers and
+    lists, tuples become lists, and every non-finite float (``NaN``, ``inf``, ``-inf``, which
+    JSON cannot write) becomes ``None`` (``null``). Dict keys that are NumPy scalars become
+    Python ones. Other values are left as they are (``json.dumps`` refuses unknown types).
+
+    Args:
+        obj: the value to write.
+
+    Returns:
+        ``(value, count, first)``: the plain value, how many non-finite numbers became
+        ``None``, and the key path of the first (``[0].score``, ``per_class["a b"].ap``; ``""``
+        for ``obj`` itself), ``None`` when there were none.
+    """
+    count, first = 0, None
+
+    def walk(value: Any, where: str) -> Any:
+        nonlocal count, first
+        value = _plain(value)
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return value
+            count += 1
+            first = where if first is None else first
+            return None
+        if isinstance(value, dict):
+            return {_plain(k): walk(v, _key_path(where, _plain(k))) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    return walk(obj, ""), count, first
+
+
 def write_json(path: str | Path, obj: Any, root: str | Path | None = None, indent: int | None = 2) -> Path:
-    """Write ``obj`` as JSON to ``path`` (inside ``root``) through a temporary file."""
-    return write_text(path, json.dumps(obj, indent=indent), root)
+    """Write ``obj`` as strict JSON to ``path`` (inside ``root``) through a temporary file.
+
+    NumPy and PyTorch values are written as plain numbers and lists, and non-finite numbers as
+    ``null`` (:func:`json_ready`), with one warning naming the file, how many there were and
+    where the first one was: ``OUT/predictions.json: 3 non-finite values written as null
+    (first at [0].score)``.
+    """
+    try:  # most results are plain and finite already: written as they are, in one pass
+        text = json.dumps(obj, indent=indent, allow_nan=False)
+    except (TypeError, ValueError):
+        value, count, first = json_ready(obj)
+        if count:
+            log.warning("%s: %d non-finite values written as null (first at %s)", path, count,
+                        first or "the top level")
+        text = json.dumps(value, indent=indent, allow_nan=False)
+    return write_text(path, text, root)
 
 
 def write_png(path: str | Path, image_rgb: np.ndarray, root: str | Path | None = None) -> Path:

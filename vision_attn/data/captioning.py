@@ -11,8 +11,10 @@
   not text or are empty after normalisation are dropped, and images left without a caption
   are skipped — each kind counted in one warning naming an example id. A file that is not
   UTF-8 or not JSON, or an image file that is missing, is an error naming the file or id.
-- Image ids must be integers (as in COCO: they end up in output file names) and ``file_name``
-  must stay inside the split folder (see :func:`vision_attn.data.loading.image_path_inside`):
+- Image ids must be what COCO tools accept (they end up in output file names and results files:
+  :func:`~vision_attn.data.detection.is_coco_id`, integers from 0 to 2**63 - 1, never ``true``
+  or ``false``), else an error naming the file and the id; ``file_name`` must stay inside the
+  split folder (see :func:`vision_attn.data.loading.image_path_inside`):
   a refused path is a counted warning in training, an error in evaluation.
 - Images are never flipped: captions say "left" and "right".
 - Instance annotations: when ``instances_<split>.json`` lies next to the caption file (the
@@ -42,7 +44,9 @@ from torch.utils.data import Dataset
 from vision_attn.caption_content import AnnotatedObjects, Mention
 from vision_attn.data.detection import (
     CocoLayout,
+    check_category_id,
     check_images_dir,
+    is_coco_id,
     load_coco_annotations,
     validate_image_entry,
 )
@@ -118,7 +122,7 @@ def read_captions(root: Path, split: str, follow_symlinks: bool = False, skip_re
     for a in data["annotations"]:
         text = a.get("caption") if isinstance(a, dict) else None
         image_id = a.get("image_id") if isinstance(a, dict) else None
-        if not isinstance(image_id, int) or image_id not in captions:
+        if not is_coco_id(image_id) or image_id not in captions:
             reason = "unknown image id"
         elif not isinstance(text, str):
             reason = "caption is not text"
@@ -167,14 +171,16 @@ def read_annotated_objects(path: Path) -> AnnotatedObjects:
         raise DataError(f"instances file {path} has no categories list; content accuracy needs the category names")
     names: dict[int, str] = {}
     for c in cats:
-        if not isinstance(c, dict) or not isinstance(c.get("id"), int) or not isinstance(c.get("name"), str):
+        check_category_id(c, path)
+        if not isinstance(c.get("name"), str):
             raise DataError(f"{path}: category {str(c)[:80]} needs an integer 'id' and a text 'name'")
         names[c["id"]] = normalize_caption(c["name"])
     objects: dict[int, list[Mention]] = {
-        im["id"]: [] for im in data["images"] if isinstance(im, dict) and isinstance(im.get("id"), int)}
+        im["id"]: [] for im in data["images"] if isinstance(im, dict) and is_coco_id(im.get("id"))}
     dropped, example = 0, None
     for a in data["annotations"]:
-        if not isinstance(a, dict) or a.get("image_id") not in objects or a.get("category_id") not in names:
+        if (not isinstance(a, dict) or not is_coco_id(a.get("image_id")) or a["image_id"] not in objects
+                or not is_coco_id(a.get("category_id")) or a["category_id"] not in names):
             dropped += 1
             example = example or (a.get("id") if isinstance(a, dict) else str(a)[:40])
             continue

@@ -19,8 +19,11 @@
   :meth:`CocoDetection.scoring_target` gives the ground truth that validation and evaluation
   both score, in pixels of the original image, boxes as written in the file (not clipped, not
   resized: objects smaller than an input pixel are scored too), crowd regions flagged.
-- A missing image file is an error naming the image id and the path. Image ids must be integers
-  (as in COCO) and ``file_name`` must stay inside the split folder (see
+- A missing image file is an error naming the image id and the path. Image and category ids must
+  be what COCO tools accept (:func:`is_coco_id`: integers from 0 to 2**63 - 1, never ``true``
+  or ``false``): anything else is an error naming the file and the id; annotations naming such
+  an image or category id are dropped like those of unknown ids. ``file_name`` must stay inside
+  the split folder (see
   :func:`vision_attn.data.loading.image_path_inside`): refused with a counted warning in
   training, an error in evaluation.
 - Targets: ``labels [G]``, ``boxes [G, 4]`` as ``(cx, cy, w, h)`` fractions of the model
@@ -76,8 +79,9 @@ from vision_attn.data.transforms import (
 )
 from vision_attn.errors import DataError
 
-__all__ = ["CocoDetection", "CocoLayout", "DetectionDataModule", "SquareDetectionTransform", "coco_root",
-           "detection_collate", "load_coco_annotations", "split_layout", "validate_image_entry"]
+__all__ = ["COCO_ID_LIMIT", "CocoDetection", "CocoLayout", "DetectionDataModule", "SquareDetectionTransform",
+           "check_category_id", "coco_id_error", "coco_root", "detection_collate", "is_coco_id",
+           "load_coco_annotations", "split_layout", "validate_image_entry"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,29 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+COCO_ID_LIMIT = 2**63
+"""Image, annotation and category ids lie in ``0 .. COCO_ID_LIMIT - 1``: the non-negative
+64-bit integers that pycocotools and other COCO tools (NumPy ``int64`` arrays) accept."""
+
+
+def is_coco_id(value: Any) -> bool:
+    """Whether ``value`` is an id COCO tools accept: an ``int`` (not a ``bool``) from 0 to 2**63 - 1."""
+    return _is_int(value) and 0 <= value < COCO_ID_LIMIT
+
+
+def coco_id_error(ann_file: Path, what: str, value: Any, fix: str = "fix the annotation file") -> DataError:
+    """The error for an id that is not a COCO id (:func:`is_coco_id`), naming the file and the
+    id as the file writes it (``what``: ``"image id"``, ``"category id"``), ending with ``fix``."""
+    try:
+        shown = json.dumps(value)
+    except (TypeError, ValueError):
+        shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return DataError(f"{ann_file}: {what} {shown} is not an integer from 0 to 2**63 - 1 (COCO ids are "
+                     f"non-negative 64-bit integers); {fix}")
 
 
 def load_coco_annotations(path: Path) -> dict[str, Any]:
@@ -114,13 +141,12 @@ def load_coco_annotations(path: Path) -> dict[str, Any]:
 
 
 def validate_image_entry(im: Any, ann_file: Path) -> None:
-    """Check one ``images`` entry: an object with an integer ``id`` (COCO ids are integers),
+    """Check one ``images`` entry: an object with an ``id`` COCO tools accept (:func:`is_coco_id`),
     a string ``file_name`` and, if present, numeric ``width`` / ``height``."""
     if not isinstance(im, dict) or "id" not in im or "file_name" not in im:
         raise DataError(f"{ann_file}: image entry {str(im)[:80]} needs 'id' and 'file_name'")
-    if not _is_int(im["id"]):
-        raise DataError(f"{ann_file}: image id {im['id']!r} is not an integer (COCO image ids are integers); "
-                        "fix the annotation file")
+    if not is_coco_id(im["id"]):
+        raise coco_id_error(ann_file, "image id", im["id"])
     if not isinstance(im["file_name"], str):
         raise DataError(f"{ann_file}: image id {im['id']} has a file_name that is not text: {str(im['file_name'])[:80]}")
     for key in ("width", "height"):
@@ -132,9 +158,17 @@ def _categories(cats: Any, ann_file: Path) -> list[dict]:
     if not isinstance(cats, list) or not cats:
         raise DataError(f"annotation file {ann_file} has no categories")
     for c in cats:
-        if not isinstance(c, dict) or not _is_int(c.get("id")):
-            raise DataError(f"{ann_file}: category {str(c)[:80]} needs an integer 'id'")
+        check_category_id(c, ann_file)
     return sorted(cats, key=lambda c: c["id"])
+
+
+def check_category_id(category: Any, ann_file: Path) -> None:
+    """Check one ``categories`` entry: an object whose ``id`` COCO tools accept (:func:`is_coco_id`)."""
+    if not isinstance(category, dict) or "id" not in category:
+        raise DataError(f"{ann_file}: category {str(category)[:80]} needs an integer 'id'")
+    if not is_coco_id(category["id"]):
+        raise coco_id_error(ann_file, "category id", category["id"],
+                            "every category needs an integer 'id': fix the annotation file")
 
 
 def coco_root(root: str | None, synthetic: SceneSetConfig | None, cache_dir: str | None, what: str,

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vision_attn.caption_content import ObjectVocabulary
-from vision_attn.data.detection import load_coco_annotations
+from vision_attn.data.detection import is_coco_id, load_coco_annotations
 from vision_attn.data.imageio import read_image
 from vision_attn.data.tokenizer import normalize_caption
 from vision_attn.errors import DataError
@@ -193,12 +193,14 @@ def _split_boxes(dataset) -> dict[int, NamedBoxes] | None:
         return None
     data = load_coco_annotations(path)
     names = {c.get("id"): normalize_caption(str(c.get("name", ""))) for c in data.get("categories") or []
-             if isinstance(c, dict)}
-    images = {im.get("id") for im in data.get("images") or [] if isinstance(im, dict)}
+             if isinstance(c, dict) and is_coco_id(c.get("id"))}
+    images = {im.get("id") for im in data.get("images") or [] if isinstance(im, dict) and is_coco_id(im.get("id"))}
     out: dict[int, NamedBoxes] = {}
     for a in data.get("annotations") or []:
         # localisation only reads well-formed boxes (the data reader counts the others)
         if not isinstance(a, dict) or not _is_box(a.get("bbox")) or min(a["bbox"][2:]) < 0:
+            continue
+        if not (is_coco_id(a.get("image_id")) and is_coco_id(a.get("category_id"))):
             continue
         if a.get("image_id") not in images or a.get("category_id") not in names:
             continue

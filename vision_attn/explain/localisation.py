@@ -239,7 +239,7 @@ def load_image_boxes(path: str | Path) -> dict[str, list[tuple[str, Box]]]:
     Raises:
         DataError: an unreadable or malformed file (the message names the file and entry).
     """
-    from vision_attn.data.detection import load_coco_annotations, validate_image_entry
+    from vision_attn.data.detection import is_coco_id, load_coco_annotations, validate_image_entry
 
     path = Path(path).expanduser()
     data = load_coco_annotations(path)
@@ -248,7 +248,7 @@ def load_image_boxes(path: str | Path) -> dict[str, list[tuple[str, Box]]]:
         raise DataError(f"annotation file {path} has no categories; the boxes need category names")
     names: dict[int, str] = {}
     for c in cats:
-        if not isinstance(c, dict) or not isinstance(c.get("id"), int) or not isinstance(c.get("name"), str):
+        if not isinstance(c, dict) or not is_coco_id(c.get("id")) or not isinstance(c.get("name"), str):
             raise DataError(f"{path}: category {str(c)[:80]} needs an integer 'id' and a 'name'")
         names[c["id"]] = c["name"]
     files: dict[int, str] = {}
@@ -257,9 +257,9 @@ def load_image_boxes(path: str | Path) -> dict[str, list[tuple[str, Box]]]:
         files[im["id"]] = Path(im["file_name"]).as_posix()
     out: dict[str, list[tuple[str, Box]]] = {f: [] for f in files.values()}
     for a in data["annotations"]:
-        if not isinstance(a, dict) or a.get("image_id") not in files:
+        if not isinstance(a, dict) or not is_coco_id(a.get("image_id")) or a.get("image_id") not in files:
             raise DataError(f"{path}: annotation {str(a)[:80]} names no image of the file ('image_id')")
-        if a.get("category_id") not in names:
+        if not is_coco_id(a.get("category_id")) or a.get("category_id") not in names:
             raise DataError(f"{path}: annotation id {a.get('id')} has category_id {a.get('category_id')!r}, "
                             "which is not in 'categories'")
         bbox = a.get("bbox")

@@ -53,7 +53,7 @@ import cv2
 import numpy as np
 import torch
 
-from vision_attn.outputs import write_text
+from vision_attn.outputs import json_ready, write_text
 
 __all__ = ["Report", "compact_data_uri", "png_data_uri", "quantise", "read_training_curves", "script_json",
            "write_report"]
@@ -89,9 +89,10 @@ def script_json(obj: Any) -> str:
     ``<``, ``>``, ``&``, U+2028 and U+2029 are written as ``\\uXXXX`` escapes (JSON allows them
     only inside strings, where the escape means the same character), so no value (a category
     named ``</script><script>alert(1)</script>``, a caption word) can close the element or
-    start markup; ``json.loads`` of the result gives ``obj`` back.
+    start markup; ``json.loads`` of the result gives ``obj`` back (non-finite numbers, which
+    JSON cannot hold, become ``null``).
     """
-    text = json.dumps(obj)
+    text = json.dumps(json_ready(obj)[0], allow_nan=False)
     for char, escaped in _SCRIPT_ESCAPES.items():
         text = text.replace(char, escaped)
     return text
