@@ -414,7 +414,7 @@ def test_a_class_path_stored_in_a_checkpoint_starts_nothing(field, tmp_path, sha
     assert not marker.exists() and not (tmp_path / "ev" / "metrics.json").exists()
 
 
-def test_allow_import_in_a_config_file_of_predict_or_export_is_refused(tmp_path):
+def test_allow_import_in_a_config_file_of_predict_or_export_is_refused(tmp_path, capsys):
     from vision_attn import export, predict
 
     cfg = tmp_path / "c.yaml"
@@ -425,6 +425,7 @@ def test_allow_import_in_a_config_file_of_predict_or_export_is_refused(tmp_path)
                   "--output_dir", str(tmp_path / "o")] if main is predict.main else
                  ["--config", str(cfg), "--ckpt_path", str(tmp_path / "x.ckpt"), "--output_dir", str(tmp_path / "o")])
         assert exit_info.value.code == 2
+        assert "['allow_import'] may only be given on the command line" in capsys.readouterr().err
     assert "some_module" not in sys.modules
 
 
