@@ -5,7 +5,8 @@ Writes ``OUT/metrics.json`` and ``OUT/predictions.json``. The checkpoint is read
 pickled code and the model is rebuilt only from vision_attn classes (never ``--allow_import``).
 """
 
-from vision_attn.cli import eval_main, run_entry
+from vision_attn.commands.evaluate import eval_main
+from vision_attn.commands.run import run_entry
 
 if __name__ == "__main__":
     run_entry(eval_main)

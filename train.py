@@ -6,7 +6,8 @@ vision_attn, torch and Lightning classes and callables; allow a module of your o
 callbacks) with ``--allow_import PREFIX`` on the command line.
 """
 
-from vision_attn.cli import run_entry, train_main
+from vision_attn.commands.run import run_entry
+from vision_attn.commands.train import train_main
 
 if __name__ == "__main__":
     run_entry(train_main)

@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import write_result
-from vision_attn.caption_metrics import CiderD, cider_d
 from vision_attn.data.tokenizer import normalize_caption
+from vision_attn.metrics.caption import CiderD, cider_d
 
 log = logging.getLogger("benchmarks.caption_ceiling")
 

@@ -6,7 +6,7 @@ naming objects, on the training and on the validation split.
 
 For each split, every image's first reference caption is fed to the decoder (teacher forcing)
 and each position whose next word names an object — a category name, or a colour the
-instances file gives its objects (``colour``), as :mod:`vision_attn.caption_content` reads
+instances file gives its objects (``colour``), as :mod:`vision_attn.metrics.caption_content` reads
 them — counts as right when the decoder's most likely next word is that word. The rows are
 ``kind`` (category words), ``colour`` and ``all`` (every word of the caption).
 

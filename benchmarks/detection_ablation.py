@@ -134,7 +134,7 @@ class StepTimer(Callback):
 
 def step_cost(config: str, overrides: list[str], steps: int, warmup: int, work: Path) -> dict:
     """Median seconds per training step of one row (in this process) and the steps per epoch."""
-    from vision_attn.cli import TrainCLI
+    from vision_attn.commands.train import TrainCLI
 
     cli = TrainCLI(args=["--config", config, *overrides, "--trainer.max_steps", str(warmup + steps),
                          "--trainer.limit_val_batches", "0", "--trainer.logger", "false",

@@ -6,7 +6,7 @@
 
 Trains nothing. Each checkpoint given (default: the newest
 ``runs/demo/*/<task>/checkpoints/last.ckpt`` of each task, when there is one) is evaluated by
-``eval.py``'s own code (:func:`vision_attn.cli.eval_main`, data from the settings saved in the
+``eval.py``'s own code (:func:`vision_attn.commands.evaluate.eval_main`, data from the settings saved in the
 checkpoint) with every explanation method of its task, the sanity check on and
 ``--explain.faithfulness_images N``; the table reads the metrics it returns, per task and
 method (the ``random`` baseline included):
@@ -79,7 +79,7 @@ def evaluate(task: str, ckpt: str | Path, images: int, seed: int, out_dir: Path,
     Raises:
         CheckpointError: ``ckpt`` is not a vision_attn checkpoint of ``task``.
     """
-    from vision_attn.cli import eval_main
+    from vision_attn.commands.evaluate import eval_main
     from vision_attn.errors import CheckpointError
     from vision_attn.tasks.base import read_task_meta
 

@@ -96,8 +96,8 @@ def score_detection(predictions: Path, annotations: Path) -> dict[str, float]:
 
 def score_captioning(predictions: Path, annotations: Path) -> dict[str, float]:
     """Corpus BLEU-4 and CIDEr-D of ``[{"image_id", "caption"}]`` against the references."""
-    from vision_attn.caption_metrics import caption_metrics
     from vision_attn.data.tokenizer import normalize_caption
+    from vision_attn.metrics.caption import caption_metrics
 
     refs: dict[int, list[str]] = {}
     for ann in json.loads(annotations.read_text())["annotations"]:

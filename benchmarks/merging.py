@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from benchmarks.common import interleaved_medians, machine, write_result
 from vision_attn import attention_rollout, capture_attention
 from vision_attn.explain.sanity import spearman
-from vision_attn.merge import merge_log, merge_state, merge_tokens
+from vision_attn.models.merging import merge_log, merge_state, merge_tokens
 
 R_VALUES = (0, 4, 8, 16)
 

@@ -37,7 +37,7 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     import json
 
     from benchmarks.explanations import COLUMNS, main, task_methods
-    from vision_attn.cli import train_main
+    from vision_attn.commands.train import train_main
 
     from .conftest import REPO
 
@@ -302,7 +302,7 @@ def test_caption_ceiling_rows_against_direct_cider_d(tmp_path):
     import numpy as np
 
     from benchmarks.caption_ceiling import prediction_row, read_predictions, reference_rows
-    from vision_attn.caption_metrics import cider_d
+    from vision_attn.metrics.caption import cider_d
 
     refs = {1: ["a red circle", "a red circle on the left", "one red circle"],
             2: ["two blue squares", "a pair of blue squares", "two squares in blue"],

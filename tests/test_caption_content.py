@@ -9,14 +9,10 @@ from collections import Counter
 
 import pytest
 
-from vision_attn.caption_content import (
-    AnnotatedObjects,
-    ObjectVocabulary,
-    content_accuracy,
-    parse_mentions,
-)
+from vision_attn.data.caption_objects import AnnotatedObjects, ObjectVocabulary, parse_mentions
 from vision_attn.data.captioning import instances_file_for, read_annotated_objects, read_captions
 from vision_attn.data.synthetic import COLOURS, SHAPES, SceneSetConfig, ensure_shapes_coco
+from vision_attn.metrics.caption_content import content_accuracy
 
 SHAPE_VOCAB = ObjectVocabulary(list(SHAPES), frozenset(COLOURS))
 COCO_VOCAB = ObjectVocabulary(["person", "dog", "dining table", "teddy bear", "bear", "knife", "bus", "sheep"])

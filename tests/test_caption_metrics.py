@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
-from vision_attn import caption_metrics as cm
-from vision_attn.caption_metrics import (
+from vision_attn.metrics import caption as cm
+from vision_attn.metrics.caption import (
     bleu_scores,
     caption_metrics,
     caption_metrics_per_image,
@@ -148,7 +148,7 @@ def test_java_metrics_equal_the_toolkit_or_are_reported_missing(monkeypatch, cap
     hyps, refs = _fixed_set(6, 12)
     monkeypatch.setenv("VISION_ATTN_JAVA_METRICS", "1")  # the test suite's conftest switches Java off
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    with caplog.at_level(logging.WARNING, logger="vision_attn.caption_metrics"):
+    with caplog.at_level(logging.WARNING, logger="vision_attn.metrics.caption"):
         assert java_metrics(hyps, refs) == {}
     assert "METEOR and SPICE not computed: no Java runtime on PATH" in caplog.text
     monkeypatch.undo()

@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from vision_attn import create_encoder, load_task
-from vision_attn.caption_metrics import caption_metrics
-from vision_attn.cli import eval_main, train_main
+from vision_attn.commands.evaluate import eval_main
+from vision_attn.commands.train import train_main
 from vision_attn.data.captioning import CaptioningDataModule, caption_collate
 from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.data.tokenizer import normalize_caption
 from vision_attn.errors import CheckpointError, ConfigError
+from vision_attn.metrics.caption import caption_metrics
 from vision_attn.models.captioner import GenerationOptions
 from vision_attn.tasks import CaptioningTask
 from vision_attn.tasks.optim import Optimization

@@ -145,7 +145,8 @@ _FAST_EVAL = ["--explain.num_overlays", "0", "--explain.faithfulness", "false", 
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory, shapes_root):
     """A tiny shapes classifier (2 epochs) evaluated by eval.py (without explanations): ``(out, ckpt)``."""
-    from vision_attn.cli import eval_main, train_main
+    from vision_attn.commands.evaluate import eval_main
+    from vision_attn.commands.train import train_main
 
     from .conftest import REPO
 
@@ -194,7 +195,7 @@ def test_eval_task_files_are_refused_and_replaced_like_metrics_json(evaluated, t
     untouched); with it, a task that no longer writes confusion_matrix.json removes the old one."""
     import shutil
 
-    from vision_attn.cli import eval_main
+    from vision_attn.commands.evaluate import eval_main
     from vision_attn.errors import RunExistsError
 
     src, ckpt = evaluated

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vision_attn.cli import eval_main, train_main
+from vision_attn.commands.evaluate import eval_main
+from vision_attn.commands.train import train_main
 from vision_attn.errors import ConfigError, VisionAttnError
 from vision_attn.explain.evaluate import select_images
 
@@ -118,7 +119,8 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 def _train_command(args: list[str], capsys) -> tuple[int, str]:
     """``(exit status, stderr)`` of ``train.py ARGS`` run in this process (what train.py runs)."""
-    from vision_attn.cli import run_entry, train_main
+    from vision_attn.commands.run import run_entry
+    from vision_attn.commands.train import train_main
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
@@ -146,7 +148,7 @@ def test_unknown_model_name_gives_one_clear_error(tmp_path, shapes_root, capsys)
 
 @pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.yaml")))
 def test_every_config_parses(config):
-    from vision_attn.cli import TrainCLI
+    from vision_attn.commands.train import TrainCLI
 
     class ParseOnly(TrainCLI):  # parse and validate; build nothing, generate nothing, download nothing
         def instantiate_classes(self) -> None:
@@ -196,7 +198,8 @@ def test_folder_overlay_command_explains_and_skips_bad_files(trained_run, tmp_pa
     import numpy as np
     from PIL import Image
 
-    from vision_attn.overlay import explain_folder, main
+    from vision_attn.commands.predict import main
+    from vision_attn.overlay import explain_folder
 
     images = tmp_path / "imgs"
     (images / "sub").mkdir(parents=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vision_attn.cli import train_main
 from vision_attn.commands import SUBCOMMANDS, main, normalize_flags, parse_command
+from vision_attn.commands.train import train_main
 from vision_attn.errors import ConfigError
 
 from .conftest import REPO

@@ -80,7 +80,7 @@ def test_corrupt_image_names_the_file(tmp_path):
 def test_corrupt_image_in_a_worker_process_keeps_type_and_path(tmp_path):
     from torch.utils.data import DataLoader
 
-    from vision_attn.cli import one_line
+    from vision_attn.commands.args import one_line
 
     root = _folder(tmp_path, {"train": {"a": 1}})
     (root / "train" / "a" / "zz_bad.png").write_bytes(b"garbage")

@@ -167,7 +167,8 @@ def test_no_detection_gives_no_numbers(tmp_path, tiny_encoder, monkeypatch, capl
 
 
 def test_eval_writes_detection_explanation_metrics_and_maps(tmp_path):
-    from vision_attn.cli import eval_main, train_main
+    from vision_attn.commands.evaluate import eval_main
+    from vision_attn.commands.train import train_main
 
     cfg = str(REPO / "configs" / "detection" / "shapes.yaml")
     enc = "--model.init_args.encoder.init_args."

@@ -184,7 +184,7 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
 
 def test_bf16_trainer_config_composes_and_trains(tmp_path):
     """``--config configs/trainer/bf16.yaml`` on top of a task config (CPU autocast here)."""
-    from vision_attn.cli import train_main
+    from vision_attn.commands.train import train_main
     from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
 
     root = ensure_shapes_classification(ShapesConfig(image_size=32, num_train=32, num_val=8, seed=5), tmp_path / "data")

@@ -1,4 +1,4 @@
-"""Per-class and per-size breakdowns (vision_attn.eval_breakdown) against hand counts, torchmetrics
+"""Per-class and per-size breakdowns (vision_attn.metrics.breakdown) against hand counts, torchmetrics
 and pycocotools' COCOeval on the same predictions."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torchmetrics.classification import MulticlassAccuracy, MulticlassPrecision, MulticlassRecall
 
-from vision_attn.eval_breakdown import (
+from vision_attn.metrics.breakdown import (
     COCO_SUMMARY_KEYS,
     classification_breakdown,
     confusion_counts,
@@ -271,7 +271,7 @@ def test_pr_curves_equal_pycocotools_precision_array(tmp_path):
 
 
 def test_pr_curves_from_precision_refuses_a_mismatched_array():
-    from vision_attn.eval_breakdown import pr_curves_from_precision
+    from vision_attn.metrics.breakdown import pr_curves_from_precision
 
     with pytest.raises(ValueError, match="does not match"):
         pr_curves_from_precision(torch.zeros(10, 101, 2, 4, 3), [0], ["a", "b"])

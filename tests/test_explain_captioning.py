@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from vision_attn.caption_content import AnnotatedObjects
+from vision_attn.data.caption_objects import AnnotatedObjects
 from vision_attn.explain.captioning import (
     caption_strip,
     named_words,
@@ -66,7 +66,7 @@ def test_named_words_lists_each_words_own_boxes():
 
 
 def test_named_words_read_plurals_multi_word_names_and_synonyms_as_content_accuracy_does():
-    """The content parser's matcher (:class:`~vision_attn.caption_content.ObjectVocabulary`):
+    """The content parser's matcher (:class:`~vision_attn.data.caption_objects.ObjectVocabulary`):
     "circles" names the circle, "man" a person (a COCO synonym), "traffic light" the traffic
     light (scored at its last word, "light"); the longest name wins ("teddy bear" is no bear)."""
     person, light, circle = [0.0, 0.0, 10.0, 10.0], [20.0, 0.0, 30.0, 10.0], [0.0, 20.0, 10.0, 30.0]

@@ -253,7 +253,8 @@ def test_annotations_that_name_no_explained_image_are_a_clear_error(tmp_path, sh
 def test_eval_main_writes_localisation_sanity_and_maps(shapes_root, tmp_path):
     """eval.py end to end on a tiny trained classifier and the embedded shapes data: its own
     boxes are found without --explain.annotations; the maps match predictions.json's files."""
-    from vision_attn.cli import eval_main, train_main
+    from vision_attn.commands.evaluate import eval_main
+    from vision_attn.commands.train import train_main
 
     from .conftest import REPO
 

@@ -19,7 +19,7 @@ from vision_attn.explain.rollout import (
     last_layer_attention,
     rollout_scores,
 )
-from vision_attn.merge import (
+from vision_attn.models.merging import (
     MergeState,
     TokenExpand,
     TokenMerge,
@@ -273,7 +273,8 @@ def test_predict_folder_merge_r(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from vision_attn.predict import main, predict_folder
+    from vision_attn.commands.predict import main
+    from vision_attn.predict import predict_folder
 
     from .test_export import _checkpoint, _tasks
 

@@ -142,7 +142,8 @@ def test_eval_explains_the_sample_and_the_most_confident_mistakes(shapes_root, t
     import json
     import re
 
-    from vision_attn.cli import eval_main, train_main
+    from vision_attn.commands.evaluate import eval_main
+    from vision_attn.commands.train import train_main
 
     from .conftest import REPO
 

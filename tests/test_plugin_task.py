@@ -14,8 +14,9 @@ import pytest
 import torch
 import yaml
 
-from vision_attn.cli import eval_main, train_main
 from vision_attn.commands import main as vision_attn_main
+from vision_attn.commands.evaluate import eval_main
+from vision_attn.commands.train import train_main
 from vision_attn.errors import CheckpointError, ConfigError
 from vision_attn.explain.evaluate import select_images
 from vision_attn.export import export_onnx, export_safetensors

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vision_attn.commands.predict import main
 from vision_attn.errors import CheckpointError, RunExistsError
-from vision_attn.predict import main, predict_folder
+from vision_attn.predict import predict_folder
 
 from .test_export import _checkpoint, _tasks
 

@@ -349,7 +349,7 @@ def _cli_args(root, out) -> list[str]:
 
 
 def test_print_config_shows_the_rule_and_the_options(shapes_root, tmp_path, capsys):
-    from vision_attn.cli import train_main
+    from vision_attn.commands.train import train_main
 
     with pytest.raises(SystemExit) as exit_info:
         train_main([*_cli_args(shapes_root, tmp_path / "out"), "--print_config"])
@@ -363,7 +363,8 @@ def test_print_config_shows_the_rule_and_the_options(shapes_root, tmp_path, caps
 
 
 def test_train_and_eval_from_the_checkpoint_alone_with_the_options(shapes_root, tmp_path):
-    from vision_attn.cli import eval_main, train_main
+    from vision_attn.commands.evaluate import eval_main
+    from vision_attn.commands.train import train_main
 
     out = tmp_path / "run"
     cli = train_main(_cli_args(shapes_root, out))

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from vision_attn import create_encoder, load_task
-from vision_attn.cli import RunCheckpoint, TrainCLI, eval_main
+from vision_attn.commands.callbacks import RunCheckpoint
+from vision_attn.commands.evaluate import eval_main
+from vision_attn.commands.train import TrainCLI
 from vision_attn.data import ImageFolderDataModule
 from vision_attn.data.imageio import ImageReadError
 from vision_attn.errors import (
@@ -204,7 +206,8 @@ def test_truncated_checkpoint_is_a_clear_error(shapes_root, tmp_path):
 def test_export_safetensors_round_trip_and_no_overwrite(shapes_root, tmp_path):
     from safetensors import safe_open
 
-    from vision_attn.export import export_safetensors, main
+    from vision_attn.commands.export import main
+    from vision_attn.export import export_safetensors
 
     dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
     trainer = _trainer(tmp_path, max_epochs=1)

@@ -12,7 +12,8 @@ import torch
 from vision_attn import create_encoder
 from vision_attn.data.tokenizer import SPECIAL_TOKENS, WordTokenizer
 from vision_attn.explain.evaluate import ExplainOptions
-from vision_attn.explain.report import Report, write_report
+from vision_attn.explain.records import Report
+from vision_attn.report import write_report
 
 from .conftest import TINY_VIT
 
@@ -157,7 +158,7 @@ def _hostile_report(out: Path) -> tuple[Path, list[dict]]:
     method names, detection category names, caption vocabulary words."""
     import numpy as np
 
-    from vision_attn.explain.report import png_data_uri, quantise
+    from vision_attn.explain.records import png_data_uri, quantise
 
     rgb = np.full((16, 16, 3), 120, np.uint8)
     image, panel = Report.display_image(rgb), png_data_uri(rgb)
@@ -188,7 +189,7 @@ def _hostile_report(out: Path) -> tuple[Path, list[dict]]:
 def test_embedded_json_cannot_close_the_script_and_round_trips(tmp_path):
     import json
 
-    from vision_attn.explain.report import script_json
+    from vision_attn.report import script_json
 
     path, items = _hostile_report(tmp_path)
     page = path.read_text()
@@ -259,7 +260,7 @@ garbled,row,with,too,many,cells,x,y,z,w
 def _item(name: str, seed: int) -> dict:
     import numpy as np
 
-    from vision_attn.explain.report import png_data_uri, quantise
+    from vision_attn.explain.records import png_data_uri, quantise
 
     rng = np.random.default_rng(seed)
     rgb = (rng.random((8, 8, 3)) * 255).astype(np.uint8)
@@ -277,7 +278,7 @@ def _write_run(run: Path, text: str = METRICS_CSV) -> Path:
 
 
 def _classification_page(out: Path) -> Path:
-    from vision_attn.explain.report import read_training_curves
+    from vision_attn.report import read_training_curves
 
     predictions = [{"file": f, "label": t, "pred": p, "score": s} for f, t, p, s in SPLIT]
     counts = [[sum(1 for _, t, p, _ in SPLIT if (t, p) == (a, b)) for b in CLASSES] for a in CLASSES]
@@ -404,7 +405,7 @@ def test_detection_and_captioning_pages(browser, tmp_path):
 
 
 def test_read_training_curves(tmp_path):
-    from vision_attn.explain.report import read_training_curves
+    from vision_attn.report import read_training_curves
 
     ckpt = _write_run(tmp_path / "run")
     # a resumed run adds version_1: its epoch 2 replaces nothing, its epoch 1 replaces version_0's
@@ -423,7 +424,7 @@ def test_read_training_curves(tmp_path):
 
 
 def test_read_training_curves_stays_in_the_run_and_tolerates_garbage(tmp_path):
-    from vision_attn.explain.report import read_training_curves
+    from vision_attn.report import read_training_curves
 
     assert read_training_curves(tmp_path / "elsewhere" / "last.ckpt") is None  # not in a checkpoints folder
     bare = tmp_path / "bare" / "checkpoints"
@@ -455,7 +456,7 @@ def test_large_panels_are_compacted(tmp_path):
     import cv2
     import numpy as np
 
-    from vision_attn.explain.report import compact_data_uri, png_data_uri
+    from vision_attn.explain.records import compact_data_uri, png_data_uri
 
     yy, xx = np.mgrid[0:600, 0:1000]
     rng = np.random.default_rng(0)
@@ -651,7 +652,7 @@ def test_quality_table_leaves_out_counts_and_old_names(tmp_path):
 def test_embedded_json_holds_no_nan():
     import json
 
-    from vision_attn.explain.report import script_json
+    from vision_attn.report import script_json
 
     text = script_json({"a": float("nan"), "b": [1.0, float("inf")], "c": "</script>"})
     assert json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in embedded JSON")) == {

@@ -1,4 +1,4 @@
-"""Self-critical sequence training (vision_attn.scst, CaptioningTask(scst=True), init_from):
+"""Self-critical sequence training (vision_attn.losses.scst, CaptioningTask(scst=True), init_from):
 rewards, baselines and document frequencies computed by hand, the loss's sign and masking,
 sampling from the decoder's softmax, starting from a cross-entropy checkpoint."""
 
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from vision_attn import create_encoder, load_task
-from vision_attn.caption_metrics import CiderD, cider_d
 from vision_attn.data.captioning import CaptioningDataModule
 from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 from vision_attn.errors import CheckpointError, ConfigError
+from vision_attn.losses.scst import baselines, sample_rewards, scst_loss, sequence_mask
+from vision_attn.metrics.caption import CiderD, cider_d
 from vision_attn.models.captioner import CaptionDecoder
 from vision_attn.models.encoder import EncoderOutput
-from vision_attn.scst import baselines, sample_rewards, scst_loss, sequence_mask
 from vision_attn.tasks import CaptioningTask, ClassificationTask
 
 from .conftest import TINY_VIT
@@ -367,7 +367,7 @@ def test_scst_step_samples_without_dropout_unless_asked(data, keep_dropout):
 def test_scst_config_starts_from_a_cross_entropy_run(tmp_path):
     """configs/captioning/scst.yaml composes with the cross-entropy run's config and starts from
     its last.ckpt (weights only: the SCST run's epochs count from 0)."""
-    from vision_attn.cli import train_main
+    from vision_attn.commands.train import train_main
 
     from .conftest import REPO
 

@@ -23,7 +23,9 @@ import torch
 
 from vision_attn import create_encoder, load_task
 from vision_attn.checkpoint_io import SafeCheckpointIO, load_checkpoint_file
-from vision_attn.cli import TrainCLI, eval_main, run_entry, train_main
+from vision_attn.commands.evaluate import eval_main
+from vision_attn.commands.run import run_entry
+from vision_attn.commands.train import TrainCLI, train_main
 from vision_attn.errors import CheckpointError, ConfigError, EncoderError, VisionAttnError
 from vision_attn.tasks import ClassificationTask
 
@@ -415,7 +417,7 @@ def test_a_class_path_stored_in_a_checkpoint_starts_nothing(field, tmp_path, sha
 
 
 def test_allow_import_in_a_config_file_of_predict_or_export_is_refused(tmp_path, capsys):
-    from vision_attn import export, predict
+    from vision_attn.commands import export, predict
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("allow_import: [some_module]\n")
@@ -438,7 +440,7 @@ CODE_LOADING = ["torch.hub", "torch.serialization", "torch.package", "torch.util
 def test_allow_import_refuses_modules_that_fetch_or_unpickle_code(prefix, tmp_path, shapes_root, capsys):
     with pytest.raises(ConfigError, match=rf"--allow_import '{re.escape(prefix)}' is refused"):
         TrainCLI(args=[*_tiny_args(shapes_root, tmp_path / "out"), "--allow_import", prefix])
-    from vision_attn import predict
+    from vision_attn.commands import predict
 
     with pytest.raises(SystemExit):
         predict.main(["--ckpt_path", "x.ckpt", "--images", str(tmp_path), "--output_dir", str(tmp_path / "o"),
@@ -452,7 +454,7 @@ def test_abbreviated_options_are_not_options(tmp_path, shapes_root, capsys):
     with pytest.raises(SystemExit):
         TrainCLI(args=[*_tiny_args(shapes_root, tmp_path / "out"), "--trainer.max_epoch", "3"])
     assert "unrecognized arguments: --trainer.max_epoch" in capsys.readouterr().err
-    from vision_attn import predict
+    from vision_attn.commands import predict
 
     with pytest.raises(SystemExit):
         predict.main(["--ckpt_path", "x.ckpt", "--images", str(tmp_path), "--output_dir", str(tmp_path / "o"),
@@ -472,7 +474,7 @@ def _header_only_safetensors(path: Path, shape: list[int]) -> Path:
 
 @pytest.mark.parametrize("shape", [[2**24, 0], [2**31, 0]])
 def test_a_tiny_weights_file_cannot_declare_a_huge_model(shape, tmp_path):
-    from vision_attn.models.sources import load_model
+    from vision_attn.tasks.sources import load_model
 
     weights = _header_only_safetensors(tmp_path / "w.safetensors", shape)
     assert weights.stat().st_size < 120
@@ -578,7 +580,11 @@ def run_entry_raising(fn):
 
 
 def test_the_security_page_lists_what_a_config_may_name_and_the_limits():
-    from vision_attn.cli import _TORCH_LIGHTNING_CLASSES, CODE_LOADING_MODULES, _suite_classes
+    from vision_attn.commands.policy import (
+        _TORCH_LIGHTNING_CLASSES,
+        CODE_LOADING_MODULES,
+        _suite_classes,
+    )
     from vision_attn.schema import LIMITS
 
     page = (REPO / "docs" / "security.md").read_text()

@@ -22,7 +22,9 @@ import torch
 import yaml
 
 from vision_attn import create_encoder, load_task
-from vision_attn.cli import EvalCLI, TrainCLI, run_entry
+from vision_attn.commands.evaluate import EvalCLI
+from vision_attn.commands.run import run_entry
+from vision_attn.commands.train import TrainCLI
 from vision_attn.errors import VisionAttnError
 from vision_attn.tasks import ClassificationTask
 

@@ -19,7 +19,6 @@ from PIL import Image
 
 from vision_attn import create_encoder
 from vision_attn.explain.overlay import save_png
-from vision_attn.explain.report import write_report
 from vision_attn.outputs import (
     MAX_NAME_BYTES,
     OutputPathError,
@@ -31,6 +30,7 @@ from vision_attn.outputs import (
     write_npy,
     write_png,
 )
+from vision_attn.report import write_report
 
 from .conftest import TINY_VIT
 

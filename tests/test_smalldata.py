@@ -439,7 +439,7 @@ def test_local_mlp_encoder_gives_a_padded_image_its_own_tokens():
 
 
 def test_local_mlp_weights_checkpoints_lrp_and_merging(shapes_root, tmp_path):
-    from vision_attn.merge import merge_tokens
+    from vision_attn.models.merging import merge_tokens
 
     src = _encoder(local_mlp=True)
     path = tmp_path / "local.safetensors"

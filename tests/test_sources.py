@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from vision_attn.data.imageio import read_image
 from vision_attn.data.transforms import build_eval_transform
 from vision_attn.errors import DataError, EncoderError
-from vision_attn.models.sources import load_model, resolve_class_names
 from vision_attn.tasks.base import load_task
+from vision_attn.tasks.sources import load_model, resolve_class_names
 
 IMAGENET = timm.data.ImageNetInfo("imagenet-1k")
 

@@ -75,7 +75,7 @@ def test_descriptions_name_every_object():
 
 
 def test_data_command_writes_and_prints_root(tmp_path, capsys):
-    from vision_attn.data.__main__ import main
+    from vision_attn.commands.data import main
 
     main(["glyphs", "--cache_dir", str(tmp_path), "--num_train", "10", "--num_val", "10"])
     root = capsys.readouterr().out.strip()
@@ -162,9 +162,9 @@ def test_digit_scenes_captions_name_the_annotated_digits(tmp_path):
     """The COCO layout of the digit scenes: categories named as the captions name them, and every
     reference caption, read by content accuracy, names exactly the annotated digits; relations
     agree with the boxes."""
-    from vision_attn.caption_content import content_accuracy
     from vision_attn.data.captioning import read_annotated_objects
     from vision_attn.data.synthetic import DIGIT_WORDS, DigitSceneConfig, ensure_digit_scenes_coco
+    from vision_attn.metrics.caption_content import content_accuracy
 
     root = ensure_digit_scenes_coco(DigitSceneConfig(image_size=64, num_train=4, num_val=12, min_objects=1,
                                                      max_objects=3), tmp_path)

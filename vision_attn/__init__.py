@@ -19,10 +19,10 @@ from vision_attn.attention import KVCache, MultiHeadAttention, scaled_dot_produc
 from vision_attn.explain.api import explain_images
 from vision_attn.explain.capture import AttentionCaptureError, capture_attention
 from vision_attn.explain.rollout import attention_rollout, gradient_relevance, last_layer_attention
-from vision_attn.merge import merge_tokens, token_merging, unmerge_tokens
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder, create_encoder
-from vision_attn.models.sources import load_model
+from vision_attn.models.merging import merge_tokens, token_merging, unmerge_tokens
 from vision_attn.tasks.base import load_task
+from vision_attn.tasks.sources import load_model
 
 __version__ = "0.1.0"
 

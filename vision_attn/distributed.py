@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
+from timm.models.vision_transformer import Block
 from torch import Tensor
 
-__all__ = ["BlockFSDPStrategy", "gather_objects", "is_distributed", "mean_across_processes"]
+__all__ = ["FSDP_BLOCKS", "BlockFSDPStrategy", "gather_objects", "is_distributed", "mean_across_processes",
+           "register_fsdp_block"]
 
 
 def is_distributed() -> bool:
@@ -46,12 +48,15 @@ def mean_across_processes(value: Tensor) -> Tensor:
     return value / torch.distributed.get_world_size()
 
 
-def _block_classes() -> set[type]:
-    from timm.models.vision_transformer import Block
+FSDP_BLOCKS: set[type] = {Block}
+"""The module classes that :class:`BlockFSDPStrategy` wraps one by one: timm's ``Block`` and every
+transformer layer class the suite's models register (:func:`register_fsdp_block`)."""
 
-    from vision_attn.models.layers import DecoderLayer
 
-    return {Block, DecoderLayer}
+def register_fsdp_block(cls: type) -> type:
+    """Class decorator: shard ``cls`` as one FSDP unit under :class:`BlockFSDPStrategy`."""
+    FSDP_BLOCKS.add(cls)
+    return cls
 
 
 class BlockFSDPStrategy(FSDPStrategy):
@@ -62,6 +67,6 @@ class BlockFSDPStrategy(FSDPStrategy):
     """
 
     def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("auto_wrap_policy", _block_classes())
+        kwargs.setdefault("auto_wrap_policy", set(FSDP_BLOCKS))
         kwargs.setdefault("use_orig_params", True)
         super().__init__(**kwargs)

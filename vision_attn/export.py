@@ -21,7 +21,6 @@ file in the same folder and renamed (:func:`vision_attn.outputs.atomic_output`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ from vision_attn.errors import RunExistsError, VisionAttnError
 from vision_attn.outputs import atomic_output
 from vision_attn.tasks.base import load_task
 
-__all__ = ["export_onnx", "export_safetensors", "main"]
+__all__ = ["export_onnx", "export_safetensors"]
 
 log = logging.getLogger(__name__)
 
@@ -105,35 +104,7 @@ def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18, over
     return output
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m vision_attn.export") -> None:
-    from vision_attn.cli import split_allow_import
-    from vision_attn.commands import parse_command
-
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt_path", help="checkpoint from training")
-    parser.add_argument("--output_dir", help="folder to write into (model.onnx, encoder.safetensors or model.safetensors)")
-    parser.add_argument("--output_file", dest="output", default=None,
-                        help="the exact file to write instead (its suffix chooses the format)")
-    parser.add_argument("--format", choices=["onnx", "safetensors"], default="safetensors")
-    parser.add_argument("--part", choices=["encoder", "model"], default="encoder", help="safetensors: which weights")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing file")
-    parser.add_argument("--allow_import", action="append", default=[], metavar="PREFIX",
-                        help="let the checkpoint name task classes from this module prefix (your own task)")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        args = parse_command(parser, argv, required=("ckpt_path",), renamed={"--output": "--output_file"})
-        split_allow_import([a for p in args.allow_import for a in ("--allow_import", p)])  # refuses risky prefixes
-        if args.output is None and not args.output_dir:
-            parser.error("the following arguments are required: --output_dir")
-        output = Path(args.output) if args.output else Path(args.output_dir) / (
-            "model.onnx" if args.format == "onnx" else f"{args.part}.safetensors")
-        if output.suffix == ".onnx":
-            print(export_onnx(args.ckpt_path, output, overwrite=args.overwrite, allow_import=tuple(args.allow_import)))
-        else:
-            print(export_safetensors(args.ckpt_path, output, args.part, args.overwrite, tuple(args.allow_import)))
-    except (VisionAttnError, ValueError) as err:
-        parser.exit(2, f"error: {err}\n")
-
-
 if __name__ == "__main__":
+    from vision_attn.commands.export import main
+
     main()

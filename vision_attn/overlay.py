@@ -21,9 +21,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from vision_attn.predict import predict_folder, run_cli
+from vision_attn.predict import predict_folder
 
-__all__ = ["explain_folder", "main"]
+__all__ = ["explain_folder"]
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,7 @@ def explain_folder(
                           overwrite=overwrite, progress=progress)
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_cli(argv, "python -m vision_attn.overlay", __doc__, explain=True)
-
-
 if __name__ == "__main__":
-    main()
+    from vision_attn.commands.predict import run_cli
+
+    run_cli(None, "python -m vision_attn.overlay", __doc__, explain=True)

@@ -14,7 +14,8 @@ from vision_attn.data import SceneSetConfig, ensure_shapes_coco, read_image, tra
 from vision_attn.data.loading import SplitDataModule
 from vision_attn.explain import explain_classifier, save_png
 from vision_attn.explain.evaluate import explanation_panel, select_images
-from vision_attn.explain.report import Report, png_data_uri
+from vision_attn.explain.records import Report, png_data_uri
+from vision_attn.models import ViTEncoder
 from vision_attn.models.classifier import ClassificationHead
 from vision_attn.tasks.base import Explained, VisionTask, gather_objects, register_task
 from vision_attn.tasks.optim import DEFAULT_OPTIM, Optimization
@@ -68,7 +69,7 @@ class MultiLabelTask(VisionTask):
     headline_metrics = ("f1_micro", "exact_match")
     overlay_description = "input | one overlay per method (explaining the most likely shape kind)"
 
-    def __init__(self, encoder, class_names: list[str] | None = None, threshold: float = 0.5,
+    def __init__(self, encoder: ViTEncoder, class_names: list[str] | None = None, threshold: float = 0.5,
                  optim: Optimization = DEFAULT_OPTIM, compile: bool = False) -> None:
         super().__init__(encoder, optim, compile)
         self.save_hyperparameters(ignore=["encoder", "optim"])

@@ -20,7 +20,7 @@
 - Instance annotations: when ``instances_<split>.json`` lies next to the caption file (the
   embedded scenes write it; COCO ships it), :meth:`CocoCaptions.annotated_objects` reads each
   image's objects (category, and ``colour`` where annotated) for content accuracy
-  (:mod:`vision_attn.caption_content`). It is read on first use only (evaluation). In training
+  (:mod:`vision_attn.metrics.caption_content`). It is read on first use only (evaluation). In training
   it is read only when the model asks for box supervision of its encoder
   (:meth:`CocoCaptions.attach_boxes`, ``CaptioningTask(grounding_weight=...)``).
 
@@ -41,7 +41,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Dataset
 
-from vision_attn.caption_content import AnnotatedObjects, Mention
+from vision_attn.data.caption_objects import AnnotatedObjects, Mention
 from vision_attn.data.detection import (
     CocoLayout,
     check_category_id,

@@ -16,7 +16,7 @@ uniform maps over the patch grid: its localisation numbers are the mean over
   the embedded shapes data and COCO do): the explained words are the generated words that name
   an object of the image — its category or, where annotations carry one, its ``colour``
   ("red"). Category names are read as content accuracy reads them (:func:`named_words`, with
-  :class:`~vision_attn.caption_content.ObjectVocabulary`): plurals ("circles"), synonyms ("man"
+  :class:`~vision_attn.data.caption_objects.ObjectVocabulary`): plurals ("circles"), synonyms ("man"
   for a person) and names of several words ("traffic light", scored at its last word). Each
   word's map is mapped to the original image's pixels
   (:func:`~vision_attn.explain.localisation.grid_to_image` through the evaluation
@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vision_attn.caption_content import ObjectVocabulary
+from vision_attn.data.caption_objects import ObjectVocabulary
 from vision_attn.data.detection import is_coco_id, load_coco_annotations
 from vision_attn.data.imageio import read_image
 from vision_attn.data.tokenizer import normalize_caption
@@ -73,6 +73,7 @@ from vision_attn.errors import DataError
 from vision_attn.explain.faithfulness import auc, blur, order_ends, perturbation_curves
 from vision_attn.explain.localisation import grid_to_image, localisation
 from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
+from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
@@ -212,7 +213,7 @@ def _split_boxes(dataset) -> dict[int, NamedBoxes] | None:
 
 
 def boxes_vocabulary(boxes: Iterable[NamedBoxes]) -> ObjectVocabulary:
-    """An :class:`~vision_attn.caption_content.ObjectVocabulary` whose categories are every name
+    """An :class:`~vision_attn.data.caption_objects.ObjectVocabulary` whose categories are every name
     of the ``boxes`` (of one image or of a split), with the default synonyms."""
     return ObjectVocabulary(sorted({name for image in boxes for names, _ in image for name in names if name}))
 
@@ -234,7 +235,7 @@ def named_words(words: list[str], boxes: NamedBoxes, vocab: ObjectVocabulary | N
     (``[(names, xyxy)]``), in caption order.
 
     Words are matched as content accuracy matches them
-    (:meth:`~vision_attn.caption_content.ObjectVocabulary.match`): from each word the longest
+    (:meth:`~vision_attn.data.caption_objects.ObjectVocabulary.match`): from each word the longest
     category name, its last word possibly plural, or a synonym ("men" names a ``person``); the
     words of a matched name are consumed ("teddy bear" is no ``bear``) and a name of several
     words is scored at its last word. Any other word names the boxes that carry it as a name
@@ -386,8 +387,6 @@ def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], o
     ``<bos>``) and ``maps`` ``{method: [T, h, w]}`` over the patch grid."""
     from vision_attn.explain.decoder_relevance import caption_relevance
     from vision_attn.explain.detection import decoder_methods
-    from vision_attn.explain.report import Report, png_data_uri, quantise
-    from vision_attn.tasks.base import Explained
 
     with torch.no_grad():
         gen = task.generate(images, return_attention=True)

@@ -157,7 +157,7 @@ def capture_attention(
 def _merge_events(model: nn.Module) -> Callable[[], list]:
     """A function returning the token maps recorded so far in the current forward of a
     token-merged model (``[]`` for any other model)."""
-    from vision_attn.merge import merge_state
+    from vision_attn.models.merging import merge_state
 
     state = merge_state(model)
     return (lambda: state.events) if state is not None else list

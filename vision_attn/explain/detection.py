@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from vision_attn.explain.overlay import draw_box, image_grid, overlay_saliency, save_png
+from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.outputs import safe_filename
 
@@ -137,8 +138,6 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
     (the first method's maps); ``extras["maps"]`` holds ``{method: [K, h, w]}`` and
     ``extras["detections"]`` the kept ``(query, label, box, score)``."""
     from vision_attn.explain.decoder_relevance import detection_relevance
-    from vision_attn.explain.report import Report, png_data_uri, quantise
-    from vision_attn.tasks.base import Explained
 
     sizes = [tuple(p.shape[:2]) for p in pictures]
     with torch.no_grad():

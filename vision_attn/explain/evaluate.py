@@ -59,6 +59,7 @@ from vision_attn.explain.methods import (
     faithfulness,
 )
 from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
+from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.sanity import sanity_check, sanity_metrics
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
@@ -291,7 +292,6 @@ def explanation_panel(
 
 def _report_item(expl, j: int, display: np.ndarray, caption: str, panel: np.ndarray) -> dict:
     """Image ``j`` of an explained batch for report.html: every patch's attention row, per layer and head."""
-    from vision_attn.explain.report import Report, png_data_uri, quantise
 
     item = {"text": caption, "image": Report.display_image(display), "panels": [png_data_uri(panel)]}
     if not expl.attentions:  # only methods that need no attention (gradcam, tokens): no patch view
@@ -310,7 +310,6 @@ def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray
     record ``{"pred", "score"}``, the panel (the input as the model sees it, captioned
     ``pred score`` or ``truth -> pred score``, and one overlay per method) and its report
     item; ``extras["explanation"]`` is the batch's :class:`~vision_attn.explain.methods.Explanation`."""
-    from vision_attn.tasks.base import Explained
 
     expl = explain_classifier(task, images, options.methods, head_fusion=options.head_fusion,
                               discard_ratio=options.discard_ratio, target_class=options.target_class,
@@ -376,7 +375,7 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
         dataset: an :class:`~vision_attn.data.ImageFolderDataset` with the evaluation transform.
         options: see :class:`ExplainOptions`.
         out_dir: the evaluation output folder.
-        report: a :class:`~vision_attn.explain.report.Report` to fill (interactive attention
+        report: a :class:`~vision_attn.explain.records.Report` to fill (interactive attention
             rows of every patch, the panels, the images' mean deletion curves), or ``None``.
     """
     device = next(task.parameters()).device

@@ -60,7 +60,7 @@ from vision_attn.explain.rollout import (
     normalize_maps,
     to_grid,
 )
-from vision_attn.merge import merge_log
+from vision_attn.models.merging import merge_log
 
 __all__ = [
     "METHODS",
@@ -112,7 +112,7 @@ class MethodInputs:
         task: the classifier explained (``encoder`` + ``head``), for methods that run their own
             passes through it (``lrp``).
         merges: for a token-merged encoder (:func:`vision_attn.merge_tokens`), per block the
-            token maps after its attention (:func:`vision_attn.merge.merge_log`); ``None`` otherwise.
+            token maps after its attention (:func:`vision_attn.models.merging.merge_log`); ``None`` otherwise.
     """
 
     images: Tensor

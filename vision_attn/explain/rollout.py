@@ -32,7 +32,7 @@ runs (:func:`vision_attn.explain.capture.streaming_rollout` feeds it), keeping o
 ``[B, T]`` row, the blocks' gradients arrive last block first).
 
 **Token-merged models** (:func:`vision_attn.merge_tokens`): each block's attention covers fewer
-tokens than the one before. ``merges`` (:func:`vision_attn.merge.merge_log`: per block, the token
+tokens than the one before. ``merges`` (:func:`vision_attn.models.merging.merge_log`: per block, the token
 maps applied after its attention — a size-weighted merge, and after the last block the
 expansion back to the patch grid) put the chain back together: every map is a linear map of the
 tokens (a merged token is the size-weighted mean of the tokens it holds), so rollout runs through
@@ -70,7 +70,7 @@ TokenIndex = int | tuple[int, ...] | Literal["patches"] | Tensor
 
 class TokenMap(Protocol):
     """A linear map ``M [B, t_out, t_in]`` between token sets (a token merge, or the expansion of
-    merged tokens back to the patch grid: :mod:`vision_attn.merge`), applied without building
+    merged tokens back to the patch grid: :mod:`vision_attn.models.merging`), applied without building
     ``M``."""
 
     t_in: int
@@ -138,7 +138,7 @@ def _check(attentions: Sequence[Tensor], token_index: TokenIndex, num_prefix_tok
         if len(sizes) > 1:
             raise ValueError(
                 f"the blocks' attention maps cover different numbers of tokens {sizes}: a token-merged model "
-                "(vision_attn.merge_tokens)? Pass merges=vision_attn.merge.merge_log(model) from the same forward"
+                "(vision_attn.merge_tokens)? Pass merges=vision_attn.models.merging.merge_log(model) from the same forward"
             )
     elif len(merges) != len(attentions):
         raise ValueError(f"merges has {len(merges)} entries, one per block is needed ({len(attentions)} blocks)")
@@ -279,7 +279,7 @@ def attention_rollout(
             the patch tokens' rows (a mean-pooling head), or a ``[B, T]`` tensor of row weights
             (per image, e.g. a sequence-pooling head's weights). With ``P = 0`` and no tensor the
             mean over all token rows is explained.
-        merges: for a token-merged model, :func:`vision_attn.merge.merge_log` of the same forward
+        merges: for a token-merged model, :func:`vision_attn.models.merging.merge_log` of the same forward
             (per block, the token maps after its attention); the map is then over the original
             patch grid.
     """

@@ -18,7 +18,7 @@ with a transformer decoder).
   :func:`apply_repetition_penalty`).
 - :meth:`CaptionDecoder.sample` and :meth:`CaptionDecoder.token_logprobs`: captions sampled from
   the decoder's softmax (batched, cached, no graph) and their log-probabilities recomputed with
-  gradients in one teacher-forced pass, for self-critical training (:mod:`vision_attn.scst`).
+  gradients in one teacher-forced pass, for self-critical training (:mod:`vision_attn.losses.scst`).
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ class CaptionDecoder(nn.Module):
     def sample(self, enc: EncoderOutput, bos_id: int, eos_id: int, num_samples: int = 1, max_length: int | None = None,
                use_cache: bool = True, generator: torch.Generator | None = None, temperature: float = 1.0) -> Generation:
         """``num_samples`` captions per image drawn from the decoder's own softmax (multinomial
-        sampling, as self-critical training needs: :mod:`vision_attn.scst`), batched over
+        sampling, as self-critical training needs: :mod:`vision_attn.losses.scst`), batched over
         images and samples, with the key/value cache.
 
         Rows are image-major: rows ``i * num_samples .. (i + 1) * num_samples - 1`` are image

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from vision_attn.attention import KVCache, MultiHeadAttention
+from vision_attn.distributed import register_fsdp_block
 
 __all__ = ["DecoderLayer", "LayerCache", "MLP", "sine_position_embedding_2d"]
 
@@ -71,6 +72,7 @@ class LayerCache:
         self.cross_attn.reorder(index)
 
 
+@register_fsdp_block
 class DecoderLayer(nn.Module):
     """Pre-norm transformer decoder layer: self-attention, cross-attention, feed-forward.
 

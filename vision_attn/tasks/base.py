@@ -24,6 +24,7 @@ from vision_attn.checkpoint_io import CheckpointError, load_checkpoint_file
 from vision_attn.data.transforms import whole_image
 from vision_attn.distributed import gather_objects
 from vision_attn.errors import DataError, TrainingDivergedError, VisionAttnError
+from vision_attn.explain.records import Explained
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.schema import (
     PreprocessOverrides,
@@ -57,23 +58,6 @@ CHECKPOINT_ENCODERS: dict[str, type[ViTEncoder]] = {
     "vision_attn.models.ViTEncoder": ViTEncoder,
     "vision_attn.models.encoder.ViTEncoder": ViTEncoder,
 }
-
-
-@dataclasses.dataclass
-class Explained:
-    """One explained image (:meth:`VisionTask.explain_batch`).
-
-    Attributes:
-        record: its ``predictions.json`` record of the folder commands (without ``file``).
-        panel: the overlay picture (uint8 RGB) written as a PNG.
-        report_item: its entry of ``report.html`` (see :func:`vision_attn.explain.report.write_report`).
-        extras: what a task's own metrics need (e.g. captioning's words and maps).
-    """
-
-    record: dict[str, Any]
-    panel: Any = None
-    report_item: dict[str, Any] | None = None
-    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 TASKS: dict[str, type[VisionTask]] = {}

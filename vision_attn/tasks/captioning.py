@@ -1,13 +1,13 @@
 """Captioning system: ViT encoder + caption decoder, teacher forcing, beam search, caption metrics.
 
 ``eval.py`` reports BLEU-1..4, CIDEr-D, ROUGE-L, image dependence, METEOR / SPICE where Java can
-run them (:mod:`vision_attn.caption_metrics`) and, when the split has instance annotations,
-content accuracy (:mod:`vision_attn.caption_content`); ``predictions.json`` items carry their
+run them (:mod:`vision_attn.metrics.caption`) and, when the split has instance annotations,
+content accuracy (:mod:`vision_attn.metrics.caption_content`); ``predictions.json`` items carry their
 image's CIDEr-D (``"cider"``: their mean is the corpus ``cider``).
 
 Training is teacher-forced cross-entropy, or (``scst=True``, usually started from a
 cross-entropy checkpoint with ``init_from``) self-critical sequence training, Rennie et al.
-2017 (:mod:`vision_attn.scst`; ``configs/captioning/scst.yaml``).
+2017 (:mod:`vision_attn.losses.scst`; ``configs/captioning/scst.yaml``).
 """
 
 from __future__ import annotations
@@ -24,27 +24,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vision_attn.caption_content import (
-    GENERIC_NOUNS,
-    NUMBER_WORDS,
-    WINDOW,
-    ObjectVocabulary,
-    content_accuracy,
-)
-from vision_attn.caption_metrics import (
+from vision_attn.data.caption_objects import GENERIC_NOUNS, NUMBER_WORDS, WINDOW, ObjectVocabulary
+from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
+from vision_attn.distributed import mean_across_processes
+from vision_attn.errors import CheckpointError, ConfigError, DataError
+from vision_attn.losses.scst import baselines, sample_rewards, scst_loss
+from vision_attn.metrics.caption import (
     CiderD,
     caption_metrics,
     caption_metrics_per_image,
     image_dependence,
     java_metrics,
 )
-from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
-from vision_attn.distributed import mean_across_processes
-from vision_attn.errors import CheckpointError, ConfigError, DataError
+from vision_attn.metrics.caption_content import content_accuracy
 from vision_attn.models.captioner import CaptionDecoder, Generation, GenerationOptions
 from vision_attn.models.detr import cell_centres
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
-from vision_attn.scst import baselines, sample_rewards, scst_loss
 from vision_attn.tasks.base import (
     VisionTask,
     gather_objects,
@@ -119,7 +114,7 @@ WORD_ATTENTION_SKIP: frozenset[str] = frozenset(
 def word_kinds(vocab: list[str], classes: list[str]) -> Tensor:
     """Per token id of ``vocab``: the index in ``classes`` of the category the word names on its
     own (a one-word category name, plural or synonym, as content accuracy reads them,
-    :class:`~vision_attn.caption_content.ObjectVocabulary`), -2 for a word that describes an
+    :class:`~vision_attn.data.caption_objects.ObjectVocabulary`), -2 for a word that describes an
     object without naming it (not in :data:`WORD_ATTENTION_SKIP`), -1 otherwise (special tokens,
     function words): ``[V]`` int64."""
     names = ObjectVocabulary([normalize_caption(c) for c in classes])
@@ -287,7 +282,7 @@ class CaptioningTask(VisionTask):
         compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
             choice: not stored in checkpoints).
         scst: train with self-critical sequence training (Rennie et al. 2017,
-            :mod:`vision_attn.scst`) instead of cross-entropy: CIDEr-D rewards of sampled
+            :mod:`vision_attn.losses.scst`) instead of cross-entropy: CIDEr-D rewards of sampled
             captions against the image's references, minus a baseline. A second phase: start it
             from a cross-entropy model with ``init_from``. Needs a
             :class:`~vision_attn.data.CaptioningDataModule` (the training references).
@@ -841,7 +836,7 @@ class CaptioningTask(VisionTask):
         return loss, rewards, baseline
 
     def _scst_step(self, batch) -> Tensor:
-        """One self-critical step (:mod:`vision_attn.scst`): ``scst_samples`` sampled captions per
+        """One self-critical step (:mod:`vision_attn.losses.scst`): ``scst_samples`` sampled captions per
         image, rewarded by CIDEr-D against all of the image's training references, minus the
         baseline; ``-(reward - baseline) * log p(sample)`` averaged over the samples. Unless
         ``scst_dropout``, the whole step runs without dropout or stochastic depth, so samples,

@@ -34,7 +34,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from vision_attn.errors import EncoderError
-from vision_attn.eval_breakdown import classification_breakdown
+from vision_attn.metrics.breakdown import classification_breakdown
 from vision_attn.models.classifier import ClassificationHead, Pooling, TimmHead
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks.base import VisionTask, gather_objects, register_task
@@ -275,7 +275,7 @@ class ClassificationTask(VisionTask):
         """``per_class.json`` (``{class: {"acc", "n", "precision", "recall"}}``) and
         ``confusion_matrix.json`` (``{"labels", "counts"}``, rows = truth) of the last test run,
         from the same top-1 predictions as ``predictions.json``
-        (:func:`~vision_attn.eval_breakdown.classification_breakdown`)."""
+        (:func:`~vision_attn.metrics.breakdown.classification_breakdown`)."""
         _, labels, _, preds = self._evaluated()
         per_class, confusion = classification_breakdown(labels, preds, self.class_names or [])
         return {"per_class.json": per_class, "confusion_matrix.json": confusion}

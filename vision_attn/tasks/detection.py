@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from vision_attn.boxes import box_xyxy_to_xywh
-from vision_attn.eval_breakdown import coco_map_metric, detection_breakdown
 from vision_attn.losses.matcher import HungarianMatcher
 from vision_attn.losses.set_criterion import SetCriterion
+from vision_attn.metrics.breakdown import coco_map_metric, detection_breakdown
 from vision_attn.models.detr import DETRHead, post_process
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks.base import VisionTask, gather_objects, register_task
@@ -261,7 +261,7 @@ class DetectionTask(VisionTask):
 
     def eval_results(self, dataset) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """``(metrics, predictions)``: COCO mAP, its size ranges and recalls
-        (:data:`~vision_attn.eval_breakdown.COCO_SUMMARY_KEYS`) and the COCO results list (ids as
+        (:data:`~vision_attn.metrics.breakdown.COCO_SUMMARY_KEYS`) and the COCO results list (ids as
         in the file). Keeps the per-category AP for :meth:`eval_files`.
 
         The ground truth is ``dataset.scoring_target`` (original pixels, crowd regions flagged),
@@ -298,7 +298,7 @@ class DetectionTask(VisionTask):
         """``per_class.json``: ``{category name: {"ap", "ap_50", "n_gt"}}`` of the last
         :meth:`eval_results` (pycocotools' per-category AP; -1 without ground truth), and
         ``pr_curves.json``: ``{category name: {"recall", "precision"}}`` at IoU 0.5
-        (:func:`~vision_attn.eval_breakdown.pr_curves_from_precision`; -1 without ground truth)."""
+        (:func:`~vision_attn.metrics.breakdown.pr_curves_from_precision`; -1 without ground truth)."""
         if self.eval_per_class is None or self.eval_pr_curves is None:
             raise RuntimeError("no per-category results: call eval_results(...) after trainer.test(...) first")
         return {"per_class.json": self.eval_per_class, "pr_curves.json": self.eval_pr_curves}

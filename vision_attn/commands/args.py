@@ -1,0 +1,215 @@
+"""Command-line helpers every command shares: one flag vocabulary (old spellings normalised
+with a deprecation message), ``--config FILE`` for the argparse commands, and jsonargparse's
+nested errors condensed to one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from vision_attn.errors import ConfigError
+
+log = logging.getLogger("vision_attn")
+
+TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
+COMMAND_LINE_ONLY = ("allow_import",)  # options a --config file may not set
+
+
+def normalize_flags(argv: Sequence[str], renamed: dict[str, str] | None = None,
+                    switches: Sequence[str] = (), valued_bools: Sequence[str] = ()) -> list[str]:
+    """``argv`` in today's vocabulary, warning once for each old spelling.
+
+    Args:
+        renamed: old flag -> new flag (``--output`` -> ``--output_dir``).
+        switches: flags that are switches here (argparse ``store_true``): ``--flag true`` becomes
+            ``--flag``, ``--flag false`` is dropped.
+        valued_bools: flags that take a value here (jsonargparse ``bool``): a bare ``--flag``
+            becomes ``--flag true``.
+    """
+    renamed = renamed or {}
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if name in renamed:
+            log.warning("%s is deprecated and will be removed in the next version; use %s", name, renamed[name])
+            name = renamed[name]
+            arg = name + eq + value
+        nxt = args[i + 1] if i + 1 < len(args) else None
+        if name in switches:
+            given = value if eq else (nxt if nxt is not None and nxt.lower() in TRUE + FALSE else None)
+            if given is not None:
+                log.warning("%s %s is deprecated: %s is a switch (give it or leave it out)", name, given, name)
+                if given.lower() in TRUE:
+                    out.append(name)
+                i += 1 if eq else 2
+                continue
+        if name in valued_bools and not eq and (nxt is None or nxt.startswith("--")):
+            out += [name, "true"]
+            i += 1
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None, required: Sequence[str] = (),
+                  renamed: dict[str, str] | None = None) -> argparse.Namespace:
+    """Parse an argparse subcommand the vision_attn way: old spellings normalised
+    (:func:`normalize_flags`), no abbreviated options, ``--config FILE`` (repeatable; YAML mapping
+    of option names to values, later files and the command line win) as defaults, ``required``
+    options checked after the config files are applied.
+
+    Raises:
+        ConfigError: for a config file that cannot be read, is not a mapping, names an option the
+            command does not have, or sets one that only the command line may give
+            (:data:`COMMAND_LINE_ONLY`).
+    """
+    parser.allow_abbrev = False  # an option is spelled out: --allow_imp is not --allow_import
+    switches = [a.option_strings[0] for a in parser._actions
+                if isinstance(a, argparse._StoreTrueAction) and a.option_strings]
+    argv = normalize_flags(sys.argv[1:] if argv is None else argv, renamed, switches)
+    parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help="YAML file of option: value pairs (repeatable; the command line wins)")
+    pre, _ = parser.parse_known_args(argv)
+    dests = {a.dest for a in parser._actions} - {"help", "config"}
+    for path in pre.config:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"--config {path}: cannot read it ({err})") from err
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config {path}: expected a mapping of option names to values")
+        unknown = sorted(str(k) for k in data if k not in dests)
+        if unknown:
+            raise ConfigError(f"--config {path}: unknown options {unknown}; see {parser.prog} --help")
+        only_here = sorted(str(k) for k in data if k in COMMAND_LINE_ONLY)
+        if only_here:
+            raise ConfigError(
+                f"--config {path}: {only_here} may only be given on the command line (--allow_import PREFIX "
+                "opens the import policy, which no file may do)"
+            )
+        parser.set_defaults(**data)
+    args = parser.parse_args(argv)
+    missing = [f"--{r}" for r in required if getattr(args, r, None) in (None, "")]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
+    return args
+
+
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+
+
+_GIVEN = re.compile(r"(Got value|Given value): .*")
+
+
+_EXPECTED = re.compile(r"Expected an? <class '([^']+)'>")
+
+
+def condense_parse_error(message: str, width: int = 240) -> str:
+    """One line from jsonargparse's nested error message: the full key (``model.encoder.preprocess``)
+    and the innermost reason, with long values cut."""
+    keys: list[str] = []
+    for key in _PARSER_KEY.findall(message):
+        if not keys or keys[-1] != key:
+            keys.append(key)
+    lines = [ln.strip(" -") for ln in message.splitlines() if ln.strip(" -")]
+    skip = ("Parser key", "Does not validate", "Subtypes:", "Errors:", "Given value type", "Problem with given")
+    reasons = [ln for ln in lines if not ln.startswith(skip) and not ln.startswith("Given value:")]
+    expected = [m.group(1) for ln in reasons if (m := _EXPECTED.match(ln))]
+    if len(set(expected)) > 1:
+        given = next((m.group(0) for ln in lines if (m := _GIVEN.search(ln))), "")
+        reason = f"expected one of {', '.join(dict.fromkeys(expected))}" + (f"; {given}" if given else "")
+    else:
+        reason = reasons[0] if reasons else lines[0] if lines else message
+    reason = _GIVEN.sub(lambda m: m.group(0)[:80] + ("..." if len(m.group(0)) > 80 else ""), reason)
+    text = f"config key {'.'.join(keys)}: {reason}" if keys else reason
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+_DATACLASS_FIELD = re.compile(r"--model\.(?:init_args\.)?optim\.(\w+)")
+
+
+_NULLS = ("null", "none", "~")
+
+
+def _null_dataclass_fields(argv: list[str]) -> list[str]:
+    """``argv`` with ``--model.optim.FIELD null`` given as ``--model.optim '{"FIELD": null}'``.
+
+    jsonargparse (4.53) rejects a null given to one field of a dataclass inside a model's
+    ``init_args`` ("Expected a <class 'NoneType'>, given value: None"); the mapping form sets the
+    same field and keeps the others.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        match = _DATACLASS_FIELD.fullmatch(name)
+        if not eq and i + 1 < len(argv):
+            value = argv[i + 1]
+        if match and value.strip().lower() in _NULLS:
+            out += ["--model.optim", json.dumps({match.group(1): None})]
+            i += 1 if eq else 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def _config_class_paths(argv: list[str]) -> dict[str, str]:
+    """``{"model": class path, "data": class path}`` named by the ``--config`` files in ``argv``
+    (read as plain YAML; later files win), for ``--help``."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else (
+            arg.split("=", 1)[1] if arg.startswith("--config=") else None)
+        if not path or not Path(path).is_file():
+            continue
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        for key in ("model", "data"):
+            spec = data.get(key) if isinstance(data, dict) else None
+            if isinstance(spec, dict) and isinstance(spec.get("class_path"), str):
+                found[key] = spec["class_path"]
+    return found
+
+
+def _take_flag(argv: list[str], flag: str) -> tuple[list[str], bool]:
+    """``(argv without flag, whether it was there)`` for a switch given as ``flag`` or ``flag=...``."""
+    rest = [a for a in argv if a != flag and not a.startswith(flag + "=")]
+    return rest, len(rest) != len(argv)
+
+
+def _option_value(argv: list[str], flag: str) -> str | None:
+    """The last value given to ``flag`` (``--flag V`` or ``--flag=V``) in ``argv``."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def one_line(err: BaseException) -> str:
+    """The message of ``err``; for errors re-raised from a DataLoader worker, the original one."""
+    text = str(err)
+    if "Original Traceback" in text:
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        last = lines[-1]
+        return last.split(": ", 1)[1] if ": " in last and last.split(": ", 1)[0].endswith("Error") else last
+    if "\n" in text.strip():  # jsonargparse's nested report of a value it could not build
+        return condense_parse_error(text)
+    return text

@@ -1,0 +1,224 @@
+"""``vision-attn validate`` / ``test`` / ``python eval.py --ckpt_path CKPT --output_dir OUT``.
+
+Writes ``OUT/metrics.json``, ``OUT/predictions.json`` and the task's own files beside them
+(:meth:`~vision_attn.tasks.VisionTask.eval_files`, e.g. ``per_class.json``). The model comes
+from the checkpoint (read without executing pickled code), the data from ``--config`` or the
+data settings saved in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.cli import LightningArgumentParser
+
+from vision_attn.commands.args import _config_class_paths, _option_value, normalize_flags
+from vision_attn.commands.lightning import _check_writable, _VisionAttnCLI
+from vision_attn.commands.policy import split_allow_import
+from vision_attn.errors import CheckpointError, ConfigError, RunExistsError, VisionAttnError
+from vision_attn.explain.evaluate import ExplainOptions
+from vision_attn.explain.records import Report
+from vision_attn.models.captioner import GenerationOptions
+from vision_attn.models.merging import merge_tokens
+from vision_attn.outputs import write_json
+from vision_attn.report import read_training_curves, write_report
+from vision_attn.tasks.base import (
+    TASKS,
+    VisionTask,
+    checked_data_settings,
+    read_task_meta,
+    resolve_class,
+    restore_from_checkpoint,
+)
+
+log = logging.getLogger("vision_attn")
+
+
+class EvalCLI(_VisionAttnCLI):
+    """``eval.py`` / ``vision-attn validate`` / ``test``: the model (architecture, classes,
+    preprocessing) comes from the checkpoint; the data from ``--config`` or, without one that
+    names data, from the data settings saved in the checkpoint (any key overridable, e.g.
+    ``--data.init_args.root DIR``)."""
+
+    def __init__(self, args: list[str] | None = None, default_split: str | None = None) -> None:
+        argv = normalize_flags(list(sys.argv[1:] if args is None else args), valued_bools=("--overwrite",))
+        self.default_split = default_split
+        self._read: tuple[str, dict[str, Any], dict[str, Any]] | None = None  # (path, meta, checkpoint)
+        super().__init__(save_config_callback=None, args=self._from_checkpoint(argv))
+
+    def _from_checkpoint(self, argv: list[str]) -> list[str]:
+        """``argv`` with the checkpoint's model (and its saved data settings, unless a config
+        names data or ``--data`` is given) in front, so no ``--config`` is needed. The file is
+        read once; building the model reuses what was read here."""
+        rest, allowed = split_allow_import(argv)
+        ckpt = _option_value(rest, "--ckpt_path")
+        if not ckpt or any(a in ("-h", "--help") for a in rest) or ckpt == "last":
+            return argv
+        meta, checkpoint = read_task_meta(ckpt, allowed)
+        self._read = (ckpt, meta, checkpoint)
+        front = ["--model", json.dumps(meta["model"])]
+        has_data = "data" in _config_class_paths(rest) or any(a == "--data" or a.startswith("--data=") for a in rest)
+        if not has_data:
+            data = checked_data_settings(meta, f"checkpoint {ckpt}")
+            if data is None:
+                if not any(a in ("--config", "-c") or a.startswith("--config=") for a in rest):
+                    raise ConfigError(
+                        f"checkpoint {ckpt} holds no data settings (it was written before they were saved); "
+                        "pass the training config: --config CFG"
+                    )
+            else:
+                front += ["--data", json.dumps(data)]
+        return front + argv
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint to evaluate.")
+        parser.add_argument("--output_dir", type=str, required=True, help="Where metrics.json etc. go.")
+        parser.add_argument("--split", type=str | None, default=None,
+                            help="Split to evaluate (default: the data's validation split; `vision-attn test`: its "
+                                 "test split).")
+        parser.add_argument("--overwrite", type=bool, default=False,
+                            help="Replace results already in --output_dir (a bare --overwrite means true).")
+        parser.add_argument("--merge_r", type=int, default=0,
+                            help="Token merging (ToMe, Bolya et al. 2023): merge R tokens in every encoder block: "
+                                 "faster, slightly less accurate (0: off, the model as trained).")
+        parser.add_class_arguments(ExplainOptions, "explain")
+        parser.add_class_arguments(GenerationOptions, "generate")
+        parser.set_defaults({"seed_everything": 0, "trainer.logger": False})
+
+    def before_instantiate_classes(self) -> None:
+        ckpt = self.config.ckpt_path
+        if ckpt == "last" and self.config.trainer.get("default_root_dir"):
+            ckpt = str(Path(self.config.trainer.default_root_dir) / "checkpoints" / "last.ckpt")
+        if self._read is not None and self._read[0] == ckpt:
+            self.ckpt_meta, self.ckpt = self._read[1:]
+            self._read = None
+        else:
+            self.ckpt_meta, self.ckpt = read_task_meta(ckpt, self.allow_import)
+        self.ckpt_file = ckpt
+        out = Path(self.config.output_dir)
+        _check_writable(out)
+        model_cfg = self.ckpt_meta["model"]
+        what = f"checkpoint {ckpt}"
+        task_cls = resolve_class(model_cfg["class_path"], VisionTask, what, self.allow_import)
+        existing = [name for name in result_file_names(task_cls) if (out / name).exists()]
+        if existing and not self.config.overwrite:
+            raise RunExistsError(
+                f"{out} already holds evaluation results ({', '.join(existing)}); "
+                "pass another --output_dir or --overwrite true"
+            )
+        # The data and trainer come from the config; the model (architecture, class names,
+        # preprocessing) from the checkpoint, exactly as it was trained, with no download.
+        config_class = self.config.model.class_path
+        if resolve_class(config_class, VisionTask, what, self.allow_import) is not task_cls:
+            raise CheckpointError(
+                f"checkpoint {ckpt} holds a {self.ckpt_meta.get('task')!r} model ({model_cfg['class_path']}) "
+                f"but the config describes {config_class}"
+            )
+        self.config.model = None
+        self.config = self.parser.parse_object({"model": model_cfg}, self.config)
+
+    def after_instantiate_classes(self) -> None:
+        restore_from_checkpoint(self.model, self.ckpt_meta, self.ckpt, f"checkpoint {self.ckpt_file}")
+        if self.config.get("merge_r"):
+            merge_tokens(self.model, int(self.config.merge_r))
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        config["enable_checkpointing"] = False
+        config["default_root_dir"] = self.config.output_dir
+        return super()._instantiate_trainer(config, callbacks)
+
+
+RESULT_FILES = ("metrics.json", "predictions.json")  # what every task's evaluation writes
+
+
+def result_file_names(task_cls: type[VisionTask]) -> list[str]:
+    """The result files an evaluation into a folder refuses to overwrite (without ``--overwrite``):
+    :data:`RESULT_FILES` and the task files (:attr:`~vision_attn.tasks.base.VisionTask.eval_file_names`)
+    of ``task_cls`` and of every registered task, so that no earlier evaluation's files, whatever
+    its task, are replaced or left beside new results that they do not describe."""
+    names = list(RESULT_FILES)
+    for cls in (task_cls, *TASKS.values()):
+        names += [n for n in cls.eval_file_names if n not in names]
+    return names
+
+
+def _task_files(model: VisionTask, dataset: Any) -> dict[str, Any]:
+    """``model.eval_files(dataset)``, checked against the names the task declared (those were
+    checked for earlier results before evaluating)."""
+    files = model.eval_files(dataset)
+    undeclared = sorted(set(files) - set(model.eval_file_names))
+    if undeclared or set(files) & set(RESULT_FILES):
+        raise VisionAttnError(
+            f"{type(model).__name__}.eval_files gave {sorted(files)}, but its eval_file_names declares "
+            f"{list(model.eval_file_names)} (and may not name {', '.join(RESULT_FILES)}): declare every file it writes"
+        )
+    return files
+
+
+class _SplitData(L.LightningDataModule):
+    """One split of a task's datamodule for ``trainer.test``. The loader is built when Lightning
+    asks for it — after the processes of a distributed run have started — so that it samples
+    every image exactly once (see :mod:`vision_attn.data.loading`)."""
+
+    def __init__(self, datamodule: L.LightningDataModule, split: str) -> None:
+        super().__init__()
+        self.datamodule, self.split = datamodule, split
+        self.loader = None
+
+    def test_dataloader(self):
+        self.loader = self.datamodule.eval_dataloader(self.split)
+        return self.loader
+
+
+def eval_main(args: list[str] | None = None, default_split: str | None = None) -> dict[str, float]:
+    """Entry point of ``eval.py`` (``vision-attn validate``; ``test`` with ``default_split="test"``):
+    returns the metrics it wrote."""
+    cli = EvalCLI(args=args, default_split=default_split)
+    dm, model, trainer = cli.datamodule, cli.model, cli.trainer
+    model.configure_datamodule(dm)
+    if hasattr(model, "set_generation"):
+        model.set_generation(cli.config_init.generate)
+    split = cli.config.split or (_test_split(dm) if cli.default_split == "test" else dm.val_split)
+    data = _SplitData(dm, split)
+    trainer.test(model, datamodule=data, verbose=False)
+    metrics, predictions = model.eval_results(data.loader.dataset)
+    if trainer.is_global_zero:
+        out = Path(cli.config.output_dir)
+        model.eval()
+        options = cli.config_init.explain
+        options.predictions = predictions  # the worst mistakes are explained too (--explain.mistakes)
+        report = Report() if options.report else None
+        files = _task_files(model, data.loader.dataset)  # of the test run, before the explanations run the model
+        metrics.update(model.explain_eval(data.loader.dataset, options, out, report=report))
+        write_json(out / "predictions.json", predictions, root=out)
+        for name, content in files.items():
+            write_json(out / name, content, root=out)
+        for name in result_file_names(type(model)):  # an earlier evaluation's files (--overwrite)
+            if name not in files and name not in RESULT_FILES and (out / name).is_file():
+                log.info("removed %s: an earlier evaluation's file that this one does not write", out / name)
+                (out / name).unlink()
+        write_json(out / "metrics.json", metrics, root=out)
+        if report is not None:
+            summary = {"checkpoint": str(cli.ckpt_file), "split": split, "model": cli.ckpt_meta["model"],
+                       "preprocessing": cli.ckpt_meta.get("data_config"), "data": cli.config.data.as_dict()}
+            write_report(out / "report.html", f"vision_attn {model.task_name} evaluation", metrics, summary,
+                         report.items, report.curves, root=out, task=model.task_name,
+                         per_class=files.get("per_class.json"), confusion=files.get("confusion_matrix.json"),
+                         predictions=predictions, training_curves=read_training_curves(cli.ckpt_file),
+                         split_size=len(data.loader.dataset), pr_curves=files.get("pr_curves.json"))
+        log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)
+    return metrics
+
+
+def _test_split(dm: Any) -> str:
+    split = getattr(dm, "test_split", None)
+    if not split:
+        raise ConfigError(f"{type(dm).__name__} has no test split; pass --split NAME or use vision-attn validate")
+    return split
