@@ -26,6 +26,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import Tensor
 
 from vision_attn.errors import CheckpointError
+from vision_attn.schema import limit
 
 __all__ = [
     "MAX_LOAD_BYTES_ENV",
@@ -212,8 +213,6 @@ def check_tensor_shapes(shapes: dict[str, tuple[tuple[int, ...], int]], what: st
     a dimension above :data:`~vision_attn.schema.LIMITS` ``["tensor_dim"]`` (``VISION_ATTN_MAX_TENSOR_DIM``),
     or a size above the load limit counting zero-sized dimensions as one (a ``[2**31, 0]`` tensor
     holds nothing, but a model sized from it would not)."""
-    from vision_attn.schema import limit
-
     top_dim, top_bytes = limit("tensor_dim"), max_load_bytes()
     for name, (shape, item) in shapes.items():
         big = [d for d in shape if d > top_dim]

@@ -65,10 +65,14 @@ from vision_attn.errors import (
     RunExistsError,
     VisionAttnError,
 )
+from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.methods import resolve_target_class
 from vision_attn.explain.overlay import save_png
+from vision_attn.models.merging import merge_tokens
 from vision_attn.outputs import safe_filename, write_json
 from vision_attn.report import write_report
+from vision_attn.tasks.base import build_task_from_meta
+from vision_attn.tasks.sources import load_model
 
 __all__ = ["OUTPUTS", "BackgroundWriter", "OverlayWriteError", "overlay_name", "predict_folder",
            "scan_folder"]
@@ -324,7 +328,6 @@ class OnnxPredictor(L.LightningModule):
 
     def __init__(self, path: Path, allow_import: tuple[str, ...] = ()) -> None:
         super().__init__()
-        from vision_attn.tasks.base import build_task_from_meta
 
         try:
             import onnxruntime as ort
@@ -427,8 +430,6 @@ def predict_folder(
             model runs the next batch (:class:`BackgroundWriter`; the same files as writing them
             in the loop, ``False``).
     """
-    from vision_attn.explain.evaluate import ExplainOptions
-    from vision_attn.tasks.sources import load_model
 
     out, model_path = Path(output_dir), Path(str(model_path))
     images, files, skipped = resolve_images(images)
@@ -449,7 +450,6 @@ def predict_folder(
         if isinstance(model, OnnxPredictor):
             raise ConfigError(f"--merge_r {merge_r}: token merging changes the PyTorch model; an ONNX model "
                               "cannot merge tokens (export a merged model, or predict with the checkpoint)")
-        from vision_attn.models.merging import merge_tokens
 
         try:
             merge_tokens(model, merge_r)

@@ -20,6 +20,7 @@ without importing torch, timm or Lightning.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 
@@ -28,55 +29,26 @@ from vision_attn.commands.args import normalize_flags, parse_command
 __all__ = ["SUBCOMMANDS", "main", "normalize_flags", "parse_command"]
 
 
-def _fit(argv: list[str]) -> None:
-    from vision_attn.commands.run import run_entry
-    from vision_attn.commands.train import train_main
+def _run(module: str, function: str, **kwargs: object) -> Callable[[list[str]], None]:
+    """A subcommand that imports ``vision_attn.commands.<module>`` when it runs (torch, timm and
+    Lightning load then, not for the listing) and calls its ``function(argv, **kwargs)``."""
 
-    run_entry(lambda: train_main(argv))
-
-
-def _evaluate(split: str | None) -> Callable[[list[str]], None]:
     def run(argv: list[str]) -> None:
-        from vision_attn.commands.evaluate import eval_main
-        from vision_attn.commands.run import run_entry
-
-        run_entry(lambda: eval_main(argv, default_split=split))
+        getattr(importlib.import_module(f"vision_attn.commands.{module}"), function)(argv, **kwargs)
 
     return run
 
 
-def _predict(argv: list[str]) -> None:
-    from vision_attn.commands.predict import main
-
-    main(argv, prog="vision-attn predict")
-
-
-def _explain(argv: list[str]) -> None:
-    from vision_attn.commands.predict import main
-
-    main(argv, prog="vision-attn explain", explain=True)
-
-
-def _export(argv: list[str]) -> None:
-    from vision_attn.commands.export import main
-
-    main(argv, prog="vision-attn export")
-
-
-def _data(argv: list[str]) -> None:
-    from vision_attn.commands.data import main
-
-    main(argv, prog="vision-attn data")
-
-
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
-    "fit": (_fit, "train a task from YAML configs (= train.py)"),
-    "validate": (_evaluate("val"), "evaluate a checkpoint on the validation split (= eval.py)"),
-    "test": (_evaluate("test"), "evaluate a checkpoint on the test split"),
-    "predict": (_predict, "predictions (and overlays) for a folder of images, from a checkpoint or ONNX file"),
-    "explain": (_explain, "attention overlays for a folder of images, from a checkpoint"),
-    "export": (_export, "export a checkpoint as ONNX or safetensors"),
-    "data": (_data, "write an embedded synthetic dataset"),
+    "fit": (_run("train", "command"), "train a task from YAML configs (= train.py)"),
+    "validate": (_run("evaluate", "command", split="val"), "evaluate a checkpoint on the validation split (= eval.py)"),
+    "test": (_run("evaluate", "command", split="test"), "evaluate a checkpoint on the test split"),
+    "predict": (_run("predict", "main", prog="vision-attn predict"),
+                "predictions (and overlays) for a folder of images, from a checkpoint or ONNX file"),
+    "explain": (_run("predict", "main", prog="vision-attn explain", explain=True),
+                "attention overlays for a folder of images, from a checkpoint"),
+    "export": (_run("export", "main", prog="vision-attn export"), "export a checkpoint as ONNX or safetensors"),
+    "data": (_run("data", "main", prog="vision-attn data"), "write an embedded synthetic dataset"),
 }
 
 

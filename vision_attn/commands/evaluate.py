@@ -22,6 +22,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 from vision_attn.commands.args import _config_class_paths, _option_value, normalize_flags
 from vision_attn.commands.lightning import _check_writable, _VisionAttnCLI
 from vision_attn.commands.policy import split_allow_import
+from vision_attn.commands.run import run_entry
 from vision_attn.errors import CheckpointError, ConfigError, RunExistsError, VisionAttnError
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.records import Report
@@ -222,3 +223,8 @@ def _test_split(dm: Any) -> str:
     if not split:
         raise ConfigError(f"{type(dm).__name__} has no test split; pass --split NAME or use vision-attn validate")
     return split
+
+
+def command(argv: list[str], split: str | None = None) -> None:
+    """``vision-attn validate`` / ``test ARGS``: :func:`eval_main` under the one error policy."""
+    run_entry(lambda: eval_main(argv, default_split=split))

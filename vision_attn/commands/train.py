@@ -29,6 +29,7 @@ from vision_attn.checkpoint_io import SafeCheckpointIO, check_checkpoint_file
 from vision_attn.commands.args import _config_class_paths, _take_flag
 from vision_attn.commands.callbacks import RunCheckpoint, RunConfigCallback
 from vision_attn.commands.lightning import _VisionAttnCLI
+from vision_attn.commands.run import run_entry
 from vision_attn.errors import CheckpointError, ConfigError
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.models.captioner import GenerationOptions
@@ -210,3 +211,8 @@ def train_main(args: list[str] | None = None) -> TrainCLI:
         root = Path(cli.trainer.default_root_dir)
         log.info("run written to %s (config.yaml, checkpoints/, tensorboard/, csv/)", root)
     return cli
+
+
+def command(argv: list[str]) -> None:
+    """``vision-attn fit ARGS``: :func:`train_main` under the one error policy."""
+    run_entry(lambda: train_main(argv))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vision_attn.data.transforms import build_eval_transform
 from vision_attn.errors import ConfigError
 from vision_attn.explain.methods import explain_classifier
 from vision_attn.explain.rollout import normalize_maps
@@ -34,8 +35,6 @@ def _as_batch(model, images: Tensor | Sequence[Any]) -> Tensor:
         if images.dim() != 4 or images.shape[1] != 3:
             raise ConfigError(f"images must be a preprocessed [B, 3, H, W] tensor, got shape {tuple(images.shape)}")
         return images
-    from vision_attn.data.transforms import build_eval_transform
-
     transform = build_eval_transform(model.inference_data_config())
     batch = []
     for i, picture in enumerate(images):

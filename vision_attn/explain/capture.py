@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from vision_attn.attention import explicit_attention
 from vision_attn.explain.rollout import HeadFusion, RelevanceStream, RolloutStream
+from vision_attn.models.merging import merge_state
 
 __all__ = [
     "AttentionCaptureError",
@@ -157,8 +158,6 @@ def capture_attention(
 def _merge_events(model: nn.Module) -> Callable[[], list]:
     """A function returning the token maps recorded so far in the current forward of a
     token-merged model (``[]`` for any other model)."""
-    from vision_attn.models.merging import merge_state
-
     state = merge_state(model)
     return (lambda: state.events) if state is not None else list
 
