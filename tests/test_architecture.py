@@ -172,3 +172,17 @@ def test_a_config_naming_the_old_checkpoint_callback_still_trains(tmp_path, shap
                              "--data.init_args.root", str(shapes_root), "--trainer.logger", "false",
                              "--trainer.default_root_dir", str(tmp_path / "run")])
     assert any(type(c).__name__ == "RunCheckpoint" for c in cli.trainer.callbacks)
+
+
+def test_the_public_api_and_the_command_listing_load_no_heavy_module():
+    import subprocess
+    import sys
+
+    code = ("import sys, vision_attn, vision_attn.commands as c; c.usage(); "
+            "heavy = [m for m in ('torch', 'timm', 'lightning', 'cv2') if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]"
+    import vision_attn
+
+    assert sorted(vision_attn.__all__) == sorted(vision_attn._PUBLIC)
+    assert vision_attn.load_task.__module__ == "vision_attn.tasks.base"  # each name resolves to its module
