@@ -22,7 +22,9 @@ from lightning.pytorch.strategies import FSDPStrategy
 from timm.models.vision_transformer import Block
 from torch import Tensor
 
-__all__ = ["FSDP_BLOCKS", "BlockFSDPStrategy", "gather_objects", "is_distributed", "mean_across_processes",
+from vision_attn.errors import ConfigError
+
+__all__ = ["FSDP_BLOCKS", "BlockFSDPStrategy", "check_accelerator", "gather_objects", "is_distributed", "mean_across_processes",
            "register_fsdp_block"]
 
 
@@ -37,6 +39,33 @@ def gather_objects(items: list[Any]) -> list[Any]:
     gathered: list[list[Any]] = [None] * torch.distributed.get_world_size()  # type: ignore[list-item]
     torch.distributed.all_gather_object(gathered, list(items))
     return [x for part in gathered for x in part]
+
+
+GPU_ACCELERATORS = ("gpu", "cuda")
+
+
+def check_accelerator(accelerator: object, devices: object = None, flag: str = "--trainer.accelerator") -> None:
+    """Refuse, with one line, a GPU run on a machine without a CUDA device, or more GPUs than it has.
+
+    Args:
+        accelerator: Lightning's ``accelerator`` (``"gpu"``, ``"cuda"``, ``"cpu"``, ``"auto"``, ...).
+        devices: Lightning's ``devices`` (an int, a list of indices, ``-1``, ``"auto"``).
+        flag: how the message names the option to change.
+
+    Raises:
+        ConfigError: naming the option and what to pass instead.
+    """
+    if str(accelerator).lower() not in GPU_ACCELERATORS:
+        return
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found == 0:
+        raise ConfigError(f"no CUDA device found; use {flag} cpu (or auto), or run on a machine with a GPU")
+    wanted = len(devices) if isinstance(devices, (list, tuple)) else devices
+    if isinstance(wanted, str) and wanted.strip().lstrip("-").isdigit():
+        wanted = int(wanted)
+    if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > found:
+        raise ConfigError(f"{wanted} GPUs asked for (devices) but this machine has {found}; "
+                          f"pass --trainer.devices {found} or fewer")
 
 
 def mean_across_processes(value: Tensor) -> Tensor:

@@ -57,7 +57,7 @@ from vision_attn.data.imageio import (
     read_image,
 )
 from vision_attn.data.transforms import build_eval_transform
-from vision_attn.distributed import gather_objects
+from vision_attn.distributed import check_accelerator, gather_objects
 from vision_attn.errors import (
     CheckpointError,
     ConfigError,
@@ -438,6 +438,7 @@ def predict_folder(
         raise RunExistsError(f"{out} already holds {', '.join(existing)}, which predict would overwrite; "
                              "pass another --output_dir or --overwrite")
     accelerator = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu"}.get(device or "auto", "auto")
+    check_accelerator(accelerator, devices, flag="--device")
     options = ExplainOptions(methods=list(methods) if methods else None, alpha=alpha, score_threshold=score_threshold, topk=topk,
                              target_class=target_class, token=token)
     if model_path.suffix == ".onnx":

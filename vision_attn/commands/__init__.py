@@ -21,10 +21,11 @@ without importing torch, timm or Lightning.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable
 
-from vision_attn.commands.args import normalize_flags, parse_command
+from vision_attn.commands.args import VERBOSE_ENV, normalize_flags, parse_command, take_verbose
 
 __all__ = ["SUBCOMMANDS", "main", "normalize_flags", "parse_command"]
 
@@ -55,13 +56,16 @@ SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
 def usage() -> str:
     width = max(map(len, SUBCOMMANDS))
     lines = [f"  {name:{width}s}  {text}" for name, (_, text) in SUBCOMMANDS.items()]
-    return ("usage: vision-attn SUBCOMMAND [options]   (vision-attn SUBCOMMAND --help for its options)\n\n"
+    return ("usage: vision-attn SUBCOMMAND [options] [-v]   (vision-attn SUBCOMMAND --help for its options;\n"
+            "       -v / --verbose: also show other libraries' banners and warnings)\n\n"
             "subcommands:\n" + "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``vision-attn`` console script and ``python -m vision_attn``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, verbose = take_verbose(list(sys.argv[1:] if argv is None else argv))
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(usage())
         raise SystemExit(0 if argv else 2)

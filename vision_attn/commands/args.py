@@ -5,8 +5,10 @@ nested errors condensed to one line."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -18,6 +20,8 @@ from vision_attn.errors import ConfigError
 
 log = logging.getLogger("vision_attn")
 
+VERBOSE_FLAGS = ("-v", "--verbose")
+VERBOSE_ENV = "VISION_ATTN_VERBOSE"
 TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 COMMAND_LINE_ONLY = ("allow_import",)  # options a --config file may not set
 
@@ -213,3 +217,23 @@ def one_line(err: BaseException) -> str:
     if "\n" in text.strip():  # jsonargparse's nested report of a value it could not build
         return condense_parse_error(text)
     return text
+
+
+def with_suggestions(message: str, options: Sequence[str]) -> str:
+    """``message`` of an "unrecognized arguments" error with the closest known option of each
+    unknown one (``--trainer.max_epocs``: did you mean ``--trainer.max_epochs``?)."""
+    if not message.startswith("unrecognized arguments:"):
+        return message
+    unknown = [a.split("=", 1)[0] for a in message.split(":", 1)[1].split() if a.startswith("--")]
+    hints = []
+    for option in unknown:
+        close = difflib.get_close_matches(option, [o for o in options if o.startswith("--")], n=1, cutoff=0.75)
+        if close:
+            hints.append(f"{option}: did you mean {close[0]}?")
+    return f"{message} ({'; '.join(hints)})" if hints else message
+
+
+def take_verbose(argv: list[str]) -> tuple[list[str], bool]:
+    """``(argv without -v / --verbose, whether it was there or VISION_ATTN_VERBOSE is set)``."""
+    rest = [a for a in argv if a not in VERBOSE_FLAGS]
+    return rest, len(rest) != len(argv) or os.environ.get(VERBOSE_ENV, "") not in ("", "0")

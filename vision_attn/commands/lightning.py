@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from vision_attn.commands.args import _null_dataclass_fields, condense_parse_error
+from vision_attn.commands.args import _null_dataclass_fields, condense_parse_error, with_suggestions
 from vision_attn.commands.policy import (
     ALLOW_IMPORT_FLAG,
     ALLOW_IMPORT_HELP,
@@ -21,6 +21,7 @@ from vision_attn.commands.policy import (
     import_guard,
     split_allow_import,
 )
+from vision_attn.distributed import check_accelerator
 from vision_attn.errors import ConfigError, VisionAttnError
 from vision_attn.tasks.base import (
     VisionTask,
@@ -56,6 +57,7 @@ class _GuardedParser(LightningArgumentParser):
             if refused is not None:
                 raise refused from ex
             if not os.environ.get("VISION_ATTN_DEBUG"):
+                message = with_suggestions(message, list(self._option_string_actions))
                 sys.stderr.write(f"error: {condense_parse_error(message)}\n"
                                  f"(see {self.prog} --help; VISION_ATTN_DEBUG=1 shows the parser's whole message)\n")
                 raise SystemExit(2)
@@ -96,6 +98,11 @@ class _VisionAttnCLI(LightningCLI):
         # here for --help, and so that one in a config file is refused, not ignored.
         parser.add_argument(ALLOW_IMPORT_FLAG, type=list[str], default=[], metavar="PREFIX",
                             help=ALLOW_IMPORT_HELP)
+
+    def instantiate_classes(self) -> None:
+        trainer = self.config.get("trainer") or {}
+        check_accelerator(trainer.get("accelerator"), trainer.get("devices"))
+        super().instantiate_classes()
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.config = parser.parse_args(self._argv)

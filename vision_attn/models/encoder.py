@@ -20,6 +20,10 @@ import difflib
 import importlib
 import inspect
 import logging
+import os
+import socket
+import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -153,6 +157,38 @@ def _plain_data(value: Any) -> bool:
 
 
 PREPROCESS_KEYS = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")
+
+
+HUB_PROBE_SECONDS = 3.0
+
+
+def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
+    """Whether a TCP connection to the Hugging Face hub (``HF_ENDPOINT``) opens within ``timeout``."""
+    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def hub_offline_when_unreachable() -> Iterator[None]:
+    """Download nothing, and retry nothing, when the hub cannot be reached: one connection attempt
+    (:func:`hub_reachable`), then the local hub cache only, so an offline machine gets its answer
+    in seconds (the weights when cached, else the advice to pass a weights file)."""
+    import huggingface_hub.constants as hub
+
+    if hub.HF_HUB_OFFLINE or hub_reachable():
+        yield
+        return
+    log.info("the Hugging Face hub is not reachable: looking for the weights in the local cache only")
+    hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE = False
 
 
 def suggest_model_names(name: str) -> str:
@@ -319,7 +355,8 @@ class ViTEncoder(nn.Module):
             # sized on the meta device first: nothing is allocated for a model beyond the limit
             check_model_bytes(lambda: timm.create_model(name, pretrained=False, **kwargs), f"encoder {name}",
                               EncoderError)
-            model = timm.create_model(name, pretrained=pretrained, **kwargs)
+            with hub_offline_when_unreachable() if pretrained else contextlib.nullcontext():
+                model = timm.create_model(name, pretrained=pretrained, **kwargs)
         except TypeError as err:
             raise EncoderError(
                 f"timm model {name!r} is not a Vision Transformer that vision_attn can read: "
