@@ -7,7 +7,8 @@ the model as ONNX.
 
 ONNX (chosen by the ``.onnx`` suffix): input ``images`` ``[batch, 3, H, W]`` normalised as the
 model's preprocessing says (stored in the file's metadata with the labels or vocabulary), any
-batch size. Outputs: classification ``logits [B, C]``; detection ``pred_logits [B, Q, C(+1)]``
+batch size. The export writes exactly one file, ``model.onnx`` (its weights inside); nothing is
+left beside it, also when the export fails or is interrupted. Outputs: classification ``logits [B, C]``; detection ``pred_logits [B, Q, C(+1)]``
 and ``pred_boxes [B, Q, 4]`` (cxcywh in [0, 1]); captioning the encoder's ``tokens [B, T, D]``
 (beam search stays in PyTorch).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -35,6 +37,8 @@ from vision_attn.tasks.base import load_task
 __all__ = ["export_onnx", "export_safetensors"]
 
 log = logging.getLogger(__name__)
+
+ONNX_SINGLE_FILE_BYTES = 2**31 - 1  # protobuf's limit on one file
 
 
 def _check_target(output: Path, overwrite: bool) -> None:
@@ -90,16 +94,23 @@ def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18, over
     task = load_task(ckpt_path, allow_import=allow_import).eval()
     _, h, w = task.data_config["input_size"]
     example = torch.zeros(2, 3, int(h), int(w))
-    with atomic_output(output, suffix=".tmp.onnx") as tmp:
-        torch.onnx.export(_OnnxGraph(task).eval(), (example,), str(tmp), input_names=["images"],
+    # torch writes the graph (and, for large models, its weights as a side file) into a private
+    # folder, removed whatever happens; the one file the export documents is then written atomically
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=output.parent) as work:
+        graph = Path(work) / "model.onnx"
+        torch.onnx.export(_OnnxGraph(task).eval(), (example,), str(graph), input_names=["images"],
                           output_names=list(task.export_output_names), dynamic_shapes=({0: torch.export.Dim("batch")},),
                           dynamo=True, opset_version=opset, verbose=False)
-        model = onnx.load(str(tmp))
+        model = onnx.load(str(graph))  # with its weights, wherever torch put them
         meta = task.checkpoint_meta()
         for key, value in {"format": "vision_attn", "task": str(meta.get("task")), "model": json.dumps(meta["model"]),
                            "data_config": json.dumps(meta.get("data_config"))}.items():
             model.metadata_props.add(key=key, value=value)
-        onnx.save(model, str(tmp))
+        if model.ByteSize() >= ONNX_SINGLE_FILE_BYTES:
+            raise VisionAttnError(f"the {task.task_name} model is {model.ByteSize() >> 20} MiB, beyond what one ONNX "
+                                  "file holds (2 GiB); export the weights with --format safetensors instead")
+        with atomic_output(output, suffix=".tmp.onnx") as tmp:
+            onnx.save(model, str(tmp))
     log.info("wrote the %s model as ONNX to %s", task.task_name, output)
     return output
 
