@@ -94,3 +94,20 @@ def test_an_unreachable_hub_is_asked_once_then_the_weights_file_advice(monkeypat
         load_model("timm:vit_tiny_patch16_224")
     assert attempts == [("huggingface.co", 443)]  # the probe; no download was tried after it
     assert hub.HF_HUB_OFFLINE is False  # restored
+
+
+def test_help_is_plain_text_and_each_command_describes_itself(capsys):
+    from vision_attn.commands import main
+
+    texts = {}
+    for command in (["fit", "--config", CONFIG], ["predict"], ["explain"], ["export"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        texts[command[0]] = capsys.readouterr().out
+    for name, text in texts.items():
+        assert "``" not in text and ":meth:" not in text and ":class:" not in text, name
+    assert texts["predict"].split("options:")[0] != texts["explain"].split("options:")[0]
+    assert "Attention overlays for every image" in texts["explain"]
+    # fit accepts evaluation's options (one YAML serves both) but does not list them
+    assert "--explain." not in texts["fit"] and "--generate." not in texts["fit"]
+    assert "--trainer.max_epochs" in texts["fit"]

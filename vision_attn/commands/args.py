@@ -237,3 +237,20 @@ def take_verbose(argv: list[str]) -> tuple[list[str], bool]:
     """``(argv without -v / --verbose, whether it was there or VISION_ATTN_VERBOSE is set)``."""
     rest = [a for a in argv if a not in VERBOSE_FLAGS]
     return rest, len(rest) != len(argv) or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+_ROLE = re.compile(r":(?:py:)?(?:func|meth|class|mod|attr|data|obj|exc):`~?([^`]+)`")
+
+
+def plain_text(text: str) -> str:
+    """Help text without documentation markup: ``:meth:`~a.B.c``` -> ``c``, ````x```` -> ``x``."""
+    text = _ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1] if m.group(0).count("~") else m.group(1), text)
+    return text.replace("``", "")
+
+
+def hide_options(parser: argparse.ArgumentParser, groups: Sequence[str]) -> None:
+    """Keep the options ``--GROUP`` and ``--GROUP.*`` of ``groups`` working but out of ``--help``."""
+    for action in parser._actions:
+        dest = action.dest.split(".", 1)[0]
+        if dest in groups:
+            action.help = argparse.SUPPRESS

@@ -12,7 +12,19 @@ from vision_attn.commands.policy import split_allow_import
 from vision_attn.errors import VisionAttnError
 from vision_attn.export import export_onnx, export_safetensors
 
-DESCRIPTION = "Export a trained checkpoint: weights as ``.safetensors`` (plain tensors, no pickled code) or\nthe model as ONNX.\n\n    vision-attn export --ckpt_path runs/x/checkpoints/last.ckpt --output_dir out   # out/encoder.safetensors\n    vision-attn export --ckpt_path ... --output_dir out --part model              # out/model.safetensors\n    vision-attn export --ckpt_path ... --output_dir out --format onnx             # out/model.onnx\n\nONNX (chosen by the ``.onnx`` suffix): input ``images`` ``[batch, 3, H, W]`` normalised as the\nmodel's preprocessing says (stored in the file's metadata with the labels or vocabulary), any\nbatch size. Outputs: classification ``logits [B, C]``; detection ``pred_logits [B, Q, C(+1)]``\nand ``pred_boxes [B, Q, 4]`` (cxcywh in [0, 1]); captioning the encoder's ``tokens [B, T, D]``\n(beam search stays in PyTorch).\n\n``--part encoder`` (default) writes the timm ViT's state dict — keys exactly as timm names\nthem, so ``create_encoder(NAME, weights_file=...)`` or timm itself can load it; ``--part model``\nwrites the whole task (encoder and head, keys as in the checkpoint's ``state_dict``). The\narchitecture, preprocessing and labels go into the file's metadata as JSON. An existing file is\nnever overwritten (a link in its place included); the file is written through a fresh temporary\nfile in the same folder and renamed (:func:`vision_attn.outputs.atomic_output`).\n"
+DESCRIPTION = """Export a trained checkpoint: its weights as .safetensors (plain tensors, no pickled code)
+or the model as ONNX.
+
+  vision-attn export --ckpt_path runs/x/checkpoints/last.ckpt --output_dir out   # out/encoder.safetensors
+  vision-attn export --ckpt_path ... --output_dir out --part model              # out/model.safetensors
+  vision-attn export --ckpt_path ... --output_dir out --format onnx             # out/model.onnx
+
+ONNX: input "images" [batch, 3, H, W] normalised as the model's preprocessing says (stored in the
+file's metadata with the labels or vocabulary). Outputs: classification "logits"; detection
+"pred_logits" and "pred_boxes" (cx, cy, w, h in [0, 1]); captioning the encoder's "tokens" (beam
+search stays in PyTorch). --part encoder (default) writes the timm ViT's state dict with timm's
+key names, which timm and create_encoder(NAME, weights_file=...) load; --part model writes the
+whole task. An existing file is never overwritten unless --overwrite is given."""
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m vision_attn.export") -> None:

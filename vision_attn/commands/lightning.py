@@ -13,7 +13,12 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from vision_attn.commands.args import _null_dataclass_fields, condense_parse_error, with_suggestions
+from vision_attn.commands.args import (
+    _null_dataclass_fields,
+    condense_parse_error,
+    plain_text,
+    with_suggestions,
+)
 from vision_attn.commands.policy import (
     ALLOW_IMPORT_FLAG,
     ALLOW_IMPORT_HELP,
@@ -45,6 +50,9 @@ class _GuardedParser(LightningArgumentParser):
     (one clear line from ``train.py`` / ``eval.py``) instead of a usage dump."""
 
     main: bool = False
+
+    def format_help(self) -> str:
+        return plain_text(super().format_help())
 
     def error(self, message: str, ex: Exception | None = None):  # type: ignore[override]
         if self.main:

@@ -13,7 +13,27 @@ from vision_attn.errors import VisionAttnError
 from vision_attn.explain.methods import METHODS, TOKENS
 from vision_attn.predict import predict_folder
 
-DESCRIPTION = 'Run a trained model over a folder of images: predictions JSON and attention overlays.\n\n    vision-attn predict --ckpt_path runs/x/checkpoints/last.ckpt --images photos/ --output_dir out/\n    python -m vision_attn.predict --model model.onnx --images photos/ --output_dir out/\n\n``--ckpt_path`` (or ``--model``) is a checkpoint from training (any task; overlays included) or\nan ONNX file from ``vision-attn export`` (tasks whose predictions ONNX can make; ONNX holds no\nattention maps, so no overlays). Everything task specific is asked of the task\n(:meth:`~vision_attn.tasks.VisionTask.predict_step`). The images run through Lightning\'s predict\nloop: DataLoader workers decode them, ``--devices`` processes share them, a progress bar shows\nthe run; unreadable files are listed in ``skipped.json`` and never abort it. Writes into\n``--output_dir``:\n\n- ``predictions.json``: the task\'s records, in file order (``file`` relative to ``--images``):\n  classification ``[{"file", "pred", "score"}]``; detection ``[{"file", "detections":\n  [{"label", "category_id", "bbox": [x, y, w, h] pixels, "score"}]}]``; captioning ``[{"file",\n  "caption"}]``;\n- ``overlays/<file>.png`` (checkpoints): the explanation maps, each detected object\'s query\n  cross-attention, or the caption\'s per-word strip; ``<file>`` keeps its extension\n  (``a.jpg.png`` and ``a.png.png`` never collide) and names are made safe and shortened\n  deterministically (:func:`vision_attn.outputs.safe_filename`);\n- ``skipped.json``: ``[{"file", "reason"}]``: unreadable images, and FIFOs, devices, sockets and\n  broken links, which are listed, never opened;\n- ``report.html``: the predictions and overlays of the first 50 images in one self-contained page.\n\nA folder that already holds any of these outputs is refused unless ``--overwrite`` is given.\nEvery file is written through a temporary file and a rename, inside ``--output_dir``\n(:mod:`vision_attn.outputs`).\n\nSpeed: the overlays are PNG-encoded and written by one background thread\n(:class:`BackgroundWriter`, a bounded queue) while the model runs the next batch; an error\nthere stops the run in the main process, naming the file. With ``--no_overlays`` no\nexplanation code runs and no hook is put on the model: the task\'s plain forward\n(:meth:`~vision_attn.tasks.VisionTask.export_forward`) under ``torch.inference_mode``.\n'
+PREDICT = """Predictions for every image under --images (a file, a folder searched recursively, or a
+quoted glob), from a checkpoint of any task, a timm model (timm:NAME) or an ONNX file, with
+attention overlays (--no_overlays: predictions only).
+
+  vision-attn predict --ckpt_path runs/x/checkpoints/last.ckpt --images photos/ --output_dir out/
+  vision-attn predict --ckpt_path timm:vit_small_patch16_224 --weights_file W.safetensors \\
+      --images photos/ --output_dir out/
+
+Writes into --output_dir: predictions.json (one record per image), overlays/<file>.png,
+skipped.json (files that could not be read, with the reason) and report.html. A folder that
+already holds any of them is refused unless --overwrite is given."""
+
+EXPLAIN = """Attention overlays for every image under --images, from a checkpoint or a timm model
+(timm:NAME): one panel per explanation method (--methods), each detected object's query or each
+caption word for the detection and captioning heads.
+
+  vision-attn explain --ckpt_path runs/x/checkpoints/last.ckpt --images photos/ --output_dir out/
+  vision-attn explain --ckpt_path timm:vit_small_patch16_224 --weights_file W.safetensors \\
+      --images photos/ --output_dir out/ --methods relevance rollout attention
+
+Writes overlays/<file>.png, predictions.json, skipped.json and report.html into --output_dir."""
 
 
 def build_parser(prog: str, description: str, expected_task: str | None = None,
@@ -87,6 +107,6 @@ def run_cli(argv: list[str] | None, prog: str, description: str, expected_task: 
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m vision_attn.predict", explain: bool = False) -> None:
-    run_cli(argv, prog, DESCRIPTION, explain=explain)
+    run_cli(argv, prog, EXPLAIN if explain else PREDICT, explain=explain)
 
 

@@ -26,7 +26,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from vision_attn.checkpoint_io import SafeCheckpointIO, check_checkpoint_file
-from vision_attn.commands.args import _config_class_paths, _take_flag
+from vision_attn.commands.args import _config_class_paths, _take_flag, hide_options
 from vision_attn.commands.callbacks import RunCheckpoint, RunConfigCallback
 from vision_attn.commands.lightning import _VisionAttnCLI
 from vision_attn.commands.run import run_entry
@@ -74,9 +74,10 @@ class TrainCLI(_VisionAttnCLI):
         # learning rates and weight decay stay in --model.optim (per parameter group).
         parser.add_optimizer_args((torch.optim.Optimizer,), nested_key="optimizer", link_to="AUTOMATIC")
         parser.add_lr_scheduler_args(nested_key="lr_scheduler", link_to="AUTOMATIC")
-        # used by eval.py; accepted so one YAML serves both
+        # evaluation's options, accepted so that one YAML serves fit and validate; not listed in fit's --help
         parser.add_class_arguments(ExplainOptions, "explain")
         parser.add_class_arguments(GenerationOptions, "generate")
+        hide_options(parser, ("explain", "generate"))
         parser.set_defaults({"trainer.default_root_dir": None, "seed_everything": 0})
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
