@@ -111,3 +111,14 @@ def test_help_is_plain_text_and_each_command_describes_itself(capsys):
     # fit accepts evaluation's options (one YAML serves both) but does not list them
     assert "--explain." not in texts["fit"] and "--generate." not in texts["fit"]
     assert "--trainer.max_epochs" in texts["fit"]
+
+
+def test_reports_name_no_absolute_path_of_the_machine(tmp_path, monkeypatch):
+    from vision_attn.outputs import display_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    assert display_path(tmp_path / "runs" / "x" / "last.ckpt") == "runs/x/last.ckpt"
+    assert display_path("/somewhere/else/run/last.ckpt") == ".../run/last.ckpt"
+    assert display_path("timm:vit_small_patch16_224") == "timm:vit_small_patch16_224"
+    assert display_path("runs/x") == "runs/x"

@@ -45,6 +45,7 @@ __all__ = [
     "MAX_NAME_BYTES",
     "OutputPathError",
     "atomic_output",
+    "display_path",
     "json_ready",
     "resolve_under",
     "safe_filename",
@@ -324,3 +325,17 @@ def write_npy(path: str | Path, array: np.ndarray, root: str | Path | None = Non
     """Write ``array`` as ``.npy`` (no pickled objects) to ``path`` (inside ``root``)."""
     array = np.asarray(array)
     return _write(path, root, lambda fh: np.save(fh, array, allow_pickle=False))
+
+
+def display_path(path: str | Path) -> str:
+    """``path`` as a page shows it: relative to the working folder when it lies inside it, else its
+    last two parts (``.../run/last.ckpt``), so a report names no absolute path of the machine.
+    Anything that is not a local absolute path (``timm:NAME``, a relative path) is kept as given."""
+    text = str(path)
+    candidate = Path(text)
+    if not candidate.is_absolute():
+        return text
+    try:
+        return candidate.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return ".../" + "/".join(candidate.parts[-2:])

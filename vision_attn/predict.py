@@ -69,7 +69,7 @@ from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.methods import resolve_target_class
 from vision_attn.explain.overlay import save_png
 from vision_attn.models.merging import merge_tokens
-from vision_attn.outputs import safe_filename, write_json
+from vision_attn.outputs import display_path, safe_filename, write_json
 from vision_attn.report import write_report
 from vision_attn.tasks.base import build_task_from_meta
 from vision_attn.tasks.sources import load_model
@@ -468,7 +468,7 @@ def predict_folder(
                         persistent_workers=False,  # one pass: workers end with it
                         pin_memory=accelerator != "cpu" and torch.cuda.is_available())  # faster copies to a GPU
     writer = PredictionWriter(out, skipped, f"vision_attn {kind} predictions",
-                              {"model": str(model_path), "images": str(images)}, report_images,
+                              {"model": display_path(model_path), "images": display_path(images)}, report_images,
                               background=background_writes)
     # explanations (relevance, Grad-CAM) need gradients; predictions alone run under inference_mode
     trainer = L.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_checkpointing=False,

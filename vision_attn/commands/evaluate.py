@@ -28,7 +28,7 @@ from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.records import Report
 from vision_attn.models.captioner import GenerationOptions
 from vision_attn.models.merging import merge_tokens
-from vision_attn.outputs import write_json
+from vision_attn.outputs import display_path, write_json
 from vision_attn.report import read_training_curves, write_report
 from vision_attn.tasks.base import (
     TASKS,
@@ -207,8 +207,12 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
                 (out / name).unlink()
         write_json(out / "metrics.json", metrics, root=out)
         if report is not None:
-            summary = {"checkpoint": str(cli.ckpt_file), "split": split, "model": cli.ckpt_meta["model"],
-                       "preprocessing": cli.ckpt_meta.get("data_config"), "data": cli.config.data.as_dict()}
+            data_settings = cli.config.data.as_dict()
+            for key in ("root", "cache_dir"):
+                if (data_settings.get("init_args") or {}).get(key):
+                    data_settings["init_args"][key] = display_path(data_settings["init_args"][key])
+            summary = {"checkpoint": display_path(cli.ckpt_file), "split": split, "model": cli.ckpt_meta["model"],
+                       "preprocessing": cli.ckpt_meta.get("data_config"), "data": data_settings}
             write_report(out / "report.html", f"vision_attn {model.task_name} evaluation", metrics, summary,
                          report.items, report.curves, root=out, task=model.task_name,
                          per_class=files.get("per_class.json"), confusion=files.get("confusion_matrix.json"),
