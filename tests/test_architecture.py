@@ -22,7 +22,7 @@ PACKAGE = REPO / "vision_attn"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [  # bottom to top
     ("core", ("vision_attn.attention", "vision_attn.boxes", "vision_attn.errors", "vision_attn.outputs",
-              "vision_attn.checkpoint_io", "vision_attn.distributed", "vision_attn.schema",
+              "vision_attn.checkpoint_io", "vision_attn.distributed", "vision_attn.schema", "vision_attn.blocks",
               "vision_attn._deprecated")),
     ("data", ("vision_attn.data",)),
     ("models", ("vision_attn.models",)),

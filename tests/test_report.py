@@ -27,10 +27,11 @@ def browser():
     if not Path(CHROMIUM).exists():
         if shutil.which("apt-get") is None:
             pytest.skip("no Chromium at /usr/bin/chromium and no apt-get to install Debian's chromium package")
-        res = subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, text=True, timeout=600)
+        install = ["apt-get", "install", "-y", "-q", "chromium"]
+        res = subprocess.run(install, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
             subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
-            res = subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, text=True, timeout=600)
+            res = subprocess.run(install, capture_output=True, text=True, timeout=600)
         if res.returncode != 0 or not Path(CHROMIUM).exists():
             pytest.skip(f"Debian's chromium package could not be installed: {res.stderr.strip()[-300:]}")
     with sync_api.sync_playwright() as pw:
@@ -50,11 +51,13 @@ def _classification_report(shapes_root, out: Path) -> Path:
     from vision_attn.tasks import ClassificationTask
 
     torch.manual_seed(0)
-    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["circle", "cross", "square", "star", "triangle"]).eval()
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT),
+                              class_names=["circle", "cross", "square", "star", "triangle"]).eval()
     ds = ImageFolderDataset(shapes_root, "val", task.class_names, build_eval_transform(task.data_config))
     report = Report()
     explain_eval_split(task, ds, _options(methods=["rollout", "attention"]), out, report)
-    return write_report(out / "report.html", "classification", {"acc_top1": 0.5}, {"model": "tiny"}, report.items, report.curves)
+    return write_report(out / "report.html", "classification", {"acc_top1": 0.5}, {"model": "tiny"}, report.items,
+                        report.curves)
 
 
 def _coco_report(kind: str, out: Path, data: Path) -> Path:
@@ -135,7 +138,8 @@ def test_detection_report_click_a_box(browser, tmp_path):
     boxes = page.evaluate("() => ITEMS[0].boxes")
     k = min(range(len(boxes)), key=lambda i: (boxes[i][2] - boxes[i][0]) * (boxes[i][3] - boxes[i][1]))
     box = boxes[k]
-    _changed(page, lambda: page.click("#cv0", position={"x": (box[0] + box[2]) / 2 * side, "y": (box[1] + box[3]) / 2 * side}), "box")
+    centre = {"x": (box[0] + box[2]) / 2 * side, "y": (box[1] + box[3]) / 2 * side}
+    _changed(page, lambda: page.click("#cv0", position=centre), "box")
     assert page.text_content("#sel0")
     page.screenshot(path=str(tmp_path / "detection.png"), full_page=True)
     assert not errors, errors
@@ -175,7 +179,8 @@ def _hostile_report(out: Path) -> tuple[Path, list[dict]]:
     labels = HOSTILE[:3]
     predictions = [{"file": items[0]["name"], "label": labels[1], "pred": labels[2], "score": 0.9},
                    {"file": items[1]["name"], "label": labels[2], "pred": labels[2], "score": 0.5}]
-    training = {"epochs": [0, 1], "series": {"train/loss": [[0, 1.0], [1, 0.5]], f"val/{HOSTILE[0]}": [[0, 0.1], [1, 0.2]]},
+    training = {"epochs": [0, 1],
+                "series": {"train/loss": [[0, 1.0], [1, 0.5]], f"val/{HOSTILE[0]}": [[0, 0.1], [1, 0.2]]},
                 "lr": {HOSTILE[1]: [[0, 0.1], [5, 0.2]]}, "files": [HOSTILE[3]]}
     path = write_report(out / "report.html", HOSTILE[0], {HOSTILE[1]: 0.5, f"pointing_{HOSTILE[2]}": 0.4},
                         {"data": HOSTILE[2], HOSTILE[3]: 1, "checkpoint": HOSTILE[4], "split": HOSTILE[1]},
@@ -264,7 +269,8 @@ def _item(name: str, seed: int) -> dict:
 
     rng = np.random.default_rng(seed)
     rgb = (rng.random((8, 8, 3)) * 255).astype(np.uint8)
-    return {"name": name, "text": f"explained {name}", "image": Report.display_image(rgb), "panels": [png_data_uri(rgb)],
+    return {"name": name, "text": f"explained {name}", "image": Report.display_image(rgb),
+            "panels": [png_data_uri(rgb)],
             "kind": "patches", "grid": [2, 2], "layers": 1, "heads": 1, "maps": quantise(rng.random((1, 1, 4, 4)))}
 
 
@@ -293,9 +299,11 @@ def _classification_page(out: Path) -> Path:
                         predictions=predictions, training_curves=read_training_curves(_write_run(out / "run")))
 
 
-def _visit(browser, path: Path):
+def _visit(browser, path: Path, on_dialog=None):
     """Open the page, recording console errors and every request that is not the file itself or a data: URI."""
     page = browser.new_page()
+    if on_dialog is not None:
+        page.on("dialog", on_dialog)
     errors: list[str] = []
     requests: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -316,7 +324,8 @@ def _plots(page) -> dict[str, list[float]]:
 
 
 def _visible(page) -> list[str]:
-    return page.eval_on_selector_all(".item", "els => els.filter(e => !e.hidden).map(e => e.querySelector('h3').textContent)")
+    return page.eval_on_selector_all(".item",
+                                     "els => els.filter(e => !e.hidden).map(e => e.querySelector('h3').textContent)")
 
 
 def test_classification_page_sections_confusion_click_and_mistakes(browser, tmp_path):
@@ -330,14 +339,16 @@ def test_classification_page_sections_confusion_click_and_mistakes(browser, tmp_
     assert "0.4000" in summary  # acc_top1, the headline
     # per-class table: worst accuracy first (cat 1/4, fox 1/3, dog 2/3), with the class each is most confused with
     rows = page.eval_on_selector_all("#per-class tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")[1:]
-    assert [(r[0], r[1], r[-1]) for r in rows] == [("cat", "4", "dog (2)"), ("fox", "3", "cat (1)"), ("dog", "3", "cat (1)")]  # ties: label order
+    assert [(r[0], r[1], r[-1]) for r in rows] == [  # ties: label order
+        ("cat", "4", "dog (2)"), ("fox", "3", "cat (1)"), ("dog", "3", "cat (1)")]
     # quality table: the random baseline is the last row, columns only where known
     assert page.eval_on_selector_all("#quality tr", "rs => rs.map(r => r.cells[0].textContent)") == [
         "method", "rollout", "random (baseline)"]
     assert len(page.eval_on_selector_all("#quality tr:first-child th", "e => e")) == 4  # method, del, ins, sanity
     # the mistakes gallery: every wrong prediction of the split, most confident first
     wrong = sorted((r for r in SPLIT if r[1] != r[2]), key=lambda r: -r[3])
-    assert page.eval_on_selector_all("#mistakes .mistake", "els => els.map(e => +e.dataset.score)") == [r[3] for r in wrong]
+    assert page.eval_on_selector_all("#mistakes .mistake", "els => els.map(e => +e.dataset.score)") == [
+        r[3] for r in wrong]
     assert page.eval_on_selector_all("#mistakes .mistake .name", "els => els.map(e => e.textContent)") == [
         r[0] for r in wrong]
     explained = {f for f, *_ in SPLIT[:EXPLAINED]}
@@ -475,7 +486,7 @@ def test_large_panels_are_compacted(tmp_path):
     assert size < 16 * len(big) / 3 and size < 5_000_000, size
 
 
-# ---------------------------------------------------------------------------------------------- mistakes outside the sample
+# ------------------------------------------------------------------------------------------ mistakes outside the sample
 def _gallery(page) -> list[dict]:
     """Each mistake card: its score, name, whether it shows an overlay (loaded, the grid's own panel) and its link."""
     return page.eval_on_selector_all("#mistakes .mistake", """els => els.map(e => {
@@ -528,7 +539,8 @@ def test_classification_mistakes_outside_the_sample_get_overlays(browser, shapes
     assert [c["overlay"] for c in cards] == [True, True, True, False]
     for card in cards[:3]:  # the link goes to that image's interactive view
         item = page.eval_on_selector(card["link"], "e => e.querySelector('h3').textContent")
-        assert item == card["name"] and page.eval_on_selector(card["link"] + " canvas", "c => c.dataset.shown") == "image"
+        assert item == card["name"]
+        assert page.eval_on_selector(card["link"] + " canvas", "c => c.dataset.shown") == "image"
     assert not errors and not requests, (errors, requests)
 
 
@@ -556,7 +568,8 @@ def test_detection_mistakes_list_missed_and_false_and_pr_curves_render(browser, 
     predictions = []
     for i, im in enumerate(ds.images):  # every object found exactly at 0.9, but a's first object is missed
         truth = ds.scoring_target(im["id"])
-        for k, ((x0, y0, x1, y1), lab) in enumerate(zip(truth["boxes"].tolist(), truth["labels"].tolist(), strict=True)):
+        objects = zip(truth["boxes"].tolist(), truth["labels"].tolist(), strict=True)
+        for k, ((x0, y0, x1, y1), lab) in enumerate(objects):
             if (i, k) != (a, 0):
                 predictions.append({"image_id": im["id"], "category_id": ds.category_ids[lab],
                                     "bbox": [x0, y0, x1 - x0, y1 - y0], "score": 0.9})
@@ -600,7 +613,8 @@ def test_detection_mistakes_list_missed_and_false_and_pr_curves_render(browser, 
     link = cards[0]["link"]  # a's interactive view says what the dashed box is; c's has none
     assert "Dashed red" in page.text_content(link) and "Dashed red" not in page.text_content(cards[1]["link"])
     # the PR curves: one polyline per category with ground truth, the -1 point dropped
-    lines = page.eval_on_selector_all("#pr-curves polyline", "els => els.map(e => e.getAttribute('points').split(' ').length)")
+    lines = page.eval_on_selector_all("#pr-curves polyline",
+                                      "els => els.map(e => e.getAttribute('points').split(' ').length)")
     assert lines == [3, 2]
     assert _plots(page)["pr-curves"][0] > 50
     assert not errors and not requests, (errors, requests)
@@ -620,7 +634,8 @@ def test_captioning_lowest_cider_outside_the_sample_is_explained(tmp_path):
     task = CaptioningTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT),
                           vocab=[*SPECIAL_TOKENS, "a", "red", "circle"], hidden_dim=32, num_layers=1, num_heads=2,
                           max_length=4, beam_size=1).eval()
-    ds = CocoCaptions(root, "val", build_eval_transform(whole_image(task.data_config)), WordTokenizer(task.tokenizer.vocab))
+    ds = CocoCaptions(root, "val", build_eval_transform(whole_image(task.data_config)),
+                      WordTokenizer(task.tokenizer.vocab))
     sample = select_images(len(ds), 1, "sample", 0)
     worst = [i for i in range(len(ds)) if i not in sample][-1]
     predictions = [{"image_id": im["id"], "caption": "a", "cider": 0.05 if i == worst else 1.0 + i}
@@ -657,3 +672,126 @@ def test_embedded_json_holds_no_nan():
     text = script_json({"a": float("nan"), "b": [1.0, float("inf")], "c": "</script>"})
     assert json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in embedded JSON")) == {
         "a": None, "b": [1.0, None], "c": "</script>"}
+
+
+# ---------------------------------------------------------------------------------------------- assets and sections
+def test_style_and_script_are_package_files_inlined_in_the_page(tmp_path):
+    """The page's CSS and JavaScript are package data found through importlib.resources (so an
+    installed package has them), declared in pyproject.toml, and inlined: the page stays one file."""
+    import fnmatch
+    import sys
+    from importlib import resources
+
+    from .conftest import REPO
+
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+
+    assets = resources.files("vision_attn.report") / "assets"
+    css, js = (assets / "report.css").read_text(encoding="utf-8"), (assets / "report.js").read_text(encoding="utf-8")
+    assert "#confusion .cell" in css and "function View(item)" in js
+    page = write_report(tmp_path / "report.html", "assets", {"acc_top1": 0.5}, {}, [_item("a.png", 0)]).read_text()
+    assert f"<style>{css}</style>" in page and page.endswith(f"{js}</script></body></html>")
+    assert "<link" not in page and "<script src" not in page
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = globs["vision_attn.report"]
+    for f in (REPO / "vision_attn" / "report" / "assets").iterdir():
+        assert any(fnmatch.fnmatch(f"assets/{f.name}", g) for g in shipped), f"{f.name} is not package data"
+
+
+def test_public_names_import_from_the_package_and_the_page_module():
+    import vision_attn.report as report
+    import vision_attn.report.page as page
+
+    for name in ("write_report", "read_training_curves", "script_json"):
+        assert getattr(report, name) is getattr(page, name)
+
+
+def _sections_page(out: Path) -> tuple[Path, list[dict]]:
+    """A page whose result section is given as data, every text in it hostile."""
+    from vision_attn.report import (
+        Bar,
+        BarChart,
+        Card,
+        Cards,
+        Column,
+        ConfusionMatrix,
+        Curves,
+        Section,
+        Table,
+    )
+
+    items = [{**_item(f"{k}.png", k), "truth": HOSTILE[k % 2], "pred": HOSTILE[1]} for k in range(3)]
+    labels = HOSTILE[:2]
+    section = Section(HOSTILE[0], note=HOSTILE[1], blocks=[
+        Table([HOSTILE[2], Column(HOSTILE[3], hint=HOSTILE[4], bar=True), "n"],
+              [[HOSTILE[0], 0.5, 3], [HOSTILE[4], None, 0]], title=HOSTILE[2], id="plugin-table"),
+        BarChart([Bar(HOSTILE[1], 0.7, 0.9, HOSTILE[2]), Bar(HOSTILE[3], None)], title="bars", id="plugin-bars",
+                 back_label=HOSTILE[4]),
+        Curves({HOSTILE[0]: [[0, 0.1], [1, 0.5]], HOSTILE[1]: [[0, 0.3], [1, 0.2]]}, HOSTILE[2], HOSTILE[3],
+               title="curves", hint=HOSTILE[4], id="plugin-curves"),
+        ConfusionMatrix(labels, [[1, 1], [0, 1]], title="matrix"),
+        Cards([Card(HOSTILE[0], [HOSTILE[1], HOSTILE[2]], item="1.png"), Card(HOSTILE[3], item="not explained")],
+              title="cards", id="plugin-cards"),
+    ])
+    path = write_report(out / "report.html", "plugin", {"f1": 0.25}, {}, items, task="multilabel",
+                        sections=[section], headline="f1")
+    return path, items
+
+
+def test_sections_given_as_data_render_escaped_and_interactive(browser, tmp_path):
+    path, items = _sections_page(tmp_path)
+    text = path.read_text()
+    assert "<img src=x" not in text and "<svg onload" not in text
+    dialogs: list[str] = []
+    page, errors, requests = _visit(browser, path, on_dialog=lambda d: (dialogs.append(d.message), d.dismiss()))
+    assert page.text_content("h2") == HOSTILE[0] and "f1 0.2500" in page.text_content("#summary")
+    rows = page.eval_on_selector_all("#plugin-table tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
+    assert rows == [[HOSTILE[2], HOSTILE[3], "n"], [HOSTILE[0], "0.500", "3"], [HOSTILE[4], "—", "0"]]
+    assert page.eval_on_selector("#plugin-table th:nth-child(2)", "e => e.title") == HOSTILE[4]
+    assert page.eval_on_selector_all("#plugin-table span.bar", "els => els.length") == 1
+    plots = _plots(page)
+    assert {"plugin-bars", "plugin-curves", "confusion"} <= set(plots)
+    assert plots["plugin-bars"][2] == 2 and plots["confusion"][2] == 4  # 0.7 over 0.9: two bars; None: none
+    assert page.eval_on_selector_all("#plugin-curves polyline", "els => els.length") == 2
+    cards = page.eval_on_selector_all("#plugin-cards .card", """els => els.map(e => {const im = e.querySelector('img');
+        return [e.querySelector('b').textContent, !!im && im.complete && im.naturalWidth > 0,
+                e.querySelector('a.goto') ? e.querySelector('a.goto').getAttribute('href') : null];})""")
+    assert cards == [[HOSTILE[0], True, "#item1"], [HOSTILE[3], False, None]]
+    page.click("#confusion .cell[data-t='0'][data-p='1']")  # the given matrix drives the grid's cell filter
+    assert _visible(page) == ["0.png", "2.png"]
+    assert HOSTILE[0] in page.text_content("#f-status") and HOSTILE[1] in page.text_content("#f-status")
+    page.wait_for_timeout(300)
+    assert page.evaluate("() => document.querySelectorAll('svg [onload], img[onerror], script').length") == 1
+    assert not dialogs and not errors and not requests, (dialogs, errors, requests)
+
+
+def test_builtin_results_are_section_records():
+    from vision_attn.report import BarChart, ConfusionMatrix, Curves, Section, Table
+    from vision_attn.report.sections import result_sections
+
+    per_class = {c: {"acc": 0.5, "n": 2, "precision": 0.5, "recall": 0.5} for c in CLASSES}
+    confusion = {"labels": CLASSES, "counts": [[1, 1, 0], [0, 2, 0], [1, 0, 1]]}
+    (cls,) = result_sections("classification", per_class, confusion, {}, None)
+    assert isinstance(cls, Section) and [type(b) for b in cls.blocks] == [Table, ConfusionMatrix]
+    assert cls.blocks[0].id == "per-class" and cls.blocks[1].id == "confusion"
+    detection = {"cat": {"ap": 0.5, "ap_50": 0.8, "n_gt": 4}}
+    (det,) = result_sections("detection", detection, None, {"map_small": 0.1}, {"cat": [[0.0, 1.0], [1.0, 0.5]]})
+    assert [(type(b), b.id) for b in det.blocks] == [(BarChart, "ap-per-class"), (BarChart, "size-breakdown"),
+                                                       (Curves, "pr-curves")]
+    assert result_sections("captioning", None, None, {"cider": 1.0}, None) == []
+
+
+def test_section_renderer_refuses_what_it_cannot_draw():
+    from dataclasses import dataclass
+
+    from vision_attn.report import Block, ConfusionMatrix, Section, Table, render_section
+
+    @dataclass(frozen=True)
+    class Gauge(Block):
+        value: float = 0.0
+
+    with pytest.raises(TypeError, match="Gauge"):
+        render_section(Section("s", [Gauge(value=1.0)]))
+    with pytest.raises(ValueError, match="row 1 has 1 cells for 2 columns"):
+        render_section(Section("s", [Table(["a", "b"], [["x", 1], ["y"]], id="t")]))
+    assert render_section(Section("empty", [ConfusionMatrix(["a", "b"], [[1, 2]])])) == ""  # not square: nothing

@@ -96,6 +96,7 @@ def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18, over
     example = torch.zeros(2, 3, int(h), int(w))
     # torch writes the graph (and, for large models, its weights as a side file) into a private
     # folder, removed whatever happens; the one file the export documents is then written atomically
+    output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".export-", dir=output.parent) as work:
         graph = Path(work) / "model.onnx"
         torch.onnx.export(_OnnxGraph(task).eval(), (example,), str(graph), input_names=["images"],
