@@ -10,7 +10,8 @@ Measured by ``eval.py`` (:func:`write_caption_overlays`) on a seeded sample of t
 faithfulness images, :func:`~vision_attn.explain.evaluate.select_images`), for every method of
 :func:`~vision_attn.explain.detection.decoder_methods` and a ``random`` baseline (seeded
 uniform maps over the patch grid: its localisation numbers are the mean over
-:data:`RANDOM_DRAWS` maps per word, its faithfulness and saved map the first of them):
+:data:`RANDOM_DRAWS` maps per word, its faithfulness and saved map the first of them; the numbers
+accumulated by :mod:`vision_attn.explain.measures`):
 
 - **Localisation** (when the split has boxes, ``ROOT/annotations/instances_<split>.json`` as
   the embedded shapes data and COCO do): the explained words are the generated words that name
@@ -70,12 +71,16 @@ from vision_attn.data.detection import is_coco_id, load_coco_annotations
 from vision_attn.data.imageio import read_image
 from vision_attn.data.tokenizer import normalize_caption
 from vision_attn.errors import DataError
-from vision_attn.explain.faithfulness import auc, blur, order_ends, perturbation_curves
+from vision_attn.explain.decoder_relevance import caption_relevance
+from vision_attn.explain.detection import decoder_methods
+from vision_attn.explain.faithfulness import MODES, blur, order_ends, perturbation_curves
 from vision_attn.explain.localisation import grid_to_image, localisation
+from vision_attn.explain.measures import MapWriter, Measures, Perturbation
 from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.rollout import normalize_maps
-from vision_attn.outputs import safe_filename, write_json, write_npy
+from vision_attn.explain.sanity import StandIn, cascading_randomisation, spearman
+from vision_attn.outputs import safe_filename
 
 __all__ = ["FRAME_WORDS", "RANDOM_DRAWS", "UNGROUNDED_WORDS", "boxes_vocabulary", "caption_strip", "explain_captioning",
            "grounded_positions", "named_words", "pointing_game", "random_word_maps", "teacher_forced_word_maps",
@@ -91,7 +96,8 @@ Box = Sequence[float]
 NamedBoxes = list[tuple[set[str], list[float]]]
 
 
-def word_attention_maps(attention: torch.Tensor, num_words: int, grid: tuple[int, int], layers: str = "last") -> torch.Tensor:
+def word_attention_maps(attention: torch.Tensor, num_words: int, grid: tuple[int, int],
+                        layers: str = "last") -> torch.Tensor:
     """Maps ``[num_words, h, w]`` in ``[0, 1]`` from one image's ``Generation.attention`` ``[T, L, N]``."""
     att = attention[:num_words].float()
     fused = att[:, -1] if layers == "last" else att.mean(1)  # (T, N)
@@ -109,8 +115,6 @@ def teacher_forced_word_maps(model, images: Tensor, tokens: Sequence[Tensor], me
     causal decoder), the last layer or the mean over layers (``layers``). ``relevance``:
     :func:`~vision_attn.explain.decoder_relevance.caption_relevance`.
     """
-    from vision_attn.explain.decoder_relevance import caption_relevance
-
     out: dict[str, list[Tensor]] = {}
     grid = model.encoder.grid_for(*images.shape[-2:])
     seqs = [torch.as_tensor(t).long().flatten().cpu() for t in tokens]
@@ -144,7 +148,8 @@ def caption_strip(rgb: np.ndarray, words: list[str], maps: torch.Tensor, alpha: 
     grid = image_grid(tiles, ["image", *words], cols=min(cols, len(tiles)))
     band = np.full((22, grid.shape[1], 3), 255, np.uint8)
     caption = " ".join(words) or "(empty caption)"
-    cv2.putText(band, f"{title}: {caption}" if title else caption, (4, 16), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1, cv2.LINE_AA)
+    text = f"{title}: {caption}" if title else caption
+    cv2.putText(band, text, (4, 16), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1, cv2.LINE_AA)
     return np.concatenate([band, grid], axis=0)
 
 
@@ -385,9 +390,6 @@ def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], o
     :func:`~vision_attn.explain.detection.decoder_methods` (stacked) and its report item (the
     first method's maps); ``extras`` holds the ``words``, their ids ``tokens`` (``[T]``, no
     ``<bos>``) and ``maps`` ``{method: [T, h, w]}`` over the patch grid."""
-    from vision_attn.explain.decoder_relevance import caption_relevance
-    from vision_attn.explain.detection import decoder_methods
-
     with torch.no_grad():
         gen = task.generate(images, return_attention=True)
     grid = task.encoder.grid_for(*images.shape[-2:])
@@ -412,52 +414,21 @@ def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], o
     return explained
 
 
-class _Tally:
-    """Sums of the localisation and faithfulness numbers over the explained words."""
-
-    def __init__(self, methods: list[str]) -> None:
-        self.methods = methods
-        self.hits = dict.fromkeys(methods, 0.0)
-        self.energy = dict.fromkeys(methods, 0.0)
-        self.auc = {f"{key}_{m}": 0.0 for m in methods for key in ("deletion_auc", "insertion_auc")}
-        self.correlations: dict[str, dict[str, float]] = {m: {} for m in methods}
-        self.pointed = self.faithful = self.sane = 0
-
-    def metrics(self, first: str, out_dir: Path) -> dict[str, float]:
-        from vision_attn.explain.sanity import sanity_metrics
-
-        out: dict[str, float] = {}
-        if self.sane:
-            out.update(sanity_metrics(self.correlations, self.sane, out_dir))
-        if self.pointed:
-            for m in self.methods:
-                out[f"pointing_{m}"] = self.hits[m] / self.pointed
-                out[f"energy_{m}"] = self.energy[m] / self.pointed
-            alias = "attention" if "attention" in self.methods else first
-            # the previous version's names, kept one more version: raw attention's and random's
-            out.update(pointing_acc=out[f"pointing_{alias}"], pointing_acc_random=out["pointing_random"],
-                       pointing_words=float(self.pointed))
-        if self.faithful:
-            out.update({k: v / self.faithful for k, v in self.auc.items()})
-            out["deletion_auc"] = out[f"deletion_auc_{first}"]
-            out["insertion_auc"] = out[f"insertion_auc_{first}"]
-            out["explain_words"] = float(self.faithful)
-        return out
-
-
-def _measure_batch(task, images: Tensor, explained: list, rows: list[tuple[int, int, int, np.ndarray]],
-                   boxes: dict[int, NamedBoxes] | None, options, tally: _Tally, generator: torch.Generator,
-                   out_dir: Path, index: list[dict], vocab: ObjectVocabulary | None = None) -> None:
-    """Localisation, faithfulness and saved maps of the batch's explained images.
+def _caption_items(task, images: Tensor, explained: list, rows: list[tuple[int, int, int, np.ndarray]],
+                   boxes: dict[int, NamedBoxes] | None, methods: list[str], generator: torch.Generator,
+                   measures: Measures, vocab: ObjectVocabulary | None = None
+                   ) -> tuple[list[tuple[int, int]], dict[str, list[Tensor]]]:
+    """The explained words of the batch's measured images, their localisation and saved maps.
 
     ``rows``: ``(batch position j, split index i, image id, original picture)`` per image to
-    measure; ``vocab``: how words name boxes (:func:`named_words`)."""
+    measure; ``vocab``: how words name boxes (:func:`named_words`). Returns the words as
+    ``(batch position, word position)`` and per method their maps over the patch grid (one
+    ``[K, h, w]`` per image, in the order of the words)."""
     pre = task.inference_data_config()
     grid = task.encoder.grid_for(*images.shape[-2:])
-    items, grids = [], {m: [] for m in tally.methods}
+    items, grids = [], {m: [] for m in methods}
     for j, i, image_id, picture in rows:
-        e = explained[j]
-        words = e.extras["words"]
+        words = explained[j].extras["words"]
         if boxes is not None:
             named = named_words(words, boxes.get(image_id, []), vocab)
         else:
@@ -465,68 +436,80 @@ def _measure_batch(task, images: Tensor, explained: list, rows: list[tuple[int, 
         if not named:
             continue
         positions = [t for t, _ in named]
-        maps = {m: e.extras["maps"][m][positions].float() for m in tally.methods if m != "random"}
+        maps = {m: explained[j].extras["maps"][m][positions].float() for m in methods if m != "random"}
         draws = random_word_maps(RANDOM_DRAWS * len(positions), grid, generator).view(RANDOM_DRAWS, -1, *grid)
         maps["random"] = draws[0]  # (K, h, w): the draw of the faithfulness curves and saved maps
         size = picture.shape[:2]
         image_maps = {m: grid_to_image(g, size, pre) for m, g in maps.items()}  # (K, H, W) each
-        more = grid_to_image(draws[1:].flatten(0, 1), size, pre).reshape(RANDOM_DRAWS - 1, len(positions), *size)
+        more = (grid_to_image(draws[1:].flatten(0, 1), size, pre).reshape(RANDOM_DRAWS - 1, len(positions), *size)
+                if boxes is not None else None)
         for k, (t, own) in enumerate(named):
-            if boxes is not None:
-                for m in tally.methods:
-                    others = more[:, k] if m == "random" else []
-                    for image_map in [image_maps[m][k], *others]:  # random: the mean over its draws
-                        hit, share = localisation(image_map, own)
-                        tally.hits[m] += int(hit) / (1 + len(others))
-                        tally.energy[m] += share / (1 + len(others))
-                tally.pointed += 1
-            if options.save_maps:
-                n = len(index)
-                for m in tally.methods:
-                    write_npy(out_dir / "maps" / safe_filename(m) / f"{n:05d}.npy", image_maps[m][k], root=out_dir)
-                index.append({"index": n, "file": image_id, "image_index": i, "word": words[t], "position": t})
+            if more is not None:  # random: the mean over its draws
+                measures.localisation.update({m: np.concatenate([image_maps[m][k][None], more[:, k]])
+                                              if m == "random" else image_maps[m][k] for m in methods}, own)
+            if measures.maps is not None:
+                n = measures.maps.count
+                measures.maps.update({m: image_maps[m][k] for m in methods},
+                                     {"index": n, "file": image_id, "image_index": i, "word": words[t], "position": t})
         items += [(j, t) for t in positions]
-        for m in tally.methods:
+        for m in methods:
             grids[m].append(maps[m])
-    if options.sanity and items:
-        _sanity(task, images, explained, items, grids, options, tally)
-    if not options.faithfulness or not items:
-        return
+    return items, grids
+
+
+def _word_curves(task, images: Tensor, explained: list, items: list[tuple[int, int]],
+                 grids: dict[str, list[Tensor]], steps: int) -> dict[str, dict[str, Tensor]]:
+    """``{method: {mode: [R, steps + 1]}}``: the probability of each of the ``items``' words as
+    its map's patches are deleted or inserted (:func:`word_probability_curves`)."""
     tokens = [e.extras["tokens"] for e in explained]
     shared = word_end_probabilities(task, images, tokens, items)  # every map's first and last points, once
-    for m in tally.methods:
-        sal = torch.cat(grids[m]).to(images.device)  # (R, h, w)
-        for key, mode in (("deletion_auc", "deletion"), ("insertion_auc", "insertion")):
-            curves = word_probability_curves(task, images, tokens, items, sal, mode, options.steps,
-                                             ends=order_ends(shared, mode))
-            tally.auc[f"{key}_{m}"] += float(auc(curves).sum())
-    tally.faithful += len(items)
+    out = {}
+    for m, per_image in grids.items():
+        sal = torch.cat(per_image).to(images.device)  # (R, h, w)
+        out[m] = {mode: word_probability_curves(task, images, tokens, items, sal, mode, steps,
+                                                ends=order_ends(shared, mode)) for mode in MODES}
+    return out
 
 
 def _sanity(task, images: Tensor, explained: list, items: list[tuple[int, int]], grids: dict[str, list[Tensor]],
-            options, tally: _Tally) -> None:
-    """Add the Spearman correlations of the ``items`` ``(batch position, word position)`` between
-    the trained maps (``grids``, in the order of ``items``) and the maps of the cascadingly
-    randomised encoders to ``tally`` (see the module docstring)."""
-    from vision_attn.explain.detection import StandIn
-    from vision_attn.explain.sanity import cascading_randomisation, spearman
-
+            options) -> dict[str, dict[str, Tensor]]:
+    """``{method: {step: [R]}}``: the Spearman correlations of the ``items`` ``(batch position,
+    word position)`` between the trained maps (``grids``, in the order of ``items``) and the
+    maps of the cascadingly randomised encoders (see the module docstring)."""
     rows = sorted({j for j, _ in items})  # the measured images of the batch
     where = {j: r for r, j in enumerate(rows)}
     tokens = [explained[j].extras["tokens"] for j in rows]
-    trained = {m: torch.cat(grids[m]).flatten(1) for m in tally.methods}  # (R, h * w)
-    methods = [m for m in tally.methods if m != "random"]
+    trained = {m: torch.cat(g).flatten(1) for m, g in grids.items()}  # (R, h * w)
+    asked = [m for m in grids if m != "random"]
+    out: dict[str, dict[str, Tensor]] = {m: {} for m in grids}
     for step, encoder in cascading_randomisation(task.encoder, seed=options.seed):
         stand_in = StandIn(encoder, task.head, tokenizer=task.tokenizer)
-        maps = teacher_forced_word_maps(stand_in, images[rows], tokens, methods, options.query_layers)
-        for m in tally.methods:
+        maps = teacher_forced_word_maps(stand_in, images[rows], tokens, asked, options.query_layers)
+        for m in grids:
             if m == "random":  # the model is not asked: the same draws, correlation 1
                 randomised = trained[m]
             else:
                 randomised = torch.stack([maps[m][where[j]][t] for j, t in items]).flatten(1)
-            rho = spearman(trained[m], randomised)
-            tally.correlations[m][step] = tally.correlations[m].get(step, 0.0) + float(rho.sum())
-    tally.sane += len(items)
+            out[m][step] = spearman(trained[m], randomised)
+    return out
+
+
+def _caption_metrics(measures: Measures, methods: list[str], out_dir: Path) -> dict[str, float]:
+    """The numbers of the explained words (see the module docstring), and ``OUT/sanity.json``."""
+    measures.sanity.write(out_dir)
+    out = measures.sanity.compute()
+    located = measures.localisation.compute()
+    if located:
+        out.update(located)
+        alias = "attention" if "attention" in methods else methods[0]
+        # the previous version's names, kept one more version: raw attention's and random's
+        out.update(pointing_acc=out[f"pointing_{alias}"], pointing_acc_random=out["pointing_random"],
+                   pointing_words=float(measures.localisation.count))
+    faithful = measures.perturbation.compute()
+    if faithful:
+        out.update(faithful)
+        out["explain_words"] = float(measures.perturbation.count)
+    return out
 
 
 def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
@@ -536,7 +519,6 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
     localisation (when the split has boxes) and faithfulness (``options.faithfulness``) metrics
     of up to ``options.faithfulness_images`` images, saving their maps with
     ``options.save_maps`` (see the module docstring)."""
-    from vision_attn.explain.detection import decoder_methods
     from vision_attn.explain.evaluate import overlay_images, select_images
 
     chosen = set(overlay_images(dataset, options, "captioning"))
@@ -547,10 +529,10 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
                                 options.seed)) if measured else set())
     todo = sorted(chosen | picked)
     device = next(task.parameters()).device
-    methods = decoder_methods(options, "captioning")
-    tally = _Tally(list(dict.fromkeys([*methods, "random"])))
+    methods = list(dict.fromkeys([*decoder_methods(options, "captioning"), "random"]))
+    measures = Measures(perturbation=Perturbation(first=methods[0]),
+                        maps=MapWriter(out_dir, "words") if options.save_maps and picked else None)
     generator = torch.Generator().manual_seed(options.seed)
-    index: list[dict] = []
     max_pixels = getattr(dataset, "max_pixels", None)
     written = 0
     for start in range(0, len(todo), options.batch_size):
@@ -570,17 +552,19 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
                     report.items.append({"name": f"image id {image_id}", **e.report_item})
             if i in picked:
                 rows.append((j, i, image_id, pictures[j]))
-        if rows:
-            _measure_batch(task, images, explained, rows, boxes, options, tally, generator, out_dir, index, vocab)
+        items, grids = _caption_items(task, images, explained, rows, boxes, methods, generator, measures, vocab)
+        if options.sanity and items:
+            measures.sanity.update(_sanity(task, images, explained, items, grids, options))
+        if options.faithfulness and items:
+            measures.perturbation.update(_word_curves(task, images, explained, items, grids, options.steps))
     if written:
         log.info("wrote %d per-word attention strips to %s", written, out_dir / "overlays")
-    if options.save_maps and picked:
-        write_json(out_dir / "maps" / "index.json", index, root=out_dir)
-        log.info("wrote the maps of %d words to %s", len(index), out_dir / "maps")
-    if boxes is not None and picked and not tally.pointed:
+    if measures.maps is not None:
+        measures.maps.compute()
+    if boxes is not None and picked and not measures.localisation.count:
         log.warning("localisation: no generated word of the %d explained images names an object of its image; "
                     "no pointing / energy numbers", len(picked))
-    metrics = tally.metrics(methods[0], out_dir)
+    metrics = _caption_metrics(measures, methods, out_dir)
     if metrics or (options.save_maps and picked):
         metrics["explain_images"] = float(len(picked))
     return metrics

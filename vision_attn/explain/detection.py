@@ -12,7 +12,8 @@ Measures at evaluation
 of :func:`~vision_attn.explain.evaluate.select_images` (``--explain.faithfulness_images`` /
 ``faithfulness_selection`` / ``seed``), for every method of :func:`decoder_methods` and
 ``random`` (uniform noise on the patch grid), each *item* being one kept detection (score at
-least ``--explain.score_threshold``, at most ``max_objects`` per image, best first):
+least ``--explain.score_threshold``, at most ``max_objects`` per image, best first; the numbers
+accumulated by :mod:`vision_attn.explain.measures`):
 
 - **localisation** (``pointing_<method>``, ``energy_<method>``): each detection is matched to
   a ground-truth box (``dataset.scoring_target``, original pixels) by
@@ -47,21 +48,32 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
 import numpy as np
 import torch
-from torch import nn
 
+from vision_attn.explain.decoder_relevance import detection_relevance
+from vision_attn.explain.faithfulness import (
+    MODES,
+    curve_ends,
+    deletion_insertion_curve,
+    end_probabilities,
+)
+from vision_attn.explain.localisation import grid_to_image
+from vision_attn.explain.measures import MapWriter, Measures, Perturbation
 from vision_attn.explain.overlay import draw_box, image_grid, overlay_saliency, save_png
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.rollout import normalize_maps
+from vision_attn.explain.sanity import StandIn, cascading_randomisation, spearman
 from vision_attn.outputs import safe_filename
 
 __all__ = [
     "DECODER_DEFAULTS",
     "DECODER_METHODS",
+    "StandIn",
     "decoder_methods",
     "detection_explain_metrics",
     "detection_maps",
@@ -137,8 +149,6 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
     method of :func:`decoder_methods` with its map, box, label and score) and its report item
     (the first method's maps); ``extras["maps"]`` holds ``{method: [K, h, w]}`` and
     ``extras["detections"]`` the kept ``(query, label, box, score)``."""
-    from vision_attn.explain.decoder_relevance import detection_relevance
-
     sizes = [tuple(p.shape[:2]) for p in pictures]
     with torch.no_grad():
         enc = task.encoder(images)
@@ -444,8 +454,6 @@ def detection_maps(model, images: torch.Tensor, queries: list[torch.Tensor], lab
         query_layers: of ``attention`` (see :func:`query_attention_maps`).
         seed: of ``random`` (the same seed gives the same noise whatever the model).
     """
-    from vision_attn.explain.decoder_relevance import detection_relevance
-
     grid = model.encoder.grid_for(*images.shape[-2:])
     out: dict[str, list[torch.Tensor]] = {}
     if "attention" in methods:
@@ -461,15 +469,96 @@ def detection_maps(model, images: torch.Tensor, queries: list[torch.Tensor], lab
     return {m: out[m] for m in methods}
 
 
-class StandIn(nn.Module):
-    """The task's decoder head on another encoder (the sanity check's randomised copies);
-    ``attributes`` (e.g. the captioner's ``tokenizer``) are set as plain attributes."""
+@dataclass
+class _Detected:
+    """One batch's kept detections: per image at most ``max_objects`` scoring at least the
+    threshold, best first (``capped``: those left out beyond them)."""
 
-    def __init__(self, encoder: nn.Module, head: nn.Module, **attributes) -> None:
-        super().__init__()
-        self.encoder, self.head = encoder, head
-        for name, value in attributes.items():
-            setattr(self, name, value)
+    idx: list[int]
+    images: torch.Tensor
+    sizes: list[tuple[int, int]]
+    dets: list[dict[str, torch.Tensor]]
+    keeps: list[torch.Tensor]
+    capped: int
+
+    def __post_init__(self) -> None:
+        self.queries = [d["queries"][k] for d, k in zip(self.dets, self.keeps, strict=True)]
+        self.labels = [d["labels"][k] for d, k in zip(self.dets, self.keeps, strict=True)]
+        self.count = sum(len(q) for q in self.queries)
+
+
+def _detect(task, dataset, idx: list[int], score_threshold: float, max_objects: int) -> _Detected:
+    """Detect on the images ``idx`` of ``dataset`` and keep the best ones per image."""
+    device = next(task.parameters()).device
+    items = [dataset[i] for i in idx]
+    images = torch.stack([it[0] for it in items]).to(device)
+    sizes = [(int(it[1]["orig_size"][0]), int(it[1]["orig_size"][1])) for it in items]
+    with torch.no_grad():
+        dets = task.detect(task(images), torch.tensor(sizes))
+    keeps = [(d["scores"] >= score_threshold).nonzero().flatten() for d in dets]
+    capped = sum(max(0, len(k) - max_objects) for k in keeps)
+    return _Detected(idx, images, sizes, dets, [k[:max_objects] for k in keeps], capped)
+
+
+def _localise_detections(task, dataset, batch: _Detected, maps: dict[str, list[torch.Tensor]],
+                         measures: Measures) -> None:
+    """Match each kept detection to a ground-truth box and update the localisation (matched
+    detections only) and the saved maps with its maps in original image pixels."""
+    pre = task.inference_data_config()
+    names = task.class_names or []
+    for j, i in enumerate(batch.idx):
+        image_id = dataset.images[i]["id"]
+        truth = dataset.scoring_target(image_id)
+        det, keep, labels = batch.dets[j], batch.keeps[j], batch.labels[j]
+        match = match_detections(det["boxes"][keep], labels, truth["boxes"], truth["labels"], truth["iscrowd"])
+        for k, g in enumerate(match):
+            own = truth["boxes"][g].tolist() if g >= 0 else None
+            if own is None and measures.maps is None:
+                continue
+            image_maps = {m: grid_to_image(maps[m][j][k], batch.sizes[j], pre) for m in maps}  # (H, W) each
+            if measures.maps is not None:
+                c = int(labels[k])
+                measures.maps.update(image_maps, {
+                    "index": i, "detection": k, "file": dataset.relative_file(i), "image_id": image_id,
+                    "query": int(batch.queries[j][k]), "label": names[c] if c < len(names) else str(c),
+                    "category_id": int(task.category_ids[c]) if task.category_ids else c,
+                    "score": float(det["scores"][keep[k]]), "box": [float(v) for v in det["boxes"][keep[k]].tolist()],
+                    "truth": own}, f"{i:05d}_{k}")
+            measures.localisation.update(image_maps, [own] if own is not None else [])
+
+
+def _detection_curves(task, batch: _Detected, maps: dict[str, list[torch.Tensor]],
+                      steps: int) -> dict[str, dict[str, torch.Tensor]]:
+    """``{method: {mode: [R, steps + 1]}}``: each kept detection's score (its query's
+    probability of its label) as its map's patches are deleted or inserted."""
+    proba, width = detection_probabilities(task)
+    images, device = batch.images, batch.images.device
+    rows = torch.tensor([j for j, q in enumerate(batch.queries) for _ in range(len(q))], dtype=torch.long,
+                        device=device)
+    target = torch.cat([q.cpu() * width + c.cpu() for q, c in zip(batch.queries, batch.labels, strict=True)])
+    target = target.to(device)
+    shared = end_probabilities(proba, images)  # every curve's first and last point, once per image
+    out = {}
+    for m, per_image in maps.items():
+        sal = torch.cat(per_image).to(device)  # (R, h, w): one row per detection
+        out[m] = {mode: deletion_insertion_curve(proba, images[rows], sal, target, mode, steps,
+                                                 ends=curve_ends(shared, rows, target, mode)) for mode in MODES}
+    return out
+
+
+def _detection_sanity(task, batch: _Detected, maps: dict[str, list[torch.Tensor]], options,
+                      seed: int) -> dict[str, dict[str, torch.Tensor]]:
+    """``{method: {step: [R]}}``: the Spearman correlation of each kept detection's maps with
+    its maps from the model whose encoder is randomised from the top block down."""
+    methods = list(maps)
+    trained = {m: torch.cat(v).flatten(1) for m, v in maps.items()}  # (R, h * w)
+    out: dict[str, dict[str, torch.Tensor]] = {m: {} for m in methods}
+    for step, encoder in cascading_randomisation(task.encoder, seed=options.seed):
+        randomised = detection_maps(StandIn(encoder, task.head), batch.images, batch.queries, batch.labels, methods,
+                                    options.query_layers, seed)
+        for m in methods:
+            out[m][step] = spearman(trained[m], torch.cat(randomised[m]).flatten(1))
+    return out
 
 
 def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects: int = 20) -> dict[str, float]:
@@ -485,112 +574,42 @@ def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects
         max_objects: most detections measured per image (the best ones).
     """
     from vision_attn.explain.evaluate import select_images
-    from vision_attn.explain.faithfulness import (
-        auc,
-        curve_ends,
-        deletion_insertion_curve,
-        end_probabilities,
-    )
-    from vision_attn.explain.localisation import grid_to_image, localisation
-    from vision_attn.explain.sanity import cascading_randomisation, sanity_metrics, spearman
-    from vision_attn.outputs import write_json, write_npy
 
     picked = select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection, options.seed)
     if not picked:
         return {}
-    device = next(task.parameters()).device
     methods = list(dict.fromkeys([*decoder_methods(options), "random"]))
-    pre = task.inference_data_config()
-    names = task.class_names or []
-    proba, width = detection_probabilities(task)
-    hits, energy = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0)
-    sums: dict[str, float] = {}
-    correlations: dict[str, dict[str, float]] = {m: {} for m in methods}
-    index: list[dict] = []
-    measured = matched = capped = 0
+    measures = Measures(perturbation=Perturbation(first=methods[0]),
+                        maps=MapWriter(out_dir, "detections") if options.save_maps else None)
+    measured = capped = 0
     for start in range(0, len(picked), options.batch_size):
-        idx = picked[start : start + options.batch_size]
-        items = [dataset[i] for i in idx]
-        images = torch.stack([it[0] for it in items]).to(device)
-        sizes = [(int(it[1]["orig_size"][0]), int(it[1]["orig_size"][1])) for it in items]
-        with torch.no_grad():
-            dets = task.detect(task(images), torch.tensor(sizes))
-        keeps = [(d["scores"] >= options.score_threshold).nonzero().flatten() for d in dets]
-        capped += sum(max(0, len(k) - max_objects) for k in keeps)
-        keeps = [k[:max_objects] for k in keeps]
-        queries = [d["queries"][k] for d, k in zip(dets, keeps, strict=True)]
-        labels = [d["labels"][k] for d, k in zip(dets, keeps, strict=True)]
+        batch = _detect(task, dataset, picked[start : start + options.batch_size], options.score_threshold,
+                        max_objects)
+        measured, capped = measured + batch.count, capped + batch.capped
         seed = options.seed + start
-        maps = detection_maps(task, images, queries, labels, methods, options.query_layers, seed)
-        for j, i in enumerate(idx):
-            image_id = dataset.images[i]["id"]
-            truth = dataset.scoring_target(image_id)
-            det, keep = dets[j], keeps[j]
-            match = match_detections(det["boxes"][keep], labels[j], truth["boxes"], truth["labels"], truth["iscrowd"])
-            for k, g in enumerate(match):
-                measured += 1
-                image_maps = {m: grid_to_image(maps[m][j][k], sizes[j], pre) for m in methods}  # (H, W) each
-                own = truth["boxes"][g].tolist() if g >= 0 else None
-                if options.save_maps:
-                    for m, image_map in image_maps.items():
-                        write_npy(out_dir / "maps" / safe_filename(m) / f"{i:05d}_{k}.npy", image_map, root=out_dir)
-                    c = int(labels[j][k])
-                    index.append({"index": i, "detection": k, "file": dataset.relative_file(i), "image_id": image_id,
-                                  "query": int(queries[j][k]), "label": names[c] if c < len(names) else str(c),
-                                  "category_id": int(task.category_ids[c]) if task.category_ids else c,
-                                  "score": float(det["scores"][keep[k]]),
-                                  "box": [float(v) for v in det["boxes"][keep[k]].tolist()], "truth": own})
-                if own is None:
-                    continue
-                matched += 1
-                for m, image_map in image_maps.items():
-                    hit, share = localisation(image_map, [own])
-                    hits[m] += int(hit)
-                    energy[m] += share
-        rows = torch.tensor([j for j, q in enumerate(queries) for _ in range(len(q))], dtype=torch.long)
-        if options.faithfulness and len(rows):
-            target = torch.cat([q.cpu() * width + c.cpu() for q, c in zip(queries, labels, strict=True)]).to(device)
-            rows = rows.to(device)
-            shared = end_probabilities(proba, images)  # every curve's first and last point, once per image
-            for m in methods:
-                sal = torch.cat(maps[m]).to(device)  # (R, h, w): one row per detection
-                for mode in ("deletion", "insertion"):
-                    curve = deletion_insertion_curve(proba, images[rows], sal, target, mode, options.steps,
-                                                     ends=curve_ends(shared, rows, target, mode))
-                    key = f"{mode}_auc_{m}"
-                    sums[key] = sums.get(key, 0.0) + float(auc(curve).sum())
-        if options.sanity and len(rows):
-            trained = {m: torch.cat(v).flatten(1) for m, v in maps.items()}  # (R, h * w)
-            for step, encoder in cascading_randomisation(task.encoder, seed=options.seed):
-                randomised = detection_maps(StandIn(encoder, task.head), images, queries, labels, methods,
-                                            options.query_layers, seed)
-                for m in methods:
-                    rho = spearman(trained[m], torch.cat(randomised[m]).flatten(1))
-                    correlations[m][step] = correlations[m].get(step, 0.0) + float(rho.sum())
+        maps = detection_maps(task, batch.images, batch.queries, batch.labels, methods, options.query_layers, seed)
+        _localise_detections(task, dataset, batch, maps, measures)
+        if options.faithfulness and batch.count:
+            measures.perturbation.update(_detection_curves(task, batch, maps, options.steps))
+        if options.sanity and batch.count:
+            measures.sanity.update(_detection_sanity(task, batch, maps, options, seed))
     if capped:
         log.info("explanation measures: %d detections above the threshold beyond the best %d per image were left out",
                  capped, max_objects)
     log.info("explanation measures: %d detections on %d images, %d matched to a ground-truth box",
-             measured, len(picked), matched)
+             measured, len(picked), measures.localisation.count)
     metrics: dict[str, float] = {}
-    if options.save_maps:
-        write_json(out_dir / "maps" / "index.json", index, root=out_dir)
-        log.info("wrote the maps of %d detections to %s", len(index), out_dir / "maps")
+    if measures.maps is not None:
+        metrics.update(measures.maps.compute())
     if measured == 0:
         log.warning("explanation measures: no detection scored at least %s on the %d images measured; no "
                     "localisation, faithfulness or sanity numbers", options.score_threshold, len(picked))
         return metrics
-    if matched:
-        for m in methods:
-            metrics[f"pointing_{m}"] = hits[m] / matched
-            metrics[f"energy_{m}"] = energy[m] / matched
-    else:
+    if not measures.localisation.count:
         log.warning("localisation: none of the %d detections matches a ground-truth box of its class (IoU >= 0.5); "
                     "no pointing / energy numbers", measured)
-    if options.faithfulness:
-        metrics.update({k: v / measured for k, v in sums.items()})
-        metrics["deletion_auc"] = metrics[f"deletion_auc_{methods[0]}"]
-        metrics["insertion_auc"] = metrics[f"insertion_auc_{methods[0]}"]
-    if options.sanity:
-        metrics.update(sanity_metrics(correlations, measured, out_dir))
+    metrics.update(measures.localisation.compute())
+    metrics.update(measures.perturbation.compute())
+    measures.sanity.write(out_dir)
+    metrics.update(measures.sanity.compute())
     return dict(sorted(metrics.items()))

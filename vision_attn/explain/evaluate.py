@@ -28,6 +28,10 @@ pixels) as ``OUT/maps/<method>/<NNNNN>.npy`` (float32 ``[H, W]``, ``NNNNN`` the 
 in the split, as the overlays name it) and ``OUT/maps/index.json``
 (``[{"index", "file", "label"}]``, ``file`` as in ``predictions.json``).
 
+The numbers are accumulated, averaged and named by the measures of
+:mod:`vision_attn.explain.measures`, as for the other heads; this module produces the maps and
+what they are measured against.
+
 Used by ``eval.py`` (options under ``--explain.*``) and by the folder command
 ``python -m vision_attn.overlay``.
 """
@@ -49,19 +53,25 @@ from torch.utils.data import DataLoader, Subset
 from vision_attn.data.imageio import read_image
 from vision_attn.data.transforms import build_display_transform
 from vision_attn.errors import ConfigError, DataError
-from vision_attn.explain.localisation import grid_to_image, load_image_boxes, localisation
+from vision_attn.explain.faithfulness import (
+    MODES,
+    curve_ends,
+    deletion_insertion_curve,
+    end_probabilities,
+)
+from vision_attn.explain.localisation import grid_to_image, load_image_boxes
+from vision_attn.explain.measures import MapWriter, Measures, Perturbation
 from vision_attn.explain.methods import (
     TOKENS,
     Token,
     check_methods,
     explain_classifier,
     faithful_methods,
-    faithfulness,
 )
 from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
-from vision_attn.explain.sanity import sanity_check, sanity_metrics
-from vision_attn.outputs import safe_filename, write_json, write_npy
+from vision_attn.explain.sanity import sanity_check
+from vision_attn.outputs import safe_filename
 
 __all__ = ["DEFAULT_MISTAKES", "ExplainOptions", "Selection", "explain_eval_split", "explanation_panel",
            "mistake_images", "overlay_images", "select_images"]
@@ -332,35 +342,36 @@ def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray
     return out
 
 
-def _add_deletion_curves(task, images: torch.Tensor, expl, steps: int, report, total: int,
-                         keep: torch.Tensor | None = None) -> None:
-    """Accumulate the mean deletion curve of each method (and a random baseline) over ``total``
-    images, from the batch's images where ``keep`` (``[B]`` bool; default all) is true."""
-    from vision_attn.explain.faithfulness import (
-        curve_ends,
-        deletion_insertion_curve,
-        end_probabilities,
-    )
+def _class_curves(task, images: torch.Tensor, maps: dict[str, torch.Tensor], target: torch.Tensor, steps: int,
+                  modes: Sequence[str] = MODES) -> dict[str, dict[str, torch.Tensor]]:
+    """``{method: {mode: [B, steps + 1]}}``: the probability of each image's ``target`` class as
+    the patches of each map (``[B, h, w]``) are deleted or inserted (the curves' first and last
+    points, the same for every map, are computed once)."""
 
-    keep = torch.ones(images.shape[0], dtype=torch.bool) if keep is None else keep.cpu()
-
-    def proba(x):
+    def proba(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return task(x).float().softmax(-1)
 
+    target = target.to(images.device)
+    rows = torch.arange(images.shape[0], device=images.device)
+    shared = end_probabilities(proba, images)
+    return {method: {mode: deletion_insertion_curve(proba, images, sal.to(images.device), target, mode, steps,
+                                                    ends=curve_ends(shared, rows, target, mode))
+                     for mode in modes}
+            for method, sal in maps.items()}
+
+
+def _sample_curves(task, images: torch.Tensor, expl, steps: int,
+                   keep: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+    """The deletion curves of the batch's images where ``keep`` (``[B]`` bool) is true, for each
+    method with faithfulness numbers and a ``random`` baseline (the report's mean curves)."""
     maps = {m: expl.maps[m] for m in faithful_methods(expl.maps)}
     if "random" not in maps:
         maps["random"] = torch.rand(images.shape[0], *expl.grid, generator=torch.Generator().manual_seed(0))
-    report.curves = report.curves or {}
-    rows = keep.nonzero().flatten()
-    images, target = images[rows.to(images.device)], expl.target[rows.to(expl.target.device)].to(images.device)
-    index = torch.arange(images.shape[0], device=images.device)
-    ends = curve_ends(end_probabilities(proba, images), index, target)  # the same for every map
-    for method, sal in maps.items():
-        sal = sal[rows.to(sal.device)].to(images.device)
-        curve = deletion_insertion_curve(proba, images, sal, target, "deletion", steps, ends=ends).sum(0) / total
-        prev = report.curves.get(method, [0.0] * len(curve))
-        report.curves[method] = [a + float(b) for a, b in zip(prev, curve, strict=True)]
+    rows = keep.cpu().nonzero().flatten()
+    kept = {m: sal[rows.to(sal.device)] for m, sal in maps.items()}
+    target = expl.target[rows.to(expl.target.device)]
+    return _class_curves(task, images[rows.to(images.device)], kept, target, steps, ("deletion",))
 
 
 def _batches(dataset, indices: list[int], batch_size: int) -> DataLoader:
@@ -385,6 +396,7 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
     if chosen:
         written = 0
         sample = set(select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed))
+        sample_curves = Perturbation()  # the report's mean deletion curves: the seeded sample's
         for images, labels, idx in _batches(dataset, chosen, options.batch_size):
             rels = [dataset.samples[i][0] for i in idx.tolist()]  # dataset indices (ImageFolderDataset returns them)
             pictures = [read_image(dataset.root / rel) for rel in rels]
@@ -399,8 +411,10 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
             in_sample = torch.tensor([i in sample for i in idx.tolist()])
             if report is not None and explained and bool(in_sample.any()):
                 # the mean deletion curves describe the seeded sample, not the added mistakes
-                _add_deletion_curves(task, images.to(device), explained[0].extras["explanation"], options.steps,
-                                     report, len(sample), in_sample)
+                sample_curves.update(_sample_curves(task, images.to(device), explained[0].extras["explanation"],
+                                                    options.steps, in_sample))
+        if report is not None and sample_curves.count:
+            report.curves = sample_curves.curves("deletion")
         log.info("wrote %d overlays to %s", written, out_dir / "overlays")
     picked = select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection, options.seed)
     if not picked:
@@ -424,24 +438,19 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
 def _faithfulness_metrics(task, dataset, picked: list[int], options: ExplainOptions) -> dict[str, float]:
     """Mean deletion / insertion AUC of every method and ``random`` over the ``picked`` images."""
     device = next(task.parameters()).device
-    n = len(picked)
     gen = torch.Generator().manual_seed(0)
-    sums: dict[str, float] = {}
-    methods = list(dict.fromkeys([*faithful_methods(options.methods), "random"]))
+    asked = faithful_methods(options.methods)
+    methods = list(dict.fromkeys([*asked, "random"]))
+    # the first method asked for that has faithfulness numbers is *the* method
+    measure = Perturbation(first=asked[0] if asked else None)
     for images, _, _ in _batches(dataset, picked, options.batch_size):
         images = images.to(device)
         expl = explain_classifier(task, images, methods, head_fusion=options.head_fusion,
                                   discard_ratio=options.discard_ratio, generator=gen,
                                   target_class=options.target_class, token=options.token)
-        for method, aucs in faithfulness(task, images, expl, options.steps).items():
-            for key, values in aucs.items():
-                sums[f"{key}_{method}"] = sums.get(f"{key}_{method}", 0.0) + float(values.sum())
-    metrics = {k: v / n for k, v in sums.items()}
-    asked = faithful_methods(options.methods)
-    if asked:  # the first method asked for that has faithfulness numbers is *the* method
-        metrics["deletion_auc"] = metrics[f"deletion_auc_{asked[0]}"]
-        metrics["insertion_auc"] = metrics[f"insertion_auc_{asked[0]}"]
-    return metrics
+        maps = {m: expl.maps[m] for m in faithful_methods(expl.maps)}
+        measure.update(_class_curves(task, images, maps, expl.target, options.steps))
+    return measure.compute()
 
 
 def _annotation_file(dataset, options: ExplainOptions) -> Path | None:
@@ -474,46 +483,23 @@ def _localisation_and_sanity(task, dataset, picked: list[int], options: ExplainO
     correlations (``options.sanity``) of every method and ``random``, over the ``picked``
     images, each map explaining the image's labelled class."""
     device = next(task.parameters()).device
-    names = task.class_names or []
     methods = list(dict.fromkeys([*options.methods, "random"]))
-    pre = task.inference_data_config()
     boxes = load_image_boxes(box_file) if box_file is not None else None
     gen = torch.Generator().manual_seed(options.seed)
-    hits = dict.fromkeys(methods, 0)
-    energy = dict.fromkeys(methods, 0.0)
-    scored, index = 0, []
-    correlations: dict[str, dict[str, float]] = {m: {} for m in methods}
+    measures = Measures(maps=MapWriter(out_dir, "images") if options.save_maps else None)
     kwargs = {"head_fusion": options.head_fusion, "discard_ratio": options.discard_ratio, "token": options.token}
     for images, labels, idx in _batches(dataset, picked, options.batch_size):
         images, labels = images.to(device), labels.to(device)
-        if boxes is not None or options.save_maps:
+        if boxes is not None or measures.maps is not None:
             expl = explain_classifier(task, images, methods, target=labels, generator=gen, **kwargs)
-            for j, i in enumerate(idx.tolist()):
-                rel = Path(dataset.samples[i][0]).as_posix()
-                size = read_image(Path(dataset.root) / rel, **_limits(dataset)).shape[:2]
-                maps = {m: grid_to_image(expl.maps[m][j], size, pre) for m in methods}  # (H, W) each
-                label = names[int(labels[j])] if int(labels[j]) < len(names) else str(int(labels[j]))
-                if options.save_maps:
-                    for m, image_map in maps.items():
-                        write_npy(out_dir / "maps" / safe_filename(m) / f"{i:05d}.npy", image_map, root=out_dir)
-                    index.append({"index": i, "file": rel, "label": label})
-                own = [box for name, box in (boxes or {}).get(rel, []) if name == label]
-                if not own:
-                    continue
-                scored += 1
-                for m, image_map in maps.items():
-                    hit, share = localisation(image_map, own)
-                    hits[m] += int(hit)
-                    energy[m] += share
+            _localise_images(task, dataset, idx.tolist(), labels, expl.maps, boxes, measures)
         if options.sanity:
-            for m, steps in sanity_check(task, images, methods, labels, seed=options.seed, **kwargs).items():
-                for step, rho in steps.items():
-                    correlations[m][step] = correlations[m].get(step, 0.0) + float(rho.sum())
+            measures.sanity.update(sanity_check(task, images, methods, labels, seed=options.seed, **kwargs))
     metrics: dict[str, float] = {}
-    if options.save_maps:
-        write_json(out_dir / "maps" / "index.json", index, root=out_dir)
-        log.info("wrote the maps of %d images to %s", len(index), out_dir / "maps")
+    if measures.maps is not None:
+        measures.maps.compute()
     if boxes is not None:
+        scored = measures.localisation.count
         if scored == 0:
             raise DataError(
                 f"annotation file {box_file}: none of the {len(picked)} explained images has a box of its labelled "
@@ -523,9 +509,24 @@ def _localisation_and_sanity(task, dataset, picked: list[int], options: ExplainO
         if scored < len(picked):
             log.warning("localisation: %d of the %d explained images have no box of their labelled class in %s; "
                         "measured on the other %d", len(picked) - scored, len(picked), box_file, scored)
-        for m in methods:
-            metrics[f"pointing_{m}"] = hits[m] / scored
-            metrics[f"energy_{m}"] = energy[m] / scored
+        metrics.update(measures.localisation.compute())
     if options.sanity:
-        metrics.update(sanity_metrics(correlations, len(picked), out_dir))
+        measures.sanity.write(out_dir)
+        metrics.update(measures.sanity.compute())
     return metrics
+
+
+def _localise_images(task, dataset, idx: list[int], labels: torch.Tensor, grid_maps: dict[str, torch.Tensor],
+                     boxes: dict | None, measures: Measures) -> None:
+    """Update the localisation (against the boxes of each image's labelled class) and the saved
+    maps with the batch's maps (``{method: [B, h, w]}``) in original image pixels."""
+    names = task.class_names or []
+    pre = task.inference_data_config()
+    for j, i in enumerate(idx):
+        rel = Path(dataset.samples[i][0]).as_posix()
+        size = read_image(Path(dataset.root) / rel, **_limits(dataset)).shape[:2]
+        maps = {m: grid_to_image(grid[j], size, pre) for m, grid in grid_maps.items()}  # (H, W) each
+        label = names[int(labels[j])] if int(labels[j]) < len(names) else str(int(labels[j]))
+        if measures.maps is not None:
+            measures.maps.update(maps, {"index": i, "file": rel, "label": label}, f"{i:05d}")
+        measures.localisation.update(maps, [box for name, box in (boxes or {}).get(rel, []) if name == label])

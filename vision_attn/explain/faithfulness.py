@@ -15,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["auc", "blur", "curve_ends", "deletion_insertion_curve", "end_probabilities", "order_ends"]
+__all__ = ["MODES", "auc", "blur", "curve_ends", "deletion_insertion_curve", "end_probabilities", "order_ends"]
+
+MODES = ("deletion", "insertion")
+"""The two perturbations of a map's curves: patches removed most salient first, or put back."""
 
 
 def blur(images: Tensor, kernel: int = 11, sigma: float = 5.0) -> Tensor:

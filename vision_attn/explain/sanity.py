@@ -29,8 +29,9 @@ import torch
 from torch import Tensor, nn
 
 from vision_attn.errors import ConfigError
+from vision_attn.explain.methods import explain_classifier
 
-__all__ = ["cascading_randomisation", "randomise_", "sanity_check", "sanity_metrics", "spearman"]
+__all__ = ["StandIn", "cascading_randomisation", "randomise_", "sanity_check", "spearman"]
 
 INIT_STD = 0.02
 
@@ -91,6 +92,18 @@ def _vit(encoder: nn.Module) -> nn.Module:
     return model
 
 
+class StandIn(nn.Module):
+    """A decoder head (detection, captioning) on another encoder: the model whose maps are
+    compared with the trained model's when its encoder is randomised; ``attributes`` (e.g. the
+    captioner's ``tokenizer``) are set as plain attributes."""
+
+    def __init__(self, encoder: nn.Module, head: nn.Module, **attributes) -> None:
+        super().__init__()
+        self.encoder, self.head = encoder, head
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+
 def cascading_randomisation(encoder: nn.Module, seed: int = 0) -> Iterator[tuple[str, nn.Module]]:
     """Copies of ``encoder`` randomised from the top block down (``encoder`` is not changed).
 
@@ -136,8 +149,6 @@ def sanity_check(
         ``{method: {step: [B] correlations}}`` with the steps of
         :func:`cascading_randomisation` in order (``all`` last: the fully randomised encoder).
     """
-    from vision_attn.explain.methods import explain_classifier
-
     def maps(model) -> dict[str, Tensor]:
         gen = torch.Generator().manual_seed(seed)
         return explain_classifier(model, images, methods, target=target, generator=gen, **options).maps
@@ -149,16 +160,3 @@ def sanity_check(
         for method, randomised in maps(stand_in).items():
             out[method][step] = spearman(trained[method], randomised)
     return out
-
-
-def sanity_metrics(correlations: dict[str, dict[str, float]], count: int, out_dir) -> dict[str, float]:
-    """``{"sanity_<method>": mean correlation after full randomisation}`` from the summed
-    ``correlations[method][step]`` of ``count`` explained items; writes the per-depth curves to
-    ``out_dir/sanity.json`` (through :mod:`vision_attn.outputs`)."""
-    from vision_attn.outputs import write_json
-
-    curves = {m: {step: total / count for step, total in steps.items()} for m, steps in correlations.items()}
-    write_json(out_dir / "sanity.json", {"measure": "mean Spearman correlation with the trained model's maps",
-                                         "steps": list(next(iter(curves.values()))), "methods": curves},
-               root=out_dir)
-    return {f"sanity_{m}": curve["all"] for m, curve in curves.items()}
