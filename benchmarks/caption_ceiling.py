@@ -33,11 +33,13 @@ import argparse
 import json
 import logging
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.common import write_result
+from vision_attn.data.captioning import CAPTIONING_BATCHING
 from vision_attn.data.tokenizer import normalize_caption
 from vision_attn.metrics.caption import CiderD, cider_d
 
@@ -121,7 +123,8 @@ def embedded_root(config: Path) -> Path:
     if data.get("root"):
         return Path(data["root"])
     synthetic = SceneSetConfig(**(data.get("synthetic") or {}))
-    return CaptioningDataModule(root=None, synthetic=synthetic, num_workers=0).root
+    batching = replace(CAPTIONING_BATCHING, num_workers=0)
+    return CaptioningDataModule(root=None, synthetic=synthetic, batching=batching).root
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.common import machine, write_result
 from vision_attn.data.captioning import caption_collate
+from vision_attn.data.loading import Batching
 
 log = logging.getLogger("benchmarks.caption_grounding")
 
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     logging.basicConfig(level=logging.WARNING)
     task = load_task(args.ckpt, "captioning")
-    dm = CaptioningDataModule(root=args.root, batch_size=50, num_workers=0)
+    dm = CaptioningDataModule(root=args.root, batching=Batching(batch_size=50, num_workers=0))
     task.configure_datamodule(dm)
     rows = {split: split_accuracy(task, dm.dataset(split), args.images) for split in (dm.train_split, dm.val_split)}
     print(f"teacher-forced accuracy of the object words, {Path(args.ckpt).name}")

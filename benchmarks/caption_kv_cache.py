@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from benchmarks.common import interleaved_medians, machine, write_result
-from vision_attn.models.captioner import CaptionDecoder
+from vision_attn.models.captioner import CaptionDecoder, DecoderConfig
 from vision_attn.models.encoder import EncoderOutput
 
 BOS, EOS = 1, 2
@@ -25,7 +25,8 @@ BOS, EOS = 1, 2
 def run(tokens: int = 30, batch: int = 8, beam: int = 1, hidden: int = 256, layers: int = 3, heads: int = 4,
         vocab: int = 1000, grid: int = 14, in_dim: int = 192, repeats: int = 7) -> dict:
     torch.manual_seed(0)
-    dec = CaptionDecoder(vocab, in_dim, hidden, layers, heads, max_length=tokens + 1, dropout=0.0).eval()
+    dec = CaptionDecoder(vocab, in_dim, config=DecoderConfig(hidden_dim=hidden, num_layers=layers, num_heads=heads,
+                                                             max_length=tokens + 1, dropout=0.0)).eval()
     with torch.no_grad():
         dec.out_bias[EOS] = -1e4  # never ends: both runs generate exactly `tokens` tokens
     enc = EncoderOutput(tokens=torch.randn(batch, 1 + grid * grid, in_dim), num_prefix_tokens=1, grid=(grid, grid))

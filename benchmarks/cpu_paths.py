@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import vision_attn.attention as attention
 from benchmarks.common import interleaved_medians, machine, write_result
 from vision_attn import create_encoder
-from vision_attn.models.captioner import CaptionDecoder
+from vision_attn.models.captioner import CaptionDecoder, DecoderConfig
 from vision_attn.models.encoder import ConvStem
 
 CAPTIONER_ENCODER = dict(img_size=64, patch_size=8, embed_dim=128, depth=4, num_heads=4, mlp_ratio=2.0, stem="conv",
@@ -56,8 +56,9 @@ def run(steps: int = 60, batch: int = 16, tokens: int = 20, vocab: int = 40,
     enc = create_encoder("vit_tiny_patch16_224", **(encoder or CAPTIONER_ENCODER))
     enc.keep_embedding = enc.keep_pixels = True
     ph, pw = enc.patch_size
-    dec = CaptionDecoder(vocab, enc.embed_dim, hidden, layers, 4 if hidden % 4 == 0 else 2, 2.0, 0.0,
-                         max_length=tokens + 1, embedding_memory=True, pixel_dim=3 * ph * pw)
+    config = DecoderConfig(hidden_dim=hidden, num_layers=layers, num_heads=4 if hidden % 4 == 0 else 2, mlp_ratio=2.0,
+                           dropout=0.0, max_length=tokens + 1, embedding_memory=True, pixel_memory=True)
+    dec = CaptionDecoder(vocab, enc.embed_dim, config, pixel_dim=3 * ph * pw)
     params = list(enc.parameters()) + list(dec.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     img = enc.data_config["input_size"][-1]

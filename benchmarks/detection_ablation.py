@@ -47,17 +47,17 @@ MAP50_BAR = 0.90
 
 # shapes.yaml ships query selection + look forward twice (this ablation's winner); every row
 # states all the aids it uses, so that the rows mean the same whatever the config turns on.
-OFF = ["--model.init_args.query_selection", "false", "--model.init_args.look_forward_twice", "false",
-       "--model.init_args.dn_groups", "0", "--model.init_args.o2m_groups", "0", "--model.init_args.pyramid", "false",
-       "--model.init_args.dense_encoder", "false"]
-PLAIN = [*OFF, "--model.init_args.box_refine", "false", "--model.init_args.focal", "false",
-         "--model.init_args.cost_class", "1", "--model.init_args.weight_ce", "1"]
-REMEDY = [*OFF, "--model.init_args.box_refine", "true", "--model.init_args.focal", "true"]
-DN = ["--model.init_args.dn_groups", "5", "--model.init_args.box_noise_scale", "1.0"]  # the first ablation's noise
-DN_04 = ["--model.init_args.dn_groups", "5", "--model.init_args.box_noise_scale", "0.4"]  # DN-DETR's own noise scale
-NEG = ["--model.init_args.dn_negatives", "true"]
-QS = ["--model.init_args.query_selection", "true", "--model.init_args.look_forward_twice", "true"]
-HYBRID = ["--model.init_args.o2m_groups", "1", "--model.init_args.o2m_mode", "hybrid"]
+OFF = ["--model.init_args.head.query_selection", "false", "--model.init_args.head.look_forward_twice", "false",
+       "--model.init_args.head.dn_groups", "0", "--model.init_args.head.o2m_groups", "0",
+       "--model.init_args.head.pyramid", "false", "--model.init_args.head.dense_encoder", "false"]
+PLAIN = [*OFF, "--model.init_args.head.box_refine", "false", "--model.init_args.head.focal", "false",
+         "--model.init_args.loss.cost_class", "1", "--model.init_args.loss.weight_ce", "1"]
+REMEDY = [*OFF, "--model.init_args.head.box_refine", "true", "--model.init_args.head.focal", "true"]
+DN = ["--model.init_args.head.dn_groups", "5", "--model.init_args.head.box_noise_scale", "1.0"]  # the first noise
+DN_04 = ["--model.init_args.head.dn_groups", "5", "--model.init_args.head.box_noise_scale", "0.4"]  # DN-DETR's own
+NEG = ["--model.init_args.head.dn_negatives", "true"]
+QS = ["--model.init_args.head.query_selection", "true", "--model.init_args.head.look_forward_twice", "true"]
+HYBRID = ["--model.init_args.head.o2m_groups", "1", "--model.init_args.head.o2m_mode", "hybrid"]
 
 ROWS: dict[str, list[str]] = {
     "plain DETR": PLAIN,
@@ -65,14 +65,14 @@ ROWS: dict[str, list[str]] = {
     "+ denoising (DN-DETR, 5 groups)": REMEDY + DN,
     "+ denoising with negatives (DINO)": REMEDY + DN + NEG,
     "+ query selection + look forward twice (DINO; shipped in shapes.yaml)": REMEDY + QS,
-    "+ one-to-many, Group DETR (3 groups)": REMEDY + ["--model.init_args.o2m_groups", "3", "--model.init_args.o2m_mode",
-                                                      "group"],
+    "+ one-to-many, Group DETR (3 groups)": REMEDY + ["--model.init_args.head.o2m_groups", "3",
+                                                      "--model.init_args.head.o2m_mode", "group"],
     "+ one-to-many, hybrid (H-DETR, K=6)": REMEDY + HYBRID,
-    "+ simple feature pyramid (ViTDet)": REMEDY + ["--model.init_args.pyramid", "true"],
+    "+ simple feature pyramid (ViTDet)": REMEDY + ["--model.init_args.head.pyramid", "true"],
     "+ DN with negatives + query selection + look forward twice + hybrid": REMEDY + DN + NEG + QS + HYBRID,
     "+ query selection + look forward twice + denoising at noise 0.4": REMEDY + QS + DN_04,
     "+ query selection + look forward twice + dense token supervision (Co-DETR)": REMEDY + QS + [
-        "--model.init_args.dense_encoder", "true"],
+        "--model.init_args.head.dense_encoder", "true"],
 }
 """Row name -> overrides of the config (one aid per row against ``shapes.yaml``, then the combination)."""
 

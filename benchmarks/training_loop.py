@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from vision_attn import create_encoder
+from vision_attn.data.loading import Batching
 from vision_attn.tasks import ClassificationTask
 from vision_attn.tasks.optim import param_groups
 
@@ -90,7 +91,7 @@ def data_throughput(batches: int = 20, batch: int = 128, workers: int = 2) -> fl
 
     with tempfile.TemporaryDirectory() as tmp:
         dm = ImageFolderDataModule(synthetic=ShapesConfig(image_size=32, num_train=(batches + 2) * batch, num_val=10),
-                                   cache_dir=tmp, batch_size=batch, num_workers=workers)
+                                   cache_dir=tmp, batching=Batching(batch_size=batch, num_workers=workers))
         dm.preprocess = _task(5).data_config
         dm.setup("fit")
         it = iter(dm.train_dataloader())

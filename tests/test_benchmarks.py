@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.explain_overhead import run
+from vision_attn.data.loading import Batching
+from vision_attn.models.captioner import DecoderConfig
 
 
 def test_explain_overhead_runs_tiny():
@@ -44,26 +46,31 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     enc = "--model.init_args.encoder.init_args."
     quiet = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
     small = [f"{enc}embed_dim", "32", f"{enc}depth", "1", f"{enc}num_heads", "2"]
-    decoder = ["--model.init_args.hidden_dim", "32", "--model.init_args.num_layers", "1",
-               "--model.init_args.num_heads", "2"]
+    def decoder(group: str) -> list[str]:
+        return [f"--model.init_args.{group}.hidden_dim", "32", f"--model.init_args.{group}.num_layers", "1",
+                f"--model.init_args.{group}.num_heads", "2"]
+
     ckpts = {}
     train_main(["--config", str(REPO / "configs" / "classification" / "shapes.yaml"),
-                "--data.init_args.root", str(shapes_root), "--data.init_args.num_workers", "0",
-                "--data.init_args.batch_size", "16", *small, f"{enc}patch_size", "8", "--trainer.max_epochs", "1",
+                "--data.init_args.root", str(shapes_root), "--data.init_args.batching.num_workers", "0",
+                "--data.init_args.batching.batch_size", "16", *small, f"{enc}patch_size", "8",
+                "--trainer.max_epochs", "1",
                 *quiet, "--trainer.default_root_dir", str(tmp_path / "cls")])
     ckpts["classification"] = tmp_path / "cls" / "checkpoints" / "last.ckpt"
     # the captioner gets a few steps: pointing needs captions that name an object of the image
-    for task, n_train, extra, epochs in (("detection", 8, ["--model.init_args.num_queries", "4"], 1),
-                                         ("captioning", 8, ["--data.init_args.batch_size", "4",
+    for task, n_train, extra, epochs in (("detection", 8, [*decoder("head"), "--model.init_args.head.num_queries",
+                                                           "4"], 1),
+                                         ("captioning", 8, [*decoder("decoder"),
+                                                            "--data.init_args.batching.batch_size", "4",
                                                             "--model.init_args.optim.lr", "0.003",
                                                             # 50 steps of a width-32 model: the plain MLP
                                                             # names objects sooner than the local one
                                                             f"{enc}local_mlp", "false"], 25)):
         train_main(["--config", str(REPO / "configs" / task / "shapes.yaml"),
                     "--data.init_args.synthetic.num_train", str(n_train), "--data.init_args.synthetic.num_val", "3",
-                    "--data.init_args.synthetic.image_size", "32", "--data.init_args.num_workers", "0",
+                    "--data.init_args.synthetic.image_size", "32", "--data.init_args.batching.num_workers", "0",
                     "--data.init_args.cache_dir", str(tmp_path / "data"), f"{enc}img_size", "32", *small,
-                    *decoder, *extra, "--trainer.max_epochs", str(epochs), *quiet,
+                    *extra, "--trainer.max_epochs", str(epochs), *quiet,
                     "--trainer.default_root_dir", str(tmp_path / task)])
         ckpts[task] = tmp_path / task / "checkpoints" / "last.ckpt"
     out = tmp_path / "explanations.json"
@@ -223,9 +230,10 @@ def test_caption_grounding_counts_object_words_against_oracle_and_constant_decod
     from vision_attn.tasks import CaptioningTask
 
     dm = CaptioningDataModule(synthetic=SceneSetConfig(image_size=32, num_train=8, num_val=6),
-                              cache_dir=str(tmp_path / "data"), batch_size=4, num_workers=0)
+                              cache_dir=str(tmp_path / "data"), batching=Batching(batch_size=4, num_workers=0))
     enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
-    task = CaptioningTask(enc, dm.tokenizer.to_json(), hidden_dim=32, num_layers=1, num_heads=2).eval()
+    decoder = DecoderConfig(hidden_dim=32, num_layers=1, num_heads=2)
+    task = CaptioningTask(enc, dm.tokenizer.to_json(), decoder=decoder).eval()
     task.configure_datamodule(dm)
     val = dm.dataset("val")
     tok = task.tokenizer

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from vision_attn import create_encoder
-from vision_attn.data.captioning import CaptioningDataModule
+from vision_attn.data.captioning import CaptioningDataModule, CaptionOptions
 from vision_attn.data.imageio import read_image
+from vision_attn.data.loading import Batching
 from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.explain.captioning import (
     _split_boxes,
@@ -22,6 +23,7 @@ from vision_attn.explain.captioning import (
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.faithfulness import deletion_insertion_curve
 from vision_attn.explain.sanity import cascading_randomisation, spearman
+from vision_attn.models.captioner import DecoderConfig, GenerationOptions
 from vision_attn.tasks import CaptioningTask
 
 TINY_DATA = SceneSetConfig(image_size=32, num_train=24, num_val=4)
@@ -33,12 +35,13 @@ def captioner(tmp_path_factory):
     renamed after each image's generated caption (its last word), so the captions name objects
     without a slow training; returns ``(task, val dataset, {image id: caption words})``."""
     tmp = tmp_path_factory.mktemp("capexplain")
-    dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp / "data"), batch_size=8, num_workers=0,
-                              max_length=8)
+    dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp / "data"),
+                              batching=Batching(batch_size=8, num_workers=0), captions=CaptionOptions(max_length=8))
     torch.manual_seed(0)
     enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
-    task = CaptioningTask(enc, hidden_dim=32, num_layers=2, num_heads=2, mlp_ratio=2.0, dropout=0.0, max_length=8,
-                          beam_size=1)
+    task = CaptioningTask(enc, decoder=DecoderConfig(hidden_dim=32, num_layers=2, num_heads=2, mlp_ratio=2.0,
+                                                     dropout=0.0, max_length=8),
+                          generate=GenerationOptions(beam_size=1))
     dm.prepare_data()
     task.build_from_data(dm)
     task.configure_datamodule(dm)
@@ -173,7 +176,7 @@ def test_sanity_correlations(captioner, tmp_path):
     assert curves["steps"][-1] == "all" and curves["steps"][0] == "block0"  # depth 1: block0, then all
     # reference: the object words of every image, trained vs fully randomised encoder, one by one
     from vision_attn.explain.captioning import named_words
-    from vision_attn.explain.detection import StandIn
+    from vision_attn.explain.sanity import StandIn
 
     boxes = _split_boxes(val)
     images = torch.stack([val[i][0] for i in range(len(val))])
@@ -188,6 +191,41 @@ def test_sanity_correlations(captioner, tmp_path):
                 rhos.append(float(spearman(e.extras["maps"][m][t][None].float(), randomised[m][b][t][None])))
         assert rhos and metrics[f"sanity_{m}"] == pytest.approx(sum(rhos) / len(rhos), abs=1e-5)
         assert metrics[f"sanity_{m}"] < 0.99  # the maps depend on the weights
+
+
+PINNED = {
+    "sanity_relevance": 0.05848416289592761, "sanity_attention": 0.003619909502262452, "sanity_random": 1.0,
+    "pointing_relevance": 0.23076923076923078, "energy_relevance": 0.18966798960609077,
+    "pointing_attention": 0.23076923076923078, "energy_attention": 0.17141144660939345,
+    "pointing_random": 0.13942307692307693, "energy_random": 0.1808644229840219, "pointing_acc": 0.23076923076923078,
+    "pointing_acc_random": 0.13942307692307693, "pointing_words": 26.0,
+    "deletion_auc_relevance": 0.028498169894401845, "insertion_auc_relevance": 0.03071500647526521,
+    "deletion_auc_attention": 0.028466310638647813, "insertion_auc_attention": 0.030648766801907465,
+    "deletion_auc_random": 0.028749425250750322, "insertion_auc_random": 0.03059676117621935,
+    "deletion_auc": 0.028498169894401845, "insertion_auc": 0.03071500647526521, "explain_words": 26.0,
+    "explain_images": 4.0,
+}
+PINNED_OUTPUTS = {
+    "sanity": {"relevance/block0": 0.291289592760181, "relevance/all": 0.05848416289592761,
+               "attention/block0": 0.9792986425339367, "attention/all": 0.003619909502262452, "random/block0": 1.0,
+               "random/all": 1.0},
+    "maps": {"attention": 20654.92845067382, "random": 13235.859479511157, "relevance": 15684.736188597977},
+}
+
+
+def test_explanation_numbers_are_pinned(captioner, tmp_path):
+    """Localisation (random: the mean of its draws), faithfulness, sanity and saved maps of the
+    object words, in two batches: every number in its order, the sanity curves and the saved
+    maps keep their values."""
+    from .test_measures import assert_pinned, explanation_outputs
+
+    task, val, _ = captioner
+    metrics = write_caption_overlays(task, val, _options(save_maps=True, sanity=True), tmp_path)
+    assert_pinned(metrics, PINNED)
+    outputs = explanation_outputs(tmp_path)
+    assert [e["index"] for e in outputs["index"]] == list(range(26))
+    assert_pinned(outputs["sanity"], PINNED_OUTPUTS["sanity"])
+    assert outputs["maps"] == pytest.approx(PINNED_OUTPUTS["maps"], rel=1e-5)
 
 
 def test_each_head_has_its_measured_default_and_a_given_order_wins():

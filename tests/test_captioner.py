@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from vision_attn.models.captioner import CaptionDecoder, apply_repetition_penalty
+from vision_attn.models.captioner import CaptionDecoder, DecoderConfig, apply_repetition_penalty
 from vision_attn.models.encoder import EncoderOutput
 
 PAD, BOS, EOS = 0, 1, 2
@@ -22,8 +22,8 @@ def _enc(b: int = 2, grid=(3, 3), dim: int = 16, prefix: int = 1, seed: int = 0)
 
 def _decoder(vocab: int = 12, max_length: int = 12, seed: int = 0, sharpen: float = 4.0) -> CaptionDecoder:
     torch.manual_seed(seed)
-    dec = CaptionDecoder(vocab, in_dim=16, hidden_dim=16, num_layers=2, num_heads=2, mlp_ratio=2.0, dropout=0.0,
-                         max_length=max_length).eval()
+    dec = CaptionDecoder(vocab, in_dim=16, config=DecoderConfig(hidden_dim=16, num_layers=2, num_heads=2, mlp_ratio=2.0,
+                                                                dropout=0.0, max_length=max_length)).eval()
     with torch.no_grad():  # random weights of a larger scale than the init: varied, peaky, image-dependent captions
         for p in dec.parameters():
             p.normal_(0.0, 0.4 if p.ndim > 1 else 1.0)
@@ -159,7 +159,8 @@ class _RepeatTable(CaptionDecoder):
              (3, 4): {EOS: 1.5, 3: 2.0, 4: 1.2}, (3, 4, 3): {EOS: 3.0}}
 
     def __init__(self) -> None:
-        super().__init__(5, in_dim=16, hidden_dim=16, num_layers=1, num_heads=2, dropout=0.0, max_length=6)
+        super().__init__(5, in_dim=16, config=DecoderConfig(hidden_dim=16, num_layers=1, num_heads=2, dropout=0.0,
+                                                            max_length=6))
 
     def row(self, prefix: tuple[int, ...]) -> torch.Tensor:
         row = torch.full((5,), -3.0)
@@ -253,7 +254,8 @@ class _TableDecoder(CaptionDecoder):
     DEFAULT = -3.0
 
     def __init__(self) -> None:
-        super().__init__(5, in_dim=16, hidden_dim=16, num_layers=1, num_heads=2, dropout=0.0, max_length=4)
+        super().__init__(5, in_dim=16, config=DecoderConfig(hidden_dim=16, num_layers=1, num_heads=2, dropout=0.0,
+                                                            max_length=4))
 
     def logp(self, prefix: tuple[int, ...]) -> torch.Tensor:
         row = torch.full((5,), self.DEFAULT)
@@ -302,7 +304,8 @@ def test_embedding_memory_adds_the_first_blocks_input_per_patch():
     embedding token ``n`` (prefix dropped), so the words read both; without the embedding tokens
     it is a clear error."""
     torch.manual_seed(0)
-    dec = CaptionDecoder(12, in_dim=16, hidden_dim=16, num_layers=2, num_heads=2, dropout=0.0, embedding_memory=True).eval()
+    dec = CaptionDecoder(12, in_dim=16, config=DecoderConfig(hidden_dim=16, num_layers=2, num_heads=2, dropout=0.0,
+                                                             embedding_memory=True)).eval()
     enc = _enc()
     with pytest.raises(ValueError, match="keep_embedding"):
         dec(enc, torch.tensor([[BOS, 5]]).expand(2, -1))
@@ -314,14 +317,15 @@ def test_embedding_memory_adds_the_first_blocks_input_per_patch():
     logits, _ = dec(enc, tokens)
     moved = EncoderOutput(enc.tokens, 1, enc.grid, embedding_tokens=enc.embedding_tokens.roll(1, dims=1))
     assert not torch.allclose(dec(moved, tokens)[0], logits)  # the words depend on the embedding tokens
-    assert CaptionDecoder(12, in_dim=16, hidden_dim=16).embedding_proj is None  # off by default
+    assert CaptionDecoder(12, in_dim=16, config=DecoderConfig(hidden_dim=16)).embedding_proj is None  # off by default
 
 
 def test_pixel_memory_adds_each_patchs_own_pixels():
     """``pixel_dim``: memory token ``n`` = projected output token ``n`` + projected pixels of
     patch ``n``; the words depend on them; without the pixel tokens it is a clear error."""
     torch.manual_seed(0)
-    dec = CaptionDecoder(12, in_dim=16, hidden_dim=16, num_layers=2, num_heads=2, dropout=0.0, pixel_dim=12).eval()
+    dec = CaptionDecoder(12, in_dim=16, pixel_dim=12, config=DecoderConfig(hidden_dim=16, num_layers=2, num_heads=2,
+                                                                           dropout=0.0, pixel_memory=True)).eval()
     enc = _enc()
     tokens = torch.tensor([[BOS, 5, 6], [BOS, 7, 8]])
     with pytest.raises(ValueError, match="keep_pixels"):
@@ -333,4 +337,4 @@ def test_pixel_memory_adds_each_patchs_own_pixels():
     logits, _ = dec(enc, tokens)
     moved = EncoderOutput(enc.tokens, 1, enc.grid, pixel_tokens=enc.pixel_tokens.roll(1, dims=1))
     assert not torch.allclose(dec(moved, tokens)[0], logits)
-    assert CaptionDecoder(12, in_dim=16, hidden_dim=16).pixel_proj is None  # off by default
+    assert CaptionDecoder(12, in_dim=16, config=DecoderConfig(hidden_dim=16)).pixel_proj is None  # off by default

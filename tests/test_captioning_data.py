@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from vision_attn.data.captioning import (
+    CAPTIONING_BATCHING,
     CaptioningDataModule,
+    CaptionOptions,
     CocoCaptions,
     caption_collate,
     read_captions,
 )
+from vision_attn.data.loading import Batching
 from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
 from vision_attn.data.tokenizer import WordTokenizer
 from vision_attn.errors import DataError
@@ -75,7 +79,8 @@ def test_dataset_items_and_collate(coco_root):
 
 
 def test_datamodule_trains_tokenizer_and_accepts_the_models(coco_root):
-    dm = CaptioningDataModule(root=str(coco_root), batch_size=4, num_workers=0, max_length=16)
+    dm = CaptioningDataModule(root=str(coco_root), batching=Batching(batch_size=4, num_workers=0),
+                              captions=CaptionOptions(max_length=16))
     dm.preprocess = PRE
     assert {"circle", "square", "triangle", "star", "cross"} <= set(dm.tokenizer.vocab)
     dm.setup("fit")
@@ -88,7 +93,8 @@ def test_datamodule_trains_tokenizer_and_accepts_the_models(coco_root):
 
 
 def test_several_captions_per_image_are_distinct_references_image_by_image(coco_root):
-    dm = CaptioningDataModule(root=str(coco_root), batch_size=4, num_workers=0, max_length=32, captions_per_image=3)
+    dm = CaptioningDataModule(root=str(coco_root), batching=Batching(batch_size=4, num_workers=0),
+                              captions=CaptionOptions(max_length=32, per_image=3))
     dm.preprocess = PRE
     dm.setup("fit")
     tok = dm.tokenizer
@@ -108,8 +114,8 @@ def test_several_captions_per_image_are_distinct_references_image_by_image(coco_
     # validation keeps one caption per image
     dm.setup("validate")
     assert dm.datasets["val"].captions_per_item == 1 and next(iter(dm.val_dataloader()))[1].ndim == 2
-    with pytest.raises(DataError, match="captions_per_image"):
-        CaptioningDataModule(root=str(coco_root), captions_per_image=0)
+    with pytest.raises(DataError, match="captions.per_image"):
+        CaptioningDataModule(root=str(coco_root), captions=CaptionOptions(per_image=0))
 
 def test_missing_image_ids_empty_and_non_text_captions_are_counted_warnings(coco_root, tmp_path, caplog):
     def edit(data):
@@ -262,8 +268,10 @@ def test_attached_boxes_stay_on_the_stored_pixels_of_an_exif_rotated_image(tmp_p
 
 
 def test_auto_batch_size_for_captions(coco_root):
-    dm = CaptioningDataModule(root=str(coco_root), batch_size="auto", min_steps_per_epoch=2, min_batch_size=1,
-                              max_batch_size=64, num_workers=0, max_length=16)
+    dm = CaptioningDataModule(root=str(coco_root), batching=replace(CAPTIONING_BATCHING, batch_size="auto",
+                                                                    min_steps_per_epoch=2, min_batch_size=1,
+                                                                    max_batch_size=64, num_workers=0),
+                              captions=CaptionOptions(max_length=16))
     dm.preprocess = PRE
     dm.setup("fit")
     images = len(dm.datasets["train"])

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import shutil
+from dataclasses import replace
 
 import lightning as L
 import pytest
@@ -16,13 +17,15 @@ import torch.nn.functional as F
 from vision_attn import create_encoder, load_task
 from vision_attn.commands.evaluate import eval_main
 from vision_attn.commands.train import train_main
-from vision_attn.data.captioning import CaptioningDataModule, caption_collate
+from vision_attn.data.captioning import CaptioningDataModule, CaptionOptions, caption_collate
+from vision_attn.data.loading import Batching
 from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.data.tokenizer import normalize_caption
 from vision_attn.errors import CheckpointError, ConfigError
 from vision_attn.metrics.caption import caption_metrics
-from vision_attn.models.captioner import GenerationOptions
+from vision_attn.models.captioner import DecoderConfig, GenerationOptions
 from vision_attn.tasks import CaptioningTask
+from vision_attn.tasks.captioning import CaptionTraining, SCSTConfig
 from vision_attn.tasks.optim import Optimization
 
 from .conftest import REPO
@@ -44,11 +47,13 @@ def _no_java(request, monkeypatch):
         monkeypatch.setenv("VISION_ATTN_JAVA_METRICS", "0")
 
 
+TINY_DECODER = DecoderConfig(hidden_dim=32, num_layers=2, num_heads=2, mlp_ratio=2.0, dropout=0.0, max_length=24)
+
+
 def _task(**kw) -> CaptioningTask:
     torch.manual_seed(0)
     enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
-    return CaptioningTask(enc, hidden_dim=32, num_layers=2, num_heads=2, mlp_ratio=2.0, dropout=0.0, max_length=24,
-                          **kw)
+    return CaptioningTask(enc, **{"decoder": TINY_DECODER, **kw})
 
 
 def _trainer(tmp_path, **kw) -> L.Trainer:
@@ -59,9 +64,10 @@ def _trainer(tmp_path, **kw) -> L.Trainer:
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("capfit")
-    dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp / "data"), batch_size=8, num_workers=0, max_length=24)
+    dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp / "data"),
+                              batching=Batching(batch_size=8, num_workers=0), captions=CaptionOptions(max_length=24))
     L.seed_everything(0)  # the caption drawn per image comes from Python's random module
-    task = _task(optim=Optimization(lr=3e-3), beam_size=2)
+    task = _task(optim=Optimization(lr=3e-3), generate=GenerationOptions(beam_size=2))
     trainer = _trainer(tmp, max_epochs=60, enable_checkpointing=False, check_val_every_n_epoch=60)
     trainer.fit(task, datamodule=dm)
     ckpt = tmp / "cap.ckpt"
@@ -169,7 +175,7 @@ def test_eval_points_at_the_named_objects(fitted, tmp_path, with_java):
                          "--data.init_args.synthetic.num_train", str(TINY_DATA.num_train),
                          "--data.init_args.synthetic.num_val", str(TINY_DATA.num_val),
                          "--data.init_args.synthetic.image_size", str(TINY_DATA.image_size),
-                         "--data.init_args.num_workers", "0", "--data.init_args.cache_dir", str(cache),
+                         "--data.init_args.batching.num_workers", "0", "--data.init_args.cache_dir", str(cache),
                          "--ckpt_path", str(ckpt), "--output_dir", str(out), "--explain.num_overlays", "0",
                          "--explain.report", "false"])
     saved = json.loads((out / "metrics.json").read_text())
@@ -208,9 +214,9 @@ def test_checkpoint_without_tokenizer_is_a_clear_error(fitted, tmp_path):
 
 
 def test_frozen_encoder_does_not_change(tmp_path):
-    dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp_path / "data"), batch_size=8, num_workers=0,
-                              max_length=24)
-    task = _task(freeze_encoder=True)
+    dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp_path / "data"),
+                              batching=Batching(batch_size=8, num_workers=0), captions=CaptionOptions(max_length=24))
+    task = _task(training=CaptionTraining(freeze_encoder=True))
     before = {k: v.clone() for k, v in task.encoder.state_dict().items()}
     _trainer(tmp_path, max_steps=3, enable_checkpointing=False, limit_val_batches=0).fit(task, datamodule=dm)
     assert all(torch.equal(before[k], v) for k, v in task.encoder.state_dict().items())
@@ -221,12 +227,13 @@ def test_train_and_eval_contract(tmp_path):
     cfg = str(REPO / "configs" / "captioning" / "shapes.yaml")
     enc = "--model.init_args.encoder.init_args."
     common = ["--config", cfg, "--data.init_args.synthetic.num_train", "16", "--data.init_args.synthetic.num_val", "5",
-              "--data.init_args.synthetic.image_size", "32", "--data.init_args.num_workers", "0",
+              "--data.init_args.synthetic.image_size", "32", "--data.init_args.batching.num_workers", "0",
               "--data.init_args.cache_dir", str(tmp_path / "data")]
     out = tmp_path / "cap"
     train_main([*common, f"{enc}img_size", "32", f"{enc}embed_dim", "32", f"{enc}depth", "1", f"{enc}num_heads", "2",
-                "--model.init_args.hidden_dim", "32", "--model.init_args.num_layers", "1",
-                "--model.init_args.num_heads", "2", "--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "1",
+                "--model.init_args.decoder.hidden_dim", "32", "--model.init_args.decoder.num_layers", "1",
+                "--model.init_args.decoder.num_heads", "2", "--trainer.max_epochs", "1",
+                "--trainer.check_val_every_n_epoch", "1",
                 "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out)])
     assert "val/cider" in (out / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     ckpt = str(out / "checkpoints" / "last.ckpt")
@@ -255,7 +262,7 @@ def test_train_and_eval_contract(tmp_path):
 
 def test_word_dropout_replaces_only_words_and_only_in_training():
     vocab = ["<pad>", "<bos>", "<eos>", "<unk>", "a", "red", "circle", "square"]
-    task = _task(vocab=vocab, word_dropout=0.5)
+    task = _task(vocab=vocab, training=CaptionTraining(word_dropout=0.5))
     tok = task.tokenizer
     w = [tok.index[x] for x in ("a", "red", "circle")]
     tokens = torch.tensor([[tok.bos_id, *w, tok.eos_id, tok.pad_id, tok.pad_id]] * 400)
@@ -276,7 +283,7 @@ def test_word_dropout_replaces_only_words_and_only_in_training():
     torch.manual_seed(2)
     assert not torch.equal(task._loss(images, tokens[:4]), plain._loss(images, tokens[:4]))
     with pytest.raises(ValueError, match="word_dropout"):
-        _task(vocab=vocab, word_dropout=1.0)
+        _task(vocab=vocab, training=CaptionTraining(word_dropout=1.0))
 
 
 def test_patch_targets_by_hand():
@@ -316,7 +323,8 @@ def test_balanced_grounding_weighs_every_object_alike_by_hand():
 
     # the task's balanced loss is that weighted mean of the per-patch cross-entropies
     vocab = ["<pad>", "<bos>", "<eos>", "<unk>", "a", "circle"]
-    task = _task(vocab=vocab, grounding_weight=1.0, grounding_classes=["a", "b", "c"], grounding_balance=True)
+    task = _task(vocab=vocab, training=CaptionTraining(grounding_weight=1.0, grounding_classes=["a", "b", "c"],
+                                                       grounding_balance=True))
     enc = task.encode(torch.randn(2, 3, 32, 32))
     rows, cols = enc.grid
     tiny = [(torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0 / cols, 1.0 / rows]]), torch.tensor([0, 2])),
@@ -328,13 +336,14 @@ def test_balanced_grounding_weighs_every_object_alike_by_hand():
     ce = F.cross_entropy(logits, targets, reduction="none")
     assert torch.allclose(task._grounding_loss(enc, tiny), (weights * ce).sum() / weights.sum())
     # the one-patch object weighs as much as the whole-image one: not the unbalanced loss
-    task.hparams.grounding_balance = False
+    task.training_config = replace(task.training_config, grounding_balance=False)
     assert not torch.allclose(task._grounding_loss(enc, tiny), (weights * ce).sum() / weights.sum())
 
 
 def _grounding_data(tmp_path, **kw) -> CaptioningDataModule:
-    return CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp_path / "data"), batch_size=8, num_workers=0,
-                                max_length=24, **kw)
+    return CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp_path / "data"),
+                                batching=Batching(batch_size=8, num_workers=0),
+                                captions=CaptionOptions(max_length=24, **kw))
 
 
 def test_grounding_supervises_the_encoder_and_survives_checkpoints(tmp_path):
@@ -343,10 +352,10 @@ def test_grounding_supervises_the_encoder_and_survives_checkpoints(tmp_path):
     gradient from it), and the head and its classes come back from the checkpoint."""
     dm = _grounding_data(tmp_path)
     L.seed_everything(0)
-    task = _task(optim=Optimization(lr=3e-3), grounding_weight=1.0)
+    task = _task(optim=Optimization(lr=3e-3), training=CaptionTraining(grounding_weight=1.0))
     trainer = _trainer(tmp_path, max_epochs=25, enable_checkpointing=False, limit_val_batches=0)
     trainer.fit(task, datamodule=dm)
-    classes = task.hparams.grounding_classes
+    classes = task.hparams["training"]["grounding_classes"]
     assert classes == ["circle", "square", "triangle", "star", "cross"] and task.grounding_head.out_features == 6
     from vision_attn.tasks.captioning import GROUNDING_BACKGROUND_WEIGHT, patch_targets
 
@@ -366,10 +375,10 @@ def test_grounding_supervises_the_encoder_and_survives_checkpoints(tmp_path):
     ckpt = tmp_path / "ground.ckpt"
     trainer.save_checkpoint(ckpt)
     loaded = load_task(ckpt, expected_task="captioning")
-    assert loaded.hparams.grounding_classes == classes
+    assert loaded.hparams["training"]["grounding_classes"] == classes
     assert torch.equal(loaded.grounding_head.weight, task.grounding_head.weight)
     # a self-critical phase from it keeps the head but trains it no more (DDP: no unused trained parameters)
-    scst = _task(init_from=str(ckpt), scst=True, scst_samples=2)
+    scst = _task(training=CaptionTraining(init_from=str(ckpt)), scst=SCSTConfig(enabled=True, samples=2))
     assert scst.grounding_head is not None and not any(p.requires_grad for p in scst.grounding_head.parameters())
 
 
@@ -422,14 +431,15 @@ def test_word_attention_makes_the_decoder_look_at_the_object_it_names(tmp_path):
     masses = {}
     for weight in (0.0, 1.0):
         L.seed_everything(0)
-        task = _task(optim=Optimization(lr=3e-3), grounding_weight=0.3, word_attention_weight=weight)
+        task = _task(optim=Optimization(lr=3e-3), training=CaptionTraining(grounding_weight=0.3,
+                                                                           word_attention_weight=weight))
         _trainer(tmp_path, max_epochs=12, enable_checkpointing=False, limit_val_batches=0).fit(task, datamodule=dm)
         ds = dm.datasets["train"]
         items = [ds[i] for i in range(len(ds))]
         images = torch.stack([it[0] for it in items])
         tokens = torch.nn.utils.rnn.pad_sequence([it[1] for it in items], batch_first=True,
                                                  padding_value=task.tokenizer.pad_id)
-        kinds = word_kinds(task.tokenizer.vocab, task.hparams.grounding_classes)
+        kinds = word_kinds(task.tokenizer.vocab, task.hparams["training"]["grounding_classes"])
         task.eval()
         with torch.no_grad():
             enc = task.encode(images)
@@ -442,7 +452,7 @@ def test_word_attention_makes_the_decoder_look_at_the_object_it_names(tmp_path):
         uniform = float(mask.float().mean(-1)[valid].mean())
     assert masses[1.0] > 2 * uniform and masses[1.0] > masses[0.0] + 0.1, (masses, uniform)
     with pytest.raises(ConfigError, match="grounding_weight"):
-        _task(word_attention_weight=0.5)
+        _task(training=CaptionTraining(word_attention_weight=0.5))
 
 
 def test_captions_per_image_pair_each_caption_with_its_own_image(tmp_path):
@@ -452,7 +462,7 @@ def test_captions_per_image_pair_each_caption_with_its_own_image(tmp_path):
     from vision_attn.tasks.captioning import repeat_images
 
     vocab = ["<pad>", "<bos>", "<eos>", "<unk>", "a", "red", "circle", "square"]
-    task = _task(vocab=vocab, embedding_memory=True).eval()
+    task = _task(vocab=vocab, decoder=replace(TINY_DECODER, embedding_memory=True)).eval()
     torch.manual_seed(0)
     images = torch.randn(2, 3, 32, 32)
     tokens = torch.tensor([[1, 4, 5, 6, 2], [1, 4, 7, 2, 0], [1, 4, 5, 7, 2], [1, 6, 2, 0, 0]])
@@ -466,8 +476,8 @@ def test_captions_per_image_pair_each_caption_with_its_own_image(tmp_path):
     assert torch.allclose(once, each, atol=1e-6) and not torch.allclose(once, tiled, atol=1e-4)
     assert repeat_images(enc, 1) is enc
 
-    dm = _grounding_data(tmp_path, captions_per_image=3)
-    task = _task(grounding_weight=0.3)
+    dm = _grounding_data(tmp_path, per_image=3)
+    task = _task(training=CaptionTraining(grounding_weight=0.3))
     _trainer(tmp_path, max_steps=3, enable_checkpointing=False, limit_val_batches=0).fit(task, datamodule=dm)
     assert torch.isfinite(task.trainer.callback_metrics["train/loss"])
 
@@ -475,12 +485,12 @@ def test_grounding_without_instances_trains_on_captions(tmp_path, caplog):
     dm = _grounding_data(tmp_path)  # written here
     for path in (tmp_path / "data").glob("*/annotations/instances_train.json"):
         path.unlink()
-    task = _task(grounding_weight=0.5)
+    task = _task(training=CaptionTraining(grounding_weight=0.5))
     with caplog.at_level(logging.WARNING, logger="vision_attn"):
         _trainer(tmp_path, max_steps=2, enable_checkpointing=False, limit_val_batches=0).fit(task, datamodule=dm)
     assert task.grounding_head is None and "learns from the captions alone" in caplog.text
     with pytest.raises(ConfigError, match="grounding_weight"):
-        _task(grounding_weight=-1.0)
+        _task(training=CaptionTraining(grounding_weight=-1.0))
 
 
 def test_concept_vocabulary_and_targets_by_hand():
@@ -508,10 +518,10 @@ def test_concept_loss_teaches_the_encoder_the_named_objects_without_boxes(tmp_pa
     for path in (tmp_path / "data").glob("*/annotations/instances_*.json"):
         path.unlink()
     L.seed_everything(0)
-    task = _task(optim=Optimization(lr=1e-2), concept_weight=1.0)
+    task = _task(optim=Optimization(lr=1e-2), training=CaptionTraining(concept_weight=1.0))
     trainer = _trainer(tmp_path, max_epochs=25, enable_checkpointing=False, limit_val_batches=0)
     trainer.fit(task, datamodule=dm)
-    words = task.hparams.concept_words
+    words = task.hparams["training"]["concept_words"]
     assert {"circle", "square", "red", "blue"} <= set(words) and "a" not in words and "and" not in words
     assert task.concept_head.out_features == len(words) and task.grounding_head is None
     ds = dm.datasets["train"]
@@ -535,14 +545,14 @@ def test_concept_loss_teaches_the_encoder_the_named_objects_without_boxes(tmp_pa
     ckpt = tmp_path / "concept.ckpt"
     trainer.save_checkpoint(ckpt)
     loaded = load_task(ckpt, expected_task="captioning")
-    assert loaded.hparams.concept_words == words
+    assert loaded.hparams["training"]["concept_words"] == words
     assert torch.equal(loaded.concept_head.weight, task.concept_head.weight)
-    scst = _task(init_from=str(ckpt), scst=True, scst_samples=2)
+    scst = _task(training=CaptionTraining(init_from=str(ckpt)), scst=SCSTConfig(enabled=True, samples=2))
     assert scst.concept_head is not None and not any(p.requires_grad for p in scst.concept_head.parameters())
     with pytest.raises(ConfigError, match="concept_weight"):
-        _task(concept_weight=float("nan"))
+        _task(training=CaptionTraining(concept_weight=float("nan")))
     with pytest.raises(ConfigError, match="concept_max_share"):
-        _task(concept_max_share=0.0)
+        _task(training=CaptionTraining(concept_max_share=0.0))
 
 
 @pytest.mark.parametrize("switch", ["embedding_memory", "pixel_memory"])
@@ -552,10 +562,10 @@ def test_memory_extras_train_survive_checkpoints_and_are_explained(tmp_path, swi
     maps still come out."""
     from vision_attn.explain.decoder_relevance import caption_relevance
 
-    dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp_path / "data"), batch_size=8, num_workers=0,
-                              max_length=24)
+    dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp_path / "data"),
+                              batching=Batching(batch_size=8, num_workers=0), captions=CaptionOptions(max_length=24))
     L.seed_everything(0)
-    task = _task(optim=Optimization(lr=3e-3), **{switch: True})
+    task = _task(optim=Optimization(lr=3e-3), decoder=replace(TINY_DECODER, **{switch: True}))
     trainer = _trainer(tmp_path, max_steps=6, enable_checkpointing=False, limit_val_batches=0)
     trainer.fit(task, datamodule=dm)
     flag, proj = {"embedding_memory": ("keep_embedding", "embedding_proj"),
@@ -565,7 +575,7 @@ def test_memory_extras_train_survive_checkpoints_and_are_explained(tmp_path, swi
     ckpt = tmp_path / "em.ckpt"
     trainer.save_checkpoint(ckpt)
     loaded = load_task(ckpt, expected_task="captioning")
-    assert getattr(loaded.encoder, flag) and loaded.hparams[switch]
+    assert getattr(loaded.encoder, flag) and loaded.hparams["decoder"][switch]
     images = torch.stack([dm.datasets["train"][i][0] for i in range(3)])
     task.eval()
     a, b = task.generate(images), loaded.generate(images)

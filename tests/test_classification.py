@@ -9,6 +9,7 @@ import torch
 from vision_attn import create_encoder, load_task
 from vision_attn.checkpoint_io import CheckpointError
 from vision_attn.data.classification import ImageFolderDataModule
+from vision_attn.data.loading import Batching
 from vision_attn.models import ClassificationHead, EncoderOutput
 from vision_attn.tasks import ClassificationTask
 from vision_attn.tasks.base import warmup_cosine
@@ -61,7 +62,7 @@ def _task(**kw):
 
 
 def test_schedule_follows_trainer_length_and_checkpoint_roundtrip(shapes_root, tmp_path):
-    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size=16, num_workers=0))
     task = _task(optim=Optimization(lr=1e-3, warmup_fraction=0.2, min_lr_ratio=0.05))
     trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path)
@@ -96,7 +97,7 @@ def test_schedule_follows_trainer_length_and_checkpoint_roundtrip(shapes_root, t
 
 def test_class_mismatch_between_model_and_data_is_reported(shapes_root):
     task = _task(class_names=["a", "b"])
-    dm = ImageFolderDataModule(root=str(shapes_root), num_workers=0)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(num_workers=0))
     trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     with pytest.raises(ValueError, match="built for classes"):
@@ -153,8 +154,8 @@ def evaluated(tmp_path_factory, shapes_root):
     run = tmp_path_factory.mktemp("cls_eval")
     enc = "--model.init_args.encoder.init_args."
     train_main(["--config", str(REPO / "configs" / "classification" / "shapes.yaml"),
-                "--data.init_args.root", str(shapes_root), "--data.init_args.num_workers", "0",
-                "--data.init_args.batch_size", "16", f"{enc}embed_dim", "32", f"{enc}depth", "2",
+                "--data.init_args.root", str(shapes_root), "--data.init_args.batching.num_workers", "0",
+                "--data.init_args.batching.batch_size", "16", f"{enc}embed_dim", "32", f"{enc}depth", "2",
                 f"{enc}num_heads", "2", f"{enc}patch_size", "8", "--trainer.max_epochs", "2",
                 "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
                 "--trainer.default_root_dir", str(run / "train")])

@@ -26,8 +26,8 @@ def _tiny(root: Path) -> list[str]:
     return [
         "--config", CONFIG,
         "--data.init_args.root", str(root),
-        "--data.init_args.num_workers", "0",
-        "--data.init_args.batch_size", "16",
+        "--data.init_args.batching.num_workers", "0",
+        "--data.init_args.batching.batch_size", "16",
         f"{enc}embed_dim", "32", f"{enc}depth", "2", f"{enc}num_heads", "2", f"{enc}patch_size", "8",
         "--trainer.max_epochs", "2",
         "--trainer.enable_progress_bar", "false",
@@ -59,7 +59,7 @@ def test_eval_writes_contract_outputs(trained_run, shapes_root, tmp_path):
     # The config's model section differs from the checkpoint's (embed_dim, preprocessing): the
     # checkpoint wins, so the trained architecture, classes and preprocessing are evaluated.
     metrics = eval_main(["--config", CONFIG, "--data.init_args.root", str(shapes_root),
-                         "--data.init_args.num_workers", "0",
+                         "--data.init_args.batching.num_workers", "0",
                          "--model.init_args.encoder.init_args.embed_dim", "64",
                          "--model.init_args.encoder.init_args.preprocess", "{mean: [0.1, 0.1, 0.1]}",
                          "--explain.num_overlays", "3", "--explain.faithfulness_images", "8", "--explain.steps", "4",
@@ -173,14 +173,15 @@ def test_corrupt_image_skipped_in_training_fatal_in_evaluation_and_empty_class_f
     shutil.copytree(shapes_root, root)
     bad = root / "train" / "circle" / "broken.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    args = [str(REPO / "train.py"), *_tiny(root), "--data.init_args.num_workers", "1", "--trainer.max_epochs", "1"]
+    args = [str(REPO / "train.py"), *_tiny(root), "--data.init_args.batching.num_workers", "1",
+            "--trainer.max_epochs", "1"]
     res = _run([*args, "--trainer.default_root_dir", str(tmp_path / "out")], tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]  # training skips it, with a warning naming it
     assert f"skipping unreadable training image {bad}" in res.stderr
     # evaluation fails fast: a silently dropped image would change the metrics
     bad_val = root / "val" / "square" / "broken.png"
     shutil.copy(bad, bad_val)
-    res = _run([str(REPO / "eval.py"), *_tiny(root), "--data.init_args.num_workers", "1",
+    res = _run([str(REPO / "eval.py"), *_tiny(root), "--data.init_args.batching.num_workers", "1",
                 "--ckpt_path", str(tmp_path / "out" / "checkpoints" / "last.ckpt"), "--output_dir", str(tmp_path / "ev")], tmp_path)
     assert res.returncode == 2, res.stderr[-2000:]
     last = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
@@ -231,12 +232,13 @@ def test_detection_train_and_eval_contract(tmp_path):
     cfg = str(REPO / "configs" / "detection" / "shapes.yaml")
     enc = "--model.init_args.encoder.init_args."
     common = ["--config", cfg, "--data.init_args.synthetic.num_train", "16", "--data.init_args.synthetic.num_val", "4",
-              "--data.init_args.synthetic.image_size", "32", "--data.init_args.num_workers", "0",
+              "--data.init_args.synthetic.image_size", "32", "--data.init_args.batching.num_workers", "0",
               "--data.init_args.cache_dir", str(tmp_path / "data")]
     out = tmp_path / "det"
     train_main([*common, f"{enc}img_size", "32", f"{enc}embed_dim", "32", f"{enc}depth", "1", f"{enc}num_heads", "2",
-                "--model.init_args.hidden_dim", "32", "--model.init_args.num_layers", "2",
-                "--model.init_args.num_heads", "2", "--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "1",
+                "--model.init_args.head.hidden_dim", "32", "--model.init_args.head.num_layers", "2",
+                "--model.init_args.head.num_heads", "2", "--trainer.max_epochs", "1",
+                "--trainer.check_val_every_n_epoch", "1",
                 "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out)])
     assert "val/map" in (out / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     metrics = eval_main([*common, "--ckpt_path", str(out / "checkpoints" / "last.ckpt"), "--output_dir", str(out / "eval"),
@@ -257,7 +259,7 @@ def test_eval_from_the_checkpoint_alone_equals_eval_with_the_config(trained_run,
     fast = ["--explain.num_overlays", "1", "--explain.faithfulness_images", "4", "--explain.steps", "4",
             "--explain.report", "false"]
     with_config = eval_main(["--config", CONFIG, "--data.init_args.root", str(shapes_root),
-                             "--data.init_args.num_workers", "0", *fast, "--ckpt_path", ckpt,
+                             "--data.init_args.batching.num_workers", "0", *fast, "--ckpt_path", ckpt,
                              "--output_dir", str(tmp_path / "a")])
     alone = eval_main([*fast, "--ckpt_path", ckpt, "--output_dir", str(tmp_path / "b")])
     assert alone == pytest.approx(with_config, abs=1e-5)  # (the config's batch size differs: float noise)

@@ -118,5 +118,5 @@ def test_fit_help_lists_the_model_and_data_options_of_the_configs_classes(capsys
     out = capsys.readouterr().out
     assert ex.value.code == 0
     assert "--trainer.max_epochs" in out  # the general help
-    for key in ("--model.pooling", "--model.optim.lr", "--data.root", "--data.batch_size"):
+    for key in ("--model.head.pooling", "--model.optim.lr", "--data.root", "--data.batching.batch_size"):
         assert key in out, key

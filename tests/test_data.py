@@ -11,6 +11,7 @@ from PIL import Image
 
 from vision_attn.data.classification import DataError, ImageFolderDataModule, ImageFolderDataset
 from vision_attn.data.imageio import ImageReadError
+from vision_attn.data.loading import Batching
 from vision_attn.data.synthetic import SHAPES
 from vision_attn.data.transforms import build_eval_transform, build_train_transform
 
@@ -28,7 +29,7 @@ def _folder(root, layout):
 
 
 def test_class_names_come_from_the_train_folders(shapes_root):
-    dm = ImageFolderDataModule(root=str(shapes_root), num_workers=0, batch_size=8)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(num_workers=0, batch_size=8))
     assert dm.class_names == sorted(SHAPES) and dm.num_classes == 5
     dm.preprocess = PRE
     dm.setup("fit")
@@ -92,7 +93,7 @@ def test_corrupt_image_in_a_worker_process_keeps_type_and_path(tmp_path):
 
 
 def test_preprocessing_comes_from_the_model(shapes_root):
-    dm = ImageFolderDataModule(root=str(shapes_root), num_workers=0)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(num_workers=0))
     dm.preprocess = {**PRE, "input_size": (3, 48, 48), "mean": (0.1, 0.2, 0.3)}
     dm.setup("validate")
     x, _, _ = dm.datasets["val"][0]
@@ -176,7 +177,7 @@ def test_auto_num_workers_reaches_the_loaders(shapes_root, monkeypatch):
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(loading.torch.cuda, "is_available", lambda: False)
-    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=8)  # the default is auto
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size=8))  # the default is auto
     assert dm.num_workers == "auto"
     dm.preprocess = PRE
     dm.setup("fit")
@@ -192,8 +193,8 @@ def test_bad_num_workers_is_a_clear_error(shapes_root, bad):
     from vision_attn.data.detection import DetectionDataModule
 
     for module in (ImageFolderDataModule, DetectionDataModule, CaptioningDataModule):
-        with pytest.raises(DataError, match="--data.num_workers must be"):
-            module(root=str(shapes_root), num_workers=bad)
+        with pytest.raises(DataError, match="--data.batching.num_workers must be"):
+            module(root=str(shapes_root), batching=Batching(num_workers=bad))
 
 
 def test_decoded_images_are_read_once_across_epochs(tmp_path, monkeypatch):

@@ -15,6 +15,8 @@ from PIL import Image
 from vision_attn.data.captioning import CaptioningDataModule, read_captions
 from vision_attn.data.classification import ImageFolderDataModule, stratified_holdout
 from vision_attn.data.detection import CocoDetection, DetectionDataModule
+from vision_attn.data.layout import FolderLayout, SplitLayout
+from vision_attn.data.loading import Batching
 from vision_attn.errors import DataError
 
 PRE = {"input_size": (3, 8, 8), "interpolation": "bilinear", "mean": (0.5,) * 3, "std": (0.5,) * 3, "crop_pct": 1.0}
@@ -47,8 +49,10 @@ def test_annotation_files_and_image_folders_per_split(tmp_path, module, kind):
     _split(root / "annotations" / f"{kind}_train.json", root / "train", ["a.png", "sub/b.png"], kind)  # default
     _split(elsewhere / "my_val.json", elsewhere / "pictures", ["c.png"], kind)  # absolute, outside ROOT
     _split(root / "labels" / "test.json", root / "imgs" / "test", ["d.png", "e.png"], kind)  # relative: under ROOT
-    dm = module(root=str(root), num_workers=0, val_annotations=str(elsewhere / "my_val.json"),
-                val_images=str(elsewhere / "pictures"), test_annotations="labels/test.json", test_images="imgs/test")
+    dm = module(root=str(root), batching=Batching(num_workers=0),
+                layout=SplitLayout(val_annotations=str(elsewhere / "my_val.json"),
+                                   val_images=str(elsewhere / "pictures"), test_annotations="labels/test.json",
+                                   test_images="imgs/test"))
     dm.preprocess = PRE
     train, val, test = dm.dataset("train", train=True), dm.dataset("val"), dm.eval_dataloader("test").dataset
     assert (len(train), len(val), len(test)) == (2, 1, 2)
@@ -70,8 +74,9 @@ def test_every_path_given_needs_no_root_and_generates_nothing(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     _split(tmp_path / "tr.json", tmp_path / "tr", ["a.png"], kind)
     _split(tmp_path / "va.json", tmp_path / "va", ["b.png"], kind)
-    dm = module(num_workers=0, train_annotations="tr.json", train_images="tr", val_annotations="va.json",
-                val_images="va")
+    dm = module(batching=Batching(num_workers=0),
+                layout=SplitLayout(train_annotations="tr.json", train_images="tr", val_annotations="va.json",
+                                   val_images="va"))
     dm.preprocess = PRE
     assert len(dm.dataset("val")) == 1 and dm.dataset("val").relative_file(0) == "va/b.png"
 
@@ -122,14 +127,15 @@ def test_layout_options_are_on_the_command_line(module):
     parser = ArgumentParser()
     parser.add_class_arguments(module, "data")
     if module is ImageFolderDataModule:
-        cfg = parser.parse_args(["--data.val_fraction", "0.2", "--data.val_seed", "3"]).data
+        cfg = parser.parse_args(["--data.layout.val_fraction", "0.2", "--data.layout.val_seed", "3"]).data.layout
         assert (cfg.val_fraction, cfg.val_seed) == (0.2, 3)
         return
-    args = [f"--data.{s}_{what}={s}.{what}" for s in ("train", "val", "test") for what in ("annotations", "images")]
-    cfg = parser.parse_args(args).data
+    args = [f"--data.layout.{s}_{what}={s}.{what}" for s in ("train", "val", "test")
+            for what in ("annotations", "images")]
+    cfg = parser.parse_args(args).data.layout
     assert (cfg.train_annotations, cfg.val_images, cfg.test_annotations) == ("train.annotations", "val.images",
                                                                            "test.annotations")
-    assert parser.parse_args([]).data.val_annotations is None
+    assert parser.parse_args([]).data.layout.val_annotations is None
 
 
 # --- ImageFolder without val/: a seeded stratified held-out part of train/ ------------------------
@@ -144,7 +150,8 @@ def _train_only(root, counts):
 
 def test_val_fraction_holds_out_a_seeded_stratified_part_of_train(tmp_path):
     root = _train_only(tmp_path, {"a": 10, "b": 4, "c": 1})
-    dm = ImageFolderDataModule(root=str(root), num_workers=0, val_fraction=0.3, val_seed=5)
+    dm = ImageFolderDataModule(root=str(root), batching=Batching(num_workers=0),
+                               layout=FolderLayout(val_fraction=0.3, val_seed=5))
     dm.preprocess = PRE
     dm.setup("fit")
     train, val = dm.datasets["train"], dm.datasets["val"]
@@ -159,7 +166,8 @@ def test_val_fraction_holds_out_a_seeded_stratified_part_of_train(tmp_path):
     ranked = sorted((f"a/{i:02d}.png" for i in range(10)), key=lambda f: hashlib.sha256(f"5/{f}".encode()).hexdigest())
     assert {f for f in val_files if f.startswith("train/a/")} == {f"train/{f}" for f in ranked[:3]}
     # deterministic: the same seed, the same split (also for eval.py); another seed, another
-    again = ImageFolderDataModule(root=str(root), num_workers=0, val_fraction=0.3, val_seed=5)
+    again = ImageFolderDataModule(root=str(root), batching=Batching(num_workers=0),
+                                  layout=FolderLayout(val_fraction=0.3, val_seed=5))
     again.preprocess = PRE
     assert {f for f, _ in again.eval_dataloader("val").dataset.samples} == val_files
     assert any(stratified_holdout({f"a/{i:02d}.png" for i in range(10)}, 0.3, s) != set(ranked[:3]) for s in (6, 7))
@@ -169,12 +177,12 @@ def test_val_fraction_holds_out_a_seeded_stratified_part_of_train(tmp_path):
 
 def test_val_fraction_and_a_val_folder_or_neither_are_clear_errors(tmp_path):
     root = _train_only(tmp_path, {"a": 3})
-    dm = ImageFolderDataModule(root=str(root), num_workers=0)
+    dm = ImageFolderDataModule(root=str(root), batching=Batching(num_workers=0))
     dm.preprocess = PRE
-    with pytest.raises(DataError, match=r"val does not exist: add it, or pass --data.val_fraction"):
+    with pytest.raises(DataError, match=r"val does not exist: add it, or pass --data.layout.val_fraction"):
         dm.setup("fit")
     with pytest.raises(DataError, match="strictly between 0 and 1"):
-        ImageFolderDataModule(root=str(root), val_fraction=1.0)
+        ImageFolderDataModule(root=str(root), layout=FolderLayout(val_fraction=1.0))
     _png(root / "val" / "a" / "x.png")
-    with pytest.raises(DataError, match=r"val exists and --data.val_fraction 0.2 is set"):
-        ImageFolderDataModule(root=str(root), val_fraction=0.2)
+    with pytest.raises(DataError, match=r"val exists and --data.layout.val_fraction 0.2 is set"):
+        ImageFolderDataModule(root=str(root), layout=FolderLayout(val_fraction=0.2))

@@ -18,6 +18,8 @@ from vision_attn.explain.captioning import word_attention_maps
 from vision_attn.explain.capture import attention_modules, capture_attention
 from vision_attn.explain.decoder_relevance import caption_relevance, detection_relevance
 from vision_attn.explain.detection import query_attention_maps
+from vision_attn.models.captioner import DecoderConfig
+from vision_attn.models.detr import DETRConfig
 from vision_attn.tasks.captioning import CaptioningTask
 from vision_attn.tasks.detection import DetectionTask
 
@@ -28,16 +30,17 @@ def _encoder():
     return create_encoder("vit_tiny_patch16_224", **TINY)
 
 
-def _detector(**kw) -> DetectionTask:
+def _detector(**head) -> DetectionTask:
+    """A tiny detector; ``head``: fields of its :class:`DETRConfig` besides the tiny sizes."""
     torch.manual_seed(0)
-    return DetectionTask(_encoder(), num_classes=2, num_queries=4, hidden_dim=32, num_layers=2, num_heads=2,
-                         **kw).eval()
+    return DetectionTask(_encoder(), num_classes=2, head=DETRConfig(num_queries=4, hidden_dim=32, num_layers=2,
+                                                                    num_heads=2, **head)).eval()
 
 
 def _captioner() -> CaptioningTask:
     torch.manual_seed(0)
-    task = CaptioningTask(_encoder(), vocab=[*SPECIAL_TOKENS, "a", "red", "circle"], hidden_dim=32, num_layers=2,
-                          num_heads=2, max_length=6)
+    task = CaptioningTask(_encoder(), vocab=[*SPECIAL_TOKENS, "a", "red", "circle"],
+                          decoder=DecoderConfig(hidden_dim=32, num_layers=2, num_heads=2, max_length=6))
     torch.manual_seed(1)  # untrained: let the word embeddings differ visibly
     with torch.no_grad():
         task.head.pos.normal_(0, 0.5)

@@ -14,8 +14,15 @@ import torch
 
 from vision_attn import capture_attention
 from vision_attn.boxes import box_cxcywh_to_xyxy
-from vision_attn.models.detr import DETRHead, noise_boxes, noise_labels, query_group_mask
+from vision_attn.models.detr import (
+    DETRConfig,
+    DETRHead,
+    noise_boxes,
+    noise_labels,
+    query_group_mask,
+)
 from vision_attn.models.encoder import EncoderOutput
+from vision_attn.tasks.detection import SetLossConfig
 
 TARGETS = [{"labels": torch.tensor([0, 2]), "boxes": torch.tensor([[0.3, 0.3, 0.2, 0.2], [0.6, 0.6, 0.3, 0.2]])},
            {"labels": torch.tensor([1]), "boxes": torch.tensor([[0.5, 0.4, 0.4, 0.3]])}]
@@ -26,11 +33,12 @@ def _enc(b=2, grid=(3, 4), dim=24, seed=0):
     return EncoderOutput(torch.randn(b, 1 + grid[0] * grid[1], dim, generator=g), 1, grid)
 
 
-def _head(seed=0, **kw):
+def _head(seed=0, **config):
+    """A 3-class head on 24-wide tokens; ``config``: fields of its :class:`DETRConfig` besides the small sizes."""
     torch.manual_seed(seed)
-    args = dict(num_classes=3, num_queries=5, hidden_dim=32, num_layers=2, num_heads=4, dropout=0.0, box_refine=True)
-    args.update(kw)
-    return DETRHead(24, **args)
+    args = dict(num_queries=5, hidden_dim=32, num_layers=2, num_heads=4, dropout=0.0, box_refine=True)
+    args.update(config)
+    return DETRHead(24, 3, DETRConfig(**args))
 
 
 def _assert_same_outputs(a: dict, b: dict, exact: bool = True):
@@ -402,8 +410,9 @@ def test_a_few_training_steps_with_each_switch_reduce_the_loss(name):
     enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
     kw = dict(box_refine=True, focal=True)
     kw.update(SWITCHES[name])
-    task = DetectionTask(enc, class_names=["a", "b", "c"], num_queries=6, hidden_dim=32, num_layers=2, num_heads=2,
-                         **kw).train()
+    loss = SetLossConfig(o2m_repeat=kw.pop("o2m_repeat")) if "o2m_repeat" in kw else SetLossConfig()
+    task = DetectionTask(enc, class_names=["a", "b", "c"], loss=loss,
+                         head=DETRConfig(num_queries=6, hidden_dim=32, num_layers=2, num_heads=2, **kw)).train()
     images = torch.randn(4, 3, 32, 32)
     targets = [{"labels": torch.tensor([i % 3, (i + 1) % 3][: 1 + i % 2]),
                 "boxes": torch.tensor([[0.3, 0.3, 0.2, 0.3], [0.7, 0.6, 0.3, 0.2]])[: 1 + i % 2]} for i in range(4)]

@@ -52,15 +52,18 @@ def test_never_reached_and_failed_run(tmp_path):
 
 
 def test_every_row_is_an_override_of_a_switch_the_task_has():
-    import inspect
+    import dataclasses
+    import typing
 
     from vision_attn.tasks import DetectionTask
 
-    params = set(inspect.signature(DetectionTask.__init__).parameters)
+    hints = typing.get_type_hints(DetectionTask.__init__)
     for name, overrides in ROWS.items():
-        keys = [o.split(".")[-1] for o in overrides[::2]]
         assert all(o.startswith("--model.init_args.") for o in overrides[::2]), name
-        assert set(keys) <= params, (name, set(keys) - params)
+        for option in overrides[::2]:
+            group, _, field = option[len("--model.init_args."):].partition(".")
+            assert group in hints and dataclasses.is_dataclass(hints[group]), (name, option)
+            assert field in {f.name for f in dataclasses.fields(hints[group])}, (name, option)
 
 
 def test_rows_state_every_aid_so_they_do_not_depend_on_the_config():

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
 from PIL import Image
 
-from vision_attn.data.detection import CocoDetection, DetectionDataModule, build_detection_transform
+from vision_attn.data.detection import (
+    DETECTION_BATCHING,
+    CocoDetection,
+    DetectionDataModule,
+    build_detection_transform,
+)
+from vision_attn.data.loading import Batching
 from vision_attn.errors import DataError
 
 PRE = {"input_size": (3, 32, 48), "mean": (0.0,) * 3, "std": (1.0,) * 3, "interpolation": "bilinear", "crop_pct": 1.0}
@@ -89,7 +96,8 @@ def test_training_transform_keeps_boxes_valid(tmp_path):
 def test_datamodule_on_embedded_scenes():
     from vision_attn.data.synthetic import SceneSetConfig
 
-    dm = DetectionDataModule(synthetic=SceneSetConfig(num_train=8, num_val=4, image_size=48), batch_size=4, num_workers=0)
+    dm = DetectionDataModule(synthetic=SceneSetConfig(num_train=8, num_val=4, image_size=48),
+                             batching=Batching(batch_size=4, num_workers=0))
     assert dm.class_names == ["circle", "square", "triangle", "star", "cross"] and dm.category_ids == [1, 2, 3, 4, 5]
     dm.preprocess = {**PRE, "input_size": (3, 48, 48)}
     dm.setup("fit")
@@ -103,7 +111,7 @@ def test_only_evaluation_items_carry_the_scored_ground_truth(tmp_path):
     from vision_attn.data.synthetic import SceneSetConfig
 
     dm = DetectionDataModule(synthetic=SceneSetConfig(image_size=32, num_train=4, num_val=2), cache_dir=str(tmp_path),
-                             num_workers=0)
+                             batching=replace(DETECTION_BATCHING, num_workers=0))
     train, val = dm.dataset(dm.train_split, train=True), dm.dataset(dm.val_split)
     assert "scored" not in train[0][1]
     scored = val[0][1]["scored"]
@@ -118,16 +126,17 @@ def test_auto_batch_size_sizes_detection_from_the_training_set(tmp_path):
     from vision_attn.data.synthetic import SceneSetConfig
 
     dm = DetectionDataModule(synthetic=SceneSetConfig(image_size=32, num_train=40, num_val=4), cache_dir=str(tmp_path),
-                             num_workers=0, batch_size="auto", min_steps_per_epoch=8, min_batch_size=2, max_batch_size=16)
+                             batching=replace(DETECTION_BATCHING, num_workers=0, batch_size="auto",
+                                              min_steps_per_epoch=8, min_batch_size=2, max_batch_size=16))
     dm.preprocess = {**PRE, "input_size": (3, 32, 32)}
     dm.setup("fit")
     # 40 images / 8 steps = 5 -> 4; 40 // 4 = 10 batches
     assert dm.train_dataloader().batch_size == 4 and len(dm.train_dataloader()) == 10
     assert dm.hparams["batch_size"] == 4 and dm.hparams["batch_size_rule"] == "auto"
     assert dm.val_dataloader().batch_size == 16
-    with pytest.raises(DataError, match="--data.min_batch_size"):
+    with pytest.raises(DataError, match="--data.batching.min_batch_size"):
         DetectionDataModule(synthetic=SceneSetConfig(image_size=32, num_train=40, num_val=4), cache_dir=str(tmp_path),
-                            batch_size="auto", min_batch_size=0)
+                            batching=replace(DETECTION_BATCHING, batch_size="auto", min_batch_size=0))
 
 
 def _v2_pipeline(train: bool, scale, size=(24, 32)):
@@ -249,4 +258,5 @@ def test_a_bad_decoded_cache_setting_stops_the_data_module(monkeypatch):
 
     monkeypatch.setenv("VISION_ATTN_DECODED_CACHE_MB", "inf")
     with pytest.raises(DataError, match="VISION_ATTN_DECODED_CACHE_MB must be a number of MiB >= 0"):
-        DetectionDataModule(synthetic=SceneSetConfig(num_train=4, num_val=2, image_size=32), num_workers=0)
+        DetectionDataModule(synthetic=SceneSetConfig(num_train=4, num_val=2, image_size=32),
+                            batching=replace(DETECTION_BATCHING, num_workers=0))

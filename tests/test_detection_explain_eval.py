@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from vision_attn.explain.evaluate import ExplainOptions
+from vision_attn.models.detr import DETRConfig
 from vision_attn.tasks import DetectionTask
 
 from .conftest import REPO
 
 
 def _tiny_task(tiny_encoder, focal=False, num_classes=2):
-    return DetectionTask(tiny_encoder, num_classes=num_classes, category_ids=[3, 7][:num_classes], num_queries=4,
-                         hidden_dim=32, num_layers=1, num_heads=2, focal=focal).eval()
+    return DetectionTask(tiny_encoder, num_classes=num_classes, category_ids=[3, 7][:num_classes],
+                         head=DETRConfig(num_queries=4, hidden_dim=32, num_layers=1, num_heads=2, focal=focal)).eval()
 
 
 # --- matching --------------------------------------------------------------------------------------------
@@ -163,6 +164,49 @@ def test_no_detection_gives_no_numbers(tmp_path, tiny_encoder, monkeypatch, capl
     assert "no detection scored at least" in caplog.text
 
 
+PINNED = {
+    "deletion_auc": 0.30269152522087095, "deletion_auc_attention": 0.30269152522087095,
+    "deletion_auc_random": 0.3049205422401428, "deletion_auc_relevance": 0.2921755015850067,
+    "energy_attention": 0.11923006154281124, "energy_random": 0.10390814061968809,
+    "energy_relevance": 0.11711883423281515, "insertion_auc": 0.30858898162841797,
+    "insertion_auc_attention": 0.30858898162841797, "insertion_auc_random": 0.30538699626922605,
+    "insertion_auc_relevance": 0.31708587408065797, "pointing_attention": 0.5714285714285714,
+    "pointing_random": 0.2857142857142857, "pointing_relevance": 0.42857142857142855,
+    "sanity_attention": 0.3905882352941176, "sanity_random": 1.0, "sanity_relevance": -0.06352941176470588,
+}
+PINNED_OUTPUTS = {
+    "sanity": {"attention/block1": 0.985, "attention/block0": 0.9794117647058822, "attention/all": 0.3905882352941176,
+               "relevance/block1": 0.8670588235294119, "relevance/block0": 0.6691176470588236,
+               "relevance/all": -0.06352941176470588, "random/block1": 1.0, "random/block0": 1.0, "random/all": 1.0},
+    "maps": {"attention": 25796.136580586433, "random": 20721.128681261092, "relevance": 17735.60358034633},
+}
+
+
+def test_explanation_numbers_are_pinned(tmp_path, tiny_encoder, monkeypatch):
+    """The measures of the model's own maps (attention, relevance, random) of hand-made
+    detections, at most two per image, in three batches: every number, the sanity curves and
+    the saved maps keep their values."""
+    from vision_attn.data.detection import CocoDetection, build_detection_transform
+    from vision_attn.explain.detection import detection_explain_metrics
+
+    from .test_measures import assert_pinned, explanation_outputs
+
+    dets = _split(tmp_path / "data", n_images=5)
+    task = _tiny_task(tiny_encoder)
+    ds = CocoDetection(tmp_path / "data", "val", build_detection_transform(task.data_config, train=False))
+    queue = list(dets)
+    monkeypatch.setattr(task, "detect", lambda outputs, sizes: [queue.pop(0) for _ in range(len(sizes))])
+    options = ExplainOptions(methods=["attention", "relevance"], faithfulness_images=5, steps=3, save_maps=True,
+                             sanity=True, batch_size=2, score_threshold=0.3)
+    metrics = detection_explain_metrics(task, ds, options, tmp_path / "out", max_objects=2)
+    assert_pinned(metrics, PINNED)
+    outputs = explanation_outputs(tmp_path / "out")
+    kept = [(i, k) for i, d in enumerate(dets) for k in range(min(2, len(d["queries"])))]
+    assert [(e["index"], e["detection"]) for e in outputs["index"]] == kept
+    assert_pinned(outputs["sanity"], PINNED_OUTPUTS["sanity"])
+    assert outputs["maps"] == pytest.approx(PINNED_OUTPUTS["maps"], rel=1e-5)
+
+
 # --- eval.py on a trained checkpoint ----------------------------------------------------------------------
 
 
@@ -173,12 +217,12 @@ def test_eval_writes_detection_explanation_metrics_and_maps(tmp_path):
     cfg = str(REPO / "configs" / "detection" / "shapes.yaml")
     enc = "--model.init_args.encoder.init_args."
     common = ["--config", cfg, "--data.init_args.synthetic.num_train", "8", "--data.init_args.synthetic.num_val", "3",
-              "--data.init_args.synthetic.image_size", "32", "--data.init_args.num_workers", "0",
+              "--data.init_args.synthetic.image_size", "32", "--data.init_args.batching.num_workers", "0",
               "--data.init_args.cache_dir", str(tmp_path / "data")]
     out = tmp_path / "det"
     train_main([*common, f"{enc}img_size", "32", f"{enc}embed_dim", "32", f"{enc}depth", "1", f"{enc}num_heads", "2",
-                "--model.init_args.hidden_dim", "32", "--model.init_args.num_layers", "1",
-                "--model.init_args.num_heads", "2", "--model.init_args.num_queries", "4",
+                "--model.init_args.head.hidden_dim", "32", "--model.init_args.head.num_layers", "1",
+                "--model.init_args.head.num_heads", "2", "--model.init_args.head.num_queries", "4",
                 "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
                 "--trainer.default_root_dir", str(out)])
     metrics = eval_main([*common, "--ckpt_path", str(out / "checkpoints" / "last.ckpt"),

@@ -4,6 +4,7 @@ key padding masks through the encoder and the decoder, boxes in original pixels.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,13 +13,18 @@ from PIL import Image
 
 from vision_attn import create_encoder
 from vision_attn.data.detection import (
+    DETECTION_BATCHING,
     CocoDetection,
     DetectionDataModule,
+    DetectionTransform,
     build_detection_transform,
     detection_collate,
 )
+from vision_attn.data.layout import SplitLayout
+from vision_attn.data.loading import Batching
 from vision_attn.data.transforms import AspectResize, aspect_resize_size
 from vision_attn.errors import DataError, EncoderError
+from vision_attn.models.detr import DETRConfig
 from vision_attn.tasks.detection import DetectionTask
 
 PRE = {"input_size": (3, 32, 32), "mean": (0.0,) * 3, "std": (1.0,) * 3, "interpolation": "bilinear", "crop_pct": 1.0}
@@ -120,20 +126,22 @@ def test_square_path_is_unchanged(tmp_path):
 def test_datamodule_aspect_mode_and_its_errors(tmp_path):
     root = _coco(tmp_path, "train")
     _coco(root, "val")
-    dm = DetectionDataModule(str(root), resize="aspect", train_sizes=(16, 24), eval_size=24, max_size=40,
-                             batch_size=2, num_workers=0)
+    dm = DetectionDataModule(str(root), transform=DetectionTransform(resize="aspect", train_sizes=(16, 24),
+                                                                     eval_size=24, max_size=40),
+                             batching=Batching(batch_size=2, num_workers=0))
     dm.preprocess = PRE
     images, targets = dm.collate_fn()([dm.dataset("val")[i] for i in range(2)])
     assert images.shape == (2, 3, 40, 40) and [t["size"].tolist() for t in targets] == [[20, 40], [40, 20]]
     assert "size" in dm.dataset("train", train=True)[0][1]
-    square = DetectionDataModule(str(root), num_workers=0)
+    square = DetectionDataModule(str(root), batching=replace(DETECTION_BATCHING, num_workers=0))
     square.preprocess = PRE
     assert "size" not in square.dataset("val")[0][1] and square.resize == "square"
-    with pytest.raises(DataError, match="--data.resize"):
-        DetectionDataModule(str(root), resize="crop")
+    with pytest.raises(DataError, match="--data.transform.resize"):
+        DetectionDataModule(str(root), transform=DetectionTransform(resize="crop"))
     with pytest.raises(DataError, match="max_size 20 is below"):
-        DetectionDataModule(str(root), resize="aspect", train_sizes=(16,), eval_size=24, max_size=20)
-    DetectionDataModule(str(root), max_size=20)  # square: the aspect sizes are not used
+        DetectionDataModule(str(root), transform=DetectionTransform(resize="aspect", train_sizes=(16,), eval_size=24,
+                                                                    max_size=20))
+    DetectionDataModule(str(root), transform=DetectionTransform(max_size=20))  # square: the aspect sizes are not used
 
 
 # ---------------------------------------------------------------------------- masks: padding changes nothing
@@ -189,8 +197,8 @@ HEADS = [{}, {"box_refine": True, "focal": True, "query_selection": True}, {"box
 @pytest.mark.parametrize("kw", HEADS)
 def test_padded_image_gives_the_same_detections_as_alone(kw):
     torch.manual_seed(0)
-    task = DetectionTask(_encoder(), num_classes=3, num_queries=6, hidden_dim=32, num_layers=2, num_heads=2,
-                         **kw).eval()
+    task = DetectionTask(_encoder(), num_classes=3, head=DETRConfig(num_queries=6, hidden_dim=32, num_layers=2,
+                                                                    num_heads=2, **kw)).eval()
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(3, 24, 40, generator=g), torch.randn(3, 48, 16, generator=g)
     batch, sizes = _padded([a, b], (48, 56))
@@ -215,7 +223,8 @@ def test_padded_image_gives_the_same_detections_as_alone(kw):
 
 def test_batch_not_a_multiple_of_the_patch_is_padded_by_the_task():
     torch.manual_seed(0)
-    task = DetectionTask(_encoder(), num_classes=2, num_queries=4, hidden_dim=32, num_layers=1, num_heads=2).eval()
+    task = DetectionTask(_encoder(), num_classes=2, head=DETRConfig(num_queries=4, hidden_dim=32, num_layers=1,
+                                                                    num_heads=2)).eval()
     g = torch.Generator().manual_seed(2)
     a, b = torch.randn(3, 21, 35, generator=g), torch.randn(3, 30, 12, generator=g)
     batch, sizes = _padded([a, b], (30, 35))
@@ -240,11 +249,13 @@ def test_predictions_json_boxes_are_in_original_pixels_of_non_square_images(tmp_
     aspect resize, padded collate, image_sizes to the model, post-processing by each image's
     original size, the COCO results list."""
     root = _coco(tmp_path)
-    dm = DetectionDataModule(str(root), train_split="val", resize="aspect", train_sizes=(24,), eval_size=24,
-                             max_size=40, num_workers=0)
+    dm = DetectionDataModule(str(root), layout=SplitLayout(train_split="val"),
+                             transform=DetectionTransform(resize="aspect", train_sizes=(24,), eval_size=24,
+                                                          max_size=40), batching=replace(DETECTION_BATCHING,
+                                                                                         num_workers=0))
     dm.preprocess = PRE
     ds = dm.dataset("val")
-    task = DetectionTask(_encoder(), num_queries=3, hidden_dim=32, num_layers=1, num_heads=2)
+    task = DetectionTask(_encoder(), head=DETRConfig(num_queries=3, hidden_dim=32, num_layers=1, num_heads=2))
     task.build_from_data(dm)
     task.eval()
     batch = dm.collate_fn()([ds[0], ds[1]])
@@ -279,12 +290,15 @@ def test_explanations_of_an_aspect_mode_dataset_use_the_inference_geometry(tmp_p
     from vision_attn.explain.evaluate import ExplainOptions
 
     root = _coco(tmp_path)
-    dm = DetectionDataModule(str(root), train_split="val", resize="aspect", train_sizes=(24,), eval_size=24,
-                             max_size=40, num_workers=0)
+    dm = DetectionDataModule(str(root), layout=SplitLayout(train_split="val"),
+                             transform=DetectionTransform(resize="aspect", train_sizes=(24,), eval_size=24,
+                                                          max_size=40), batching=replace(DETECTION_BATCHING,
+                                                                                         num_workers=0))
     dm.preprocess = PRE
     ds = dm.dataset("val")
     torch.manual_seed(0)
-    task = DetectionTask(_encoder(), num_queries=3, hidden_dim=32, num_layers=1, num_heads=2, pyramid=True)
+    task = DetectionTask(_encoder(), head=DETRConfig(num_queries=3, hidden_dim=32, num_layers=1, num_heads=2,
+                                                     pyramid=True))
     task.build_from_data(dm)
     task.eval()
     options = ExplainOptions(methods=["attention", "relevance"], num_overlays=2, faithfulness_images=2, steps=2,
@@ -304,11 +318,13 @@ def test_fit_and_test_with_padded_batches(tmp_path):
 
     root = _coco(tmp_path, "train")
     _coco(root, "val")
-    dm = DetectionDataModule(str(root), resize="aspect", train_sizes=(16, 24), eval_size=24, max_size=40,
-                             batch_size=2, num_workers=0)
+    dm = DetectionDataModule(str(root), transform=DetectionTransform(resize="aspect", train_sizes=(16, 24),
+                                                                     eval_size=24, max_size=40),
+                             batching=Batching(batch_size=2, num_workers=0))
     torch.manual_seed(0)
-    task = DetectionTask(_encoder().train(), num_queries=4, hidden_dim=32, num_layers=2, num_heads=2,
-                         box_refine=True, focal=True, pyramid=True, dn_groups=1, query_selection=True)
+    task = DetectionTask(_encoder().train(), head=DETRConfig(num_queries=4, hidden_dim=32, num_layers=2, num_heads=2,
+                                                             box_refine=True, focal=True, pyramid=True, dn_groups=1,
+                                                             query_selection=True))
     trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path, num_sanity_val_steps=0)
     trainer.fit(task, datamodule=dm)

@@ -11,9 +11,13 @@ import torch
 
 from vision_attn import create_encoder, load_task
 from vision_attn.data.detection import DetectionDataModule
+from vision_attn.data.layout import SplitLayout
+from vision_attn.data.loading import Batching
 from vision_attn.data.synthetic import SceneSetConfig
+from vision_attn.models.detr import DETRConfig
 from vision_attn.tasks import DetectionTask
-from vision_attn.tasks.detection import mean_average_precision
+from vision_attn.tasks.base import build_task_from_meta
+from vision_attn.tasks.detection import SetLossConfig, mean_average_precision
 
 from .conftest import write_exif_rotated_jpeg
 
@@ -74,11 +78,12 @@ def test_map_equals_pycocotools_on_the_same_predictions(tmp_path):
 
 
 def test_train_test_predictions_json_accepted_by_pycocotools(tmp_path):
-    dm = DetectionDataModule(synthetic=SceneSetConfig(num_train=16, num_val=6, image_size=32), batch_size=8,
-                             num_workers=0, cache_dir=str(tmp_path))
+    dm = DetectionDataModule(synthetic=SceneSetConfig(num_train=16, num_val=6, image_size=32), cache_dir=str(tmp_path),
+                             batching=Batching(batch_size=8, num_workers=0))
     torch.manual_seed(0)
     enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
-    task = DetectionTask(enc, num_queries=5, hidden_dim=32, num_layers=2, num_heads=2, box_refine=True, focal=True)
+    task = DetectionTask(enc, head=DETRConfig(num_queries=5, hidden_dim=32, num_layers=2, num_heads=2, box_refine=True,
+                                              focal=True))
     trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(task, datamodule=dm)
@@ -160,8 +165,8 @@ def _crowd_and_tiny_split(root, n_images=4, seed=0):
 
 
 def _tiny_task(tiny_encoder, num_classes=2, category_ids=(3, 7)):
-    return DetectionTask(tiny_encoder, num_classes=num_classes, category_ids=list(category_ids), num_queries=4,
-                         hidden_dim=32, num_layers=1, num_heads=2)
+    return DetectionTask(tiny_encoder, num_classes=num_classes, category_ids=list(category_ids),
+                         head=DETRConfig(num_queries=4, hidden_dim=32, num_layers=1, num_heads=2))
 
 
 def test_crowd_regions_are_scored_as_pycocotools_scores_them(tmp_path, tiny_encoder):
@@ -190,7 +195,8 @@ def test_crowd_regions_are_scored_as_pycocotools_scores_them(tmp_path, tiny_enco
 def test_validation_and_evaluation_score_the_same_ground_truth(tmp_path, tiny_encoder):
     """Objects of 0.75 input pixels and crowd regions: val/map == eval map == pycocotools."""
     dets = _crowd_and_tiny_split(tmp_path)
-    dm = DetectionDataModule(root=str(tmp_path), train_split="val", val_split="val", batch_size=3, num_workers=0)
+    dm = DetectionDataModule(root=str(tmp_path), layout=SplitLayout(train_split="val", val_split="val"),
+                             batching=Batching(batch_size=3, num_workers=0))
     task = _tiny_task(tiny_encoder)
     dm.preprocess = task.data_config
     assert task.data_config["input_size"][1:] == (32, 32)
@@ -259,14 +265,14 @@ def test_training_aids_through_the_task_fit_log_and_reload(tmp_path):
     """``DetectionTask`` passes the targets to the head only in training; the aids' terms are
     logged; a checkpoint reloads with the switches; inference equals the same weights without
     the training-only aids."""
-    dm = DetectionDataModule(synthetic=SceneSetConfig(num_train=8, num_val=4, image_size=32), batch_size=4,
-                             num_workers=0, cache_dir=str(tmp_path))
+    dm = DetectionDataModule(synthetic=SceneSetConfig(num_train=8, num_val=4, image_size=32), cache_dir=str(tmp_path),
+                             batching=Batching(batch_size=4, num_workers=0))
     torch.manual_seed(0)
     enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
     aids = dict(dn_groups=2, dn_negatives=True, label_noise_ratio=0.2, box_noise_scale=0.4, query_selection=True,
-                look_forward_twice=True, o2m_groups=2, o2m_mode="hybrid", o2m_repeat=3)
-    task = DetectionTask(enc, num_queries=5, hidden_dim=32, num_layers=2, num_heads=2, box_refine=True, focal=True,
-                         **aids)
+                look_forward_twice=True, o2m_groups=2, o2m_mode="hybrid")
+    task = DetectionTask(enc, head=DETRConfig(num_queries=5, hidden_dim=32, num_layers=2, num_heads=2,
+                                              box_refine=True, focal=True, **aids), loss=SetLossConfig(o2m_repeat=3))
     trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path, num_sanity_val_steps=0)
     trainer.fit(task, datamodule=dm)
@@ -283,15 +289,20 @@ def test_training_aids_through_the_task_fit_log_and_reload(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(x)["pred_boxes"], task(x)["pred_boxes"])
     # defaults: no aid, the criterion's weight table is DETR's
-    plain = DetectionTask(enc, class_names=["a"], num_queries=5, hidden_dim=32, num_layers=2, num_heads=2)
+    plain = DetectionTask(enc, class_names=["a"], head=DETRConfig(num_queries=5, hidden_dim=32, num_layers=2,
+                                                                  num_heads=2))
     assert plain.criterion.parts == () and not hasattr(plain.head, "label_embed")
 
 
 def test_checkpoints_from_before_the_training_aids_build_without_them(tmp_path):
     enc = create_encoder("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
-    task = DetectionTask(enc, class_names=["a", "b"], num_queries=4, hidden_dim=32, num_layers=1, num_heads=2)
+    task = DetectionTask(enc, class_names=["a", "b"], head=DETRConfig(num_queries=4, hidden_dim=32, num_layers=1,
+                                                                      num_heads=2))
+    meta = task.checkpoint_meta()
+    stored = meta["model"]["init_args"]
     for k in ("dn_groups", "label_noise_ratio", "box_noise_scale", "dn_negatives", "query_selection",
-              "look_forward_twice", "o2m_groups", "o2m_mode", "o2m_repeat"):
-        del task.hparams[k]  # as saved before issue 20
-    task._build(2, ["a", "b"], None)
+              "look_forward_twice", "o2m_groups", "o2m_mode"):
+        del stored["head"][k]  # as saved before the aids existed
+    del stored["loss"]["o2m_repeat"]
+    task = build_task_from_meta(meta)
     assert task.head.dn_groups == 0 and task.head.o2m_groups == 0 and task.criterion.parts == ()

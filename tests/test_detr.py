@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vision_attn import capture_attention
-from vision_attn.models.detr import DETRHead, post_process
+from vision_attn.models.detr import DETRConfig, DETRHead, post_process
 from vision_attn.models.encoder import EncoderOutput
 
 
@@ -18,8 +18,8 @@ def _enc(b=2, grid=(3, 4), dim=24, prefix=1):
 @pytest.mark.parametrize("focal", [False, True])
 def test_output_contract(box_refine, focal):
     torch.manual_seed(0)
-    head = DETRHead(24, num_classes=5, num_queries=7, hidden_dim=32, num_layers=3, num_heads=4,
-                    focal=focal, box_refine=box_refine)
+    head = DETRHead(24, num_classes=5, config=DETRConfig(num_queries=7, hidden_dim=32, num_layers=3, num_heads=4,
+                                                         focal=focal, box_refine=box_refine, dropout=0.1))
     head.train()
     out = head(_enc(), need_weights=True)
     c = 5 if focal else 6
@@ -33,13 +33,14 @@ def test_output_contract(box_refine, focal):
 
 
 def test_box_refine_starts_from_the_anchor_boxes():
-    head = DETRHead(24, 3, num_queries=4, hidden_dim=32, num_layers=2, num_heads=4, box_refine=True).eval()
+    head = DETRHead(24, 3, config=DETRConfig(num_queries=4, hidden_dim=32, num_layers=2, num_heads=4, box_refine=True,
+                                             dropout=0.1)).eval()
     out = head(_enc(b=1))
     assert torch.allclose(out["pred_boxes"][0], head.anchors.clamp(1e-5, 1 - 1e-5), atol=1e-5)
 
 
 def test_cross_attention_is_capturable_per_query():
-    head = DETRHead(24, 3, num_queries=5, hidden_dim=32, num_layers=2, num_heads=4).eval()
+    head = DETRHead(24, 3, DETRConfig(num_queries=5, hidden_dim=32, num_layers=2, num_heads=4, dropout=0.1)).eval()
     enc = _enc(b=1)
     ref = head(enc, need_weights=True)["cross_attn"]
     with capture_attention(head, names=["layers.0.cross_attn", "layers.1.cross_attn"]) as attn:
@@ -139,8 +140,8 @@ def _pre_issue20_forward(head: DETRHead, enc: EncoderOutput) -> dict:
 @pytest.mark.parametrize("focal", [False, True])
 def test_switches_off_is_exactly_the_pre_issue20_head(training, box_refine, focal):
     torch.manual_seed(0)
-    head = DETRHead(24, 5, num_queries=7, hidden_dim=32, num_layers=3, num_heads=4, dropout=0.0, focal=focal,
-                    box_refine=box_refine).train(training)
+    head = DETRHead(24, 5, config=DETRConfig(num_queries=7, hidden_dim=32, num_layers=3, num_heads=4, dropout=0.0,
+                                             focal=focal, box_refine=box_refine)).train(training)
     names = {n.split(".")[0] for n, _ in head.named_parameters()}
     assert names == {"input_proj", "layers", "norm", "class_heads", "box_heads"} | (
         {"anchors", "pos_mlp"} if box_refine else {"query_embed"})

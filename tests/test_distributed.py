@@ -81,20 +81,21 @@ def _task_args(task: str, data: Path) -> tuple[str, list[str], list[str]]:
         from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
 
         root = ensure_shapes_classification(ShapesConfig(image_size=32, num_train=48, num_val=25, seed=5), data)
-        common = ["--data.init_args.root", str(root), "--data.init_args.batch_size", "4"]
+        common = ["--data.init_args.root", str(root), "--data.init_args.batching.batch_size", "4"]
         model = [f"{ENC}embed_dim", "32", f"{ENC}depth", "1", f"{ENC}num_heads", "2", f"{ENC}patch_size", "8"]
         return "classification/shapes.yaml", [*common, *model], ["--explain.faithfulness_images", "6"]
     synth = ["--data.init_args.synthetic.num_train", "24", "--data.init_args.synthetic.num_val", "9",
              "--data.init_args.synthetic.image_size", "32", "--data.init_args.cache_dir", str(data),
-             "--data.init_args.batch_size", "2"]
+             "--data.init_args.batching.batch_size", "2"]
+    group = "--model.init_args." + ("head" if task == "detection" else "decoder")
     model = [f"{ENC}img_size", "32", f"{ENC}embed_dim", "32", f"{ENC}depth", "1", f"{ENC}num_heads", "2",
-             "--model.init_args.hidden_dim", "32", "--model.init_args.num_layers", "1", "--model.init_args.num_heads", "2"]
+             f"{group}.hidden_dim", "32", f"{group}.num_layers", "1", f"{group}.num_heads", "2"]
     if task == "detection":
         # one large object per scene and a higher learning rate, so that the checkpoint detects
         # (metrics compared across process counts must not all be near 0)
         easy = ["--data.init_args.synthetic.max_objects", "1", "--data.init_args.synthetic.min_size", "0.5",
                 "--data.init_args.synthetic.max_size", "0.8", "--data.init_args.synthetic.noise", "0",
-                "--data.init_args.synthetic.clutter", "0", "--model.init_args.num_queries", "4",
+                "--data.init_args.synthetic.clutter", "0", "--model.init_args.head.num_queries", "4",
                 "--model.init_args.optim.lr", "0.002"]
         return "detection/shapes.yaml", [*synth, *easy, *model], ["--explain.score_threshold", "0.0"]
     return "captioning/shapes.yaml", [*synth, *model], ["--generate.beam_size", "1"]
@@ -118,7 +119,7 @@ def test_the_ranks_run_an_unequal_number_of_evaluation_batches(task):
 @pytest.mark.parametrize("task", ["classification", "detection", "captioning"])
 def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
     config, tiny, eval_only = _task_args(task, tmp_path / "data")
-    common = ["--config", str(REPO / "configs" / config), "--data.init_args.num_workers", "0", *tiny]
+    common = ["--config", str(REPO / "configs" / config), "--data.init_args.batching.num_workers", "0", *tiny]
     run = tmp_path / "run"
     epochs = SIZES[task][2]
     _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "2", "--trainer.max_epochs", str(epochs),
@@ -190,8 +191,8 @@ def test_bf16_trainer_config_composes_and_trains(tmp_path):
     root = ensure_shapes_classification(ShapesConfig(image_size=32, num_train=32, num_val=8, seed=5), tmp_path / "data")
     cli = train_main(["--config", str(REPO / "configs" / "classification" / "shapes.yaml"),
                       "--config", str(REPO / "configs" / "trainer" / "bf16.yaml"),
-                      "--data.init_args.root", str(root), "--data.init_args.num_workers", "0",
-                      "--data.init_args.batch_size", "16", f"{ENC}embed_dim", "32", f"{ENC}depth", "1",
+                      "--data.init_args.root", str(root), "--data.init_args.batching.num_workers", "0",
+                      "--data.init_args.batching.batch_size", "16", f"{ENC}embed_dim", "32", f"{ENC}depth", "1",
                       f"{ENC}num_heads", "2", f"{ENC}patch_size", "8", "--trainer.max_epochs", "1",
                       "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
                       "--trainer.default_root_dir", str(tmp_path / "run")])

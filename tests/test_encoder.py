@@ -291,4 +291,41 @@ def test_pixel_tokens_are_each_patchs_own_pixels():
         patch = x[:, :, r * ph:(r + 1) * ph, c * pw:(c + 1) * pw]
         assert torch.equal(out.pixel_tokens[:, r * gw + c], patch.reshape(2, -1))
     assert small.grid == (24 // ph, 16 // pw)
-    assert torch.equal(small.pixel_tokens[0].reshape(*small.grid, -1), out.pixel_tokens[0].reshape(gh, gw, -1)[:small.grid[0], :small.grid[1]])
+    padded = out.pixel_tokens[0].reshape(gh, gw, -1)[: small.grid[0], : small.grid[1]]
+    assert torch.equal(small.pixel_tokens[0].reshape(*small.grid, -1), padded)
+
+
+def test_timm_classes_get_the_default_arguments_they_take(caplog):
+    # dropout and dynamic image size go to the classes that take them, and only to those
+    vit = ViTEncoder("vit_tiny_patch16_224", drop_path_rate=0.1, **TINY_VIT)
+    assert vit.model.dynamic_img_size and vit.fixed_input_size is None and vit.family == "VisionTransformer"
+    assert type(vit.model.blocks[1].drop_path1).__name__ == "DropPath"
+    with caplog.at_level(logging.INFO, logger="vision_attn.models.encoder"):
+        cait = ViTEncoder("cait_xxs24_224", drop_path_rate=0.1, **TINY_VIT)
+    assert any("takes no dynamic_img_size" in r.getMessage() for r in caplog.records)
+    assert cait.family == "Cait" and cait.class_attention and cait.fixed_input_size == (32, 32)
+    assert type(cait.model.blocks[0].drop_path).__name__ == "DropPath"
+    assert cait.attention_blocks == list(cait.model.blocks_token_only)
+    assert cait.last_block is cait.model.blocks_token_only[-1]
+    cait.keep_embedding = True  # its first block reads the patch tokens only
+    with pytest.raises(EncoderError, match="reads the patch tokens only"):
+        cait(torch.randn(1, 3, 32, 32))
+    naflex = ViTEncoder("naflexvit_base_patch16_gap", **TINY_VIT).eval()
+    with torch.no_grad():
+        out = naflex(torch.randn(1, 3, 48, 40))  # any size: NaFlexVit resamples its position embedding
+    assert out.grid == (6, 5) and out.tokens.shape == (1, 4 + 30, 32) and naflex.patch_size == (8, 8)
+    beit = ViTEncoder("beit_base_patch16_224", **TINY_VIT)
+    with pytest.raises(EncoderError, match="padded batches .* timm VisionTransformer; .* is of the timm class Beit"):
+        beit(torch.randn(2, 3, 32, 32), image_sizes=torch.tensor([[32, 32], [16, 24]]))
+
+
+def test_an_encoder_of_another_timm_class_rebuilds_from_its_checkpoint_arguments():
+    torch.manual_seed(0)
+    enc = ViTEncoder("cait_xxs24_224", timm_kwargs={"depth_token_only": 1}, **TINY_VIT).eval()
+    args = ViTEncoder.checked_architecture_args(enc.architecture_config()["init_args"])
+    again = ViTEncoder(**args).eval()
+    again.load_state_dict(enc.state_dict())
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(again(x).tokens, enc(x).tokens)
+    assert again.family == "Cait" and len(again.attention_blocks) == 1

@@ -19,6 +19,7 @@ from vision_attn.metrics.breakdown import (
     confusion_counts,
     detection_breakdown,
 )
+from vision_attn.models.detr import DETRConfig
 
 # ---------------------------------------------------------------------------------------------- classification
 
@@ -207,8 +208,8 @@ def test_detection_task_writes_the_breakdown(tmp_path, tiny_encoder):
 
     dets = _write_case(tmp_path)
     ds, _, _ = _scored(tmp_path, dets)
-    task = DetectionTask(tiny_encoder, class_names=ds.class_names, category_ids=ds.category_ids, num_queries=4,
-                         hidden_dim=32, num_layers=1, num_heads=2)
+    task = DetectionTask(tiny_encoder, class_names=ds.class_names, category_ids=ds.category_ids,
+                         head=DETRConfig(num_queries=4, hidden_dim=32, num_layers=1, num_heads=2))
     task.eval_records = [{"image_id": i, "det": d} for i, d in dets.items()]
     metrics, results = task.eval_results(ds)
     stats = _coco_eval(ds.ann_file, results)

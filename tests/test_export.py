@@ -12,6 +12,8 @@ import torch
 
 from vision_attn import create_encoder, load_task
 from vision_attn.data.tokenizer import SPECIAL_TOKENS
+from vision_attn.models.captioner import DecoderConfig
+from vision_attn.models.detr import DETRConfig
 from vision_attn.tasks import CaptioningTask, ClassificationTask, DetectionTask
 
 from .conftest import TINY_VIT
@@ -32,10 +34,14 @@ def _tasks():
     return {
         "classification": ClassificationTask(enc(), class_names=["a", "b", "c"]),
         # the shapes detector's encoder: its local feed-forward exports too
-        "detection": DetectionTask(enc(local_mlp=True), class_names=["a", "b"], num_queries=5, hidden_dim=32, num_layers=2,
-                                   num_heads=2, box_refine=True, focal=True),
-        "captioning": CaptioningTask(enc(), vocab=[*SPECIAL_TOKENS, "a", "red", "circle"], hidden_dim=32,
-                                     num_layers=1, num_heads=2),
+        "detection": DetectionTask(enc(local_mlp=True), class_names=["a", "b"], head=DETRConfig(num_queries=5,
+                                                                                                hidden_dim=32,
+                                                                                                num_layers=2,
+                                                                                                num_heads=2,
+                                                                                                box_refine=True,
+                                                                                                focal=True)),
+        "captioning": CaptioningTask(enc(), vocab=[*SPECIAL_TOKENS, "a", "red", "circle"],
+                                     decoder=DecoderConfig(hidden_dim=32, num_layers=1, num_heads=2)),
     }
 
 

@@ -260,8 +260,8 @@ def test_eval_main_writes_localisation_sanity_and_maps(shapes_root, tmp_path):
 
     enc = "--model.init_args.encoder.init_args."
     common = ["--config", str(REPO / "configs" / "classification" / "shapes.yaml"),
-              "--data.init_args.root", str(shapes_root), "--data.init_args.num_workers", "0"]
-    train_main([*common, "--data.init_args.batch_size", "20", f"{enc}embed_dim", "32", f"{enc}depth", "2",
+              "--data.init_args.root", str(shapes_root), "--data.init_args.batching.num_workers", "0"]
+    train_main([*common, "--data.init_args.batching.batch_size", "20", f"{enc}embed_dim", "32", f"{enc}depth", "2",
                 f"{enc}num_heads", "2", f"{enc}patch_size", "8", "--trainer.max_epochs", "1",
                 "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
                 "--trainer.default_root_dir", str(tmp_path / "run")])

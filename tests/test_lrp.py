@@ -12,10 +12,12 @@ from timm.layers import Attention
 from torch import nn
 
 from vision_attn import create_encoder
+from vision_attn.attention import explicit_attention
 from vision_attn.errors import ConfigError
 from vision_attn.explain.lrp import lrp_relevance, lrp_rules, relevance_budget
 from vision_attn.explain.methods import explain_classifier
 from vision_attn.explain.rollout import normalize_maps
+from vision_attn.models.classifier import ClassifierConfig
 from vision_attn.tasks import ClassificationTask
 
 from .conftest import TINY_VIT
@@ -35,7 +37,8 @@ def _task(name: str = "vit_tiny_patch16_224", head: str = "linear", sinks: bool 
     keeps relevance is used); otherwise all of them zero. ``encoder_kw``: more encoder arguments."""
     torch.manual_seed(0)
     kw = {"num_classes": 3} if head == "timm" else {}
-    task = ClassificationTask(create_encoder(name, **TINY_VIT, **kw, **encoder_kw), num_classes=3, head=head)
+    task = ClassificationTask(create_encoder(name, **TINY_VIT, **kw, **encoder_kw), num_classes=3,
+                              head=ClassifierConfig(kind=head))
     with torch.no_grad():
         for pname, p in task.named_parameters():
             leaf = pname.rsplit(".", 1)[-1]
@@ -52,7 +55,7 @@ def _images(n: int = 2, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize(("name", "head"), MODELS)
 def test_relevance_is_conserved(name, head):
-    """Pixels + biases + embeddings + softmax = the explained logits (issue: 1e-3; it is exact)."""
+    """Pixels + biases + embeddings + softmax = the explained logits (exact to rounding)."""
     task, images = _task(name, head), _images()
     budget = relevance_budget(task, images)
     logits = task.head(task.encoder(images)).detach()
@@ -117,25 +120,29 @@ def test_rules_off_is_gradient_times_input(name, head):
     assert (rules.pixels - plain.pixels).abs().max() > 1e-3 * plain.pixels.abs().max()  # the rules act
 
 
-def _lrp_attention_reference(attn: Attention, x: torch.Tensor, r_out: torch.Tensor) -> torch.Tensor:
-    """Relevance of ``x [T, D]`` for relevance ``r_out [T, D]`` at a bias-free timm Attention's
+def _lrp_attention_reference(attn: nn.Module, x: torch.Tensor, r_out: torch.Tensor, qkv_bias=None,
+                             score_bias=None) -> torch.Tensor:
+    """Relevance of ``x [T, D]`` for relevance ``r_out [T, D]`` at a timm attention module's
     output, message by message from the AttnLRP equations (epsilon -> 0 rule for the linear
-    layers, the uniform rule for Q Kᵀ and A V, the softmax rule x (R - s sum R))."""
+    layers and for the sum of the scores and a position bias, the uniform rule for Q Kᵀ and A V,
+    the softmax rule x (R - s sum R)). ``qkv_bias``: the bias of the fused projection (Beit's and
+    Eva's ``q_bias | 0 | v_bias``); ``score_bias``: ``[heads, T, T]`` added to the scores."""
 
-    def linear(inp, weight, r):  # R_i = sum_j inp_i w_ji r_j / z_j
-        z = inp @ weight.T
+    def linear(inp, weight, r, bias=None):  # R_i = sum_j inp_i w_ji r_j / z_j (z_j with the bias)
+        z = inp @ weight.T + (0 if bias is None else bias)
         return inp * ((r / z) @ weight)
 
-    heads, hd = attn.num_heads, attn.head_dim
-    qkv = x @ attn.qkv.weight.T
+    heads = attn.num_heads
+    hd = attn.qkv.weight.shape[0] // (3 * heads)
+    qkv = x @ attn.qkv.weight.T + (0 if qkv_bias is None else qkv_bias)
     o_heads, r_qkv = [], torch.zeros_like(qkv)
     for h in range(heads):
         q, k, v = (qkv[:, (i * heads + h) * hd:(i * heads + h + 1) * hd] for i in range(3))  # (T, d) each
-        s = (q * attn.scale) @ k.T
+        s = (q * attn.scale) @ k.T + (0 if score_bias is None else score_bias[h])
         a = s.softmax(dim=-1)
         o_heads.append((a, v, q, k, s))
     o = torch.cat([a @ v for a, v, *_ in o_heads], dim=1)
-    r_o = linear(o, attn.proj.weight, r_out)
+    r_o = linear(o, attn.proj.weight, r_out, attn.proj.bias)
     for h, (a, v, q, k, s) in enumerate(o_heads):
         r = r_o[:, h * hd:(h + 1) * hd]
         terms = a[:, :, None] * v[None, :, :]  # (Tq, Tk, d): A_ij v_jd, summing to o_id over j
@@ -146,7 +153,7 @@ def _lrp_attention_reference(attn: Attention, x: torch.Tensor, r_out: torch.Tens
         share = 0.5 * terms * (r_s / s)[:, :, None]
         for i, r_part in enumerate((share.sum(dim=1), share.sum(dim=0), r_v)):  # R_q, R_k, R_v
             r_qkv[:, (i * heads + h) * hd:(i * heads + h + 1) * hd] = r_part
-    return linear(x, attn.qkv.weight, r_qkv)
+    return linear(x, attn.qkv.weight, r_qkv, qkv_bias)
 
 
 def test_attention_rules_match_the_papers_equations():
@@ -159,6 +166,36 @@ def test_attention_rules_match_the_papers_equations():
         out = attn(xg)
     (grad,) = torch.autograd.grad((out * c).sum(), xg)
     reference = _lrp_attention_reference(attn, x[0], (out * c).detach()[0])
+    torch.testing.assert_close((x * grad)[0], reference, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["beit", "eva"])
+def test_other_attention_classes_follow_the_papers_equations(kind):
+    # Beit: a fused qkv applied with F.linear and q / v biases, a relative position bias on the
+    # scores: no factor leaves a module. Eva: the same projection, Q and K through q_norm / k_norm.
+    from timm.models.beit import Attention as BeitAttention
+    from timm.models.eva import EvaAttention
+
+    torch.manual_seed(0)
+    if kind == "beit":
+        attn = BeitAttention(8, num_heads=2, qkv_bias=True, window_size=(2, 2)).double().eval()  # T = 1 + 4
+    else:
+        attn = EvaAttention(8, num_heads=2, qkv_bias=True, scale_norm=False).double().eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0.0, 0.5)
+    qkv_bias = torch.cat([attn.q_bias, torch.zeros_like(attn.q_bias), attn.v_bias]).detach()
+    score_bias = attn._get_rel_pos_bias()[0].detach() if kind == "beit" else None  # (heads, T, T)
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    c = torch.randn(1, 5, 8, dtype=torch.float64)
+    xg = x.clone().requires_grad_(True)
+    with lrp_rules(attn):
+        out = attn(xg)
+    (grad,) = torch.autograd.grad((out * c).sum(), xg)
+    assert "_get_rel_pos_bias" not in attn.__dict__  # the override is gone after the block
+    with explicit_attention([attn]):
+        torch.testing.assert_close(out, attn(x), rtol=0, atol=0)  # the forward values are the module's
+    reference = _lrp_attention_reference(attn, x[0], (out * c).detach()[0], qkv_bias, score_bias)
     torch.testing.assert_close((x * grad)[0], reference, rtol=1e-9, atol=1e-12)
 
 
@@ -226,6 +263,6 @@ def test_encoder_unchanged_after_lrp_even_when_the_forward_raises():
 def test_unsupported_attention_is_refused():
     torch.manual_seed(0)
     encoder = create_encoder("vit_tiny_patch16_224", **TINY_VIT, num_classes=3, global_pool="map")
-    task = ClassificationTask(encoder, num_classes=3, head="timm").eval()
+    task = ClassificationTask(encoder, num_classes=3, head=ClassifierConfig(kind="timm")).eval()
     with pytest.raises(ConfigError, match="AttentionPoolLatent"):
         lrp_relevance(task, torch.randn(1, 3, 32, 32))

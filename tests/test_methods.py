@@ -13,6 +13,7 @@ from vision_attn import capture_attention, create_encoder
 from vision_attn.errors import ConfigError
 from vision_attn.explain.methods import METHODS, explain_classifier, faithfulness, register_method
 from vision_attn.explain.rollout import _discard_lowest, normalize_maps
+from vision_attn.models.classifier import ClassifierConfig
 from vision_attn.tasks import ClassificationTask
 
 from .conftest import TINY_VIT
@@ -22,7 +23,8 @@ NAMES = ["cat", "dog", "fox"]
 
 def _task(name: str = "vit_tiny_patch16_224", pooling: str = "auto", **kw) -> ClassificationTask:
     torch.manual_seed(0)
-    task = ClassificationTask(create_encoder(name, **{**TINY_VIT, **kw}), class_names=NAMES, pooling=pooling)
+    task = ClassificationTask(create_encoder(name, **{**TINY_VIT, **kw}), class_names=NAMES,
+                              head=ClassifierConfig(pooling=pooling))
     nn.init.normal_(task.head.fc.weight, std=1.0)  # class-specific gradients that differ clearly
     return task.eval()
 
@@ -299,3 +301,26 @@ def test_grid_maps_reach_pixels_through_the_padded_patch_grid():
     assert pixels[2, 2].item() == pytest.approx(1.0)
     stretched = grid_to_pixels(grid, (12, 12), SimpleNamespace())[0, 0]  # without a patch size: stretched
     assert stretched[8, 2].item() == pytest.approx(1 / 12, abs=1e-6)
+
+
+def test_an_attention_pooling_head_runs_the_methods_that_apply_and_names_the_others():
+    # timm's attention pooling ('map'): no row of the encoder's attention describes what the head
+    # reads. The methods that read no row run; the others are named with the reason.
+    from vision_attn.explain.api import explain_images
+    from vision_attn.explain.methods import applicable_methods
+
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_tiny_patch16_224", **TINY_VIT, num_classes=3, global_pool="map")
+    task = ClassificationTask(encoder, num_classes=3, head=ClassifierConfig(kind="timm")).eval()
+    images = torch.randn(2, 3, 32, 32)
+    reasons = applicable_methods(task)
+    assert [m for m, r in reasons.items() if r is None] == ["gradcam", "tokens", "random"]
+    expl = explain_classifier(task, images, ("gradcam", "tokens", "random"))
+    assert sorted(expl.maps) == ["gradcam", "random", "tokens"]
+    assert all(m.shape == (2, 4, 4) and torch.isfinite(m).all() for m in expl.maps.values())
+    with pytest.raises(ValueError, match="pooling 'map'"):
+        explain_classifier(task, images, ("rollout",))
+    with pytest.raises(ConfigError, match=r"method 'relevance' does not apply to this model: the head pools the "
+                                          r"tokens with 'map'.*the methods that apply: gradcam, tokens, random"):
+        explain_images(task, images, method="relevance")
+    assert explain_images(task, images, method="gradcam").shape == (2, 32, 32)

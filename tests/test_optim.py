@@ -14,7 +14,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from vision_attn import create_encoder, load_task
 from vision_attn.checkpoint_io import SafeCheckpointIO, load_checkpoint_file
 from vision_attn.data.classification import ImageFolderDataModule
+from vision_attn.data.loading import Batching
 from vision_attn.errors import ConfigError
+from vision_attn.models.classifier import ClassifierConfig
+from vision_attn.models.detr import DETRConfig
 from vision_attn.tasks import ClassificationTask, DetectionTask
 from vision_attn.tasks.optim import (
     EMAWeights,
@@ -81,7 +84,7 @@ def test_timm_head_classifier_learns_at_the_head_lr(name, classifiers, layer_dec
     torch.manual_seed(0)
     encoder = create_encoder(name, **TINY_VIT, num_classes=3)
     optim = Optimization(lr=1e-3, encoder_lr=1e-4, weight_decay=0.1, layer_decay=layer_decay)
-    task = ClassificationTask(encoder, num_classes=3, head="timm", optim=optim)
+    task = ClassificationTask(encoder, num_classes=3, optim=optim, head=ClassifierConfig(kind="timm"))
     got = _lr_and_decay_by_name(task, param_groups(task, task.optim))
     heads = [n for n in got if n.startswith(tuple(f"encoder.model.{c}." for c in classifiers))]
     assert len(heads) == 2 * len(classifiers)  # weight and bias of each classifier
@@ -111,7 +114,8 @@ def _todays_groups(task, optim):
 def test_no_layer_decay_gives_exactly_the_old_groups(optim):
     for task in (_classifier(**optim),
                  DetectionTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["a", "b"],
-                               hidden_dim=16, num_layers=1, num_heads=2, num_queries=4, optim=Optimization(**optim))):
+                               optim=Optimization(**optim), head=DETRConfig(hidden_dim=16, num_layers=1, num_heads=2,
+                                                                            num_queries=4))):
         groups = param_groups(task, task.optim)
         assert [([id(p) for p in g["params"]], g["lr"], g["weight_decay"]) for g in groups] == \
             _todays_groups(task, task.optim)
@@ -219,7 +223,8 @@ def test_step_lr_from_lr_scheduler_init_steps_per_epoch(shapes_root, tmp_path):
     trainer = L.Trainer(max_epochs=3, limit_train_batches=2, limit_val_batches=0, num_sanity_val_steps=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path, callbacks=[record])
-    trainer.fit(task, datamodule=ImageFolderDataModule(root=str(shapes_root), batch_size=8, num_workers=0))
+    trainer.fit(task, datamodule=ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size=8,
+                                                                                                num_workers=0)))
     assert isinstance(trainer.optimizers[0], torch.optim.SGD)
     assert len(record.lrs) == 6
     for epoch, lrs in record.lrs:  # constant within an epoch, halved at each epoch's end
@@ -266,7 +271,7 @@ def _ema_fit(root, tmp, decay, start, max_epochs=1, ckpt=None):
     trainer = L.Trainer(max_epochs=max_epochs, limit_train_batches=3, limit_val_batches=1, num_sanity_val_steps=0,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp,
                         callbacks=[record, every], plugins=[SafeCheckpointIO()])
-    trainer.fit(task, datamodule=ImageFolderDataModule(root=str(root), batch_size=8, num_workers=0),
+    trainer.fit(task, datamodule=ImageFolderDataModule(root=str(root), batching=Batching(batch_size=8, num_workers=0)),
                 ckpt_path=ckpt)
     return task, record, tmp / "ck" / f"epoch={max_epochs - 1}.ckpt"
 
@@ -333,7 +338,7 @@ def test_format_1_checkpoint_with_flat_optimisation_arguments_still_loads(ema_ru
     current = load_task(ckpt)
     raw = load_checkpoint_file(ckpt)
     meta = raw["vision_attn"]
-    assert meta["format"] == 2 and "optim" in meta
+    assert meta["format"] == 3 and "optim" in meta
     old = {k: v for k, v in meta.items() if k != "optim"}
     old["format"] = 1
     old["model"] = {**meta["model"], "init_args": {**meta["model"]["init_args"], "lr": 5e-3, "encoder_lr": None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from vision_attn import capture_attention, create_encoder
 from vision_attn.explain.capture import attention_modules
 from vision_attn.explain.decoder_relevance import detection_relevance
 from vision_attn.explain.detection import detection_maps
-from vision_attn.models.detr import PYRAMID_SCALES, DETRHead, SimpleFeaturePyramid
+from vision_attn.models.detr import PYRAMID_SCALES, DETRConfig, DETRHead, SimpleFeaturePyramid
 from vision_attn.models.encoder import EncoderOutput
 from vision_attn.tasks.detection import DetectionTask
 
@@ -60,9 +61,11 @@ def test_pyramid_off_is_the_head_before_it_bit_for_bit(tmp_path, kw, train):
     targets = [{"labels": torch.tensor([0, 2]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.2], [0.3, 0.3, 0.1, 0.2]])},
                {"labels": torch.tensor([1]), "boxes": torch.tensor([[0.4, 0.5, 0.2, 0.3]])}]
     outs, states = [], []
-    for cls in (old.DETRHead, DETRHead):
+    sizes = dict(num_queries=5, hidden_dim=32, num_layers=2, num_heads=4)
+    for build in (lambda: old.DETRHead(24, 3, **sizes, **kw), lambda: DETRHead(24, 3, DETRConfig(**sizes, dropout=0.1,
+                                                                                                  **kw))):
         torch.manual_seed(0)
-        head = cls(24, 3, num_queries=5, hidden_dim=32, num_layers=2, num_heads=4, **kw).train(train)
+        head = build().train(train)
         states.append(head.state_dict())
         torch.manual_seed(5)  # the denoising noise
         outs.append(head(_enc(), need_weights=True, targets=targets))
@@ -82,7 +85,8 @@ def test_level_grids_and_memory_size():
     assert SimpleFeaturePyramid.level_grids((8, 8)) == [(16, 16), (8, 8), (4, 4), (2, 2)]
     assert SimpleFeaturePyramid.level_grids((1, 3)) == [(2, 6), (1, 3), (1, 2), (1, 1)]
     assert PYRAMID_SCALES == (2.0, 1.0, 0.5, 0.25)
-    head = DETRHead(24, 3, num_queries=5, hidden_dim=32, num_layers=1, num_heads=4, pyramid=True).eval()
+    head = DETRHead(24, 3, config=DETRConfig(num_queries=5, hidden_dim=32, num_layers=1, num_heads=4, pyramid=True,
+                                             dropout=0.1)).eval()
     memory, pos, mask, _ = head._memory(_enc())
     assert memory.shape == (2, 120 + 30 + 9 + 4, 32) and pos.shape == (1, 163, 32) and mask is None
     assert not hasattr(head, "input_proj")  # each level has its own projection
@@ -156,7 +160,8 @@ def test_to_patches_is_the_resampling_matrix_and_keeps_the_mass(grid):
 @pytest.mark.parametrize("kw", [{}, {"box_refine": True, "query_selection": True, "focal": True}])
 def test_pyramid_head_cross_attention_is_over_the_patch_grid(kw):
     torch.manual_seed(0)
-    head = DETRHead(24, 3, num_queries=5, hidden_dim=32, num_layers=2, num_heads=4, pyramid=True, **kw).eval()
+    head = DETRHead(24, 3, DETRConfig(num_queries=5, hidden_dim=32, num_layers=2, num_heads=4, pyramid=True,
+                                      dropout=0.1, **kw)).eval()
     enc = _enc()
     out = head(enc, need_weights=True)
     assert out["pred_boxes"].shape == (2, 5, 4)
@@ -172,8 +177,8 @@ def test_pyramid_head_cross_attention_is_over_the_patch_grid(kw):
 
 def test_pyramid_head_trains_every_level():
     torch.manual_seed(0)
-    head = DETRHead(24, 3, num_queries=5, hidden_dim=32, num_layers=2, num_heads=4, pyramid=True,
-                    box_refine=True).train()
+    head = DETRHead(24, 3, config=DETRConfig(num_queries=5, hidden_dim=32, num_layers=2, num_heads=4, pyramid=True,
+                                             box_refine=True, dropout=0.1)).train()
     out = head(_enc())
     (out["pred_boxes"].sum() + out["pred_logits"].sum()).backward()
     pyr = head.feature_pyramid
@@ -186,10 +191,14 @@ def test_pyramid_head_trains_every_level():
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
 
 
-def _task(**kw) -> DetectionTask:
+TINY_HEAD = DETRConfig(num_queries=4, hidden_dim=32, num_layers=2, num_heads=2, pyramid=True)
+
+
+def _task(**head) -> DetectionTask:
+    """A tiny pyramid detector; ``head``: fields of its :class:`DETRConfig` besides the tiny sizes."""
     torch.manual_seed(0)
-    return DetectionTask(create_encoder("vit_tiny_patch16_224", **TINY), num_classes=2, num_queries=4,
-                         hidden_dim=32, num_layers=2, num_heads=2, pyramid=True, **kw).eval()
+    return DetectionTask(create_encoder("vit_tiny_patch16_224", **TINY), num_classes=2,
+                         head=replace(TINY_HEAD, **head)).eval()
 
 
 def _reference_pyramid_map(task, image, query, label):
@@ -248,9 +257,9 @@ def test_attention_and_relevance_maps_of_a_pyramid_task():
 
 def test_pyramid_switch_through_the_task_and_its_checkpoint_hparams():
     task = _task()
-    assert task.hparams.pyramid is True and task.head.pyramid
-    plain = DetectionTask(create_encoder("vit_tiny_patch16_224", **TINY), num_classes=2, num_queries=4,
-                          hidden_dim=32, num_layers=1, num_heads=2)
+    assert task.hparams["head"]["pyramid"] is True and task.head.pyramid
+    plain = DetectionTask(create_encoder("vit_tiny_patch16_224", **TINY), num_classes=2,
+                          head=DETRConfig(num_queries=4, hidden_dim=32, num_layers=1, num_heads=2))
     assert not plain.head.pyramid and not hasattr(plain.head, "feature_pyramid")
     out = task(torch.randn(2, 3, 32, 32))
     assert out["pred_logits"].shape == (2, 4, 3)
@@ -269,7 +278,7 @@ def test_pyramid_task_checkpoint_and_onnx_export_match_pytorch(tmp_path):
     task = _task(box_refine=True, focal=True)
     ckpt = _checkpoint(task, tmp_path / "m.ckpt")
     model = load_task(ckpt).eval()
-    assert model.head.pyramid and model.hparams.pyramid
+    assert model.head.pyramid and model.hparams["head"]["pyramid"]
     path = export_onnx(ckpt, tmp_path / "m.onnx")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(5))

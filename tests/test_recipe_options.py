@@ -18,11 +18,17 @@ from torch.utils.data import DistributedSampler
 from torchvision.transforms import v2 as T
 
 from vision_attn import create_encoder, load_task
-from vision_attn.data.classification import ImageFolderDataModule
-from vision_attn.data.loading import RepeatedAugmentationSampler, auto_batch_size, make_loader
+from vision_attn.data.classification import ImageAugment, ImageFolderDataModule
+from vision_attn.data.loading import (
+    Batching,
+    RepeatedAugmentationSampler,
+    auto_batch_size,
+    make_loader,
+)
 from vision_attn.data.transforms import DEFAULT_PREPROCESS, build_train_transform
 from vision_attn.errors import DataError
 from vision_attn.tasks import ClassificationTask
+from vision_attn.tasks.classification import MixConfig
 
 from .conftest import REPO, TINY_VIT
 
@@ -62,8 +68,9 @@ def test_auto_batch_size_is_the_largest_power_of_two_that_keeps_the_steps():
 
 
 def test_datamodule_auto_batch_is_resolved_logged_once_and_recorded(shapes_root, caplog):
-    dm = ImageFolderDataModule(root=str(shapes_root), batch_size="auto", min_steps_per_epoch=4, min_batch_size=2,
-                               max_batch_size=64, num_workers=0)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size="auto", min_steps_per_epoch=4,
+                                                                        min_batch_size=2, max_batch_size=64,
+                                                                        num_workers=0))
     dm.preprocess = PRE32
     assert dm.evaluation_batch_size() == 64  # auto without eval_batch_size: max_batch_size
     with caplog.at_level(logging.INFO, logger="vision_attn.data.loading"):
@@ -78,23 +85,24 @@ def test_datamodule_auto_batch_is_resolved_logged_once_and_recorded(shapes_root,
     assert len(logged) == 1 and "training batch size 8 per process" in logged[0] and "60 training images" in logged[0]
     assert dm.val_dataloader().batch_size == 64
 
-    fixed = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    fixed = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size=16, num_workers=0))
     fixed.preprocess = PRE32
     fixed.setup("fit")
     assert fixed.train_dataloader().batch_size == 16 and fixed.val_dataloader().batch_size == 16
     assert fixed.hparams["batch_size"] == 16 and fixed.hparams["batch_size_rule"] == "16"
 
 
-@pytest.mark.parametrize(("kwargs", "key"), [
-    ({"batch_size": "big"}, "batch_size"),
-    ({"batch_size": 0}, "batch_size"),
-    ({"batch_size": "auto", "min_steps_per_epoch": 0}, "min_steps_per_epoch"),
-    ({"batch_size": "auto", "min_batch_size": 64, "max_batch_size": 32}, "max_batch_size"),
-    ({"repeated_augmentation": 0}, "repeated_augmentation"),
+@pytest.mark.parametrize(("group", "kwargs", "key"), [
+    (Batching, {"batch_size": "big"}, "batching.batch_size"),
+    (Batching, {"batch_size": 0}, "batching.batch_size"),
+    (Batching, {"batch_size": "auto", "min_steps_per_epoch": 0}, "batching.min_steps_per_epoch"),
+    (Batching, {"batch_size": "auto", "min_batch_size": 64, "max_batch_size": 32}, "batching.max_batch_size"),
+    (ImageAugment, {"repeated_augmentation": 0}, "augment.repeated_augmentation"),
 ])
-def test_bad_sizing_settings_name_the_key(shapes_root, kwargs, key):
+def test_bad_sizing_settings_name_the_key(shapes_root, group, kwargs, key):
     with pytest.raises(DataError, match=f"--data.{key}"):
-        ImageFolderDataModule(root=str(shapes_root), num_workers=0, **kwargs)
+        name = "batching" if group is Batching else "augment"
+        ImageFolderDataModule(root=str(shapes_root), **{name: group(**kwargs)})
 
 
 # ------------------------------------------------------------------ repeated augmentation
@@ -223,14 +231,14 @@ def test_without_mixing_the_training_loss_is_the_label_smoothed_cross_entropy():
         expected = F.cross_entropy(plain(images), labels, label_smoothing=0.1)
         assert torch.equal(plain.training_step((images.clone(), labels, index), 0), expected)
         # mixing switched on but never applied (mix_prob 0): the soft-target loss is the same number
-        never = _task(label_smoothing=0.1, mixup=0.8, cutmix=1.0, mix_prob=0.0)
+        never = _task(label_smoothing=0.1, mix=MixConfig(mixup=0.8, cutmix=1.0, prob=0.0))
         torch.testing.assert_close(never.training_step((images.clone(), labels, index), 0), expected)
 
 
 @pytest.mark.filterwarnings(NO_TRAINER_LOG)
 def test_mixup_with_a_fixed_lambda_gives_the_hand_computed_target_and_loss():
     images, labels, index = _batch()
-    task = _task(label_smoothing=0.1, mixup=0.8)
+    task = _task(label_smoothing=0.1, mix=MixConfig(mixup=0.8))
     task.mixer._params_per_batch = lambda: (0.7, False)  # lam = 0.7, mixup (not CutMix)
     mixed, target = task.mix(images.clone(), labels)
     torch.testing.assert_close(mixed, 0.7 * images + 0.3 * images.flip(0))
@@ -253,7 +261,7 @@ def test_mixup_with_a_fixed_lambda_gives_the_hand_computed_target_and_loss():
 
 def test_cutmix_pastes_a_box_and_weighs_the_targets_by_its_area():
     images, labels, _ = _batch()
-    task = _task(label_smoothing=0.0, cutmix=1.0)
+    task = _task(label_smoothing=0.0, mix=MixConfig(cutmix=1.0))
     task.mixer._params_per_batch = lambda: (0.6, True)
     np.random.seed(0)
     mixed, target = task.mix(images.clone(), labels)
@@ -271,7 +279,7 @@ def test_cutmix_pastes_a_box_and_weighs_the_targets_by_its_area():
 @pytest.mark.parametrize("n", [5, 1])
 def test_an_odd_batch_mixes_all_but_its_last_image(n):
     images, labels, _ = _batch(n)
-    task = _task(label_smoothing=0.1, mixup=0.8)
+    task = _task(label_smoothing=0.1, mix=MixConfig(mixup=0.8))
     task.mixer._params_per_batch = lambda: (0.7, False)
     mixed, target = task.mix(images.clone(), labels)
     assert mixed.shape == images.shape and target.shape == (n, 5)
@@ -283,11 +291,11 @@ def test_an_odd_batch_mixes_all_but_its_last_image(n):
     torch.testing.assert_close(target[-1], last)
 
 
-@pytest.mark.parametrize(("key", "value"), [("mixup", -0.1), ("cutmix", -1.0), ("mix_prob", 1.5),
-                                            ("mix_switch_prob", -0.5)])
+@pytest.mark.parametrize(("key", "value"), [("mixup", -0.1), ("cutmix", -1.0), ("prob", 1.5),
+                                            ("switch_prob", -0.5)])
 def test_bad_mixing_settings_name_the_key(key, value):
-    with pytest.raises(ValueError, match=f"--model.{key}"):
-        _task(**{key: value})
+    with pytest.raises(ValueError, match=f"--model.mix.{key}"):
+        _task(mix=MixConfig(**{key: value}))
 
 
 class _RecordIndices(L.Callback):
@@ -304,11 +312,16 @@ class _RecordIndices(L.Callback):
 def test_fit_with_auto_batch_repeated_augmentation_and_mixing(shapes_root, tmp_path):
     """Two epochs on the tiny shapes data: the schedule is planned over the auto-sized loader, the
     sampler reshuffles every epoch, mixing trains, and the checkpoint reloads with the settings."""
-    dm = ImageFolderDataModule(root=str(shapes_root), batch_size="auto", min_steps_per_epoch=3, min_batch_size=2,
-                               max_batch_size=64, repeated_augmentation=2, num_workers=0)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size="auto",
+                                                                        min_steps_per_epoch=3,
+                                                                        min_batch_size=2,
+                                                                        max_batch_size=64,
+                                                                        num_workers=0),
+                               augment=ImageAugment(repeated_augmentation=2))
     torch.manual_seed(0)
-    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), mixup=0.8, cutmix=1.0,
-                              mix_prob=0.9, mix_switch_prob=0.4)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), mix=MixConfig(mixup=0.8, cutmix=1.0,
+                                                                                                prob=0.9,
+                                                                                                switch_prob=0.4))
     record = _RecordIndices()
     L.seed_everything(0)
     trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -339,10 +352,11 @@ def test_fit_with_auto_batch_repeated_augmentation_and_mixing(shapes_root, tmp_p
 def _cli_args(root, out) -> list[str]:
     enc = "--model.init_args.encoder.init_args."
     return ["--config", str(REPO / "configs" / "classification" / "shapes.yaml"),
-            "--data.root", str(root), "--data.num_workers", "0",
-            "--data.batch_size", "auto", "--data.min_steps_per_epoch", "3", "--data.min_batch_size", "2",
-            "--data.repeated_augmentation", "2", "--data.randaugment_ops", "1",
-            "--model.mixup", "0.8", "--model.cutmix", "1.0",
+            "--data.root", str(root), "--data.batching.num_workers", "0",
+            "--data.batching.batch_size", "auto", "--data.batching.min_steps_per_epoch", "3",
+            "--data.batching.min_batch_size", "2",
+            "--data.augment.repeated_augmentation", "2", "--data.augment.randaugment_ops", "1",
+            "--model.mix.mixup", "0.8", "--model.mix.cutmix", "1.0",
             f"{enc}embed_dim", "32", f"{enc}depth", "2", f"{enc}num_heads", "2", f"{enc}patch_size", "8",
             "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
             "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(out)]
@@ -356,10 +370,11 @@ def test_print_config_shows_the_rule_and_the_options(shapes_root, tmp_path, caps
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     data, model = printed["data"]["init_args"], printed["model"]["init_args"]
-    assert data["batch_size"] == "auto"
-    assert (data["min_steps_per_epoch"], data["min_batch_size"], data["max_batch_size"]) == (3, 2, 256)
-    assert (data["repeated_augmentation"], data["randaugment_ops"], data["randaugment_magnitude"]) == (2, 1, 9)
-    assert (model["mixup"], model["cutmix"], model["mix_prob"], model["mix_switch_prob"]) == (0.8, 1.0, 1.0, 0.5)
+    batching, augment, mix = data["batching"], data["augment"], model["mix"]
+    assert batching["batch_size"] == "auto"
+    assert (batching["min_steps_per_epoch"], batching["min_batch_size"], batching["max_batch_size"]) == (3, 2, 256)
+    assert (augment["repeated_augmentation"], augment["randaugment_ops"], augment["randaugment_magnitude"]) == (2, 1, 9)
+    assert (mix["mixup"], mix["cutmix"], mix["prob"], mix["switch_prob"]) == (0.8, 1.0, 1.0, 0.5)
 
 
 def test_train_and_eval_from_the_checkpoint_alone_with_the_options(shapes_root, tmp_path):
@@ -370,12 +385,14 @@ def test_train_and_eval_from_the_checkpoint_alone_with_the_options(shapes_root, 
     cli = train_main(_cli_args(shapes_root, out))
     assert cli.datamodule.resolved_batch_size == 16 and cli.trainer.global_step == 3
     saved = yaml.safe_load((out / "config.yaml").read_text())
-    assert saved["data"]["init_args"]["batch_size"] == "auto" and saved["model"]["init_args"]["mixup"] == 0.8
+    assert saved["data"]["init_args"]["batching"]["batch_size"] == "auto"
+    assert saved["model"]["init_args"]["mix"]["mixup"] == 0.8
     hparams = yaml.safe_load(next((out / "csv").rglob("hparams.yaml")).read_text())
-    assert hparams["batch_size"] == 16 and hparams["mixup"] == 0.8  # what the loggers record
+    assert hparams["batch_size"] == 16 and hparams["mix"]["mixup"] == 0.8  # what the loggers record
     ckpt = out / "checkpoints" / "last.ckpt"
     meta = torch.load(ckpt, weights_only=True)["vision_attn"]
-    assert meta["model"]["init_args"]["cutmix"] == 1.0 and meta["data"]["init_args"]["batch_size"] == "auto"
+    assert meta["model"]["init_args"]["mix"]["cutmix"] == 1.0
+    assert meta["data"]["init_args"]["batching"]["batch_size"] == "auto"
     metrics = eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "eval"),
                          "--explain.num_overlays", "0", "--explain.faithfulness", "false",
                          "--explain.report", "false"])

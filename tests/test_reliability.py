@@ -23,6 +23,7 @@ from vision_attn.commands.evaluate import eval_main
 from vision_attn.commands.train import TrainCLI
 from vision_attn.data import ImageFolderDataModule
 from vision_attn.data.imageio import ImageReadError
+from vision_attn.data.loading import Batching
 from vision_attn.errors import (
     CheckpointError,
     ConfigError,
@@ -40,8 +41,9 @@ ENC = "--model.init_args.encoder.init_args."
 
 
 def _tiny_args(root: Path) -> list[str]:
-    return ["--config", CONFIG, "--data.init_args.root", str(root), "--data.init_args.num_workers", "0",
-            "--data.init_args.batch_size", "16", f"{ENC}embed_dim", "32", f"{ENC}depth", "1", f"{ENC}num_heads", "2",
+    return ["--config", CONFIG, "--data.init_args.root", str(root), "--data.init_args.batching.num_workers", "0",
+            "--data.init_args.batching.batch_size", "16", f"{ENC}embed_dim", "32", f"{ENC}depth", "1",
+            f"{ENC}num_heads", "2",
             f"{ENC}patch_size", "8", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 
 
@@ -66,7 +68,7 @@ class _PoisonAfterFirstEpoch(L.Callback):
 
 
 def test_non_finite_loss_stops_naming_the_term_and_keeps_the_last_good_checkpoint(shapes_root, tmp_path):
-    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size=16, num_workers=0))
     trainer = _trainer(tmp_path, max_epochs=3)
     trainer.callbacks.append(_PoisonAfterFirstEpoch())
     with pytest.raises(TrainingDivergedError, match=r"non-finite at step \d+: cross_entropy=nan.*last good checkpoint"):
@@ -90,7 +92,7 @@ def test_check_finite_names_every_bad_term():
 def test_checkpoint_written_atomically_survives_a_crash_while_saving(shapes_root, tmp_path, monkeypatch):
     from fsspec.implementations.local import LocalFileOpener
 
-    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size=16, num_workers=0))
     trainer = _trainer(tmp_path, max_epochs=1)
     trainer.fit(_task(), datamodule=dm)
     path = tmp_path / "checkpoints" / "last.ckpt"
@@ -182,6 +184,22 @@ def test_one_optim_field_can_be_set_to_null_on_the_command_line(arg):
     assert later.encoder_lr is None and later.lr == 5e-5
 
 
+def test_a_field_of_any_argument_group_can_be_set_to_null_on_the_command_line():
+    """The same for the other groups of the tasks and the data modules (``--model.scst.max_length
+    null``, ``--data.batching.eval_batch_size null``): the field is null, the config's others stay."""
+
+    class ParseOnly(TrainCLI):
+        def instantiate_classes(self) -> None:
+            pass
+
+    captioning = str(REPO / "configs" / "captioning" / "shapes.yaml")
+    cfg = ParseOnly(args=["--config", captioning, "--model.scst.max_length", "16", "--model.scst.max_length",
+                          "null", "--data.init_args.batching.eval_batch_size=null"]).config
+    assert cfg.model.init_args.scst.max_length is None and cfg.model.init_args.decoder.max_length == 32
+    batching = cfg.data.init_args.batching
+    assert batching.eval_batch_size is None and batching.batch_size == 16 and batching.num_workers == 0
+
+
 @pytest.mark.parametrize(("arg", "message"), [(["--model.init_args.optim.lr", "abc"], "model.optim.lr: expected one of float"),
                                                (["--model.init_args.no_such_key", "3"], "no_such_key"),
                                                (["--trainer.max_epochs", "many"], "max_epochs")])
@@ -193,7 +211,7 @@ def test_unknown_keys_and_wrong_types_are_rejected_before_anything_is_created(ar
 
 
 def test_truncated_checkpoint_is_a_clear_error(shapes_root, tmp_path):
-    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size=16, num_workers=0))
     trainer = _trainer(tmp_path, max_epochs=1)
     trainer.fit(_task(), datamodule=dm)
     data = (tmp_path / "checkpoints" / "last.ckpt").read_bytes()
@@ -209,7 +227,7 @@ def test_export_safetensors_round_trip_and_no_overwrite(shapes_root, tmp_path):
     from vision_attn.commands.export import main
     from vision_attn.export import export_safetensors
 
-    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size=16, num_workers=0))
     trainer = _trainer(tmp_path, max_epochs=1)
     task = _task()
     trainer.fit(task, datamodule=dm)
@@ -233,7 +251,7 @@ def test_export_safetensors_round_trip_and_no_overwrite(shapes_root, tmp_path):
 
 
 def test_eval_output_folder_that_cannot_be_written_fails_before_evaluating(shapes_root, tmp_path):
-    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size=16, num_workers=0))
     _trainer(tmp_path, max_epochs=1).fit(_task(), datamodule=dm)
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from vision_attn import create_encoder
 from vision_attn.data.tokenizer import SPECIAL_TOKENS, WordTokenizer
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.records import Report
+from vision_attn.models.captioner import DecoderConfig, GenerationOptions
+from vision_attn.models.detr import DETRConfig
 from vision_attn.report import write_report
 
 from .conftest import TINY_VIT
@@ -73,8 +74,8 @@ def _coco_report(kind: str, out: Path, data: Path) -> Path:
         from vision_attn.explain.detection import write_detection_overlays
         from vision_attn.tasks import DetectionTask
 
-        task = DetectionTask(enc, class_names=["a", "b", "c", "d", "e"], num_queries=4, hidden_dim=32, num_layers=1,
-                             num_heads=2).eval()
+        task = DetectionTask(enc, class_names=["a", "b", "c", "d", "e"], head=DETRConfig(num_queries=4, hidden_dim=32,
+                                                                                         num_layers=1, num_heads=2)).eval()
         ds = CocoDetection(root, "val", build_detection_transform(task.data_config, train=False))
         write_detection_overlays(task, ds, _options(), out, max_objects=3, report=report)
     else:
@@ -82,8 +83,9 @@ def _coco_report(kind: str, out: Path, data: Path) -> Path:
         from vision_attn.explain.captioning import write_caption_overlays
         from vision_attn.tasks import CaptioningTask
 
-        task = CaptioningTask(enc, vocab=[*SPECIAL_TOKENS, "a", "red", "circle"], hidden_dim=32, num_layers=1,
-                              num_heads=2, max_length=6, beam_size=1).eval()
+        task = CaptioningTask(enc, vocab=[*SPECIAL_TOKENS, "a", "red", "circle"],
+                              decoder=DecoderConfig(hidden_dim=32, num_layers=1, num_heads=2, max_length=6),
+                              generate=GenerationOptions(beam_size=1)).eval()
         with torch.no_grad():  # make sure the untrained decoder says a few words before <eos>
             task.head.out_bias[task.tokenizer.eos_id] = -1e4
         ds = CocoCaptions(root, "val", build_eval_transform(whole_image(task.data_config)),
@@ -161,7 +163,6 @@ def _hostile_report(out: Path) -> tuple[Path, list[dict]]:
     """A page whose every text comes from hostile names: file names, class names, metric and
     method names, detection category names, caption vocabulary words."""
     import numpy as np
-
     from vision_attn.explain.records import png_data_uri, quantise
 
     rgb = np.full((16, 16, 3), 120, np.uint8)
@@ -264,7 +265,6 @@ garbled,row,with,too,many,cells,x,y,z,w
 
 def _item(name: str, seed: int) -> dict:
     import numpy as np
-
     from vision_attn.explain.records import png_data_uri, quantise
 
     rng = np.random.default_rng(seed)
@@ -466,7 +466,6 @@ def test_large_panels_are_compacted(tmp_path):
 
     import cv2
     import numpy as np
-
     from vision_attn.explain.records import compact_data_uri, png_data_uri
 
     yy, xx = np.mgrid[0:600, 0:1000]
@@ -559,8 +558,8 @@ def test_detection_mistakes_list_missed_and_false_and_pr_curves_render(browser, 
     torch.manual_seed(0)
     probe = CocoDetection(root, "val")
     task = DetectionTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=probe.class_names,
-                         category_ids=probe.category_ids, num_queries=4, hidden_dim=32, num_layers=1,
-                         num_heads=2).eval()
+                         category_ids=probe.category_ids, head=DETRConfig(num_queries=4, hidden_dim=32, num_layers=1,
+                                                                          num_heads=2)).eval()
     ds = CocoDetection(root, "val", build_detection_transform(task.data_config, train=False))
     sample = select_images(len(ds), 1, "sample", 0)
     outside = [i for i in range(len(ds)) if i not in sample]
@@ -632,8 +631,9 @@ def test_captioning_lowest_cider_outside_the_sample_is_explained(tmp_path):
     root = ensure_shapes_coco(SceneSetConfig(image_size=32, num_train=4, num_val=6), tmp_path / "data")
     torch.manual_seed(0)
     task = CaptioningTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT),
-                          vocab=[*SPECIAL_TOKENS, "a", "red", "circle"], hidden_dim=32, num_layers=1, num_heads=2,
-                          max_length=4, beam_size=1).eval()
+                          vocab=[*SPECIAL_TOKENS, "a", "red", "circle"],
+                          decoder=DecoderConfig(hidden_dim=32, num_layers=1, num_heads=2, max_length=4),
+                          generate=GenerationOptions(beam_size=1)).eval()
     ds = CocoCaptions(root, "val", build_eval_transform(whole_image(task.data_config)),
                       WordTokenizer(task.tokenizer.vocab))
     sample = select_images(len(ds), 1, "sample", 0)
@@ -784,7 +784,13 @@ def test_builtin_results_are_section_records():
 def test_section_renderer_refuses_what_it_cannot_draw():
     from dataclasses import dataclass
 
-    from vision_attn.report import Block, ConfusionMatrix, Section, Table, render_section
+    from vision_attn.report import (
+        Block,
+        ConfusionMatrix,
+        Section,
+        Table,
+        render_section,
+    )
 
     @dataclass(frozen=True)
     class Gauge(Block):

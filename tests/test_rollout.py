@@ -7,12 +7,14 @@ import torch
 
 from vision_attn import capture_attention
 from vision_attn.explain.rollout import (
+    RolloutStream,
     attention_rollout,
     fuse_heads,
     gradient_relevance,
     last_layer_attention,
     normalize_maps,
 )
+from vision_attn.models.classifier import ClassifierConfig
 
 
 def _uniform(b, h, t):
@@ -58,6 +60,41 @@ def test_rollout_matches_a_direct_computation_and_batch_equals_per_image():
         single = attention_rollout([a[i : i + 1] for a in attn], grid=(2, 3), head_fusion="max", start_layer=1)
         assert torch.allclose(single[0], maps[i], atol=1e-6)
     assert maps.amax(dim=(1, 2)).allclose(torch.ones(3))
+
+
+def test_class_attention_rows_read_as_blocks_that_leave_the_other_tokens_unchanged():
+    # Cait's class-attention blocks: only the class token attends ([B, heads, 1, T]); the patch
+    # tokens pass through. The class token after the blocks is, by hand, with a_l the head-mean
+    # row: c_l = (c_{l-1} + a_l0 c_{l-1} + sum_j a_lj e_j) / 2 over the input tokens (rows of the
+    # rollout matrix summing to 1: (A + I) / 2).
+    torch.manual_seed(4)
+    t, heads = 1 + 6, 3
+    attn = [torch.softmax(torch.randn(2, heads, 1, t), -1) for _ in range(2)]
+    c = torch.zeros(2, t)
+    c[:, 0] = 1.0
+    for a in attn:
+        row = a.mean(1)[:, 0]  # (B, T)
+        c = 0.5 * (c + row[:, :1] * c + torch.cat([torch.zeros(2, 1), row[:, 1:]], dim=1))
+    expected = c[:, 1:].reshape(2, 2, 3)
+    expected = expected / expected.flatten(1).amax(1).view(2, 1, 1)
+    torch.testing.assert_close(attention_rollout(attn, grid=(2, 3)), expected, atol=1e-6, rtol=0)
+    stream = RolloutStream()
+    for a in attn:
+        stream.update(a)
+    torch.testing.assert_close(stream.maps((2, 3)), expected, atol=1e-6, rtol=0)
+    # relevance: R = I + relu(grad * A) rows for the class token only; the raw attention is its row
+    grads = [torch.randn_like(a) for a in attn]
+    rel = torch.eye(t).repeat(2, 1, 1)
+    for a, g in zip(attn, grads, strict=True):
+        cam = torch.zeros(2, t, t)
+        cam[:, :1] = (g * a).clamp(min=0).mean(1)
+        rel = rel + cam @ rel
+    row = rel[:, 0, 1:].reshape(2, 2, 3)
+    torch.testing.assert_close(gradient_relevance(attn, grads, grid=(2, 3)),
+                               row / row.flatten(1).amax(1).view(2, 1, 1), atol=1e-6, rtol=0)
+    last = attn[-1].mean(1)[:, 0, 1:].reshape(2, 2, 3)
+    torch.testing.assert_close(last_layer_attention(attn, grid=(2, 3)),
+                               last / last.flatten(1).amax(1).view(2, 1, 1), atol=1e-6, rtol=0)
 
 
 def test_non_square_grid_and_register_tokens():
@@ -184,7 +221,7 @@ def test_explanations_follow_the_heads_pooling(pooling):
 
     torch.manual_seed(0)
     task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["a", "b", "c"],
-                              pooling=pooling).eval()
+                              head=ClassifierConfig(pooling=pooling)).eval()
     x = torch.randn(2, 3, 32, 32)
     expl = explain_classifier(task, x, ("rollout", "relevance", "attention"))
     assert expl.num_prefix_tokens == 1 and expl.token_index == (0 if pooling == "cls" else "patches")

@@ -12,6 +12,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from vision_attn import create_encoder
 from vision_attn.data.classification import ImageFolderDataModule
+from vision_attn.data.loading import Batching
+from vision_attn.models.captioner import DecoderConfig
+from vision_attn.models.detr import DETRConfig
 from vision_attn.tasks import CaptioningTask, ClassificationTask, DetectionTask
 from vision_attn.tasks.optim import (
     Optimization,
@@ -99,7 +102,7 @@ def _fit(root, tmp, max_epochs: int, batch_size: int = 8, accumulate: int = 1, c
     torch.manual_seed(0)
     task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT),
                               optim=Optimization(lr=LR, warmup_fraction=0.2, min_lr_ratio=MIN_RATIO))
-    dm = ImageFolderDataModule(root=str(root), batch_size=batch_size, num_workers=0)
+    dm = ImageFolderDataModule(root=str(root), batching=Batching(batch_size=batch_size, num_workers=0))
     record = _RecordLR()
     trainer = L.Trainer(max_epochs=max_epochs, accumulate_grad_batches=accumulate, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -164,12 +167,13 @@ def _not_decayed(task) -> set[str]:
 
 TASKS = {
     "classification": lambda: ClassificationTask(_encoder(), class_names=["a", "b", "c"]),
-    "detection": lambda: DetectionTask(_encoder(), class_names=["a", "b"], hidden_dim=16, num_layers=2, num_heads=2,
-                                       num_queries=4),
-    "detection-box_refine": lambda: DetectionTask(_encoder(), class_names=["a", "b"], hidden_dim=16, num_layers=2,
-                                                  num_heads=2, num_queries=4, box_refine=True),
+    "detection": lambda: DetectionTask(_encoder(), class_names=["a", "b"], head=DETRConfig(hidden_dim=16, num_layers=2,
+                                                                                           num_heads=2, num_queries=4)),
+    "detection-box_refine": lambda: DetectionTask(_encoder(), class_names=["a", "b"],
+                                                  head=DETRConfig(hidden_dim=16, num_layers=2, num_heads=2,
+                                                                  num_queries=4, box_refine=True)),
     "captioning": lambda: CaptioningTask(_encoder(), vocab=["<pad>", "<bos>", "<eos>", "<unk>", "a", "b"],
-                                         hidden_dim=16, num_layers=1, num_heads=2, max_length=8),
+                                         decoder=DecoderConfig(hidden_dim=16, num_layers=1, num_heads=2, max_length=8)),
 }
 # matrices (ndim >= 2) that are embeddings of positions, queries, anchors or tokens
 EMBEDDINGS = {

@@ -6,21 +6,24 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import lightning as L
 import pytest
 import torch
 
 from vision_attn import create_encoder, load_task
-from vision_attn.data.captioning import CaptioningDataModule
+from vision_attn.data.captioning import CaptioningDataModule, CaptionOptions
+from vision_attn.data.loading import Batching
 from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 from vision_attn.errors import CheckpointError, ConfigError
 from vision_attn.losses.scst import baselines, sample_rewards, scst_loss, sequence_mask
 from vision_attn.metrics.caption import CiderD, cider_d
-from vision_attn.models.captioner import CaptionDecoder
+from vision_attn.models.captioner import CaptionDecoder, DecoderConfig, GenerationOptions
 from vision_attn.models.encoder import EncoderOutput
 from vision_attn.tasks import CaptioningTask, ClassificationTask
+from vision_attn.tasks.captioning import CaptionTraining, SCSTConfig
 
 from .conftest import TINY_VIT
 
@@ -113,8 +116,9 @@ def test_loss_masks_after_eos_and_does_not_differentiate_the_reward():
 
 def _toy_decoder(dropout: float = 0.0) -> tuple[CaptionDecoder, EncoderOutput]:
     torch.manual_seed(0)
-    decoder = CaptionDecoder(vocab_size=9, in_dim=8, hidden_dim=16, num_layers=2, num_heads=2, mlp_ratio=2.0,
-                             dropout=dropout, max_length=8, pad_id=0)
+    decoder = CaptionDecoder(vocab_size=9, in_dim=8, pad_id=0, config=DecoderConfig(hidden_dim=16, num_layers=2,
+                                                                                    num_heads=2, mlp_ratio=2.0,
+                                                                                    dropout=dropout, max_length=8))
     enc = EncoderOutput(torch.randn(2, 1 + 4, 8), 1, (2, 2))  # 2 images, a prefix token, 2x2 patches
     return decoder, enc
 
@@ -211,11 +215,13 @@ def test_tempered_samples_follow_the_tempered_softmax(temperature):
 
 
 # ---------------------------------------------------------------------- init_from
+TINY_DECODER = DecoderConfig(hidden_dim=32, num_layers=2, num_heads=2, mlp_ratio=2.0, dropout=0.0, max_length=24)
+
+
 def _task(vocab=None, **kw) -> CaptioningTask:
     torch.manual_seed(0)
     enc = create_encoder("vit_tiny_patch16_224", **TINY_VIT)
-    args = dict(hidden_dim=32, num_layers=2, num_heads=2, mlp_ratio=2.0, dropout=0.0, max_length=24)
-    return CaptioningTask(enc, vocab=vocab, **{**args, **kw})
+    return CaptioningTask(enc, vocab=vocab, **{"decoder": TINY_DECODER, **kw})
 
 
 def _save(task, path) -> str:
@@ -227,7 +233,7 @@ def _save(task, path) -> str:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     dm = CaptioningDataModule(synthetic=TINY_DATA, cache_dir=str(tmp_path_factory.mktemp("scst") / "data"),
-                              batch_size=4, num_workers=0, max_length=24)
+                              batching=Batching(batch_size=4, num_workers=0), captions=CaptionOptions(max_length=24))
     return dm
 
 
@@ -237,11 +243,13 @@ def test_init_from_loads_only_the_weights(data, tmp_path):
         for p in source.parameters():
             p.add_(0.01 * torch.randn_like(p))
     ckpt = _save(source, tmp_path / "ce.ckpt")
-    task = _task(init_from=ckpt, scst=True)  # no vocab given: the checkpoint's
+    # no vocab given: the checkpoint's
+    task = _task(training=CaptionTraining(init_from=ckpt), scst=SCSTConfig(enabled=True))
     assert task.tokenizer.vocab == source.tokenizer.vocab and task.training
     assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), task.state_dict().values(),
                                                  strict=True))
-    assert "init_from" not in task.checkpoint_meta()["model"]["init_args"]  # where a run started is not the model
+    assert "init_from" not in task.checkpoint_meta()["model"]["init_args"]["training"]  # where a run started is not
+    # the model
 
 
 def test_init_from_refuses_another_task_vocabulary_or_architecture(data, tmp_path):
@@ -249,21 +257,22 @@ def test_init_from_refuses_another_task_vocabulary_or_architecture(data, tmp_pat
     classifier = ClassificationTask(enc, class_names=["a", "b"])
     other_task = _save(classifier, tmp_path / "cls.ckpt")
     with pytest.raises(CheckpointError, match=r"holds a 'classification' model, not a captioning one"):
-        _task(init_from=other_task)
+        _task(training=CaptionTraining(init_from=other_task))
     ckpt = _save(_task(data.tokenizer.to_json()), tmp_path / "ce.ckpt")
     other_vocab = WordTokenizer.train(["a completely different set of words"]).to_json()
     with pytest.raises(CheckpointError, match=r"not the one given in --model.vocab"):
-        _task(other_vocab, init_from=ckpt)
-    with pytest.raises(CheckpointError, match=r"model\.hidden_dim=32, this model has 64"):
-        _task(init_from=ckpt, hidden_dim=64)
-    with pytest.raises(CheckpointError, match=r"model\.pixel_memory=False, this model has True"):
-        _task(init_from=ckpt, pixel_memory=True)
+        _task(other_vocab, training=CaptionTraining(init_from=ckpt))
+    with pytest.raises(CheckpointError, match=r"model\.decoder\.hidden_dim=32, this model has 64"):
+        _task(training=CaptionTraining(init_from=ckpt), decoder=replace(TINY_DECODER, hidden_dim=64))
+    with pytest.raises(CheckpointError, match=r"model\.decoder\.pixel_memory=False, this model has True"):
+        _task(training=CaptionTraining(init_from=ckpt), decoder=replace(TINY_DECODER, pixel_memory=True))
     with pytest.raises(CheckpointError, match=r"model\.encoder\.depth=2, this model has 3"):
-        CaptioningTask(create_encoder("vit_tiny_patch16_224", **{**TINY_VIT, "depth": 3}), hidden_dim=32,
-                       num_layers=2, num_heads=2, mlp_ratio=2.0, max_length=24, init_from=ckpt)
+        CaptioningTask(create_encoder("vit_tiny_patch16_224", **{**TINY_VIT, "depth": 3}),
+                       decoder=DecoderConfig(hidden_dim=32, num_layers=2, num_heads=2, mlp_ratio=2.0, max_length=24),
+                       training=CaptionTraining(init_from=ckpt))
     # a checkpoint trained on other captions: refused when training starts on these
     foreign = _save(_task(other_vocab), tmp_path / "foreign.ckpt")
-    task = _task(init_from=foreign, scst=True)
+    task = _task(training=CaptionTraining(init_from=foreign), scst=SCSTConfig(enabled=True))
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                         max_steps=1, default_root_dir=tmp_path, enable_checkpointing=False)
     with pytest.raises(CheckpointError, match=r"not the one the training captions give"):
@@ -271,21 +280,21 @@ def test_init_from_refuses_another_task_vocabulary_or_architecture(data, tmp_pat
 
 
 def test_scst_options_are_checked():
-    with pytest.raises(ConfigError, match=r"--model.scst_samples must be at least 2 with the mean baseline"):
-        _task(scst=True, scst_baseline="mean", scst_samples=1)
-    with pytest.raises(ConfigError, match=r"--model.scst_baseline must be greedy or mean"):
-        _task(scst=True, scst_baseline="beam")
-    with pytest.raises(ConfigError, match=r"--model.scst_max_length must be between 1 and max_length - 1 = 23"):
-        _task(scst=True, scst_max_length=24)
-    with pytest.raises(ConfigError, match=r"--model.scst_temperature must be a number > 0"):
-        _task(scst=True, scst_temperature=0)
+    with pytest.raises(ConfigError, match=r"--model.scst.samples must be at least 2 with the mean baseline"):
+        _task(scst=SCSTConfig(enabled=True, baseline="mean", samples=1))
+    with pytest.raises(ConfigError, match=r"--model.scst.baseline must be greedy or mean"):
+        _task(scst=SCSTConfig(enabled=True, baseline="beam"))
+    with pytest.raises(ConfigError, match=r"--model.scst.max_length must be between 1 and decoder.max_length - 1 = 23"):
+        _task(scst=SCSTConfig(enabled=True, max_length=24))
+    with pytest.raises(ConfigError, match=r"--model.scst.temperature must be a number > 0"):
+        _task(scst=SCSTConfig(enabled=True, temperature=0))
 
 
 # ---------------------------------------------------------------------- a Lightning fit
 def test_two_step_scst_fit_logs_reward_and_baseline(data, tmp_path):
     L.seed_everything(0)
     ce = _save(_task(data.tokenizer.to_json()), tmp_path / "ce.ckpt")
-    task = _task(init_from=ce, scst=True, scst_samples=3, scst_max_length=12)
+    task = _task(training=CaptionTraining(init_from=ce), scst=SCSTConfig(enabled=True, samples=3, max_length=12))
     before = {k: v.clone() for k, v in task.state_dict().items()}
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                         max_steps=2, limit_val_batches=0, default_root_dir=tmp_path, enable_checkpointing=False,
@@ -315,8 +324,9 @@ def test_two_step_scst_fit_logs_reward_and_baseline(data, tmp_path):
 def test_training_step_rewards_samples_against_the_greedy_caption(data, kind):
     """The step's logged baseline is the reward of the greedy captions (decoded in eval mode,
     without constraints) against each image's training references, or the samples' mean."""
-    task = _task(data.tokenizer.to_json(), scst=True, scst_samples=3, scst_max_length=10, scst_baseline=kind,
-                 min_length=3, repetition_penalty=2.0)  # evaluation's constraints: not the baseline's
+    task = _task(data.tokenizer.to_json(), scst=SCSTConfig(enabled=True, samples=3, max_length=10, baseline=kind),
+                 # evaluation's constraints: not the baseline's
+                 generate=GenerationOptions(min_length=3, repetition_penalty=2.0))
     data.setup("fit")
     task.scst_references = data.train_references()
     task.scst_cider = CiderD(task.scst_references)
@@ -342,8 +352,8 @@ def test_training_step_rewards_samples_against_the_greedy_caption(data, kind):
 def test_scst_step_samples_without_dropout_unless_asked(data, keep_dropout):
     """``scst_dropout`` false (default): sampling and the log-probabilities run with every module
     in eval mode; true: in training mode. Either way the modes are restored after the step."""
-    task = _task(data.tokenizer.to_json(), scst=True, scst_samples=2, scst_max_length=6, dropout=0.3,
-                 scst_dropout=keep_dropout)
+    task = _task(data.tokenizer.to_json(), scst=SCSTConfig(enabled=True, samples=2, max_length=6, dropout=keep_dropout),
+                 decoder=replace(TINY_DECODER, dropout=0.3))
     data.setup("fit")
     task.scst_references = data.train_references()
     task.scst_cider = CiderD(task.scst_references)
@@ -374,20 +384,22 @@ def test_scst_config_starts_from_a_cross_entropy_run(tmp_path):
     enc = "--model.init_args.encoder.init_args."
     common = ["--config", str(REPO / "configs" / "captioning" / "shapes.yaml"),
               "--data.init_args.synthetic.num_train", "8", "--data.init_args.synthetic.num_val", "4",
-              "--data.init_args.synthetic.image_size", "32", "--data.init_args.num_workers", "0",
-              "--data.init_args.batch_size", "4", "--data.init_args.cache_dir", str(tmp_path / "data"),
+              "--data.init_args.synthetic.image_size", "32", "--data.init_args.batching.num_workers", "0",
+              "--data.init_args.batching.batch_size", "4", "--data.init_args.cache_dir", str(tmp_path / "data"),
               f"{enc}img_size", "32", f"{enc}embed_dim", "32", f"{enc}depth", "1", f"{enc}num_heads", "2",
-              "--model.init_args.hidden_dim", "32", "--model.init_args.num_layers", "1",
-              "--model.init_args.num_heads", "2", "--trainer.enable_progress_bar", "false",
+              "--model.init_args.decoder.hidden_dim", "32", "--model.init_args.decoder.num_layers", "1",
+              "--model.init_args.decoder.num_heads", "2", "--trainer.enable_progress_bar", "false",
               "--trainer.limit_val_batches", "0"]
     train_main([*common, "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path / "ce")])
     ce = tmp_path / "ce" / "checkpoints" / "last.ckpt"
     cli = train_main([*common, "--config", str(REPO / "configs" / "captioning" / "scst.yaml"),
-                      "--model.init_from", str(ce), "--model.scst_samples", "2", "--model.scst_max_length", "8",
+                      "--model.training.init_from", str(ce), "--model.scst.samples", "2",
+                      "--model.scst.max_length", "8",
                       "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1",
                       "--trainer.default_root_dir", str(tmp_path / "scst")])
-    assert cli.model.hparams.scst and cli.trainer.global_step == 2 and cli.model.optim.lr == pytest.approx(1e-4)
+    assert cli.model.hparams["scst"]["enabled"] and cli.trainer.global_step == 2
+    assert cli.model.optim.lr == pytest.approx(1e-4)
     assert cli.model.optim.encoder_lr is None  # not shapes.yaml's faster encoder: the whole model at 1e-4
-    assert cli.model.hparams.scst_baseline == "mean" and cli.model.hparams.scst_temperature == 0.5
+    assert cli.model.hparams["scst"]["baseline"] == "mean" and cli.model.hparams["scst"]["temperature"] == 0.5
     header = (tmp_path / "scst" / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert "train/reward_step" in header and "train/baseline_step" in header

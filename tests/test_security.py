@@ -27,6 +27,7 @@ from vision_attn.commands.evaluate import eval_main
 from vision_attn.commands.run import run_entry
 from vision_attn.commands.train import TrainCLI, train_main
 from vision_attn.errors import CheckpointError, ConfigError, EncoderError, VisionAttnError
+from vision_attn.models.captioner import DecoderConfig
 from vision_attn.tasks import ClassificationTask
 
 from .conftest import REPO, TINY_VIT
@@ -36,8 +37,8 @@ ENC = "--model.init_args.encoder.init_args."
 
 
 def _tiny_args(root: Path, out: Path) -> list[str]:
-    return ["--config", CONFIG, "--data.init_args.root", str(root), "--data.init_args.num_workers", "0",
-            "--data.init_args.batch_size", "16", f"{ENC}embed_dim", "32", f"{ENC}depth", "1",
+    return ["--config", CONFIG, "--data.init_args.root", str(root), "--data.init_args.batching.num_workers", "0",
+            "--data.init_args.batching.batch_size", "16", f"{ENC}embed_dim", "32", f"{ENC}depth", "1",
             f"{ENC}num_heads", "2", f"{ENC}patch_size", "8", "--trainer.enable_progress_bar", "false",
             "--trainer.enable_model_summary", "false", "--trainer.logger", "false",
             "--trainer.default_root_dir", str(out)]
@@ -237,9 +238,9 @@ def test_nested_class_paths_in_a_checkpoint_are_refused_before_import(tmp_path, 
     assert not marker.exists() and mod not in sys.modules
 
     def class_path_in_task_args(task_args, enc_args):
-        task_args["pooling"] = {"class_path": f"{mod}.Cb"}
+        task_args["head"]["pooling"] = {"class_path": f"{mod}.Cb"}
 
-    with pytest.raises(CheckpointError, match=r"model.init_args.pooling is a class path"):
+    with pytest.raises(CheckpointError, match=r"model.init_args.head.pooling is a class path"):
         load_task(_crafted_checkpoint(tmp_path / "arg.ckpt", class_path_in_task_args))
     assert not marker.exists()
 
@@ -547,16 +548,16 @@ def test_a_checkpoint_cannot_make_loading_read_another_file(tmp_path, caplog):
     other = tmp_path / "other.ckpt"
     other.write_bytes(b"not a checkpoint: reading it would fail")
     torch.manual_seed(0)
-    task = CaptioningTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), vocab=["<pad>", "<bos>", "<eos>", "<unk>",
-                                                                                    "a", "circle"], hidden_dim=32,
-                          num_layers=1, num_heads=2)
+    task = CaptioningTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT),
+                          vocab=["<pad>", "<bos>", "<eos>", "<unk>", "a", "circle"],
+                          decoder=DecoderConfig(hidden_dim=32, num_layers=1, num_heads=2))
     meta = task.checkpoint_meta()
-    meta["model"]["init_args"]["init_from"] = str(other)  # "start from this checkpoint" planted in the metadata
+    meta["model"]["init_args"]["training"]["init_from"] = str(other)  # "start from this checkpoint" planted
     ckpt = tmp_path / "cap.ckpt"
     torch.save({"state_dict": task.state_dict(), "vision_attn": meta}, ckpt)
     with caplog.at_level(logging.WARNING):
         loaded = load_task(ckpt)
-    assert "ignoring the stored argument init_from" in caplog.text and loaded.init_from is None
+    assert "ignoring the stored argument training.init_from" in caplog.text and loaded.init_from is None
 
 
 def test_config_sizes_are_bounded_before_anything_is_built(tmp_path, shapes_root):

@@ -7,13 +7,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import replace
 
 import pytest
 from PIL import Image
 
-from vision_attn.data.captioning import CaptioningDataModule, read_captions
+from vision_attn.data.captioning import CAPTIONING_BATCHING, CaptioningDataModule, read_captions
 from vision_attn.data.classification import ImageFolderDataModule, ImageFolderDataset
-from vision_attn.data.detection import CocoDetection, DetectionDataModule, load_coco_annotations
+from vision_attn.data.detection import (
+    DETECTION_BATCHING,
+    CocoDetection,
+    DetectionDataModule,
+    load_coco_annotations,
+)
+from vision_attn.data.layout import FolderLayout, SplitLayout
+from vision_attn.data.loading import Batching
 from vision_attn.errors import DataError
 
 CATS = [{"id": 1, "name": "thing"}]
@@ -70,7 +78,8 @@ def test_detection_file_name_outside_the_split_is_refused(outside, which, caplog
         ds = CocoDetection(root, "val", skip_unreadable=True)  # training: a counted warning
     assert [im["id"] for im in ds.images] == [1]
     assert "skipped 1 images whose path leaves the split folder, e.g. image id 2" in caplog.text
-    dm = DetectionDataModule(root=str(root), train_split="val", val_split="val", num_workers=0)
+    dm = DetectionDataModule(root=str(root), layout=SplitLayout(train_split="val", val_split="val"),
+                             batching=replace(DETECTION_BATCHING, num_workers=0))
     dm.preprocess = {"input_size": (3, 8, 8), "mean": (0.5,) * 3, "std": (0.5,) * 3}
     assert len(dm.dataset("val", train=True)) == 1
     with pytest.raises(DataError, match="image id 2"):
@@ -88,7 +97,8 @@ def test_captioning_file_name_outside_the_split_is_refused(outside, which, caplo
         images, captions = read_captions(root, "val", skip_refused=True)
     assert [im["id"] for im in images] == [1] and set(captions) == {1}
     assert "skipped 1 images whose path leaves the split folder" in caplog.text
-    dm = CaptioningDataModule(root=str(root), train_split="val", val_split="val", num_workers=0)
+    dm = CaptioningDataModule(root=str(root), layout=SplitLayout(train_split="val", val_split="val"),
+                              batching=replace(CAPTIONING_BATCHING, num_workers=0))
     dm.preprocess = {"input_size": (3, 8, 8), "mean": (0.5,) * 3, "std": (0.5,) * 3}
     assert len(dm.dataset("val", train=True)) == 1  # training (tokenizer included) skips it
     with pytest.raises(DataError, match="image id 2"):
@@ -138,7 +148,8 @@ def test_imagefolder_symlinks_outside_are_followed_only_with_follow_symlinks(out
     assert "skipped 2 images whose path leaves the split folder" in caplog.text
     ds = ImageFolderDataset(root, "train", ["cls", "linked"], follow_symlinks=True)
     assert len(ds) == 3
-    dm = ImageFolderDataModule(root=str(root), val_split="train", num_workers=0, follow_symlinks=True)
+    dm = ImageFolderDataModule(root=str(root), layout=FolderLayout(val_split="train", follow_symlinks=True),
+                               batching=Batching(num_workers=0))
     dm.preprocess = {"input_size": (3, 8, 8), "mean": (0.5,) * 3, "std": (0.5,) * 3, "crop_pct": 1.0}
     assert len(dm.dataset("train")) == 3
 
@@ -149,8 +160,8 @@ def test_follow_symlinks_is_a_command_line_option_of_every_data_module(module):
 
     parser = ArgumentParser()
     parser.add_class_arguments(module, "data")
-    assert parser.parse_args(["--data.follow_symlinks", "true"]).data.follow_symlinks is True
-    assert parser.parse_args([]).data.follow_symlinks is False
+    assert parser.parse_args(["--data.layout.follow_symlinks", "true"]).data.layout.follow_symlinks is True
+    assert parser.parse_args([]).data.layout.follow_symlinks is False
 
 
 # --- 15.5 (read side): image ids are integers ---------------------------------------------------

@@ -157,7 +157,7 @@ def test_every_config_field_takes_hostile_values_as_data_or_refuses_them(tmp_pat
     out = tmp_path / "run"
     cfg["trainer"]["default_root_dir"] = str(out)
     cfg["trainer"]["callbacks"] = []
-    cfg["data"]["init_args"]["num_workers"] = 0
+    cfg["data"]["init_args"]["batching"]["num_workers"] = 0
     paths = [p for p in leaf_paths({"model": cfg["model"], "data": cfg["data"]})
              if p[-1] not in ("class_path", "root", "cache_dir")]
     assert len(paths) > 60

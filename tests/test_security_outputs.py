@@ -19,6 +19,7 @@ from PIL import Image
 
 from vision_attn import create_encoder
 from vision_attn.explain.overlay import save_png
+from vision_attn.models.captioner import DecoderConfig, GenerationOptions
 from vision_attn.outputs import (
     MAX_NAME_BYTES,
     OutputPathError,
@@ -87,7 +88,8 @@ def test_hostile_caption_image_id_writes_inside_the_output_folder(tmp_path):
 
     torch.manual_seed(0)
     task = CaptioningTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), vocab=[*SPECIAL_TOKENS, "a", "red"],
-                          hidden_dim=32, num_layers=1, num_heads=2, max_length=4, beam_size=1).eval()
+                          decoder=DecoderConfig(hidden_dim=32, num_layers=1, num_heads=2, max_length=4),
+                          generate=GenerationOptions(beam_size=1)).eval()
     image_file = tmp_path / "img.png"
     Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(image_file)
 

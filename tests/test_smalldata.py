@@ -14,12 +14,14 @@ from safetensors.torch import save_file
 from timm.layers import Attention
 
 from vision_attn import create_encoder, load_task
+from vision_attn.data.loading import Batching
 from vision_attn.errors import EncoderError
 from vision_attn.explain.capture import capture_attention
 from vision_attn.explain.lrp import relevance_budget
 from vision_attn.explain.methods import explain_classifier, explained_token
 from vision_attn.explain.rollout import attention_rollout, last_layer_attention, normalize_maps
 from vision_attn.models import ClassificationHead, EncoderOutput
+from vision_attn.models.classifier import ClassifierConfig
 from vision_attn.models.smalldata import (
     LSA_TEMPERATURE_KEY,
     LocalitySelfAttention,
@@ -217,7 +219,7 @@ def test_captured_lsa_attention_has_a_zero_diagonal_and_is_the_modules_softmax()
 def _task(pooling: str = "cls", **encoder_kw) -> ClassificationTask:
     torch.manual_seed(0)
     return ClassificationTask(create_encoder("vit_tiny_patch16_224", **{**TINY_VIT, **encoder_kw}), num_classes=3,
-                              pooling=pooling).eval()
+                              head=ClassifierConfig(pooling=pooling)).eval()
 
 
 def test_lrp_conserves_relevance_with_spt_and_lsa():
@@ -275,8 +277,8 @@ def test_checkpoint_roundtrip_rebuilds_spt_lsa_and_seq_pooling(shapes_root, tmp_
 
     torch.manual_seed(0)
     enc = create_encoder("vit_tiny_patch16_224", stem="spt", lsa=True, **TINY_VIT)
-    task = ClassificationTask(enc, pooling="seq")
-    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    task = ClassificationTask(enc, head=ClassifierConfig(pooling="seq"))
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size=16, num_workers=0))
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
     trainer.fit(task, datamodule=dm)
@@ -286,7 +288,7 @@ def test_checkpoint_roundtrip_rebuilds_spt_lsa_and_seq_pooling(shapes_root, tmp_
     trainer.save_checkpoint(path)
     stored = torch.load(path, weights_only=False)["vision_attn"]["model"]["init_args"]
     assert stored["encoder"]["init_args"]["stem"] == "spt" and stored["encoder"]["init_args"]["lsa"] is True
-    assert stored["pooling"] == "seq"
+    assert stored["head"]["pooling"] == "seq"
     loaded = load_task(path, expected_task="classification").eval()
     assert isinstance(loaded.encoder.model.blocks[1].attn, LocalitySelfAttention)
     assert isinstance(loaded.encoder.model.patch_embed.proj, ShiftedPatchTokenizer)
@@ -465,7 +467,7 @@ def test_local_mlp_weights_checkpoints_lrp_and_merging(shapes_root, tmp_path):
 
     torch.manual_seed(0)
     task = ClassificationTask(create_encoder("vit_tiny_patch16_224", local_mlp=True, **TINY_VIT))
-    dm = ImageFolderDataModule(root=str(shapes_root), batch_size=16, num_workers=0)
+    dm = ImageFolderDataModule(root=str(shapes_root), batching=Batching(batch_size=16, num_workers=0))
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
     before = task.encoder.model.blocks[0].mlp.dwconv.weight.detach().clone()

@@ -141,7 +141,7 @@ def test_timm_task_checkpoint_rebuilds_with_load_task(vit_tiny, tmp_path, pictur
     torch.save({"state_dict": task.state_dict(), "vision_attn": task.checkpoint_meta()}, ckpt)
     again = load_task(ckpt)
     assert isinstance(load_model(str(ckpt)).head, type(again.head))
-    assert again.hparams["head"] == "timm" and type(again.head).__name__ == "TimmHead"
+    assert again.hparams["head"]["kind"] == "timm" and type(again.head).__name__ == "TimmHead"
     assert again.data_config == task.data_config and again.class_names == task.class_names
     x = build_eval_transform(task.data_config)(pictures["odd"])[None]
     with torch.no_grad():

@@ -23,6 +23,7 @@ from vision_attn.explain.rollout import (
     gradient_relevance,
     rollout_scores,
 )
+from vision_attn.models.classifier import ClassifierConfig
 from vision_attn.tasks import ClassificationTask
 
 from .conftest import TINY_VIT
@@ -72,7 +73,7 @@ def test_streaming_rollout_equals_stored_rollout(key, options):
 def test_streaming_follows_the_heads_row_like_explain_classifier(pooling):
     torch.manual_seed(0)
     task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["a", "b", "c"],
-                              pooling=pooling).eval()
+                              head=ClassifierConfig(pooling=pooling)).eval()
     x = torch.randn(2, 3, 32, 32)
     expl = explain_classifier(task, x, ("rollout", "relevance"))
     with torch.no_grad(), streaming_rollout(task.encoder) as stream:

@@ -141,14 +141,20 @@ def condense_parse_error(message: str, width: int = 240) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-_DATACLASS_FIELD = re.compile(r"--model\.(?:init_args\.)?optim\.(\w+)")
+# The argument groups (dataclasses) of the suite's tasks and data modules.
+_GROUPS = {"model": ("optim", "head", "loss", "mix", "decoder", "generate", "training", "scst"),
+           "data": ("layout", "batching", "augment", "transform", "captions")}
+_DATACLASS_FIELD = re.compile(
+    "|".join(rf"--({section})\.(?:init_args\.)?({'|'.join(groups)})\.(\w+)" for section, groups in _GROUPS.items()))
 
 
 _NULLS = ("null", "none", "~")
 
 
 def _null_dataclass_fields(argv: list[str]) -> list[str]:
-    """``argv`` with ``--model.optim.FIELD null`` given as ``--model.optim '{"FIELD": null}'``.
+    """``argv`` with ``--model.GROUP.FIELD null`` given as ``--model.GROUP '{"FIELD": null}'`` (likewise
+    ``--data.GROUP.FIELD``) for the argument groups of the suite's tasks and data modules
+    (``--model.optim.encoder_lr null``, ``--data.batching.eval_batch_size null``).
 
     jsonargparse (4.53) rejects a null given to one field of a dataclass inside a model's
     ``init_args`` ("Expected a <class 'NoneType'>, given value: None"); the mapping form sets the
@@ -162,7 +168,8 @@ def _null_dataclass_fields(argv: list[str]) -> list[str]:
         if not eq and i + 1 < len(argv):
             value = argv[i + 1]
         if match and value.strip().lower() in _NULLS:
-            out += ["--model.optim", json.dumps({match.group(1): None})]
+            section, group, field = (g for g in match.groups() if g is not None)
+            out += [f"--{section}.{group}", json.dumps({field: None})]
             i += 1 if eq else 2
             continue
         out.append(argv[i])

@@ -1,9 +1,17 @@
-"""Data: safe decoding, transforms, the embedded synthetic data and one DataModule per task."""
+"""Data: safe decoding, transforms, the embedded synthetic data and one DataModule per task (with its
+argument groups: :class:`Batching`, the layouts, the augmentation)."""
 
-from vision_attn.data.captioning import CaptioningDataModule, CocoCaptions
-from vision_attn.data.classification import DataError, ImageFolderDataModule, ImageFolderDataset
-from vision_attn.data.detection import CocoDetection, DetectionDataModule
+from vision_attn.data.captioning import CaptioningDataModule, CaptionOptions, CocoCaptions
+from vision_attn.data.classification import (
+    DataError,
+    ImageAugment,
+    ImageFolderDataModule,
+    ImageFolderDataset,
+)
+from vision_attn.data.detection import CocoDetection, DetectionDataModule, DetectionTransform
 from vision_attn.data.imageio import ImageReadError, read_image
+from vision_attn.data.layout import FolderLayout, SplitLayout
+from vision_attn.data.loading import Batching
 from vision_attn.data.synthetic import (
     SceneSetConfig,
     ShapesConfig,
@@ -13,15 +21,21 @@ from vision_attn.data.synthetic import (
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 
 __all__ = [
+    "Batching",
+    "CaptionOptions",
     "CaptioningDataModule",
     "CocoCaptions",
     "CocoDetection",
     "DetectionDataModule",
+    "DetectionTransform",
     "DataError",
+    "FolderLayout",
+    "ImageAugment",
     "ImageFolderDataModule",
     "ImageFolderDataset",
     "ImageReadError",
     "SceneSetConfig",
+    "SplitLayout",
     "ShapesConfig",
     "WordTokenizer",
     "ensure_shapes_classification",

@@ -1,7 +1,7 @@
 """COCO-captions data: ``ROOT/<split>/`` images, ``ROOT/annotations/captions_<split>.json``.
 
 - Layout: that is the default of every split; a split's caption file and images folder can be
-  given instead (``--data.train_annotations``, ``--data.train_images``, likewise ``val_`` and
+  given instead (``--data.layout.train_annotations``, ``--data.layout.train_images``, likewise ``val_`` and
   ``test_``), exactly as for detection (:func:`vision_attn.data.detection.split_layout`).
 
 - Every image has several reference captions. Training samples one of them at random each
@@ -35,8 +35,9 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -51,11 +52,13 @@ from vision_attn.data.detection import (
     validate_image_entry,
 )
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
+from vision_attn.data.layout import SPLIT_LAYOUT_LEGACY, SplitLayout
 from vision_attn.data.loading import (
+    BATCHING_LEGACY,
+    Batching,
     PathRefusals,
     SkipUnreadable,
     SplitDataModule,
-    check_num_workers,
     image_path_inside,
     relative_file,
 )
@@ -70,7 +73,8 @@ from vision_attn.data.transforms import (
 )
 from vision_attn.errors import DataError
 
-__all__ = ["CaptioningDataModule", "CocoCaptions", "caption_collate", "instances_file_for", "read_annotated_objects",
+__all__ = ["CaptionOptions", "CaptioningDataModule", "CocoCaptions", "caption_collate", "instances_file_for",
+           "read_annotated_objects",
            "read_captions"]
 
 log = logging.getLogger(__name__)
@@ -137,7 +141,8 @@ def read_captions(root: Path, split: str, follow_symlinks: bool = False, skip_re
         log.warning("%s: dropped %d captions (%s), e.g. annotation id %s", ann_file, n, reason, example[reason])
     without = [im["id"] for im in images if not captions[im["id"]]]
     if without:
-        log.warning("%s: skipped %d images without a usable caption, e.g. image id %s", ann_file, len(without), without[0])
+        log.warning("%s: skipped %d images without a usable caption, e.g. image id %s", ann_file, len(without),
+                    without[0])
         images = [im for im in images if captions[im["id"]]]
         for i in without:
             del captions[i]
@@ -321,7 +326,8 @@ class CocoCaptions(SkipUnreadable, Dataset):
                                                                     apply_exif=exif))
         boxes = None
         if self.boxes is not None:
-            xyxy, labels = self.boxes.get(self.images[index]["id"], (torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64)))
+            none = (torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64))
+            xyxy, labels = self.boxes.get(self.images[index]["id"], none)
             h, w = image.shape[:2]
             image, moved = self._with_boxes(image, xyxy / torch.tensor([w, h, w, h], dtype=torch.float32))
             keep = (moved[:, 2] > moved[:, 0]) & (moved[:, 3] > moved[:, 1])  # cropped away: gone
@@ -366,6 +372,36 @@ class _Collate:
         return caption_collate(batch, self.pad_id)
 
 
+@dataclass(frozen=True)
+class CaptionOptions:
+    """What the captions become: token sequences of a vocabulary learned from the training
+    captions, and how many of an image's captions a training step reads (``--data.captions.*``).
+
+    Attributes:
+        max_length: longest caption in tokens, ``<bos>`` and ``<eos>`` included.
+        min_word_freq: words seen fewer times in the training captions become ``<unk>``.
+        max_vocab: most words in the vocabulary (``None`` = all).
+        per_image: training only: how many of an image's reference captions each step trains on
+            (drawn without replacement; the image is encoded once and the decoder reads each
+            caption), as ``seq_per_img`` in self-critical.pytorch. 1 = one caption drawn per
+            image and epoch.
+    """
+
+    max_length: int = 32
+    min_word_freq: int = 1
+    max_vocab: int | None = None
+    per_image: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.per_image, int) or self.per_image < 1:
+            raise DataError(f"--data.captions.per_image must be an integer >= 1, got {self.per_image!r}")
+
+
+CAPTIONING_BATCHING = Batching(batch_size=32, min_steps_per_epoch=100, min_batch_size=8, max_batch_size=64)
+CAPTIONING_LAYOUT = SplitLayout()
+CAPTIONS = CaptionOptions()
+
+
 class CaptioningDataModule(CocoLayout, SplitDataModule):
     """COCO-captions data (the embedded shapes scenes when ``root`` is unset).
 
@@ -374,80 +410,41 @@ class CaptioningDataModule(CocoLayout, SplitDataModule):
 
     Args:
         root: dataset root (``ROOT/<split>/``, ``ROOT/annotations/captions_<split>.json``);
-            the base of relative ``*_images`` / ``*_annotations`` paths.
+            the base of relative ``layout.*_images`` / ``layout.*_annotations`` paths.
         synthetic: parameters of the embedded scenes when ``root`` is ``None``.
         cache_dir: where the embedded data is generated.
-        train_split: training split name (COCO users: ``train2017``).
-        val_split: validation split name (COCO users: ``val2017``).
-        batch_size: training images per batch (per process), or ``auto``: sized from the training
-            set by :func:`~vision_attn.data.loading.auto_batch_size` (``min_steps_per_epoch``,
-            ``min_batch_size``, ``max_batch_size``, ``eval_batch_size``: as in
-            :class:`~vision_attn.data.detection.DetectionDataModule`).
-        num_workers: loader processes per training process; ``auto`` (default): the usable cores
-            left after two per training process, at most 8 — 0 on a 2-core machine
-            (:func:`~vision_attn.data.loading.resolve_num_workers`).
+        layout: split names, each split's caption file and images folder when not the layout's,
+            the image size limit and symbolic links (:class:`~vision_attn.data.layout.SplitLayout`).
+        batching: the training batch (fixed, or ``auto``: sized from the training set), the
+            evaluation batch and the loader processes (:class:`~vision_attn.data.loading.Batching`;
+            default batch 32, ``auto`` with at least 100 steps per epoch in 8..64).
         augment: training augmentation preset (``none``, ``small``, ``finetune``; never flips).
-        max_length: longest caption in tokens, ``<bos>`` and ``<eos>`` included.
-        min_word_freq: words seen fewer times in the training captions become ``<unk>``.
-        max_vocab: most words in the vocabulary (``None`` = all).
-        max_pixels: refuse larger images.
-        follow_symlinks: follow symbolic links inside a split folder that lead outside it
-            (refused by default: training skips such images, evaluation stops).
-        train_annotations: the training caption file (default
-            ``ROOT/annotations/captions_<train_split>.json``).
-        val_annotations: the validation caption file (likewise).
-        test_annotations: the caption file of ``test_split`` (``eval.py --split test``).
-        train_images: the training images folder (default ``ROOT/<train_split>/``).
-        val_images: the validation images folder (likewise).
-        test_images: the images folder of ``test_split``.
-        test_split: name of the test split (its paths default to the layout above).
-        captions_per_image: training only: how many of an image's reference captions each
-            step trains on (drawn without replacement; the image is encoded once and the
-            decoder reads each caption), as ``seq_per_img`` in self-critical.pytorch. 1 = one
-            caption drawn per image and epoch.
+        captions: the captions' longest length, the vocabulary and the captions per training
+            image (:class:`CaptionOptions`).
     """
 
     annotation_kind = "captions"
+    legacy_arguments = {**SPLIT_LAYOUT_LEGACY, **BATCHING_LEGACY,
+                        **{k: f"captions.{k}" for k in ("max_length", "min_word_freq", "max_vocab")},
+                        "captions_per_image": "captions.per_image"}
 
     def __init__(
         self,
         root: str | None = None,
         synthetic: SceneSetConfig | None = None,
         cache_dir: str | None = None,
-        train_split: str = "train",
-        val_split: str = "val",
-        batch_size: int | Literal["auto"] = 32,
-        min_steps_per_epoch: int = 100,
-        min_batch_size: int = 8,
-        max_batch_size: int = 64,
-        eval_batch_size: int | None = None,
-        num_workers: int | Literal["auto"] = "auto",
+        layout: SplitLayout = CAPTIONING_LAYOUT,
+        batching: Batching = CAPTIONING_BATCHING,
         augment: AugmentPreset = "none",
-        max_length: int = 32,
-        min_word_freq: int = 1,
-        max_vocab: int | None = None,
-        max_pixels: int = DEFAULT_MAX_PIXELS,
-        follow_symlinks: bool = False,
-        train_annotations: str | None = None,
-        val_annotations: str | None = None,
-        test_annotations: str | None = None,
-        train_images: str | None = None,
-        val_images: str | None = None,
-        test_images: str | None = None,
-        test_split: str = "test",
-        captions_per_image: int = 1,
+        captions: CaptionOptions = CAPTIONS,
     ) -> None:
         super().__init__()
-        if not isinstance(captions_per_image, int) or captions_per_image < 1:
-            raise DataError(f"--data.captions_per_image must be an integer >= 1, got {captions_per_image!r}")
-        self.captions_per_image = captions_per_image
-        self._init_layout(root, synthetic, cache_dir, "a COCO-captions folder", follow_symlinks,
-                          (train_split, val_split, test_split), (train_annotations, val_annotations, test_annotations),
-                          (train_images, val_images, test_images))
-        check_num_workers(num_workers)
-        self._init_batching(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size)
-        self.num_workers, self.augment = num_workers, augment
-        self.max_length, self.min_word_freq, self.max_vocab, self.max_pixels = max_length, min_word_freq, max_vocab, max_pixels
+        self.captions_per_image = captions.per_image
+        self._init_layout(root, synthetic, cache_dir, "a COCO-captions folder", layout)
+        self._init_batching(batching)
+        self.augment, self.captions = augment, captions
+        self.max_length, self.min_word_freq, self.max_vocab = (captions.max_length, captions.min_word_freq,
+                                                               captions.max_vocab)
         self.preprocess: dict[str, Any] | None = None
         self._tokenizer: WordTokenizer | None = None
         self._train_captions: tuple[list[dict], dict[int, list[str]]] | None = None

@@ -5,11 +5,11 @@ from a config. Any image mode is accepted (see :mod:`vision_attn.data.imageio`).
 ``root`` the embedded synthetic shapes dataset is generated on first use and used.
 
 Symbolic links inside a split folder (a file, or a class folder) that lead outside it are
-refused unless ``follow_symlinks`` (``--data.follow_symlinks true``): training skips them with
+refused unless ``follow_symlinks`` (``--data.layout.follow_symlinks true``): training skips them with
 one counted warning, evaluation stops with an error naming one. The split folder itself may be
 a symlink (it is resolved first).
 
-No ``val/`` folder: ``--data.val_fraction F`` holds out a stratified part of ``train/`` as the
+No ``val/`` folder: ``--data.layout.val_fraction F`` holds out a stratified part of ``train/`` as the
 validation split (:func:`stratified_holdout`): in every class of ``n`` images, the
 ``round(F * n)`` (Python's rounding; at least one when ``n >= 2``, never all of them) that come
 first when the class's files are ordered by the SHA-256 of ``"<val_seed>/<class>/<file>"``. The
@@ -20,7 +20,7 @@ an image to a class moves at most one other image of that class across. Both par
 ``val_fraction`` while ``ROOT/val/`` exists is an error: say which validation set you mean
 (drop the option, or move ``val/`` away).
 
-Batch size from the data (``--data.batch_size auto``): the number of optimizer steps, not of
+Batch size from the data (``--data.batching.batch_size auto``): the number of optimizer steps, not of
 epochs, sets how far a small model gets, and a fixed batch of 128 gives a 1k-image dataset 8
 steps per epoch. With ``auto`` the training batch (per process) is the largest power of two that
 leaves ``min_steps_per_epoch`` optimizer steps per epoch on every process, within
@@ -43,19 +43,22 @@ import hashlib
 import logging
 import os
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, read_image
+from vision_attn.data.layout import FOLDER_LAYOUT_LEGACY, FolderLayout
 from vision_attn.data.loading import (
+    BATCHING_LEGACY,
+    Batching,
     PathRefusals,
     RepeatedAugmentationSampler,
     SkipUnreadable,
     SplitDataModule,
-    check_num_workers,
     image_path_inside,
 )
 from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
@@ -67,7 +70,8 @@ from vision_attn.data.transforms import (
 )
 from vision_attn.errors import DataError
 
-__all__ = ["DataError", "ImageFolderDataModule", "ImageFolderDataset", "find_classes", "stratified_holdout"]
+__all__ = ["DataError", "ImageAugment", "ImageFolderDataModule", "ImageFolderDataset", "find_classes",
+           "stratified_holdout"]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +91,8 @@ def find_classes(split_dir: Path) -> list[str]:
 
 def _list_images(folder: Path) -> list[Path]:
     return sorted(
-        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+        p for p in folder.rglob("*")
+        if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
     )
 
 
@@ -111,9 +116,42 @@ def stratified_holdout(files: Collection[str], fraction: float, seed: int) -> se
     return held
 
 
-def _check_repeats(repeats: Any) -> None:
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise DataError(f"--data.repeated_augmentation must be a positive integer, got {repeats!r}")
+@dataclass(frozen=True)
+class ImageAugment:
+    """The training augmentation of classification images (``--data.augment.*``).
+
+    Attributes:
+        preset: ``none``, ``small`` (from scratch, small images) or ``finetune`` (pretrained
+            models at 224 px); see :mod:`vision_attn.data.transforms`.
+        hflip: random horizontal flips (turn off for text and digits).
+        randaugment_ops: RandAugment operations per training image (``0``: none); default: the
+            preset's (``small``: 0, ``finetune``: 2).
+        randaugment_magnitude: RandAugment magnitude (0..30, torchvision's bins).
+        colour_jitter: ``small`` only: brightness and contrast factors drawn from
+            ``[1 - j, 1 + j]`` per training image (0: none).
+        repeated_augmentation: ``k``: every training epoch shows ``len / k`` distinct images
+            ``k`` times each, in the same batch (differently augmented), keeping the epoch's
+            length (DeiT's repeated augmentation;
+            :class:`~vision_attn.data.loading.RepeatedAugmentationSampler`, seeded by
+            ``seed_everything`` and the epoch). ``1``: off.
+    """
+
+    preset: AugmentPreset = "small"
+    hflip: bool = True
+    randaugment_ops: int | None = None
+    randaugment_magnitude: int = 9
+    colour_jitter: float = 0.2
+    repeated_augmentation: int = 1
+
+    def __post_init__(self) -> None:
+        repeats = self.repeated_augmentation
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise DataError(f"--data.augment.repeated_augmentation must be a positive integer, got {repeats!r}")
+
+
+FOLDER_BATCHING = Batching(batch_size=64, min_steps_per_epoch=40, min_batch_size=8, max_batch_size=256)
+FOLDER_LAYOUT = FolderLayout()
+SMALL_AUGMENT = ImageAugment()
 
 
 class ImageFolderDataset(SkipUnreadable, Dataset):
@@ -217,72 +255,31 @@ class ImageFolderDataModule(SplitDataModule):
         synthetic: parameters of the embedded dataset when ``root`` is ``None``.
         cache_dir: where the embedded dataset is generated (default ``$VISION_ATTN_DATA`` or
             ``~/.cache/vision_attn``).
-        train_split: training split folder name.
-        val_split: validation split folder name.
-        test_split: test split folder name (used when it exists).
-        batch_size: training images per batch (per process), or ``auto``: sized from the
-            training set by the rule below (see the module docstring).
-        min_steps_per_epoch: ``auto`` only: optimizer steps every epoch makes at least (the
-            batch is the largest power of two <= images per process / this).
-        min_batch_size: ``auto`` only: the smallest batch the rule picks.
-        max_batch_size: ``auto`` only: the largest batch the rule picks (memory bound); also
-            the evaluation batch when ``eval_batch_size`` is unset.
-        eval_batch_size: images per batch in validation/test (default ``batch_size``; with
-            ``auto``, ``max_batch_size``: evaluation results do not depend on it).
-        num_workers: loader processes per training process; ``auto`` (default): the usable cores
-            left after two per training process, at most 8 — 0 on a 2-core machine
-            (:func:`~vision_attn.data.loading.resolve_num_workers`).
-        augment: training augmentation preset: ``none``, ``small`` (from scratch, small
-            images) or ``finetune`` (pretrained models at 224 px).
-        hflip: random horizontal flips in training (turn off for text and digits).
-        randaugment_ops: RandAugment operations per training image (``0``: none); default:
-            the preset's (``small``: 0, ``finetune``: 2).
-        randaugment_magnitude: RandAugment magnitude (0..30, torchvision's bins).
-        colour_jitter: ``small`` only: brightness and contrast factors drawn from
-            ``[1 - j, 1 + j]`` per training image (0: none).
-        repeated_augmentation: ``k``: every training epoch shows ``len / k`` distinct images
-            ``k`` times each, in the same batch (differently augmented), keeping the epoch's
-            length (DeiT's repeated augmentation;
-            :class:`~vision_attn.data.loading.RepeatedAugmentationSampler`, seeded by
-            ``seed_everything`` and the epoch). ``1``: off.
-        max_pixels: images declaring more pixels are refused.
-        follow_symlinks: follow symbolic links inside a split folder that lead outside it
-            (refused by default: training skips such images, evaluation stops).
-        val_fraction: with no ``val/`` folder, hold out this share of every class of ``train/``
-            as the validation split (seeded, stratified: see the module docstring); an error
-            when ``val/`` exists.
-        val_seed: the seed of that held-out split.
+        layout: the split folders, a validation split held out of ``train/``, the image size
+            limit and symbolic links (:class:`~vision_attn.data.layout.FolderLayout`).
+        batching: the training batch (fixed, or ``auto``: sized from the training set by the rule
+            in the module docstring), the evaluation batch and the loader processes
+            (:class:`~vision_attn.data.loading.Batching`; default batch 64).
+        augment: the training augmentation (:class:`ImageAugment`).
     """
+
+    legacy_arguments = {**FOLDER_LAYOUT_LEGACY, **BATCHING_LEGACY, "augment": "augment.preset",
+                        **{k: f"augment.{k}" for k in ("hflip", "randaugment_ops", "randaugment_magnitude",
+                                                       "colour_jitter", "repeated_augmentation")}}
 
     def __init__(
         self,
         root: str | None = None,
         synthetic: ShapesConfig | None = None,
         cache_dir: str | None = None,
-        train_split: str = "train",
-        val_split: str = "val",
-        test_split: str = "test",
-        batch_size: int | Literal["auto"] = 64,
-        min_steps_per_epoch: int = 40,
-        min_batch_size: int = 8,
-        max_batch_size: int = 256,
-        eval_batch_size: int | None = None,
-        num_workers: int | Literal["auto"] = "auto",
-        augment: AugmentPreset = "small",
-        hflip: bool = True,
-        randaugment_ops: int | None = None,
-        randaugment_magnitude: int = 9,
-        colour_jitter: float = 0.2,
-        repeated_augmentation: int = 1,
-        max_pixels: int = DEFAULT_MAX_PIXELS,
-        follow_symlinks: bool = False,
-        val_fraction: float | None = None,
-        val_seed: int = 0,
+        layout: FolderLayout = FOLDER_LAYOUT,
+        batching: Batching = FOLDER_BATCHING,
+        augment: ImageAugment = SMALL_AUGMENT,
     ) -> None:
         super().__init__()
-        self._init_batching(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size)
-        _check_repeats(repeated_augmentation)
-        self.follow_symlinks = follow_symlinks
+        self._init_batching(batching)
+        self.layout = layout
+        self.follow_symlinks = layout.follow_symlinks
         if root is None:
             root = str(ensure_shapes_classification(synthetic or ShapesConfig(), cache_dir))
         self.root = Path(root).expanduser()
@@ -291,26 +288,23 @@ class ImageFolderDataModule(SplitDataModule):
                 f"data root {self.root} does not exist. Pass --data.root with a folder holding "
                 "train/<class>/ and val/<class>/ image folders (or leave it unset for the embedded shapes data)."
             )
-        self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
-        check_num_workers(num_workers)
-        self.num_workers = num_workers
-        self.augment = augment
-        self.hflip = hflip
-        self.randaugment_ops, self.randaugment_magnitude = randaugment_ops, randaugment_magnitude
-        self.colour_jitter = colour_jitter
-        self.repeated_augmentation = repeated_augmentation
-        self.max_pixels = max_pixels
+        train_split, val_split = layout.train_split, layout.val_split
+        self.train_split, self.val_split, self.test_split = train_split, val_split, layout.test_split
+        self.augment = augment.preset
+        self.hflip = augment.hflip
+        self.randaugment_ops, self.randaugment_magnitude = augment.randaugment_ops, augment.randaugment_magnitude
+        self.colour_jitter = augment.colour_jitter
+        self.repeated_augmentation = augment.repeated_augmentation
+        self.max_pixels = layout.max_pixels
         self.class_names: list[str] = find_classes(self.root / train_split)
-        if val_fraction is not None:
-            if not 0 < val_fraction < 1:
-                raise DataError(f"--data.val_fraction {val_fraction} must lie strictly between 0 and 1")
-            if (self.root / val_split).exists():
-                raise DataError(
-                    f"{self.root / val_split} exists and --data.val_fraction {val_fraction} is set: validate "
-                    f"on {val_split}/ (drop val_fraction) or on a held-out part of {train_split}/ (move "
-                    f"{val_split}/ away), not both"
-                )
-        self.val_fraction, self.val_seed = val_fraction, val_seed
+        val_fraction = layout.val_fraction
+        if val_fraction is not None and (self.root / val_split).exists():
+            raise DataError(
+                f"{self.root / val_split} exists and --data.layout.val_fraction {val_fraction} is set: validate "
+                f"on {val_split}/ (drop val_fraction) or on a held-out part of {train_split}/ (move "
+                f"{val_split}/ away), not both"
+            )
+        self.val_fraction, self.val_seed = val_fraction, layout.val_seed
         self._holdout: tuple[set[str], set[str]] | None = None
         self.preprocess: dict[str, Any] | None = None
         self.datasets: dict[str, ImageFolderDataset] = {}
@@ -337,13 +331,14 @@ class ImageFolderDataModule(SplitDataModule):
         ``val_fraction``, the validation split is the held-out part of the training folder)."""
         pre = model_preprocess(self)
         transform = (build_train_transform(pre, self.augment, self.hflip, self.randaugment_ops,
-                                           self.randaugment_magnitude, self.colour_jitter) if train else build_eval_transform(pre))
+                                           self.randaugment_magnitude, self.colour_jitter)
+                     if train else build_eval_transform(pre))
         folder, files = split, None
         if self.val_fraction is not None and split in (self.train_split, self.val_split):
             folder, files = self.train_split, self.holdout()[split == self.val_split]
         elif split == self.val_split and not (self.root / split).is_dir():
             raise DataError(f"validation folder {self.root / split} does not exist: add it, or pass "
-                            "--data.val_fraction 0.1 to hold out part of the training images")
+                            "--data.layout.val_fraction 0.1 to hold out part of the training images")
         # training skips unreadable or refused files; evaluation stops at the first
         return ImageFolderDataset(self.root, folder, self.class_names, transform, self.max_pixels,
                                   self.follow_symlinks, skip_unreadable=train, files=files)

@@ -1,7 +1,7 @@
 """COCO-format detection data: ``ROOT/<split>/`` images, ``ROOT/annotations/instances_<split>.json``.
 
 - Layout: that is the default of every split; a split's annotation file and images folder can
-  be given instead (``--data.train_annotations``, ``--data.train_images``, likewise ``val_`` and
+  be given instead (``--data.layout.train_annotations``, ``--data.layout.train_images``, likewise ``val_`` and
   ``test_``; see :func:`split_layout`): a relative path is taken under ``ROOT``, an absolute one
   as it is. ``file_name`` values are relative to the split's images folder, which is the folder
   they must stay inside. With every train and val path given and no ``root``, the root is the
@@ -29,7 +29,7 @@
 - Targets: ``labels [G]``, ``boxes [G, 4]`` as ``(cx, cy, w, h)`` fractions of the model
   input (normalised in one place, :func:`_to_target`), ``image_id``, ``orig_size (h, w)``, and
   ``scored`` (the :meth:`~CocoDetection.scoring_target` dict; evaluation datasets only).
-- Input size (``resize``): ``square`` (default) resizes every image to the model's input size
+- Input size (``transform.resize``): ``square`` (default) resizes every image to the model's input size
   (squashed); ``aspect`` (real datasets, DETR's recipe) keeps the aspect ratio
   (:class:`~vision_attn.data.transforms.AspectResize`: shorter side from ``train_sizes`` in
   training, ``eval_size`` in evaluation, longer side at most ``max_size``), adds each image's
@@ -48,8 +48,9 @@ import json
 import logging
 import math
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,11 +61,13 @@ from torchvision.transforms.v2 import functional as TF
 
 from vision_attn.boxes import box_xyxy_to_cxcywh
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
+from vision_attn.data.layout import SPLIT_LAYOUT_LEGACY, SplitLayout
 from vision_attn.data.loading import (
+    BATCHING_LEGACY,
+    Batching,
     PathRefusals,
     SkipUnreadable,
     SplitDataModule,
-    check_num_workers,
     image_path_inside,
     relative_file,
 )
@@ -79,7 +82,8 @@ from vision_attn.data.transforms import (
 )
 from vision_attn.errors import DataError
 
-__all__ = ["COCO_ID_LIMIT", "CocoDetection", "CocoLayout", "DetectionDataModule", "SquareDetectionTransform",
+__all__ = ["COCO_ID_LIMIT", "CocoDetection", "CocoLayout", "DetectionDataModule", "DetectionTransform",
+           "SquareDetectionTransform",
            "check_category_id", "coco_id_error", "coco_root", "detection_collate", "is_coco_id",
            "load_coco_annotations", "split_layout", "validate_image_entry"]
 
@@ -125,7 +129,8 @@ def load_coco_annotations(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise DataError(f"annotation file {path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from err
+        raise DataError(f"annotation file {path} is not valid JSON: {err.msg} at line {err.lineno}, "
+                        f"column {err.colno}") from err
     except UnicodeDecodeError as err:
         raise DataError(f"annotation file {path} is not UTF-8 text: {err}") from err
     except RecursionError as err:
@@ -148,7 +153,8 @@ def validate_image_entry(im: Any, ann_file: Path) -> None:
     if not is_coco_id(im["id"]):
         raise coco_id_error(ann_file, "image id", im["id"])
     if not isinstance(im["file_name"], str):
-        raise DataError(f"{ann_file}: image id {im['id']} has a file_name that is not text: {str(im['file_name'])[:80]}")
+        raise DataError(f"{ann_file}: image id {im['id']} has a file_name that is not text: "
+                        f"{str(im['file_name'])[:80]}")
     for key in ("width", "height"):
         if im.get(key) is not None and not (_is_number(im[key]) and math.isfinite(im[key])):
             raise DataError(f"{ann_file}: image id {im['id']} has a {key} that is not a number: {str(im[key])[:80]}")
@@ -218,17 +224,16 @@ class CocoLayout:
     train_annotations = val_annotations = test_annotations = None
 
     def _init_layout(self, root: str | None, synthetic: SceneSetConfig | None, cache_dir: str | None, what: str,
-                     follow_symlinks: bool, splits: tuple[str, str, str],
-                     annotations: tuple[str | None, str | None, str | None],
-                     images: tuple[str | None, str | None, str | None]) -> None:
-        """Set the root and the split paths (``splits``, ``annotations``, ``images``: train, val,
-        test); the root may be left out when every train and val path is given."""
-        all_given = None not in (*annotations[:2], *images[:2])
+                     layout: SplitLayout) -> None:
+        """Set the root and the split paths of ``layout``; the root may be left out when every
+        train and val path is given."""
+        all_given = None not in (*layout.annotations[:2], *layout.images[:2])
         self.root = coco_root(root, synthetic, cache_dir, what, all_given)
-        self.follow_symlinks = follow_symlinks
-        self.train_split, self.val_split, self.test_split = splits
-        self.train_annotations, self.val_annotations, self.test_annotations = annotations
-        self.train_images, self.val_images, self.test_images = images
+        self.layout = layout
+        self.follow_symlinks, self.max_pixels = layout.follow_symlinks, layout.max_pixels
+        self.train_split, self.val_split, self.test_split = layout.splits
+        self.train_annotations, self.val_annotations, self.test_annotations = layout.annotations
+        self.train_images, self.val_images, self.test_images = layout.images
 
     def split_paths(self, split: str) -> tuple[Path, Path]:
         """``(images folder, annotation file)`` of ``split`` (see :func:`split_layout`)."""
@@ -244,7 +249,7 @@ def check_images_dir(images_dir: Path, ann_file: Path, split: str) -> None:
     """A clear error when the images folder of a split is missing."""
     if not images_dir.is_dir():
         raise DataError(f"{ann_file}: the images folder {images_dir} of split {split!r} does not exist; "
-                        f"pass --data.root (images in ROOT/{split}/) or the split's --data.<split>_images")
+                        f"pass --data.root (images in ROOT/{split}/) or the split's --data.layout.<split>_images")
 
 
 def _to_target(boxes_xyxy: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
@@ -369,7 +374,8 @@ class CocoDetection(SkipUnreadable, Dataset):
                     continue
             by_image[a["image_id"]].append(([x0, y0, x1, y1], label))
         for reason, n in dropped.items():
-            log.warning("%s: dropped %d annotations (%s), e.g. annotation id %s", self.ann_file, n, reason, example[reason])
+            log.warning("%s: dropped %d annotations (%s), e.g. annotation id %s", self.ann_file, n, reason,
+                        example[reason])
         self.annotations = by_image
         self.scored = scored
 
@@ -445,7 +451,7 @@ def detection_collate(batch):
         return torch.stack(images), list(targets)
     if any("size" not in t for t in targets):
         raise DataError("images of different sizes in one batch, but their targets have no 'size': "
-                        "use --data.resize aspect (which records it) or a fixed input size")
+                        "use --data.transform.resize aspect (which records it) or a fixed input size")
     h, w = max(im.shape[-2] for im in images), max(im.shape[-1] for im in images)
     out = images[0].new_zeros(len(images), images[0].shape[0], h, w)
     for i, im in enumerate(images):
@@ -454,6 +460,46 @@ def detection_collate(batch):
 
 
 RESIZE_MODES = ("square", "aspect")
+
+
+@dataclass(frozen=True)
+class DetectionTransform:
+    """How detection images are resized and augmented (``--data.transform.*``; see the module
+    docstring and :func:`build_detection_transform`).
+
+    Attributes:
+        resize: ``square`` (resize to the model's input size) or ``aspect`` (keep the aspect
+            ratio and pad the batch: real datasets).
+        train_sizes: ``aspect``: the shorter side's sizes drawn in training (DETR's by default).
+        eval_size: ``aspect``: the shorter side in evaluation.
+        max_size: ``aspect``: the most pixels of the longer side.
+        scale_jitter: ``square``: area range of the training random-resized crop (``[1.0, 1.0]``:
+            the whole image, no crop).
+        hflip: random horizontal flips in training (off for digits, text, or any class that a
+            mirror image changes).
+    """
+
+    resize: str = "square"
+    train_sizes: tuple[int, ...] = DETR_TRAIN_SIZES
+    eval_size: int = DETR_EVAL_SIZE
+    max_size: int | None = DETR_MAX_SIZE
+    scale_jitter: tuple[float, float] = (0.6, 1.0)
+    hflip: bool = True
+
+    def __post_init__(self) -> None:
+        if self.resize not in RESIZE_MODES:
+            raise DataError(f"--data.transform.resize must be one of {', '.join(RESIZE_MODES)}, got {self.resize!r}")
+        try:  # the sizes checked now (a clear error here, not in a loader worker)
+            if self.resize == "aspect":
+                AspectResize(tuple(self.train_sizes), self.max_size)
+                AspectResize(self.eval_size, self.max_size)
+        except (TypeError, ValueError) as err:
+            raise DataError(f"--data.transform.train_sizes / eval_size / max_size: {err}") from err
+
+    def build(self, pre: dict[str, Any], train: bool):
+        """This transform for the model's preprocessing ``pre`` (:func:`build_detection_transform`)."""
+        return build_detection_transform(pre, train, tuple(self.scale_jitter), self.resize, tuple(self.train_sizes),
+                                         self.eval_size, self.max_size, self.hflip)
 
 
 def build_detection_transform(pre: dict[str, Any], train: bool, scale_jitter: tuple[float, float] = (0.6, 1.0),
@@ -470,7 +516,7 @@ def build_detection_transform(pre: dict[str, Any], train: bool, scale_jitter: tu
     boxes that vanished. ``hflip=False``: no random flip in training (digits, text, any class a
     mirror image changes)."""
     if resize not in RESIZE_MODES:
-        raise ValueError(f"--data.resize must be one of {', '.join(RESIZE_MODES)}, got {resize!r}")
+        raise ValueError(f"--data.transform.resize must be one of {', '.join(RESIZE_MODES)}, got {resize!r}")
     _, h, w = pre["input_size"]
     interp = _interp(pre.get("interpolation", "bicubic"))
     if resize == "square":
@@ -485,8 +531,8 @@ def build_detection_transform(pre: dict[str, Any], train: bool, scale_jitter: tu
 class SquareDetectionTransform:
     """The ``resize="square"`` transform of :func:`build_detection_transform`, in one call.
 
-    Training: a random horizontal flip (unless ``hflip=False``), then a random resized crop (area ``scale`` of the image,
-    aspect ratio 3/4 to 4/3) to ``size``; evaluation: the whole image resized to ``size``. Then
+    Training: a random horizontal flip (unless ``hflip=False``), then a random resized crop (area
+    ``scale`` of the image, aspect ratio 3/4 to 4/3) to ``size``; evaluation: the whole image resized to ``size``. Then
     boxes clamped to the image, boxes under 1 px (side or area) dropped with their labels, the
     image converted to float and normalised. The same operations and kernels as torchvision's v2
     pipeline of ``RandomHorizontalFlip``, ``RandomResizedCrop`` (or ``Resize``),
@@ -538,98 +584,51 @@ class SquareDetectionTransform:
         return self.apply(image, boxes, labels, self.draw(image))
 
 
+DETECTION_BATCHING = Batching(batch_size=16, min_steps_per_epoch=200, min_batch_size=8, max_batch_size=64)
+DETECTION_LAYOUT = SplitLayout()
+SQUARE_TRANSFORM = DetectionTransform()
+
+
 class DetectionDataModule(CocoLayout, SplitDataModule):
     """COCO-layout detection data (the embedded shapes scenes when ``root`` is unset).
 
     Args:
         root: dataset root (``ROOT/<split>/``, ``ROOT/annotations/instances_<split>.json``);
-            the base of relative ``*_images`` / ``*_annotations`` paths.
+            the base of relative ``layout.*_images`` / ``layout.*_annotations`` paths.
         synthetic: parameters of the embedded scenes when ``root`` is ``None``.
         cache_dir: where the embedded data is generated.
-        train_split: training split name (COCO users: ``train2017``).
-        val_split: validation split name (COCO users: ``val2017``).
-        batch_size: training images per batch (per process), or ``auto``: the largest power of
-            two that leaves ``min_steps_per_epoch`` optimizer steps per epoch on every process,
-            within ``[min_batch_size, max_batch_size]``
-            (:func:`~vision_attn.data.loading.auto_batch_size`; logged and saved in the
-            datamodule's hyper-parameters).
-        min_steps_per_epoch: ``auto`` only: optimizer steps every epoch makes at least.
-        min_batch_size: ``auto`` only: the smallest batch the rule picks.
-        max_batch_size: ``auto`` only: the largest batch the rule picks; also the evaluation
-            batch when ``eval_batch_size`` is unset.
-        eval_batch_size: images per batch in validation/test (default: ``batch_size``; with
-            ``auto``, ``max_batch_size``).
-        num_workers: loader processes per training process; ``auto`` (default): the usable cores
-            left after two per training process, at most 8 — 0 on a 2-core machine
-            (:func:`~vision_attn.data.loading.resolve_num_workers`).
-        scale_jitter: area range of the training random-resized crop (``[1.0, 1.0]``: the whole
-            image, no crop).
-        hflip: random horizontal flips in training (off for digits, text, or any class that a
-            mirror image changes).
-        max_pixels: refuse larger images.
-        follow_symlinks: follow symbolic links inside a split folder that lead outside it
-            (refused by default: training skips such images, evaluation stops).
-        train_annotations: the training annotation file (default
-            ``ROOT/annotations/instances_<train_split>.json``).
-        val_annotations: the validation annotation file (likewise).
-        test_annotations: the annotation file of ``test_split`` (``eval.py --split test``).
-        train_images: the training images folder (default ``ROOT/<train_split>/``).
-        val_images: the validation images folder (likewise).
-        test_images: the images folder of ``test_split``.
-        test_split: name of the test split (its paths default to the layout above).
-        resize: ``square`` (resize to the model's input size) or ``aspect`` (keep the aspect
-            ratio and pad the batch: real datasets; see the module docstring).
-        train_sizes: ``aspect``: the shorter side's sizes drawn in training (DETR's by default).
-        eval_size: ``aspect``: the shorter side in evaluation.
-        max_size: ``aspect``: the most pixels of the longer side.
+        layout: split names, each split's annotation file and images folder when not the
+            layout's, the image size limit and symbolic links
+            (:class:`~vision_attn.data.layout.SplitLayout`).
+        batching: the training batch (fixed, or ``auto``: sized from the training set), the
+            evaluation batch and the loader processes (:class:`~vision_attn.data.loading.Batching`;
+            default batch 16, ``auto`` with at least 200 steps per epoch in 8..64).
+        transform: the resize (``square``, or ``aspect`` with DETR's sizes), the random crop and
+            the flips (:class:`DetectionTransform`).
     """
+
+    legacy_arguments = {**SPLIT_LAYOUT_LEGACY, **BATCHING_LEGACY,
+                        **{k: f"transform.{k}" for k in ("resize", "train_sizes", "eval_size", "max_size",
+                                                         "scale_jitter", "hflip")}}
 
     def __init__(
         self,
         root: str | None = None,
         synthetic: SceneSetConfig | None = None,
         cache_dir: str | None = None,
-        train_split: str = "train",
-        val_split: str = "val",
-        batch_size: int | Literal["auto"] = 16,
-        min_steps_per_epoch: int = 200,
-        min_batch_size: int = 8,
-        max_batch_size: int = 64,
-        eval_batch_size: int | None = None,
-        num_workers: int | Literal["auto"] = "auto",
-        scale_jitter: tuple[float, float] = (0.6, 1.0),
-        max_pixels: int = DEFAULT_MAX_PIXELS,
-        follow_symlinks: bool = False,
-        train_annotations: str | None = None,
-        val_annotations: str | None = None,
-        test_annotations: str | None = None,
-        train_images: str | None = None,
-        val_images: str | None = None,
-        test_images: str | None = None,
-        test_split: str = "test",
-        resize: str = "square",
-        train_sizes: tuple[int, ...] = DETR_TRAIN_SIZES,
-        eval_size: int = DETR_EVAL_SIZE,
-        max_size: int | None = DETR_MAX_SIZE,
-        hflip: bool = True,
+        layout: SplitLayout = DETECTION_LAYOUT,
+        batching: Batching = DETECTION_BATCHING,
+        transform: DetectionTransform = SQUARE_TRANSFORM,
     ) -> None:
         super().__init__()
-        if resize not in RESIZE_MODES:
-            raise DataError(f"--data.resize must be one of {', '.join(RESIZE_MODES)}, got {resize!r}")
-        try:  # the sizes checked now (a clear error here, not in a loader worker)
-            if resize == "aspect":
-                AspectResize(tuple(train_sizes), max_size)
-                AspectResize(eval_size, max_size)
-        except (TypeError, ValueError) as err:
-            raise DataError(f"--data.train_sizes / --data.eval_size / --data.max_size: {err}") from err
-        self.resize, self.train_sizes, self.eval_size, self.max_size = resize, tuple(train_sizes), eval_size, max_size
-        self._init_layout(root, synthetic, cache_dir, "a COCO-layout folder", follow_symlinks,
-                          (train_split, val_split, test_split), (train_annotations, val_annotations, test_annotations),
-                          (train_images, val_images, test_images))
-        check_num_workers(num_workers)
-        self._init_batching(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size)
-        self.num_workers, self.scale_jitter, self.max_pixels = num_workers, scale_jitter, max_pixels
-        self.hflip = bool(hflip)
+        self.transform_config = transform
+        self.resize, self.train_sizes, self.eval_size, self.max_size = (
+            transform.resize, tuple(transform.train_sizes), transform.eval_size, transform.max_size)
+        self._init_layout(root, synthetic, cache_dir, "a COCO-layout folder", layout)
+        self._init_batching(batching)
+        self.scale_jitter = transform.scale_jitter
+        self.hflip = bool(transform.hflip)
+        train_split = layout.train_split
         train_ann_file = self.split_paths(train_split)[1]
         ann = load_coco_annotations(train_ann_file)
         self._train_annotations: dict[str, Any] | None = ann  # parsed once; handed to the train dataset
@@ -644,8 +643,7 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         return len(self.class_names)
 
     def dataset(self, split: str, train: bool = False) -> CocoDetection:
-        tf = build_detection_transform(model_preprocess(self), train, self.scale_jitter, self.resize,
-                                       self.train_sizes, self.eval_size, self.max_size, self.hflip)
+        tf = self.transform_config.build(model_preprocess(self), train)
         parsed = None
         if split == self.train_split and self._train_annotations is not None:
             parsed, self._train_annotations = self._train_annotations, None  # used once, then freed

@@ -47,7 +47,8 @@ DEFAULT_MAX_PIXELS = 178_956_970  # PIL's own default bomb limit
 # Decoded bytes (PIL keeps RGB in 4 bytes a pixel): an 80-megapixel RGB photo or a 36-megapixel
 # RGBA PNG fits; PIL's own bomb check refuses more than 89 M pixels in any case.
 DEFAULT_MAX_BYTES = 320 * 2**20
-DEFAULT_CACHE_BYTES = 256 * 2**20  # per dataset, shared out among its loader workers; VISION_ATTN_DECODED_CACHE_MB overrides
+# per dataset, shared out among its loader workers; VISION_ATTN_DECODED_CACHE_MB overrides
+DEFAULT_CACHE_BYTES = 256 * 2**20
 _BLOCK_PIXELS = 1 << 20  # pixels converted at a time (bounds the temporaries of to_rgb_array)
 
 

@@ -16,7 +16,7 @@ metrics synchronise once, at the end of the epoch).
 
 Paths. An image path named by the data (a COCO ``file_name``, a file found in an ImageFolder)
 must stay inside its split folder — ``ROOT/<split>/``, or the images folder given for the split
-(``--data.val_images``, ...): :func:`image_path_inside` refuses absolute names, names that
+(``--data.layout.val_images``, ...): :func:`image_path_inside` refuses absolute names, names that
 climb out with ``..``, and — unless ``follow_symlinks`` — symbolic links (of the file or of a
 folder on its way) that lead outside. The split folder itself is resolved first, so a split
 folder that is a symlink is fine. Training skips a refused image with one counted warning;
@@ -41,7 +41,9 @@ import logging
 import math
 import os
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import numpy as np
@@ -52,6 +54,7 @@ from vision_attn.data.imageio import DecodedCache, ImageReadError, cache_budget
 from vision_attn.errors import DataError
 
 __all__ = [
+    "Batching",
     "MAX_UNREADABLE_IN_A_ROW",
     "PathRefusals",
     "RepeatedAugmentationSampler",
@@ -71,7 +74,7 @@ log = logging.getLogger(__name__)
 MAX_UNREADABLE_IN_A_ROW = 20
 
 
-FOLLOW_HINT = "pass --data.follow_symlinks true to follow links you trust"
+FOLLOW_HINT = "pass --data.layout.follow_symlinks true to follow links you trust"
 
 
 def image_path_inside(split_dir: Path, name: str, follow_symlinks: bool = False) -> tuple[Path, str | None]:
@@ -241,12 +244,12 @@ def local_processes() -> int:
 
 
 def check_num_workers(num_workers: object) -> None:
-    """A clear error for a ``--data.num_workers`` that is neither a count nor ``auto``."""
+    """A clear error for a ``--data.batching.num_workers`` that is neither a count nor ``auto``."""
     if num_workers == "auto":
         return
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise DataError(f"--data.num_workers must be 0 (load in the training process), a positive number of "
-                        f"loader processes, or 'auto', got {num_workers!r}")
+        raise DataError(f"--data.batching.num_workers must be 0 (load in the training process), a positive number "
+                        f"of loader processes, or 'auto', got {num_workers!r}")
 
 
 def resolve_num_workers(num_workers: int | str) -> int:
@@ -270,16 +273,56 @@ def check_batch_sizing(batch_size: object, min_steps: object, min_batch: object,
     """Clear errors for batch-size settings that cannot work, naming the key."""
     if batch_size != "auto" and not (isinstance(batch_size, int) and not isinstance(batch_size, bool)
                                      and batch_size >= 1):
-        raise DataError(f"--data.batch_size must be a positive integer or 'auto', got {batch_size!r}")
+        raise DataError(f"--data.batching.batch_size must be a positive integer or 'auto', got {batch_size!r}")
     for key, value in (("min_steps_per_epoch", min_steps), ("min_batch_size", min_batch),
                        ("max_batch_size", max_batch)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise DataError(f"--data.{key} must be a positive integer, got {value!r}")
+            raise DataError(f"--data.batching.{key} must be a positive integer, got {value!r}")
     if max_batch < min_batch:
-        raise DataError(f"--data.max_batch_size {max_batch} is below --data.min_batch_size {min_batch}; "
-                        "raise max_batch_size or lower min_batch_size")
+        raise DataError(f"--data.batching.max_batch_size {max_batch} is below --data.batching.min_batch_size "
+                        f"{min_batch}; raise max_batch_size or lower min_batch_size")
     if eval_batch is not None and (not isinstance(eval_batch, int) or isinstance(eval_batch, bool) or eval_batch < 1):
-        raise DataError(f"--data.eval_batch_size must be a positive integer (or unset), got {eval_batch!r}")
+        raise DataError(f"--data.batching.eval_batch_size must be a positive integer (or unset), got {eval_batch!r}")
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a data module batches and loads: the training batch (fixed, or sized from the data),
+    the evaluation batch and the loader processes (``--data.batching.*``; each data module has its
+    own defaults).
+
+    Attributes:
+        batch_size: training images per batch (per process), or ``auto``: the largest power of
+            two that leaves ``min_steps_per_epoch`` optimizer steps per epoch on every process,
+            within ``[min_batch_size, max_batch_size]`` (:func:`auto_batch_size`; logged and saved
+            in the data module's hyper-parameters).
+        min_steps_per_epoch: ``auto`` only: optimizer steps every epoch makes at least.
+        min_batch_size: ``auto`` only: the smallest batch the rule picks.
+        max_batch_size: ``auto`` only: the largest batch the rule picks (memory bound); also the
+            evaluation batch when ``eval_batch_size`` is unset.
+        eval_batch_size: images per batch in validation/test (default ``batch_size``; with
+            ``auto``, ``max_batch_size``: evaluation results do not depend on it).
+        num_workers: loader processes per training process; ``auto``: the usable cores left after
+            two per training process, at most 8 — 0 on a 2-core machine
+            (:func:`resolve_num_workers`).
+    """
+
+    batch_size: int | Literal["auto"] = 64
+    min_steps_per_epoch: int = 40
+    min_batch_size: int = 8
+    max_batch_size: int = 256
+    eval_batch_size: int | None = None
+    num_workers: int | Literal["auto"] = "auto"
+
+    def __post_init__(self) -> None:
+        check_batch_sizing(self.batch_size, self.min_steps_per_epoch, self.min_batch_size, self.max_batch_size,
+                           self.eval_batch_size)
+        check_num_workers(self.num_workers)
+
+
+BATCHING_LEGACY = {k: f"batching.{k}" for k in ("batch_size", "min_steps_per_epoch", "min_batch_size",
+                                                  "max_batch_size", "eval_batch_size", "num_workers")}
+"""Where the flat batch arguments of older data modules went (:attr:`SplitDataModule.legacy_arguments`)."""
 
 
 def auto_batch_size(train_images: int, min_steps_per_epoch: int, min_batch_size: int, max_batch_size: int,
@@ -338,7 +381,7 @@ class RepeatedAugmentationSampler(DistributedSampler):
     def __init__(self, dataset: Dataset, repeats: int, num_replicas: int | None = None, rank: int | None = None,
                  seed: int = 0) -> None:
         if int(repeats) < 1:
-            raise DataError(f"--data.repeated_augmentation must be >= 1 (1 = off), got {repeats}")
+            raise DataError(f"--data.augment.repeated_augmentation must be >= 1 (1 = off), got {repeats}")
         world, here = distributed_world()
         num_replicas = world if num_replicas is None else num_replicas
         rank = here if rank is None else rank
@@ -383,27 +426,34 @@ class SplitDataModule(L.LightningDataModule):
     """What every task's DataModule shares: one dataset per split from :meth:`dataset`, the
     loaders (:func:`make_loader` with the task's :meth:`collate_fn`), and ``eval_dataloader(split)``
     for ``eval.py``. Subclasses set ``root``, ``train_split``, ``val_split``, ``batch_size``,
-    ``num_workers``, ``datasets = {}`` and implement :meth:`dataset`."""
+    ``num_workers`` (or call :meth:`_init_batching`), ``datasets = {}`` and implement
+    :meth:`dataset`."""
 
     eval_batch_size: int | None = None
     batch_size: int | str = 16
+    num_workers: int | str = 0
     resolved_batch_size: int | None = None
     min_steps_per_epoch, min_batch_size, max_batch_size = 40, 8, 256
+    # where the flat constructor arguments of older versions went: old name -> "group.field"
+    # (checkpoints keep the data settings of their run; tasks/base.py converts them)
+    legacy_arguments: dict[str, str] = {}
 
-    def _init_batching(self, batch_size: int | str, min_steps_per_epoch: int, min_batch_size: int,
-                       max_batch_size: int, eval_batch_size: int | None) -> None:
-        """Check and keep the batch settings (``batch_size``: an int or ``auto``, the rule's bounds,
-        the evaluation batch; see :func:`auto_batch_size`)."""
-        check_batch_sizing(batch_size, min_steps_per_epoch, min_batch_size, max_batch_size, eval_batch_size)
+    def _init_batching(self, batching: Batching) -> None:
+        """Keep the batch settings (:class:`Batching`, checked when it was built; see
+        :func:`auto_batch_size`)."""
         try:
             cache_budget()  # a bad VISION_ATTN_DECODED_CACHE_MB stops here, not in a loader worker
         except ValueError as err:
             raise DataError(str(err)) from err
+        batch_size = batching.batch_size
+        self.batching = batching
         self.batch_size = batch_size  # as configured: an int or "auto"
+        self.num_workers = batching.num_workers
         self.min_steps_per_epoch, self.min_batch_size, self.max_batch_size = (
-            min_steps_per_epoch, min_batch_size, max_batch_size)
+            batching.min_steps_per_epoch, batching.min_batch_size, batching.max_batch_size)
         self.resolved_batch_size = batch_size if isinstance(batch_size, int) else None
-        self.eval_batch_size = eval_batch_size or (batch_size if isinstance(batch_size, int) else max_batch_size)
+        self.eval_batch_size = batching.eval_batch_size or (
+            batch_size if isinstance(batch_size, int) else batching.max_batch_size)
 
     def dataset(self, split: str, train: bool = False) -> Dataset:
         raise NotImplementedError

@@ -168,7 +168,8 @@ def _polygon(kind: str, cx: float, cy: float, size: float, angle: float) -> np.n
             pts.append((rad * math.cos(a), rad * math.sin(a)))
     elif kind == "cross":
         w = 0.33
-        base = [(-w, -1), (w, -1), (w, -w), (1, -w), (1, w), (w, w), (w, 1), (-w, 1), (-w, w), (-1, w), (-1, -w), (-w, -w)]
+        base = [(-w, -1), (w, -1), (w, -w), (1, -w), (1, w), (w, w), (w, 1), (-w, 1), (-w, w), (-1, w), (-1, -w),
+                (-w, -w)]
         pts = [(x / math.sqrt(1 + w * w), y / math.sqrt(1 + w * w)) for x, y in base]
     else:
         raise ValueError(f"unknown shape kind {kind!r}; known: {', '.join(SHAPES)}")
@@ -307,7 +308,8 @@ class ShapesConfig:
     def key(self, task: str, family: str = "shapes") -> str:
         c = self
         return (
-            f"{family}-{task}-v{_FAMILY_VERSIONS.get(family, _FORMAT_VERSION)}-s{c.image_size}-n{c.num_train}-{c.num_val}-{c.num_test}"
+            f"{family}-{task}-v{_FAMILY_VERSIONS.get(family, _FORMAT_VERSION)}-s{c.image_size}"
+            f"-n{c.num_train}-{c.num_val}-{c.num_test}"
             f"-seed{c.seed}-noise{c.noise:g}-clutter{c.clutter}-size{c.min_size:g}-{c.max_size:g}"
         )
 
@@ -520,7 +522,8 @@ class SceneSetConfig:
     def key(self) -> str:
         c = self
         return (
-            f"shapes-coco-v{_COCO_FORMAT_VERSION}-s{c.image_size}-n{c.num_train}-{c.num_val}-obj{c.min_objects}-{c.max_objects}"
+            f"shapes-coco-v{_COCO_FORMAT_VERSION}-s{c.image_size}-n{c.num_train}-{c.num_val}"
+            f"-obj{c.min_objects}-{c.max_objects}"
             f"-size{c.min_size:g}-{c.max_size:g}-ov{c.max_overlap:g}-cap{c.captions_per_image}-seed{c.seed}"
             f"-noise{c.noise:g}-clutter{c.clutter}"
         )
@@ -618,7 +621,8 @@ class DigitSceneConfig(SceneSetConfig):
         c = self
         return (
             f"digits-coco-v1-s{c.image_size}-n{c.num_train}-{c.num_val}-obj{c.min_objects}-{c.max_objects}"
-            f"-size{c.min_size:g}-{c.max_size:g}-cap{c.captions_per_image}-seed{c.seed}-noise{c.noise:g}-clutter{c.clutter}"
+            f"-size{c.min_size:g}-{c.max_size:g}-cap{c.captions_per_image}-seed{c.seed}-noise{c.noise:g}"
+            f"-clutter{c.clutter}"
         )
 
 

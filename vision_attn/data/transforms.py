@@ -265,7 +265,8 @@ class SmallAugment(torch.nn.Module):
     def __init__(self, size: tuple[int, int], pad: int, hflip: bool, mean, std,
                  interpolation: InterpolationMode = InterpolationMode.BICUBIC, jitter: float = 0.2) -> None:
         super().__init__()
-        self.size, self.pad, self.hflip, self.jitter = (int(size[0]), int(size[1])), int(pad), bool(hflip), float(jitter)
+        self.size, self.pad = (int(size[0]), int(size[1])), int(pad)
+        self.hflip, self.jitter = bool(hflip), float(jitter)
         self.interpolation = interpolation
         self.register_buffer("mean", torch.tensor([float(v) for v in mean]).view(3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor([float(v) for v in std]).view(3, 1, 1), persistent=False)
@@ -359,9 +360,10 @@ RANDAUGMENT_OPS = {"none": 0, "small": 0, "finetune": 2}
 
 def _randaugment(ops: int, magnitude: int) -> list:
     if ops < 0:
-        raise ValueError(f"--data.randaugment_ops must be >= 0 (0 = off), got {ops}")
+        raise ValueError(f"--data.augment.randaugment_ops must be >= 0 (0 = off), got {ops}")
     if not 0 <= magnitude <= 30:
-        raise ValueError(f"--data.randaugment_magnitude must lie in 0..30 (torchvision's 31 bins), got {magnitude}")
+        raise ValueError(f"--data.augment.randaugment_magnitude must lie in 0..30 (torchvision's 31 bins), "
+                         f"got {magnitude}")
     return [T.RandAugment(num_ops=ops, magnitude=magnitude)] if ops else []
 
 
@@ -382,7 +384,8 @@ def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small",
             ``[1 - j, 1 + j]`` (0: none).
     """
     if not 0 <= colour_jitter < 1:
-        raise ValueError(f"--data.colour_jitter must lie in [0, 1) (factors 1 - j .. 1 + j), got {colour_jitter}")
+        raise ValueError(f"--data.augment.colour_jitter must lie in [0, 1) (factors 1 - j .. 1 + j), "
+                         f"got {colour_jitter}")
     h, w = _size(pre)
     interp = _interp(pre.get("interpolation", "bicubic"))
     if augment not in RANDAUGMENT_OPS:
@@ -390,8 +393,8 @@ def build_train_transform(pre: dict[str, Any], augment: AugmentPreset = "small",
     ra_ops = RANDAUGMENT_OPS[augment] if randaugment_ops is None else int(randaugment_ops)
     if augment == "none":
         if ra_ops:
-            raise ValueError(f"--data.randaugment_ops {ra_ops} needs an augmenting preset: --data.augment small "
-                             "(or finetune), or drop randaugment_ops")
+            raise ValueError(f"--data.augment.randaugment_ops {ra_ops} needs an augmenting preset: "
+                             "--data.augment.preset small (or finetune), or drop randaugment_ops")
         tf = build_eval_transform(whole_image(pre))
         tf.keeps_normalised_boxes = True  # both sides resized: a box's fractions of the image stay
         return tf

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from vision_attn.data.transforms import build_eval_transform
 from vision_attn.errors import ConfigError
-from vision_attn.explain.methods import explain_classifier
+from vision_attn.explain.methods import applicable_methods, explain_classifier
 from vision_attn.explain.rollout import normalize_maps
 
 __all__ = ["explain_images"]
@@ -38,7 +38,8 @@ def _as_batch(model, images: Tensor | Sequence[Any]) -> Tensor:
     transform = build_eval_transform(model.inference_data_config())
     batch = []
     for i, picture in enumerate(images):
-        if isinstance(picture, np.ndarray) and (picture.dtype != np.uint8 or picture.ndim != 3 or picture.shape[2] != 3):
+        not_rgb = isinstance(picture, np.ndarray) and (picture.ndim != 3 or picture.shape[2] != 3)
+        if isinstance(picture, np.ndarray) and (picture.dtype != np.uint8 or not_rgb):
             raise ConfigError(f"images[{i}]: expected an RGB uint8 array [H, W, 3], got {picture.dtype} "
                               f"{picture.shape}; convert it (e.g. vision_attn.data.imageio.read_image)")
         batch.append(transform(picture))
@@ -100,7 +101,9 @@ def explain_images(
         stay zero), ``H, W`` the input tensor's size.
 
     Raises:
-        ConfigError: a model that is no classifier, unknown method / class / token, bad images.
+        ConfigError: a model that is no classifier, unknown method / class / token, a method that
+            does not apply to the model (:func:`~vision_attn.explain.methods.applicable_methods`:
+            the message says why, and which methods do), bad images.
     """
     if not (hasattr(model, "encoder") and callable(getattr(model, "head", None))):
         raise ConfigError(f"explain_images explains classifiers (a model with an encoder and a classification head, "
@@ -108,6 +111,11 @@ def explain_images(
                           f"{type(model).__name__}")
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    reasons = applicable_methods(model)
+    if reasons.get(method) is not None:
+        usable = [m for m, r in reasons.items() if r is None]
+        raise ConfigError(f"method {method!r} does not apply to this model: {reasons[method]}; the methods that "
+                          f"apply: {', '.join(usable)}")
     batch = _as_batch(model, images)
     device = next(model.parameters()).device
     per_image: Tensor | None = None

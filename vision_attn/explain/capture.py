@@ -7,6 +7,14 @@ anything with a ``fused_attn`` flag and an ``attn_drop`` sub-module), turns the 
 only inside the ``with`` block, hooks ``attn_drop`` (whose input is the softmax output) and
 restores every flag and removes every hook on exit, even after an exception.
 
+The timm attention classes it records (each checked against the attention recomputed from the
+block's weights in ``tests/test_timm_families.py``): ``Attention`` (VisionTransformer,
+NaFlexVit), ``RelPosAttention`` (relative position bias), ``EvaAttention`` and ``AttentionRope``
+(rotary embeddings), Beit's ``Attention`` (relative position bias) and Cait's ``ClassAttn``
+(class attention: ``[B, heads, 1, T]``, the class token's row). Cait's talking-heads
+self-attention has no ``fused_attn`` flag and is not recorded: it mixes the heads after the
+softmax, so what it applies to the values is no probability.
+
     with capture_attention(encoder) as attn:
         encoder(images)
     attn[0]  # first block: [B, heads, T, T] (T includes the prefix tokens)

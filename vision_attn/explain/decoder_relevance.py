@@ -70,7 +70,7 @@ from torch import Tensor, nn
 from vision_attn.attention import explicit_attention
 from vision_attn.errors import ConfigError
 from vision_attn.explain.capture import AttentionCaptureError, attention_modules
-from vision_attn.explain.rollout import normalize_maps
+from vision_attn.explain.rollout import normalize_maps, square_rows
 
 __all__ = [
     "caption_relevance",
@@ -190,7 +190,7 @@ def _relevance_rows(records: dict[str, list[Tensor]], grads: dict[str, list[Tens
     # R = I + R̂ kept as R̂ (see normalize_residual): R += Ā R  <=>  R̂ += Ā + Ā R̂
     hat_ii = torch.zeros(b, t, t, device=device)
     for a, g in zip(enc_a, enc_g, strict=True):
-        cam = fuse_gradient_attention(a, g)
+        cam = square_rows(fuse_gradient_attention(a, g))  # (B, T, T): class attention's other rows zero
         hat_ii = hat_ii + cam + cam @ hat_ii  # eq. 6
     bar_ii_rows = normalize_residual(hat_ii)[:, num_prefix_tokens:]  # (B, N, T): the memory's rows
     q = records["self"][0].shape[-1]

@@ -47,11 +47,24 @@ embeddings and the softmaxes kept sums to the explained logit (to rounding):
 :func:`relevance_budget` returns the ledger. Without the rules (``rules=False``) the result is
 the plain gradient x input.
 
-Supported: timm's ViT ``Attention`` (the suite's encoders; DeiT, distilled DeiT, register
-models) and the suite's :class:`~vision_attn.attention.MultiHeadAttention` without a key /
-value cache or additive float mask. Other attention modules (attention pooling, rotary or gated
-attention) and gated MLPs raise :class:`~vision_attn.errors.ConfigError`. Run the model in
-``eval()`` mode: dropout is not a rule.
+**Where the rule reaches Q, K and V** depends on the attention class. Where they leave
+projection modules (timm's ViT ``Attention``, ``RelPosAttention``, Cait's ``ClassAttn`` and
+talking heads, the suite's MultiHeadAttention) they are halved there and ``A`` at
+``attn_drop``. ``EvaAttention`` and ``AttentionRope`` (a fused projection applied with
+``F.linear``, rotary embeddings after it) halve Q and K as they leave ``q_norm`` / ``k_norm``
+(identities without QK-norm) and ``A V`` at the output projection's input. Beit's attention
+exposes neither: ``A V`` is halved at the output projection's input and Q Kᵀ's half is taken
+above the softmax (the gradient through it is linear), with its relative position bias's
+gradient doubled back at its source so the bias keeps its whole share. Rotations, position
+biases and talking heads' head mixing are linear: epsilon rule. **Gated MLPs** (SwiGLU,
+GLU: ``act(a) * b``) get the uniform rule, half to each factor.
+
+Supported: timm's ViT ``Attention`` (VisionTransformer, NaFlexVit; DeiT, registers, QK-norm),
+``RelPosAttention``, ``EvaAttention``, ``AttentionRope``, Beit's and Cait's attention modules
+(:func:`lrp_unsupported` says why a model is not covered), and the suite's
+:class:`~vision_attn.attention.MultiHeadAttention` without a key / value cache or additive float
+mask. Other attention modules (attention pooling) and gated attention raise
+:class:`~vision_attn.errors.ConfigError`. Run the model in ``eval()`` mode: dropout is not a rule.
 """
 
 from __future__ import annotations
@@ -70,7 +83,7 @@ from vision_attn.attention import MultiHeadAttention, explicit_attention
 from vision_attn.errors import ConfigError
 from vision_attn.models.smalldata import SequencePooling
 
-__all__ = ["LRPResult", "LRPTrace", "lrp_relevance", "lrp_rules", "relevance_budget"]
+__all__ = ["LRPResult", "LRPTrace", "lrp_relevance", "lrp_rules", "lrp_unsupported", "relevance_budget"]
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +123,43 @@ def _activation_types() -> tuple[type, ...]:
     return (nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.ReLU, nn.LeakyReLU, *timm_acts)
 
 
+def _timm_class(module: str, name: str) -> type | None:
+    """``module.name`` when this timm has that class, else ``None``."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(module), name, None)
+    except ImportError:  # a timm without that model family
+        return None
+    return cls if isinstance(cls, type) else None
+
+
+def _classes(*found: type | None) -> tuple[type, ...]:
+    return tuple(dict.fromkeys(c for c in found if c is not None))
+
+
 _TIMM_ATTENTION = _timm_attention_types()
+# Where the rule reaches the factors of Q Kᵀ and A V, by attention class:
+# - Q, K, V are outputs of projection modules (qkv, or q / k / v): halved there, A at attn_drop;
+_QKV_ATTENTION = _classes(_timm_class("timm.models.vision_transformer_relpos", "RelPosAttention"),
+                          _timm_class("timm.models.cait", "TalkingHeadAttn"))
+_SPLIT_QKV_ATTENTION = _classes(_timm_class("timm.models.cait", "ClassAttn"))
+# - Q, K leave q_norm / k_norm (run even as identities), V does not leave a module (a fused qkv
+#   applied with F.linear and separate biases): Q, K halved at the norms, A V at proj's input;
+_NORM_QK_ATTENTION = _classes(_timm_class("timm.models.eva", "EvaAttention"),
+                              _timm_class("timm.layers", "AttentionRope"))
+# - no factor leaves a module (Beit's F.linear qkv): A V halved at proj's input, Q Kᵀ through
+#   the softmax (the weights' gradient halved once more above them), and the relative position
+#   bias added to the scores has its gradient doubled back at its source.
+_SCORE_ATTENTION = _classes(_timm_class("timm.models.beit", "Attention"))
+_SCORE_BIAS_MODULES = _classes(_timm_class("timm.models.beit", "RelativePositionBias"))
+_REL_POS_BIASES = _timm_types("RelPosMlp", "RelPosBias", "RelPosBiasTf")  # get_bias(): added to the scores
+_TALKING_HEADS = _classes(_timm_class("timm.models.cait", "TalkingHeadAttn"))
+_OTHER_ATTENTION = _QKV_ATTENTION + _SPLIT_QKV_ATTENTION + _NORM_QK_ATTENTION + _SCORE_ATTENTION
 _ACTIVATIONS = _activation_types()
 _RMS_NORMS = _timm_types("RmsNorm") + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
-_GATED_MLPS = _timm_types("GluMlp", "SwiGLU", "SwiGLUPacked")
+_PACKED_GLU = _timm_types("GluMlp")  # fc1 -> (a, b) -> act(a) * b (or a * act(b))
+_SPLIT_GLU = _timm_types("SwiGLU")  # act(fc1_g(x)) * fc1_x(x)
 _PREFIX_PARAMETERS = ("pos_embed", "cls_token", "dist_token", "reg_token")
 
 
@@ -192,9 +238,14 @@ class LRPTrace:
         probabilities: per attention call the softmax output ``[B, heads, Tq, Tk]``, kept in
             the autograd graph (for the softmax's share in :func:`relevance_budget`); a
             sequence-pooling head (``pooling="seq"``) adds its pooling weights ``[B, N]`` last.
+        score_biases: the relative position biases that timm's ``RelPosMlp`` / ``RelPosBias``
+            modules add to the attention scores, each a leaf of the graph (what they keep is
+            their share in :func:`relevance_budget`; nothing flows into the modules computing
+            them, which the input does not reach).
     """
 
     probabilities: list[Tensor] = field(default_factory=list)
+    score_biases: list[Tensor] = field(default_factory=list)
 
 
 def _modules(task) -> list[nn.Module]:
@@ -210,27 +261,204 @@ def _modules(task) -> list[nn.Module]:
     return list(seen.values())
 
 
-def _check_supported(modules: list[nn.Module]) -> None:
+_ATTENTION_KINDS = ("timm's ViT Attention, EvaAttention, AttentionRope, Beit's Attention, RelPosAttention, Cait's "
+                    "ClassAttn and TalkingHeadAttn, and vision_attn.MultiHeadAttention")
+
+
+def lrp_unsupported(task) -> str | None:
+    """Why the AttnLRP rules of :func:`lrp_rules` do not cover ``task`` (a module, or an object with
+    ``encoder`` and ``head`` modules), or ``None`` when they cover every module it has."""
+    return _unsupported(_modules(task))
+
+
+def _unsupported(modules: list[nn.Module]) -> str | None:
     for m in modules:
         kind = type(m).__name__
-        if isinstance(m, _GATED_MLPS):
-            raise ConfigError(f"method 'lrp' has no rule for the gated MLP {kind} (an elementwise product of two "
-                              "branches); use another method (relevance, rollout, gradcam)")
-        if hasattr(m, "fused_attn") and not isinstance(m, (*_TIMM_ATTENTION, MultiHeadAttention)):
-            raise ConfigError(f"method 'lrp' supports timm's ViT Attention and vision_attn.MultiHeadAttention, not "
-                              f"{kind} (attention pooling, rotary attention, ...); use another method (relevance, "
-                              "rollout, gradcam)")
-        if isinstance(m, _TIMM_ATTENTION) and getattr(m, "gate", None) is not None:
-            raise ConfigError("method 'lrp' has no rule for gated attention (timm Attention with gated=True); use "
-                              "another method")
+        known = isinstance(m, (*_TIMM_ATTENTION, *_OTHER_ATTENTION, MultiHeadAttention))
+        if hasattr(m, "fused_attn") and not known:
+            return (f"it has no rule for the attention module {kind} (attention pooling, ...); it reads "
+                    f"{_ATTENTION_KINDS}")
+        if known and getattr(m, "gate", None) is not None:
+            return f"it has no rule for gated attention ({kind} with gated=True)"
+        if isinstance(m, _NORM_QK_ATTENTION + _SCORE_ATTENTION) and not isinstance(getattr(m, "proj", None), nn.Module):
+            return f"the attention module {kind} has no output projection `proj` where its rule applies"
+    return None
+
+
+def _check_supported(modules: list[nn.Module]) -> None:
+    reason = _unsupported(modules)
+    if reason is not None:
+        raise ConfigError(f"method 'lrp' does not apply to this model: {reason}; use another method (relevance, "
+                          "rollout, gradcam)")
 
 
 def _qk_norms(attention: nn.Module) -> tuple[nn.Module, ...]:
-    """``(q_norm, k_norm)`` of a timm attention module (``nn.Identity`` without ``qk_norm``), else ``()``."""
-    if not isinstance(attention, _TIMM_ATTENTION):
+    """``(q_norm, k_norm)`` of an attention module whose Q and K leave them (``nn.Identity`` without
+    ``qk_norm``; timm's ViT Attention, EvaAttention, AttentionRope), else ``()``."""
+    if not isinstance(attention, _TIMM_ATTENTION + _NORM_QK_ATTENTION):
         return ()
     norms = (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))
     return norms if all(isinstance(n, nn.Module) for n in norms) else ()
+
+
+def _half(t: Tensor) -> Tensor:
+    return torch.tensor(0.5, dtype=t.dtype, device=t.device)
+
+
+def _twice(t: Tensor) -> Tensor:
+    return torch.tensor(2.0, dtype=t.dtype, device=t.device)
+
+
+def _value_third_half(out: Tensor) -> Tensor:
+    """Gradient scale of timm's qkv output ``[..., 3 * dim]`` (``q | k | v``): half on ``v`` only."""
+    scale = torch.ones(out.shape[-1], dtype=out.dtype, device=out.device)
+    scale[2 * out.shape[-1] // 3 :] = 0.5
+    return scale
+
+
+def _scaled(scale_fn):
+    """Forward hook: the output, its gradient multiplied by ``scale_fn(output)``."""
+    def hook(_module: nn.Module, _inputs: tuple, output: Tensor) -> Tensor:
+        return _ScaleGradient.apply(output, scale_fn(output))
+
+    return hook
+
+
+def _input_halved(_module: nn.Module, inputs: tuple) -> tuple:
+    """Forward pre-hook: the first input, its gradient halved."""
+    return (_ScaleGradient.apply(inputs[0], _half(inputs[0])), *inputs[1:])
+
+
+def _replace(proxy_fn):
+    """Forward hook: the output, with the gradient of ``proxy_fn(module, input)``."""
+    def hook(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
+        return _with_gradient_of(output, proxy_fn(module, inputs[0]))
+
+    return hook
+
+
+def _activation(_module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
+    return _with_gradient_of(output, _identity_rule_proxy(inputs[0], output))
+
+
+def _weights_hook(record: LRPTrace, trace: bool, rules: bool, own: bool, above: bool = False,
+                  heads_last: bool = False):
+    """Forward pre-hook at the attention weights ``A`` (the softmax output). ``own``: halve the
+    gradient that reaches ``A`` from ``A V`` (the product's other factor is halved elsewhere);
+    ``above``: halve it once more *above* the recorded tensor (Q Kᵀ's rule, reaching Q and K
+    through the softmax). ``heads_last``: the weights arrive ``[B, Tq, Tk, heads]`` (talking heads'
+    ``proj_w`` input); they are recorded ``[B, heads, Tq, Tk]``."""
+    def hook(_module: nn.Module, inputs: tuple) -> tuple | None:
+        a = inputs[0]
+        if rules and above:
+            a = _ScaleGradient.apply(a, _half(a))
+        if heads_last:
+            a = a.permute(0, 3, 1, 2)  # (B, heads, Tq, Tk)
+        if trace:
+            record.probabilities.append(a)
+        if rules and own:
+            a = _ScaleGradient.apply(a, _half(a))
+        if heads_last:
+            a = a.permute(0, 2, 3, 1)  # (B, Tq, Tk, heads): as proj_w reads it
+        return (a, *inputs[1:]) if (rules and (own or above)) or heads_last else None
+
+    return hook
+
+
+def _attention_hooks(m: nn.Module, record: LRPTrace, rules: bool, trace: bool) -> list:
+    """The hooks of one attention module: its weights recorded (``trace``) and the uniform rule of
+    Q Kᵀ and A V (``rules``), placed where the module's class lets them act (see the class sets
+    above)."""
+    handles = []
+    weights = m.attn_drop
+    if isinstance(m, _TALKING_HEADS):  # the softmax output enters proj_w (heads mixed); A V reads its output
+        handles.append(m.proj_w.register_forward_pre_hook(_weights_hook(record, trace, rules, False, heads_last=True)))
+        if rules:
+            handles.append(m.attn_drop.register_forward_pre_hook(_input_halved))
+        weights = None
+    elif isinstance(m, _NORM_QK_ATTENTION + _SCORE_ATTENTION):
+        above = isinstance(m, _SCORE_ATTENTION)
+        handles.append(m.attn_drop.register_forward_pre_hook(_weights_hook(record, trace, rules, False, above)))
+        weights = None
+    if weights is not None and (trace or rules):
+        handles.append(weights.register_forward_pre_hook(_weights_hook(record, trace, rules, True)))
+    if not rules:
+        return handles
+    if isinstance(m, _NORM_QK_ATTENTION + _SCORE_ATTENTION):  # A V at the output projection's input
+        handles.append(m.proj.register_forward_pre_hook(_input_halved))
+        if isinstance(m, _SCORE_ATTENTION):
+            handles.extend(_score_bias_doubled(m))
+        return handles  # Eva's, AttentionRope's Q and K: halved as they leave their norms (lrp_rules)
+    if _qk_norms(m):  # V (of A V) at qkv; Q, K at their norms (lrp_rules)
+        handles.append(m.qkv.register_forward_hook(_scaled(_value_third_half)))
+    else:  # Q, K (of Q Kᵀ) and V (of A V): half each
+        if isinstance(m, MultiHeadAttention):
+            projections = (m.q_proj, m.k_proj, m.v_proj)
+        elif isinstance(m, _SPLIT_QKV_ATTENTION):
+            projections = (m.q, m.k, m.v)
+        else:
+            projections = (m.qkv,)
+        handles.extend(proj.register_forward_hook(_scaled(_half)) for proj in projections)
+    return handles
+
+
+class _InstanceOverride:
+    """A removable handle restoring a method overridden on one instance."""
+
+    def __init__(self, owner: nn.Module, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def remove(self) -> None:
+        self.owner.__dict__.pop(self.name, None)
+
+
+def _score_bias_doubled(m: nn.Module) -> list:
+    """Beit's own relative position bias, with its gradient doubled: Q Kᵀ's half is taken above the
+    softmax, where it would halve the bias's share too."""
+    if getattr(m, "relative_position_bias_table", None) is None:
+        return []
+    own = m._get_rel_pos_bias
+
+    def doubled() -> Tensor:
+        bias = own()
+        return _ScaleGradient.apply(bias, _twice(bias))
+
+    m.__dict__["_get_rel_pos_bias"] = doubled
+    return [_InstanceOverride(m, "_get_rel_pos_bias")]
+
+
+def _score_bias_recorded(m: nn.Module, record: LRPTrace) -> list:
+    """A timm relative position bias module whose ``get_bias()`` returns a recorded leaf (the same
+    values), so :func:`relevance_budget` finds what the bias keeps."""
+    own = m.get_bias
+
+    def recorded() -> Tensor:
+        bias = own().detach().requires_grad_(True)
+        record.score_biases.append(bias)
+        return bias
+
+    m.__dict__["get_bias"] = recorded
+    return [_InstanceOverride(m, "get_bias")]
+
+
+def _layer_hooks(m: nn.Module) -> list:
+    """The rules of the layers that are not attention: norms (identity rule), activations
+    (identity rule), gated MLPs (uniform rule on the product), score biases shared by blocks."""
+    if isinstance(m, nn.LayerNorm) and type(m).__name__ != "LayerNorm2d":
+        return [m.register_forward_hook(_replace(_layer_norm_proxy))]
+    if isinstance(m, nn.GroupNorm):
+        return [m.register_forward_hook(_replace(_group_norm_proxy))]
+    if isinstance(m, _RMS_NORMS):
+        return [m.register_forward_hook(_replace(_rms_norm_proxy))]
+    if isinstance(m, _ACTIVATIONS) and not isinstance(m, nn.ReLU):  # ReLU's gradient already is the rule
+        return [m.register_forward_hook(_activation)]
+    if isinstance(m, _PACKED_GLU):  # both factors of act(a) * b come out of fc1: half each
+        return [m.fc1.register_forward_hook(_scaled(_half))]
+    if isinstance(m, _SPLIT_GLU):
+        return [fc.register_forward_hook(_scaled(_half)) for fc in (m.fc1_g, m.fc1_x)]
+    if isinstance(m, _SCORE_BIAS_MODULES):  # Beit's shared relative position bias (see _score_bias_doubled)
+        return [m.register_forward_hook(_scaled(_twice))]
+    return []
 
 
 @contextmanager
@@ -251,74 +479,33 @@ def lrp_rules(task, rules: bool = True, trace: bool = False) -> Iterator[LRPTrac
         An :class:`LRPTrace`, filled during the forward pass when ``trace`` is set.
 
     Raises:
-        ConfigError: a module without an LRP rule here (gated MLP, other attention kinds).
+        ConfigError: a module without an LRP rule here (attention pooling, gated attention).
     """
     modules = _modules(task)
     _check_supported(modules)
     record = LRPTrace()
     handles = []
-    attention = [m for m in modules if isinstance(m, (*_TIMM_ATTENTION, MultiHeadAttention))]
-
-    def replace(proxy_fn):
-        def hook(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
-            return _with_gradient_of(output, proxy_fn(module, inputs[0]))
-
-        return hook
-
-    def activation(_module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
-        return _with_gradient_of(output, _identity_rule_proxy(inputs[0], output))
-
-    def scaled(scale_fn):
-        def hook(_module: nn.Module, _inputs: tuple, output: Tensor) -> Tensor:
-            return _ScaleGradient.apply(output, scale_fn(output))
-
-        return hook
-
-    def half(out: Tensor) -> Tensor:
-        return torch.tensor(0.5, dtype=out.dtype, device=out.device)
-
-    def value_third_half(out: Tensor) -> Tensor:  # timm's qkv output [..., 3 * dim]: q | k | v
-        scale = torch.ones(out.shape[-1], dtype=out.dtype, device=out.device)
-        scale[2 * out.shape[-1] // 3 :] = 0.5
-        return scale
-
-    def weights(_module: nn.Module, inputs: tuple) -> tuple | None:
-        # The softmax output A, before it meets V in A V: recorded, and halved when rules apply.
-        if trace:
-            record.probabilities.append(inputs[0])
-        return (_ScaleGradient.apply(inputs[0], half(inputs[0])), *inputs[1:]) if rules else None
-
-    with explicit_attention(attention):
+    attention = [m for m in modules if isinstance(m, (*_TIMM_ATTENTION, *_OTHER_ATTENTION, MultiHeadAttention))]
+    attention_ids = {id(m) for m in attention}
+    with explicit_attention(m for m in attention if hasattr(m, "fused_attn")):
         try:
             for m in modules:
-                is_attention = isinstance(m, (*_TIMM_ATTENTION, MultiHeadAttention))
-                if is_attention and (trace or rules):
-                    handles.append(m.attn_drop.register_forward_pre_hook(weights))
-                if isinstance(m, SequencePooling) and (trace or rules):  # w of w x: recorded, halved
-                    handles.append(m.weights_point.register_forward_pre_hook(weights))
-                if not rules:
-                    continue
-                if isinstance(m, SequencePooling):  # x of w x: half
-                    handles.append(m.values_point.register_forward_hook(scaled(half)))
-                elif is_attention and _qk_norms(m):  # V (of A V) at qkv; Q, K at their norms, below
-                    handles.append(m.qkv.register_forward_hook(scaled(value_third_half)))
-                elif is_attention:  # Q, K (of Q Kᵀ) and V (of A V): half each
-                    projections = (m.qkv,) if isinstance(m, _TIMM_ATTENTION) else (m.q_proj, m.k_proj, m.v_proj)
-                    handles.extend(proj.register_forward_hook(scaled(half)) for proj in projections)
-                elif isinstance(m, nn.LayerNorm) and type(m).__name__ != "LayerNorm2d":
-                    handles.append(m.register_forward_hook(replace(_layer_norm_proxy)))
-                elif isinstance(m, nn.GroupNorm):
-                    handles.append(m.register_forward_hook(replace(_group_norm_proxy)))
-                elif isinstance(m, _RMS_NORMS):
-                    handles.append(m.register_forward_hook(replace(_rms_norm_proxy)))
-                elif isinstance(m, _ACTIVATIONS) and not isinstance(m, nn.ReLU):  # ReLU's gradient already is the rule
-                    handles.append(m.register_forward_hook(activation))
+                if id(m) in attention_ids:
+                    handles.extend(_attention_hooks(m, record, rules, trace))
+                elif isinstance(m, SequencePooling) and (trace or rules):  # w of w x: recorded, halved
+                    handles.append(m.weights_point.register_forward_pre_hook(_weights_hook(record, trace, rules, True)))
+                    if rules:  # x of w x: half
+                        handles.append(m.values_point.register_forward_hook(_scaled(_half)))
+                elif rules:
+                    handles.extend(_layer_hooks(m))
+                if trace and isinstance(m, _REL_POS_BIASES):
+                    handles.extend(_score_bias_recorded(m, record))
             if rules:  # Q, K of Q Kᵀ after a q / k norm: half, applied after the norm's own rule
                 for m in attention:
-                    handles.extend(norm.register_forward_hook(scaled(half)) for norm in _qk_norms(m))
+                    handles.extend(norm.register_forward_hook(_scaled(_half)) for norm in _qk_norms(m))
             yield record
         finally:
-            for handle in handles:
+            for handle in reversed(handles):
                 handle.remove()
 
 
@@ -415,13 +602,20 @@ def _softmax_share(probs: Tensor, grad: Tensor) -> Tensor:
     return (s * g).sum() - (log_s * dx).sum()
 
 
+def _is_bias(name: str) -> bool:
+    """Whether a parameter of this name is added in (a layer's ``bias``, Eva's and Beit's
+    ``q_bias`` / ``v_bias``, a relative position bias table)."""
+    return name == "bias" or name.endswith("_bias") or name == "relative_position_bias_table"
+
+
 def relevance_budget(task, images: Tensor, target: Tensor | None = None) -> dict[str, float]:
     """Where the explained logits' relevance went, summed over the batch (the conservation check).
 
     Returns:
         ``{"score", "pixels", "biases", "embeddings", "softmax", "total"}``: the explained
         logits' sum; the input relevance; what the biases of the linear, convolution and norm
-        layers kept (``b * d score / d b``); what the position embeddings and class /
+        layers, the attention's ``q_bias`` / ``v_bias`` and the relative position biases on the
+        attention scores kept (``b * d score / d b``); what the position embeddings and class /
         distillation / register tokens kept; what the softmaxes kept (the bias term of their
         Taylor expansion); and ``pixels + biases + embeddings + softmax``, which equals
         ``score`` up to rounding when the rules conserve relevance.
@@ -429,25 +623,31 @@ def relevance_budget(task, images: Tensor, target: Tensor | None = None) -> dict
     model_params = {}
     for m in _modules(task):
         for name, p in m.named_parameters(recurse=False):
-            if p.requires_grad and (name == "bias" or name in _PREFIX_PARAMETERS):
+            if p.requires_grad and (_is_bias(name) or name in _PREFIX_PARAMETERS):
                 model_params[id(p)] = (name, p)
     names = [n for n, _ in model_params.values()]
     params = [p for _, p in model_params.values()]
     with torch.inference_mode(False), torch.enable_grad():
         x, _, _, _, score, record = _forward(task, images, target, rules=True, trace=True)
-        grads = torch.autograd.grad(score, [x, *params, *record.probabilities], allow_unused=True)
-    grad_x, grad_params, grad_probs = grads[0], grads[1 : 1 + len(params)], grads[1 + len(params) :]
+        leaves = [x, *params, *record.probabilities, *record.score_biases]
+        grads = torch.autograd.grad(score, leaves, allow_unused=True)
+    first_prob = 1 + len(params)
+    first_bias = first_prob + len(record.probabilities)
+    grad_x, grad_params = grads[0], grads[1:first_prob]
+    grad_probs, grad_score_biases = grads[first_prob:first_bias], grads[first_bias:]
+    score_biases = sum(float((b.detach().double() * g.double()).sum())
+                       for b, g in zip(record.score_biases, grad_score_biases, strict=True) if g is not None)
 
     def kept(keep) -> float:
-        return float(sum((p.detach().double() * g.double()).sum() for n, p, g in zip(names, params, grad_params, strict=True)
-                         if g is not None and keep(n)))
+        return float(sum((p.detach().double() * g.double()).sum()
+                         for n, p, g in zip(names, params, grad_params, strict=True) if g is not None and keep(n)))
 
     softmax = sum((_softmax_share(s, g) for s, g in zip(record.probabilities, grad_probs, strict=True)
                    if g is not None), torch.zeros((), dtype=torch.float64))
     budget = {
         "score": float(score.detach()),
         "pixels": float((x.detach().double() * grad_x.double()).sum()),
-        "biases": kept(lambda n: n == "bias"),
+        "biases": kept(_is_bias) + score_biases,
         "embeddings": kept(lambda n: n in _PREFIX_PARAMETERS),
         "softmax": float(softmax.detach()),
     }

@@ -30,11 +30,17 @@ register) are never drawn as patches.
 
 **Which class.** The prediction by default; ``target_class`` (a class name from
 ``task.class_names`` or an index) or ``target`` (one class per image) explain another.
+
+**Which methods apply.** :func:`applicable_methods` says, per method, whether it applies to a
+model and if not why (an attention-pooling head that no row of the attention describes, an
+attention module AttnLRP has no rule for, ...); :func:`skip_inapplicable` drops those with a
+warning naming each, so a run goes on with the methods that apply.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -43,14 +49,14 @@ import torch
 from torch import Tensor, nn
 
 from vision_attn.errors import ConfigError
-from vision_attn.explain.capture import capture_attention
+from vision_attn.explain.capture import attention_modules, capture_attention
 from vision_attn.explain.faithfulness import (
     auc,
     curve_ends,
     deletion_insertion_curve,
     end_probabilities,
 )
-from vision_attn.explain.lrp import lrp_relevance
+from vision_attn.explain.lrp import lrp_relevance, lrp_unsupported
 from vision_attn.explain.rollout import (
     HeadFusion,
     TokenIndex,
@@ -70,6 +76,7 @@ __all__ = [
     "MethodSpec",
     "Need",
     "Token",
+    "applicable_methods",
     "check_methods",
     "explain_classifier",
     "explained_token",
@@ -78,7 +85,10 @@ __all__ = [
     "register_method",
     "resolve_target_class",
     "resolve_token",
+    "skip_inapplicable",
 ]
+
+log = logging.getLogger(__name__)
 
 Need = Literal["attention", "attention_grad", "block_input", "block_input_grad", "block_output"]
 _NEEDS: frozenset[str] = frozenset({"attention", "attention_grad", "block_input", "block_input_grad",
@@ -102,11 +112,12 @@ class MethodInputs:
         attentions: per block ``[B, heads, T, T]`` (with the ``attention`` need).
         attention_grads: per block d(target logit)/d(attention) (``attention_grad``).
         block_input: ``[B, T, D]`` the tokens the encoder's last block reads, after its first
-            LayerNorm (``blocks[-1].norm1``'s output; the block's input without one)
-            (``block_input``).
+            LayerNorm (``norm1``'s output; the block's input without one) (``block_input``).
+            The last block is the encoder's ``last_block`` (``blocks[-1]``; Cait's last
+            class-attention block, which reads the class token and the patches).
         block_input_grad: d(target logit)/d(block_input) (``block_input_grad``).
         block_output: ``[B, T, D]`` output of the encoder's last block, before the final norm
-            (``block_output``).
+            (``block_output``; Cait: the tokens entering the final norm).
         head_fusion, discard_ratio, start_layer: options of the attention methods.
         generator: randomness (the ``random`` baseline).
         task: the classifier explained (``encoder`` + ``head``), for methods that run their own
@@ -143,12 +154,16 @@ class MethodSpec:
         needs: what the forward pass must record (see :data:`Need`).
         faithfulness: whether deletion / insertion numbers make sense (the map explains a class).
         description: one line for help texts.
+        applies: ``model -> None`` when the method applies to a model (an encoder, or a classifier
+            with ``encoder`` and ``head``), else the reason it does not; checked by
+            :func:`applicable_methods` on top of what ``needs`` asks of the model.
     """
 
     fn: Callable[[MethodInputs], Tensor]
     needs: frozenset[str] = frozenset()
     faithfulness: bool = True
     description: str = ""
+    applies: Callable[[object], str | None] | None = None
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -156,7 +171,8 @@ METHODS: dict[str, MethodSpec] = {}
 
 
 def register_method(
-    name: str, needs: Iterable[str] = (), faithfulness: bool = True, description: str = ""
+    name: str, needs: Iterable[str] = (), faithfulness: bool = True, description: str = "",
+    applies: Callable[[object], str | None] | None = None,
 ) -> Callable[[Callable[[MethodInputs], Tensor]], Callable[[MethodInputs], Tensor]]:
     """Decorator adding ``fn`` to :data:`METHODS` under ``name`` (replacing one of that name).
 
@@ -166,13 +182,15 @@ def register_method(
             ``block_input_grad``, ``block_output`` (see :class:`MethodInputs`).
         faithfulness: ``False`` for diagnostics that explain no class (no deletion / insertion).
         description: one line for help texts.
+        applies: ``model -> reason or None``, what the method asks of a model beyond ``needs``
+            (see :class:`MethodSpec`).
     """
     needs = frozenset(needs)
     if needs - _NEEDS:
         raise ValueError(f"method {name!r}: unknown needs {sorted(needs - _NEEDS)}; choose from {sorted(_NEEDS)}")
 
     def add(fn: Callable[[MethodInputs], Tensor]) -> Callable[[MethodInputs], Tensor]:
-        METHODS[name] = MethodSpec(fn, needs, faithfulness, description)
+        METHODS[name] = MethodSpec(fn, needs, faithfulness, description, applies)
         return fn
 
     return add
@@ -228,7 +246,13 @@ def _gradcam(x: MethodInputs) -> Tensor:
     return to_grid(cam, x.grid, 0)
 
 
-@register_method("lrp", description="conservative relevance, AttnLRP (Achtibat et al. 2024), class specific")
+def _lrp_applies(model) -> str | None:
+    reason = lrp_unsupported(model)
+    return None if reason is None else f"AttnLRP's rules do not cover it: {reason}"
+
+
+@register_method("lrp", description="conservative relevance, AttnLRP (Achtibat et al. 2024), class specific",
+                 applies=_lrp_applies)
 def _lrp(x: MethodInputs) -> Tensor:
     """AttnLRP relevance of the pixels summed per patch (:mod:`vision_attn.explain.lrp`); its own
     forward and backward pass with the LRP rules, explaining the logit (``token`` plays no role)."""
@@ -368,7 +392,124 @@ def resolve_target_class(target_class: str | int, class_names: Sequence[str] | N
     return target_class
 
 
+# ---------------------------------------------------------------------------- which methods apply
+_ROW_NEEDS = frozenset({"attention", "attention_grad"})  # the methods that explain a row of the attention
+_TOKEN_NEEDS = frozenset({"block_input", "block_input_grad", "block_output"})
+
+
+def _explained_row(task, num_prefix_tokens: int, token: str, out, needed: bool) -> TokenIndex:
+    """:func:`resolve_token`; where no method reads a row (``needed`` false), a head that no row
+    describes (attention pooling) is no error: ``"patches"`` stands in."""
+    try:
+        return resolve_token(task, num_prefix_tokens, token, out)
+    except ConfigError:
+        raise
+    except ValueError:
+        if needed:
+            raise
+        return "patches"
+
+
+def _attention_reason(encoder) -> str | None:
+    if isinstance(encoder, nn.Module) and attention_modules(encoder):
+        return None
+    return (f"{type(encoder).__name__} has no attention module that can be captured (a module with a "
+            "`fused_attn` flag and an `attn_drop` sub-module)")
+
+
+def _row_reason(encoder, head) -> str | None:
+    """Why no row of the attention describes what ``head`` reads, or ``None``."""
+    if head is None:
+        return None
+    pooling = getattr(head, "pooling", None) or getattr(head, "global_pool", None) or "auto"
+    if pooling in _SEQ_POOLING:
+        return None  # the row is the image's own pooling weights
+    try:
+        explained_token(head, getattr(encoder, "num_prefix_tokens", 1))
+    except ValueError:
+        return (f"the head pools the tokens with {pooling!r} (attention pooling), and no row of the encoder's "
+                "attention describes what it reads")
+    return _class_attention_reason(encoder, head)
+
+
+def _class_attention_reason(encoder, head) -> str | None:
+    """Why a class-attention model's last blocks (Cait's) do not explain ``head``: it reads the patch
+    tokens, which they leave unchanged."""
+    if head is None or not getattr(encoder, "class_attention", False):
+        return None
+    pooling = getattr(head, "pooling", None) or getattr(head, "global_pool", None) or "auto"
+    if pooling not in _MEAN_POOLING:
+        return None
+    return ("the head averages the patch tokens, and the model's class-attention blocks (Cait's), whose attention "
+            "and inputs these methods read, leave them unchanged")
+
+
+def _token_reason(encoder, head, needs: frozenset[str]) -> str | None:
+    try:
+        _last_block(encoder)
+    except ValueError as err:
+        return str(err)
+    return _class_attention_reason(encoder, head) if "block_input" in needs else None
+
+
+def applicable_methods(model, methods: Sequence[str] | None = None) -> dict[str, str | None]:
+    """Which explanation methods apply to ``model``: ``{method: None}`` for those that apply,
+    ``{method: reason}`` for the others, for ``methods`` (default: every method of
+    :data:`METHODS`, in its order).
+
+    What each asks: the attention methods (``rollout``, ``relevance``, ``attention``, any method
+    needing ``attention``) an attention module the capture records, and a row of the attention
+    that describes what the head reads (not an attention-pooling head; not the patch tokens of a
+    class-attention model, Cait, whose class attention leaves them unchanged); ``gradcam`` and
+    ``tokens`` a last block over the token grid; ``lrp`` AttnLRP rules for every module (see
+    :func:`~vision_attn.explain.lrp.lrp_unsupported`); ``random`` nothing.
+
+    Args:
+        model: an encoder (a :class:`~vision_attn.ViTEncoder`), or a classifier with ``encoder``
+            and ``head`` (a task): then what the head reads counts too.
+        methods: names of :data:`METHODS`.
+
+    Raises:
+        ConfigError: a name that is not a method.
+    """
+    names = list(METHODS) if methods is None else list(methods)
+    check_methods(names)
+    encoder = getattr(model, "encoder", model)
+    head = getattr(model, "head", None) if encoder is not model else None
+    found: dict[str, str | None] = {}
+    for name in names:
+        spec = METHODS[name]
+        reason = None
+        if spec.needs & _ROW_NEEDS:
+            reason = _attention_reason(encoder) or _row_reason(encoder, head)
+        if reason is None and spec.needs & _TOKEN_NEEDS:
+            reason = _token_reason(encoder, head, spec.needs)
+        if reason is None and spec.applies is not None:
+            reason = spec.applies(model)
+        found[name] = reason
+    return found
+
+
+def skip_inapplicable(model, methods: Sequence[str], what: str = "the model") -> list[str]:
+    """``methods`` without those that do not apply to ``model`` (:func:`applicable_methods`), each
+    skipped with a warning naming it and why; the order is kept.
+
+    Raises:
+        ConfigError: a name that is not a method.
+    """
+    reasons = applicable_methods(model, methods)
+    for name, reason in reasons.items():
+        if reason is not None:
+            log.warning("method %r does not apply to %s, skipped: %s", name, what, reason)
+    return [m for m in methods if reasons[m] is None]
+
+
 def _last_block(encoder: nn.Module) -> nn.Module:
+    """The last block that reads every token: the encoder's ``last_block`` (a
+    :class:`~vision_attn.ViTEncoder`: Cait's last class-attention block), else ``blocks[-1]``."""
+    last = getattr(encoder, "last_block", None)
+    if isinstance(last, nn.Module):
+        return last
     model = getattr(encoder, "model", encoder)
     blocks = getattr(model, "blocks", None)
     if blocks is None or len(blocks) == 0:
@@ -377,7 +518,9 @@ def _last_block(encoder: nn.Module) -> nn.Module:
 
 
 def _record_last_block(encoder: nn.Module, needs: frozenset[str], seen: dict[str, Tensor]) -> list:
-    """Hooks filling ``seen["block_input"]`` / ``seen["block_output"]`` (see :class:`MethodInputs`)."""
+    """Hooks filling ``seen["block_input"]`` / ``seen["block_output"]`` (see :class:`MethodInputs`).
+    With class attention (Cait: its last block returns the class token only) the tokens after the
+    blocks are the input of the final norm, ``[B, P + N, D]`` as for the other models."""
     block = _last_block(encoder)
     handles = []
     if "block_input" in needs:
@@ -386,12 +529,48 @@ def _record_last_block(encoder: nn.Module, needs: frozenset[str], seen: dict[str
             handles.append(norm1.register_forward_hook(lambda _m, _i, out: seen.__setitem__("block_input", out)))
         else:
             handles.append(block.register_forward_pre_hook(lambda _m, i: seen.__setitem__("block_input", i[0])))
-    if "block_output" in needs:
+    if "block_output" in needs and getattr(encoder, "class_attention", False):
+        norm = encoder.model.norm
+        handles.append(norm.register_forward_pre_hook(lambda _m, i: seen.__setitem__("block_output", i[0])))
+    elif "block_output" in needs:
         handles.append(block.register_forward_hook(lambda _m, _i, out: seen.__setitem__("block_output", out)))
     return handles
 
 
 # ---------------------------------------------------------------------------- one call
+def _recorded_forward(task, images: Tensor, needs: frozenset[str], seen: dict[str, Tensor]):
+    """``(encoder output, logits, captured attention)`` of one forward pass, with what ``needs``
+    asks recorded (the last block's tokens into ``seen``); gradients kept when a need asks for them."""
+    handles = _record_last_block(task.encoder, needs, seen) if {"block_input", "block_output"} & needs else []
+    try:
+        with torch.set_grad_enabled(bool({"attention_grad", "block_input_grad"} & needs)):
+            if {"attention", "attention_grad"} & needs:
+                with capture_attention(task.encoder, keep_grad="attention_grad" in needs) as attn:
+                    out = task.encoder(images)
+            else:
+                attn = []
+                out = task.encoder(images)
+            logits = task.head(out)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out, logits, attn
+
+
+def _fill_gradients(inputs: MethodInputs, logits: Tensor, needs: frozenset[str]) -> None:
+    """The gradients of the target logits the methods need (``attention_grad``, ``block_input_grad``)."""
+    with torch.enable_grad():  # also under a caller's no_grad (Lightning's predict loop)
+        score = logits.gather(1, inputs.target.view(-1, 1)).sum()
+    wrt = list(inputs.attentions) if "attention_grad" in needs else []
+    if "block_input_grad" in needs:
+        wrt.append(inputs.block_input)
+    grads = torch.autograd.grad(score, wrt)
+    if "attention_grad" in needs:
+        inputs.attention_grads = list(grads[: len(inputs.attentions)])
+    if "block_input_grad" in needs:
+        inputs.block_input_grad = grads[-1]
+
+
 def explain_classifier(
     task,
     images: Tensor,
@@ -438,19 +617,7 @@ def explain_classifier(
         needs |= {"block_input"}
     grad_inputs = {"attention_grad", "block_input_grad"} & needs
     seen: dict[str, Tensor] = {}
-    handles = _record_last_block(task.encoder, needs, seen) if {"block_input", "block_output"} & needs else []
-    try:
-        with torch.set_grad_enabled(bool(grad_inputs)):
-            if {"attention", "attention_grad"} & needs:
-                with capture_attention(task.encoder, keep_grad="attention_grad" in needs) as attn:
-                    out = task.encoder(images)
-            else:
-                attn = []
-                out = task.encoder(images)
-            logits = task.head(out)
-    finally:
-        for handle in handles:
-            handle.remove()
+    out, logits, attn = _recorded_forward(task, images, needs, seen)
     if target_class is not None:
         index = resolve_target_class(target_class, getattr(task, "class_names", None), logits.shape[1])
         target = torch.full((logits.shape[0],), index, dtype=torch.long, device=logits.device)
@@ -458,23 +625,14 @@ def explain_classifier(
         target = logits.detach().argmax(dim=1)
     p = out.num_prefix_tokens
     if token_index is None:
-        token_index = resolve_token(task, p, token, out)
+        token_index = _explained_row(task, p, token, out, bool(needs & _ROW_NEEDS))
     inputs = MethodInputs(images=images, logits=logits.detach(), target=target, grid=out.grid,
                           num_prefix_tokens=p, token_index=token_index, attentions=list(attn),
                           block_input=seen.get("block_input"), block_output=seen.get("block_output"),
                           head_fusion=head_fusion, discard_ratio=discard_ratio, start_layer=start_layer,
                           generator=generator, task=task, merges=merge_log(task.encoder))
     if grad_inputs:
-        with torch.enable_grad():  # also under a caller's no_grad (Lightning's predict loop)
-            score = logits.gather(1, target.view(-1, 1)).sum()
-        wrt = list(attn) if "attention_grad" in needs else []
-        if "block_input_grad" in needs:
-            wrt.append(inputs.block_input)
-        grads = torch.autograd.grad(score, wrt)
-        if "attention_grad" in needs:
-            inputs.attention_grads = list(grads[: len(attn)])
-        if "block_input_grad" in needs:
-            inputs.block_input_grad = grads[-1]
+        _fill_gradients(inputs, logits, needs)
     inputs.attentions = [a.detach() for a in inputs.attentions]
     for name in ("block_input", "block_output"):
         if getattr(inputs, name) is not None:

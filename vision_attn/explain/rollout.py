@@ -21,6 +21,11 @@ weights, one mixture of the rows per image (what a sequence-pooling head reads: 
 weights, 0 on the prefix tokens). Without prefix tokens the mean row is explained unless
 ``token_index`` is such a tensor.
 
+**Class attention** (Cait's last blocks: ``[B, heads, 1, T]``, only the class token attends,
+the other tokens pass through unchanged) enters the chain as a ``[B, T, T]`` matrix whose other
+rows are the identity's (:func:`square_rows`): rollout, relevance and the last block's row then
+read it as any block.
+
 Prefix tokens (class, distillation, register tokens) are never drawn as patches: the maps hold
 the ``h * w`` patch tokens only, and rollout's ``discard_ratio`` never discards attention *to*
 a prefix token.
@@ -61,6 +66,7 @@ __all__ = [
     "relevance_layer",
     "rollout_layer",
     "rollout_scores",
+    "square_rows",
     "to_grid",
 ]
 
@@ -138,7 +144,8 @@ def _check(attentions: Sequence[Tensor], token_index: TokenIndex, num_prefix_tok
         if len(sizes) > 1:
             raise ValueError(
                 f"the blocks' attention maps cover different numbers of tokens {sizes}: a token-merged model "
-                "(vision_attn.merge_tokens)? Pass merges=vision_attn.models.merging.merge_log(model) from the same forward"
+                "(vision_attn.merge_tokens)? Pass merges=vision_attn.models.merging.merge_log(model) from the same "
+                "forward"
             )
     elif len(merges) != len(attentions):
         raise ValueError(f"merges has {len(merges)} entries, one per block is needed ({len(attentions)} blocks)")
@@ -165,21 +172,38 @@ def _explains_patches(token_index: TokenIndex, num_prefix_tokens: int) -> bool:
 
 
 def _discard_lowest(fused: Tensor, ratio: float, num_prefix_tokens: int) -> Tensor:
-    """Zero the ``ratio`` lowest entries of each image's ``[T, T]`` map, never in prefix columns."""
+    """Zero the ``ratio`` lowest entries of each image's ``[Tq, T]`` map, never in prefix columns."""
     if ratio <= 0:
         return fused
     if ratio >= 1:
         raise ValueError(f"discard_ratio must be in [0, 1), got {ratio}")
-    b, t, _ = fused.shape
-    protected = torch.zeros(t, t, dtype=torch.bool, device=fused.device)
+    b, tq, t = fused.shape
+    protected = torch.zeros(tq, t, dtype=torch.bool, device=fused.device)
     protected[:, :num_prefix_tokens] = True  # attention *to* prefix tokens is kept
     candidates = int((~protected).sum())
     k = int(candidates * ratio)
     if k == 0:
         return fused
-    scores = fused.masked_fill(protected, float("inf")).flatten(1)  # (B, T*T)
+    scores = fused.masked_fill(protected, float("inf")).flatten(1)  # (B, Tq*T)
     idx = scores.topk(k, dim=1, largest=False).indices
-    return fused.flatten(1).scatter(1, idx, 0.0).view(b, t, t)
+    return fused.flatten(1).scatter(1, idx, 0.0).view(b, tq, t)
+
+
+def square_rows(rows: Tensor, identity: bool = False) -> Tensor:
+    """Class attention's ``[B, Tq, T]`` rows (the first ``Tq`` tokens attend; a class-attention
+    block, Cait's, leaves the other tokens unchanged) as a ``[B, T, T]`` matrix: the other tokens'
+    rows are zero, or with ``identity`` their own unit row (a token that does not attend keeps
+    itself). A square ``[B, T, T]`` input is returned as it is."""
+    b, tq, t = rows.shape
+    if tq == t:
+        return rows
+    if tq > t:
+        raise ValueError(f"attention of {tq} queries over {t} keys: more queries than tokens")
+    full = torch.zeros(b, t, t, dtype=rows.dtype, device=rows.device)
+    if identity:
+        full.diagonal(dim1=-2, dim2=-1)[:, tq:] = 1.0
+    full[:, :tq] = rows
+    return full
 
 
 def _initial_row(b: int, t: int, device: torch.device, token_index: TokenIndex, num_prefix_tokens: int) -> Tensor:
@@ -222,9 +246,11 @@ def _chain(layers: Sequence[Tensor | None], merges: Merges | None) -> list[Tenso
 def rollout_layer(attn: Tensor, head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0,
                   num_prefix_tokens: int = 1) -> Tensor:
     """One block's rollout matrix ``[B, T, T]``: heads fused, the lowest entries discarded, the
-    identity added for the residual path, rows re-normalised to sum to 1."""
+    identity added for the residual path, rows re-normalised to sum to 1. Class attention
+    (``[B, heads, Tq, T]``, ``Tq < T``: only the first ``Tq`` tokens attend) leaves the other
+    tokens' rows at the identity."""
     fused = fuse_heads(attn.float(), head_fusion)  # a new tensor: the steps below work in place
-    fused = _discard_lowest(fused, discard_ratio, num_prefix_tokens)
+    fused = square_rows(_discard_lowest(fused, discard_ratio, num_prefix_tokens))  # (B, T, T)
     fused.diagonal(dim1=-2, dim2=-1).add_(1.0)  # + I: the residual connection
     return fused.div_(fused.sum(dim=-1, keepdim=True))
 
@@ -288,10 +314,11 @@ def attention_rollout(
 
 
 def relevance_layer(attn: Tensor, grad: Tensor) -> Tensor:
-    """One block's relevance matrix ``I + mean_h relu(grad ⊙ A)``: ``[B, T, T]``."""
+    """One block's relevance matrix ``I + mean_h relu(grad ⊙ A)``: ``[B, T, T]`` (class attention,
+    ``[B, heads, Tq, T]``: the rows of the tokens that do not attend are the identity's)."""
     t = attn.shape[-1]
     eye = torch.eye(t, device=attn.device, dtype=torch.float32)
-    return eye + (grad.detach().float() * attn.detach().float()).clamp(min=0).mean(dim=1)  # (B, T, T)
+    return eye + square_rows((grad.detach().float() * attn.detach().float()).clamp(min=0).mean(dim=1))  # (B, T, T)
 
 
 def gradient_relevance(
@@ -347,7 +374,7 @@ def last_layer_attention(
     columns of merged tokens are mapped back to the original patches: a merged token's share is
     split evenly over the patches it holds, so the scores keep their sum."""
     _check(attentions, token_index, num_prefix_tokens, merges)
-    fused = fuse_heads(attentions[-1].float(), head_fusion)
+    fused = square_rows(fuse_heads(attentions[-1].float(), head_fusion), identity=True)  # (B, T, T)
     if merges is not None:
         layers: list[Tensor | None] = [None] * (len(attentions) - 1) + [fused]
         row = _initial_row(fused.shape[0], _output_tokens(attentions, merges), fused.device, token_index,

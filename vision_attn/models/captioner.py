@@ -32,7 +32,47 @@ from torch import Tensor, nn
 from vision_attn.models.encoder import EncoderOutput
 from vision_attn.models.layers import DecoderLayer, LayerCache, sine_position_embedding_2d
 
-__all__ = ["CaptionDecoder", "Generation", "GenerationOptions", "apply_repetition_penalty"]
+__all__ = ["CaptionDecoder", "DecoderConfig", "Generation", "GenerationOptions", "apply_repetition_penalty"]
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What a :class:`CaptionDecoder` is built from (besides the vocabulary and the encoder's width).
+
+    Attributes:
+        hidden_dim: decoder width (divisible by 4).
+        num_layers: decoder layers.
+        num_heads: attention heads.
+        mlp_ratio: feed-forward width relative to ``hidden_dim``.
+        dropout: dropout in the decoder and on the embeddings.
+        max_length: longest token sequence (position embeddings; ``<bos>`` and ``<eos>``
+            included).
+        embedding_memory: add the encoder's embedding tokens (the first block's input,
+            :attr:`EncoderOutput.embedding_tokens`, each through its own linear + LayerNorm) to
+            the projected output tokens of the same patch: the memory keeps one token per patch,
+            so the cross-attention maps and their explanations are unchanged in shape. Low-level
+            evidence (an object's colour) reaches the words even where the encoder's output tokens
+            are dominated by what an auxiliary loss asks for.
+        pixel_memory: add each patch's own pixels (:attr:`EncoderOutput.pixel_tokens`, through
+            their own linear + LayerNorm) to its memory token, a path to the colours that no
+            training of the encoder can remove.
+    """
+
+    hidden_dim: int = 256
+    num_layers: int = 3
+    num_heads: int = 4
+    mlp_ratio: float = 4.0
+    dropout: float = 0.1
+    max_length: int = 32
+    embedding_memory: bool = False
+    pixel_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hidden_dim % 4:
+            raise ValueError(f"hidden_dim must be divisible by 4, got {self.hidden_dim}")
+
+
+DEFAULT_DECODER = DecoderConfig()
 
 
 @dataclass
@@ -46,7 +86,7 @@ class GenerationOptions:
     defaults of :class:`~vision_attn.tasks.captioning.CaptioningTask` are beam 3, length
     penalty 1, ``min_length`` 0, ``max_length`` what the decoder holds, penalty 1.0.
 
-    Args:
+    Attributes:
         beam_size: 1 = greedy search; more = beam search.
         length_penalty: beam search ranks finished hypotheses by
             ``log p / length ** length_penalty`` (0 = raw log-probability, favouring short
@@ -103,49 +143,31 @@ class CaptionDecoder(nn.Module):
     Args:
         vocab_size: ``V`` (the tokenizer's length).
         in_dim: width of the encoder tokens.
-        hidden_dim: decoder width.
-        num_layers: decoder layers.
-        num_heads: attention heads.
-        mlp_ratio: feed-forward width relative to ``hidden_dim``.
-        dropout: dropout in the decoder and on the embeddings.
-        max_length: longest token sequence (position embeddings).
+        config: width, depth, heads, dropout, longest sequence and the extra memory paths
+            (:class:`DecoderConfig`).
         pad_id: id of ``<pad>`` (its embedding stays zero).
-        embedding_memory: add the encoder's embedding tokens (the first block's input,
-            :attr:`EncoderOutput.embedding_tokens`, each through its own linear + LayerNorm) to
-            the projected output tokens of the same patch: the memory keeps one token per
-            patch, so the cross-attention maps and their explanations are unchanged in shape.
-        pixel_dim: add each patch's own pixels (:attr:`EncoderOutput.pixel_tokens`, ``pixel_dim``
-            values each, through their own linear + LayerNorm) to its memory token, a path to the
-            colours that no training of the encoder can remove; ``None``: off.
+        pixel_dim: values of each patch's pixel tokens (``3 * p * p``); needed with
+            ``config.pixel_memory``.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        in_dim: int,
-        hidden_dim: int = 256,
-        num_layers: int = 3,
-        num_heads: int = 4,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.1,
-        max_length: int = 32,
-        pad_id: int = 0,
-        embedding_memory: bool = False,
-        pixel_dim: int | None = None,
-    ) -> None:
+    def __init__(self, vocab_size: int, in_dim: int, config: DecoderConfig = DEFAULT_DECODER, pad_id: int = 0,
+                 pixel_dim: int | None = None) -> None:
         super().__init__()
-        if hidden_dim % 4:
-            raise ValueError(f"hidden_dim must be divisible by 4, got {hidden_dim}")
+        if config.pixel_memory and not pixel_dim:
+            raise ValueError("pixel_memory needs pixel_dim, the values of each patch's pixel tokens (3 * p * p)")
+        self.config = config
+        hidden_dim, max_length = config.hidden_dim, config.max_length
         self.vocab_size, self.hidden_dim, self.max_length, self.pad_id = vocab_size, hidden_dim, max_length, pad_id
         self.input_proj = nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.LayerNorm(hidden_dim))
         self.embedding_proj = (nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.LayerNorm(hidden_dim))
-                               if embedding_memory else None)
+                               if config.embedding_memory else None)
         self.pixel_proj = (nn.Sequential(nn.Linear(pixel_dim, hidden_dim), nn.LayerNorm(hidden_dim))
-                           if pixel_dim else None)
+                           if config.pixel_memory else None)
         self.embed = nn.Embedding(vocab_size, hidden_dim, padding_idx=pad_id)
         self.pos = nn.Parameter(torch.zeros(max_length, hidden_dim))
-        self.drop = nn.Dropout(dropout)
-        self.layers = nn.ModuleList(DecoderLayer(hidden_dim, num_heads, mlp_ratio, dropout) for _ in range(num_layers))
+        self.drop = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList(DecoderLayer(hidden_dim, config.num_heads, config.mlp_ratio, config.dropout)
+                                    for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(hidden_dim)
         self.out_bias = nn.Parameter(torch.zeros(vocab_size))  # the output weight is the embedding (tied)
         nn.init.normal_(self.embed.weight, std=0.02)
@@ -160,7 +182,8 @@ class CaptionDecoder(nn.Module):
         memory = self.input_proj(patches)
         if self.embedding_proj is not None:
             if enc.embedding_tokens is None:
-                raise ValueError("embedding_memory needs the encoder's embedding tokens (ViTEncoder.keep_embedding = True)")
+                raise ValueError("embedding_memory needs the encoder's embedding tokens "
+                                 "(ViTEncoder.keep_embedding = True)")
             memory = memory + self.embedding_proj(enc.embedding_tokens[:, enc.num_prefix_tokens :])
         if self.pixel_proj is not None:
             if enc.pixel_tokens is None:
@@ -277,7 +300,8 @@ class CaptionDecoder(nn.Module):
 
     @torch.no_grad()
     def sample(self, enc: EncoderOutput, bos_id: int, eos_id: int, num_samples: int = 1, max_length: int | None = None,
-               use_cache: bool = True, generator: torch.Generator | None = None, temperature: float = 1.0) -> Generation:
+               use_cache: bool = True, generator: torch.Generator | None = None,
+               temperature: float = 1.0) -> Generation:
         """``num_samples`` captions per image drawn from the decoder's own softmax (multinomial
         sampling, as self-critical training needs: :mod:`vision_attn.losses.scst`), batched over
         images and samples, with the key/value cache.

@@ -12,6 +12,7 @@ distillation heads of a distilled DeiT, register tokens left out of the mean).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from torch import Tensor, nn
@@ -20,10 +21,36 @@ from vision_attn.errors import EncoderError
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
 from vision_attn.models.smalldata import SequencePooling
 
-__all__ = ["POOLINGS", "ClassificationHead", "Pooling", "TimmHead"]
+__all__ = ["POOLINGS", "ClassificationHead", "ClassifierConfig", "HeadKind", "Pooling", "TimmHead"]
 
 Pooling = Literal["auto", "cls", "mean", "seq"]
 POOLINGS: tuple[str, ...] = ("auto", "cls", "mean", "seq")
+HeadKind = Literal["linear", "timm"]
+
+
+@dataclass(frozen=True)
+class ClassifierConfig:
+    """Which classification head reads the encoder's tokens, and how.
+
+    Attributes:
+        kind: ``linear`` (the suite's :class:`ClassificationHead`, built from the data) or
+            ``timm`` (the timm model's own pooling and classifier, :class:`TimmHead`: a
+            pretrained timm ViT as timm runs it; the task's ``num_classes`` is then the
+            encoder's classifier size, and ``pooling`` is timm's).
+        pooling: ``auto`` (class token if any, else mean), ``cls``, ``mean`` (over the patch
+            tokens) or ``seq`` (CCT's sequence pooling, see :class:`ClassificationHead`). The
+            explanations explain what the head reads: the class token's row, or the pooling's
+            mixture of the patch tokens' rows.
+        dropout: dropout before the classifier (``linear`` head).
+    """
+
+    kind: HeadKind = "linear"
+    pooling: Pooling = "auto"
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "timm"):
+            raise ValueError(f"head.kind must be 'linear' or 'timm', got {self.kind!r}")
 
 
 class ClassificationHead(nn.Module):

@@ -70,6 +70,7 @@ the padding; boxes are fractions of each image's own (unpadded) size.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -79,9 +80,95 @@ from vision_attn.boxes import box_cxcywh_to_xyxy, box_xyxy_to_cxcywh
 from vision_attn.models.encoder import EncoderOutput
 from vision_attn.models.layers import MLP, DecoderLayer, sine_position_embedding_2d
 
-__all__ = ["DETRHead", "PYRAMID_SCALES", "SimpleFeaturePyramid", "noise_boxes", "noise_labels", "post_process", "query_group_mask"]
+__all__ = ["DETRConfig", "DETRHead", "PYRAMID_SCALES", "SimpleFeaturePyramid", "noise_boxes", "noise_labels",
+           "post_process", "query_group_mask"]
 
 O2M_MODES = ("group", "hybrid")
+
+
+@dataclass(frozen=True)
+class DETRConfig:
+    """What a :class:`DETRHead` is built from: its architecture, its training aids (see the module
+    docstring) and how many detections post-processing keeps. The defaults are a small head for
+    the suite's detector; DETR's own is :data:`DEFAULT_DETR`.
+
+    Attributes:
+        num_queries: object queries ``Q`` (the most objects one image can have).
+        hidden_dim: decoder width (divisible by 4).
+        num_layers: decoder layers.
+        num_heads: attention heads.
+        mlp_ratio: feed-forward width relative to ``hidden_dim``.
+        dropout: dropout in the decoder.
+        focal: sigmoid classifier over ``C`` classes (no "no object" logit; trained with the focal
+            loss) instead of softmax + no-object.
+        box_refine: learned anchor boxes, box-conditioned positional queries and iterative
+            per-layer box refinement (see the module docstring).
+        dn_groups: denoising query groups while training (DN-DETR); 0 = off. Needs ``box_refine``.
+        label_noise_ratio: DINO's ``label_noise_ratio``: a denoising query's label is redrawn
+            uniformly from the ``C`` classes with probability ``label_noise_ratio / 2``
+            (:func:`noise_labels`); the default 0.5 is DINO's (a quarter of the labels redrawn).
+        box_noise_scale: denoising box noise, as a fraction of the box's half size
+            (:func:`noise_boxes`).
+        dn_negatives: add DINO's contrastive negatives (a second, noisier copy per group that
+            must predict "no object").
+        query_selection: DINO's mixed query selection (anchors from the top-``Q`` encoder tokens,
+            with their own matched loss). Needs ``box_refine``.
+        look_forward_twice: DINO's look-forward-twice box refinement. Needs ``box_refine``.
+        o2m_groups: extra one-to-many query groups while training (Group DETR / H-DETR); 0 = off.
+        o2m_mode: ``"group"`` (Group DETR: each group matched on its own) or ``"hybrid"`` (H-DETR:
+            one set of extra queries matched to the targets repeated ``K`` times, the set loss's
+            ``o2m_repeat``).
+        pyramid: cross-attend over ViTDet's simple feature pyramid of the last patch map
+            (:class:`SimpleFeaturePyramid`; strides 1/2, 1, 2, 4 patches) instead of the patch
+            tokens alone.
+        dense_encoder: also train every encoder token's class and box while training, one-to-many
+            (``dense_outputs``: Co-DETR's auxiliary dense supervision with FCOS's assignment).
+            Needs ``query_selection``; training only.
+        top_k: detections kept per image by :func:`post_process`.
+    """
+
+    num_queries: int = 20
+    hidden_dim: int = 128
+    num_layers: int = 3
+    num_heads: int = 4
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    focal: bool = False
+    box_refine: bool = False
+    dn_groups: int = 0
+    label_noise_ratio: float = 0.5
+    box_noise_scale: float = 1.0
+    dn_negatives: bool = False
+    query_selection: bool = False
+    look_forward_twice: bool = False
+    o2m_groups: int = 0
+    o2m_mode: str = "group"
+    pyramid: bool = False
+    dense_encoder: bool = False
+    top_k: int = 100
+
+    def __post_init__(self) -> None:
+        if self.dense_encoder and not self.query_selection:
+            raise ValueError("dense_encoder supervises the tokens query selection scores: set query_selection=True "
+                             "(or switch dense_encoder off)")
+        if self.hidden_dim % 4:
+            raise ValueError(f"hidden_dim must be divisible by 4, got {self.hidden_dim}")
+        for name, on in (("dn_groups", self.dn_groups > 0), ("query_selection", self.query_selection),
+                         ("look_forward_twice", self.look_forward_twice)):
+            if on and not self.box_refine:
+                raise ValueError(f"{name} needs reference boxes: set box_refine=True (or switch {name} off)")
+        if self.dn_groups < 0 or self.o2m_groups < 0:
+            raise ValueError(f"dn_groups ({self.dn_groups}) and o2m_groups ({self.o2m_groups}) must be >= 0")
+        if not 0 <= self.label_noise_ratio <= 1:
+            raise ValueError(f"label_noise_ratio must lie in [0, 1], got {self.label_noise_ratio}")
+        if self.box_noise_scale < 0:
+            raise ValueError(f"box_noise_scale must be >= 0, got {self.box_noise_scale}")
+        if self.o2m_mode not in O2M_MODES:
+            raise ValueError(f"o2m_mode must be one of {O2M_MODES}, got {self.o2m_mode!r}")
+
+
+DEFAULT_DETR = DETRConfig(num_queries=100, hidden_dim=256, num_layers=6, num_heads=8, dropout=0.1)
+"""DETR's own head (Carion et al. 2020): 100 queries, width 256, 6 layers, 8 heads, dropout 0.1."""
 
 
 def _inverse_sigmoid(x: Tensor, eps: float = 1e-5) -> Tensor:
@@ -311,84 +398,28 @@ class DETRHead(nn.Module):
     Args:
         in_dim: width of the encoder tokens.
         num_classes: ``C`` real classes.
-        num_queries: object queries ``Q`` (the most objects one image can have).
-        hidden_dim: decoder width.
-        num_layers: decoder layers.
-        num_heads: attention heads.
-        mlp_ratio: feed-forward width relative to ``hidden_dim``.
-        dropout: dropout in the decoder.
-        focal: sigmoid classifier over ``C`` classes (no "no object" logit).
-        box_refine: learned anchor boxes, box-conditioned positional queries and iterative
-            per-layer box refinement (see the module docstring).
-        dn_groups: denoising groups (DN-DETR); 0 = off. Needs ``box_refine``.
-        label_noise_ratio: DINO's ``label_noise_ratio``: a denoising query's label is redrawn
-            uniformly from the ``C`` classes with probability ``label_noise_ratio / 2``
-            (:func:`noise_labels`); the default 0.5 is DINO's (a quarter of the labels redrawn).
-        box_noise_scale: denoising box noise, as a fraction of the box's half size
-            (:func:`noise_boxes`).
-        dn_negatives: add DINO's contrastive negatives (a second, noisier copy per group that
-            must predict "no object").
-        query_selection: DINO's mixed query selection (anchors from the top-``Q`` patch tokens).
-            Needs ``box_refine``.
-        look_forward_twice: DINO's look-forward-twice box refinement. Needs ``box_refine``.
-        o2m_groups: extra one-to-many query groups for training (Group DETR / H-DETR); 0 = off.
-        o2m_mode: ``"group"`` (Group DETR) or ``"hybrid"`` (H-DETR), see the module docstring.
-        pyramid: cross-attend over ViTDet's simple feature pyramid (:class:`SimpleFeaturePyramid`)
-            instead of the patch tokens alone.
-        dense_encoder: also return every token's class and box while training (``dense_outputs``,
-            Co-DETR's dense auxiliary supervision). Needs ``query_selection``.
+        config: the architecture and the training aids (:class:`DETRConfig`; its defaults are
+            DETR's: 100 queries, width 256, 6 layers, 8 heads, dropout 0.1).
     """
 
-    def __init__(
-        self,
-        in_dim: int,
-        num_classes: int,
-        num_queries: int = 100,
-        hidden_dim: int = 256,
-        num_layers: int = 6,
-        num_heads: int = 8,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.1,
-        focal: bool = False,
-        box_refine: bool = False,
-        dn_groups: int = 0,
-        label_noise_ratio: float = 0.5,
-        box_noise_scale: float = 1.0,
-        dn_negatives: bool = False,
-        query_selection: bool = False,
-        look_forward_twice: bool = False,
-        o2m_groups: int = 0,
-        o2m_mode: str = "group",
-        pyramid: bool = False,
-        dense_encoder: bool = False,
-    ) -> None:
+    def __init__(self, in_dim: int, num_classes: int, config: DETRConfig = DEFAULT_DETR) -> None:
         super().__init__()
-        if dense_encoder and not query_selection:
-            raise ValueError("dense_encoder supervises the tokens query selection scores: set query_selection=True "
-                             "(or switch dense_encoder off)")
-        if hidden_dim % 4:
-            raise ValueError(f"hidden_dim must be divisible by 4, got {hidden_dim}")
-        for name, on in (("dn_groups", dn_groups > 0), ("query_selection", query_selection),
-                         ("look_forward_twice", look_forward_twice)):
-            if on and not box_refine:
-                raise ValueError(f"{name} needs reference boxes: set box_refine=True (or switch {name} off)")
-        if dn_groups < 0 or o2m_groups < 0:
-            raise ValueError(f"dn_groups ({dn_groups}) and o2m_groups ({o2m_groups}) must be >= 0")
-        if not 0 <= label_noise_ratio <= 1:
-            raise ValueError(f"label_noise_ratio must lie in [0, 1], got {label_noise_ratio}")
-        if box_noise_scale < 0:
-            raise ValueError(f"box_noise_scale must be >= 0, got {box_noise_scale}")
-        if o2m_mode not in O2M_MODES:
-            raise ValueError(f"o2m_mode must be one of {O2M_MODES}, got {o2m_mode!r}")
+        self.config = config
+        c = config
+        num_queries, hidden_dim, num_layers, focal, box_refine = (c.num_queries, c.hidden_dim, c.num_layers,
+                                                                  c.focal, c.box_refine)
+        dn_groups, query_selection, o2m_groups, pyramid = c.dn_groups, c.query_selection, c.o2m_groups, c.pyramid
         self.num_classes, self.num_queries, self.hidden_dim = num_classes, num_queries, hidden_dim
         self.focal, self.box_refine = focal, box_refine
-        self.dn_groups, self.label_noise_ratio, self.box_noise_scale = dn_groups, label_noise_ratio, box_noise_scale
-        self.dn_negatives, self.query_selection, self.look_forward_twice = dn_negatives, query_selection, look_forward_twice
-        self.o2m_groups, self.o2m_mode, self.pyramid = o2m_groups, o2m_mode, bool(pyramid)
-        self.dense_encoder = bool(dense_encoder)
+        self.dn_groups, self.label_noise_ratio, self.box_noise_scale = dn_groups, c.label_noise_ratio, c.box_noise_scale
+        self.dn_negatives, self.query_selection, self.look_forward_twice = (c.dn_negatives, query_selection,
+                                                                            c.look_forward_twice)
+        self.o2m_groups, self.o2m_mode, self.pyramid = o2m_groups, c.o2m_mode, bool(pyramid)
+        self.dense_encoder = bool(c.dense_encoder)
         if not pyramid:  # (with it, each pyramid level has its own projection)
             self.input_proj = nn.Linear(in_dim, hidden_dim)
-        self.layers = nn.ModuleList(DecoderLayer(hidden_dim, num_heads, mlp_ratio, dropout) for _ in range(num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(hidden_dim, c.num_heads, c.mlp_ratio, c.dropout)
+                                    for _ in range(num_layers))
         self.norm = nn.LayerNorm(hidden_dim)
         n_out = num_classes if focal else num_classes + 1
         if box_refine:
@@ -470,7 +501,8 @@ class DETRHead(nn.Module):
         boxes = torch.gather(unsig, 1, top[..., None].expand(-1, -1, 4)).sigmoid()
         return boxes.detach(), {"pred_logits": logits, "pred_boxes": boxes}, dense
 
-    def _denoising_queries(self, targets: list[dict[str, Tensor]], device: torch.device) -> tuple[Tensor, Tensor, Tensor, dict]:
+    def _denoising_queries(self, targets: list[dict[str, Tensor]],
+                           device: torch.device) -> tuple[Tensor, Tensor, Tensor, dict]:
         """Noised ground truth as queries: ``(contents [B, D, hidden], boxes [B, D, 4], real [B, D], meta)``.
 
         A group holds ``P = max_b G_b`` positive slots (and, with negatives, ``P`` negative slots
@@ -595,7 +627,8 @@ class DETRHead(nn.Module):
         outputs, weights = [], []
         one_step = None  # look forward twice: the previous layer's box, differentiable through its own head
         for i, layer in enumerate(self.layers):
-            query_pos = self.pos_mlp(_box_sine_embedding(reference, self.hidden_dim)) if self.box_refine else query_embed
+            query_pos = (self.pos_mlp(_box_sine_embedding(reference, self.hidden_dim)) if self.box_refine
+                         else query_embed)
             x, w = layer(x, memory, query_pos=query_pos, memory_pos=memory_pos, need_weights=need_weights,
                          key_mask=key_mask, self_attn_mask=mask, memory_key_mask=memory_mask)
             weights.append(None if w is None else self.cross_attn_to_patches(w if mask is None else w[:, :, :q],

@@ -1,12 +1,22 @@
 """ViT encoder: the one place in the suite that talks to timm.
 
-``ViTEncoder`` wraps any timm Vision-Transformer-family model (``vit_*``, ``deit_*``, distilled
-and register-token variants, or explicit sizes for small from-scratch models) and returns its
-tokens together with what downstream code needs to interpret them:
+``ViTEncoder`` wraps a timm Vision Transformer with global attention over its patch grid and
+returns its tokens together with what downstream code needs to interpret them:
 
 - ``tokens``: ``[B, P + N, D]``, identical to timm's ``forward_features`` (final norm applied);
 - ``num_prefix_tokens``: ``P``, the class / distillation / register tokens in front;
 - ``grid``: ``(h, w)`` patch grid of the *actual* input, so ``N = h * w`` (dynamic image size).
+
+The timm classes it reads (:data:`READABLE_CLASSES`; ``docs/timm_families.md`` lists the models
+checked against timm): ``VisionTransformer`` with all its options (``vit_*``, ``deit_*``
+distilled, registers, ``token`` / ``avg`` / ``map`` pooling, no class token, layer scale,
+QK-norm, FlexiViT), ``VisionTransformerRelPos``, ``Eva`` (EVA-02, RoPE ViTs, Perception
+Encoder), ``Beit``, ``Cait`` (its maps read the class-attention blocks) and ``NaFlexVit``. The
+model is built with the keyword arguments its class takes (:func:`constructor_arguments`): the
+suite's defaults (dropout, ``dynamic_img_size``) go only to classes that take them; Beit, Cait
+and ``VisionTransformerRelPos`` then run at the input size they were built for. Windowed,
+pooling and channel attention (Swin, PiT, MViT, XCiT) and convolutional networks are refused
+with one :class:`~vision_attn.errors.EncoderError` saying why (:func:`refusal`).
 
 Preprocessing (input size, mean, std, interpolation, crop fraction, crop mode) comes from
 timm's data config and is kept in ``data_config``; tasks store it in their checkpoints
@@ -16,12 +26,14 @@ timm's data config and is kept in ``data_config``; tasks store it in their check
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import importlib
 import inspect
 import logging
 import os
 import socket
+import typing
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,7 +62,22 @@ from vision_attn.schema import (
     check_value,
 )
 
-__all__ = ["CHECKPOINT_TIMM_KWARGS", "ConvStem", "EncoderOutput", "ViTEncoder", "create_encoder", "suggest_model_names"]
+__all__ = [
+    "CHECKPOINT_TIMM_KWARGS",
+    "READABLE_CLASSES",
+    "UNREADABLE_CLASSES",
+    "ConvStem",
+    "EncoderOutput",
+    "ViTEncoder",
+    "constructor_arguments",
+    "create_encoder",
+    "model_family",
+    "patch_embedding",
+    "refusal",
+    "suggest_model_names",
+    "timm_attention_blocks",
+    "unreadable_reason",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +137,16 @@ CHECKPOINT_TIMM_KWARGS = frozenset({
     "pre_norm", "final_norm", "fc_norm", "pool_include_prefix", "dynamic_img_size",
     "dynamic_img_pad", "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate",
     "attn_drop_rate", "drop_path_rate", "weight_init", "fix_init", "distilled",
+    # Eva (EVA-02, RoPE ViTs, Perception Encoder)
+    "num_kv_heads", "qkv_fused", "swiglu_mlp", "swiglu_align_to", "scale_mlp", "scale_attn_inner",
+    "attn_type", "attn_only_layer_scale", "num_reg_tokens", "use_abs_pos_emb", "use_rot_pos_emb",
+    "rope_type", "rope_grid_offset", "rope_grid_indexing", "rope_temperature", "rope_rotate_half",
+    "use_post_norm", "use_pre_transformer_norm", "use_post_transformer_norm", "use_fc_norm",
+    "attn_pool_num_heads", "attn_pool_mlp_ratio", "ref_feat_shape", "head_init_scale",
+    # Beit, Cait, VisionTransformerRelPos, NaFlexVit
+    "use_rel_pos_bias", "use_shared_rel_pos_bias", "depth_token_only", "mlp_ratio_token_only",
+    "rel_pos_type", "rel_pos_dim", "shared_rel_pos", "pos_embed_grid_size", "embed_proj_type",
+    "scale_attn_inner_norm",
 })
 
 
@@ -200,6 +237,210 @@ def suggest_model_names(name: str) -> str:
     return hint + " List the available names with `timm.list_models('vit_*')`."
 
 
+# ---------------------------------------------------------------------------- timm model classes
+# The timm classes whose attention vision_attn reads: global self-attention over one patch grid
+# (with Cait, the class attention over it). A subclass reads as its base (DeiT's distilled model).
+READABLE_CLASSES = ("VisionTransformer", "VisionTransformerRelPos", "Eva", "Beit", "Cait", "NaFlexVit")
+
+# Classes that are refused, and why: their attention does not relate the image's patches to one
+# another over one grid (or they have none). Gradient and relevance methods on feature maps
+# (Grad-CAM, LRP) would apply to them; attention maps would not.
+_WINDOWED = ("windowed attention: each token attends only within a local window of the grid, so no "
+             "attention map covers the image")
+_POOLED = "pooling attention: keys and values are pooled and the token grid shrinks from stage to stage"
+UNREADABLE_CLASSES: dict[str, str] = {
+    "SwinTransformer": _WINDOWED,
+    "SwinTransformerV2": _WINDOWED,
+    "SwinTransformerV2Cr": _WINDOWED,
+    "PoolingVisionTransformer": _POOLED,
+    "MultiScaleVit": _POOLED,
+    "Xcit": "channel attention (cross-covariance): its attention maps relate feature channels, not image patches",
+}
+_READABLE_EXAMPLES = ("vit_small_patch16_224, eva02_small_patch14_224, beit_base_patch16_224, cait_xxs24_224, "
+                      "vit_relpos_small_patch16_224 or naflexvit_base_patch16_gap")
+
+
+def model_family(model: nn.Module | type) -> str | None:
+    """The timm class of :data:`READABLE_CLASSES` that ``model`` (a module or a class) is, or ``None``."""
+    cls = model if isinstance(model, type) else type(model)
+    return next((k.__name__ for k in cls.__mro__ if k.__name__ in READABLE_CLASSES), None)
+
+
+def unreadable_reason(model: nn.Module | type) -> str | None:
+    """Why vision_attn cannot explain a timm model (a module or a class), or ``None`` when it can
+    (a class of :data:`READABLE_CLASSES`, or a class it does not know that looks like a ViT)."""
+    cls = model if isinstance(model, type) else type(model)
+    if model_family(cls) is not None:
+        return None
+    reason = next((UNREADABLE_CLASSES[k.__name__] for k in cls.__mro__ if k.__name__ in UNREADABLE_CLASSES), None)
+    if reason is not None:
+        return reason
+    if isinstance(model, nn.Module):
+        attention = any(hasattr(m, "fused_attn") or "attention" in type(m).__name__.lower()
+                        or "attn" in type(m).__name__.lower() for m in model.modules())
+        looks_like_vit = all(hasattr(model, a) for a in ("patch_embed", "blocks", "num_prefix_tokens"))
+        if not attention:
+            return "a convolutional network (or another model without attention): it has no attention maps"
+        if not looks_like_vit:
+            return ("its attention does not run over one grid of patch tokens with prefix tokens in front "
+                    "(no patch_embed, blocks and num_prefix_tokens), the layout vision_attn reads")
+    return None
+
+
+def refusal(name: str, model: nn.Module | type, reason: str) -> EncoderError:
+    """The one error for a timm model that cannot be explained: the model, why, which methods would
+    apply, and which models to use instead."""
+    cls = model if isinstance(model, type) else type(model)
+    return EncoderError(
+        f"timm model {name!r} is not a Vision Transformer with global attention that vision_attn can explain "
+        f"({cls.__name__}: {reason}). The attention methods (rollout, relevance, attention) need global "
+        "attention over the patch grid; gradient and relevance methods on feature maps (gradcam, lrp) would "
+        "apply to it, and vision_attn runs them on the Vision Transformers it reads "
+        f"({', '.join(READABLE_CLASSES)}), e.g. {_READABLE_EXAMPLES}."
+    )
+
+
+def constructor_arguments(cls: type) -> frozenset[str]:
+    """The keyword arguments a timm model class takes: its constructor's, its bases' where it passes
+    ``**kwargs`` on (DeiT's distilled model), and the fields of a config dataclass it takes
+    (NaFlexVit's ``cfg``)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            break
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(klass.__init__).parameters
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        names |= {n for n, p in params.items() if p.kind in keyword and n != "self"}
+        try:
+            hints = typing.get_type_hints(klass.__init__)
+        except (NameError, TypeError):
+            hints = {}
+        for hint in hints.values():
+            for option in (hint, *typing.get_args(hint)):
+                if isinstance(option, type) and dataclasses.is_dataclass(option):
+                    names |= {f.name for f in dataclasses.fields(option)}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            break
+    return frozenset(names)
+
+
+def _meta_model(name: str) -> nn.Module | None:
+    """timm's model for ``name`` with its own arguments, built on the ``meta`` device (nothing is
+    allocated), or ``None`` when it cannot be built there."""
+    try:
+        with torch.device("meta"):
+            return timm.create_model(name, pretrained=False)
+    except Exception:  # noqa: BLE001 - any failure only means the class stays unknown
+        return None
+
+
+def patch_embedding(model: nn.Module) -> nn.Module:
+    """The module that turns pixels into patch tokens (``patch_embed``; NaFlexVit's ``embeds``)."""
+    embed = getattr(model, "patch_embed", None)
+    return embed if embed is not None else model.embeds
+
+
+def timm_attention_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks whose attention vision_attn reads, first first: every block, or for Cait the
+    class-attention blocks (``blocks_token_only``: the class token attends to itself and every
+    patch; Cait's talking-heads self-attention mixes the heads after the softmax, so its
+    weights are no probabilities)."""
+    if model_family(model) == "Cait":
+        return list(model.blocks_token_only)
+    return list(model.blocks)
+
+
+def _build_timm_model(name: str, pretrained: bool, explicit: dict[str, Any], defaults: dict[str, Any]) -> nn.Module:
+    """timm's model for ``name`` with the ``explicit`` arguments and those of the suite's
+    ``defaults`` (dropout, dynamic image size) that its class takes.
+
+    The model is first built on the ``meta`` device (sized there: nothing is allocated for one
+    beyond the limit), which also tells its class: a class vision_attn cannot read is refused
+    before anything is downloaded.
+    """
+    built: list[nn.Module] = []
+
+    def build_on_meta() -> nn.Module:
+        built.append(timm.create_model(name, pretrained=False, **explicit))
+        return built[-1]
+
+    kwargs = dict(explicit)  # what timm is given (a refusal names those it does not take)
+    try:
+        check_model_bytes(build_on_meta, f"encoder {name}", EncoderError)
+        kwargs = {**explicit, **defaults}
+        if built:
+            reason = unreadable_reason(built[0])
+            if reason is not None:
+                raise refusal(name, built[0], reason)
+            accepted = constructor_arguments(type(built[0]))
+            kwargs = {**explicit, **{k: v for k, v in defaults.items() if k in accepted}}
+            dropped = {k: v for k, v in defaults.items() if k not in accepted and v}
+            if dropped:
+                log.info("timm model %s (%s) takes no %s: built without", name, type(built[0]).__name__,
+                         ", ".join(sorted(dropped)))
+        with hub_offline_when_unreachable() if pretrained else contextlib.nullcontext():
+            return timm.create_model(name, pretrained=pretrained, **kwargs)
+    except TypeError as err:
+        raise _refused_arguments(name, kwargs, err) from err
+    except EncoderError:
+        raise
+    except (AssertionError, ValueError, ZeroDivisionError, OverflowError, MemoryError) as err:
+        raise EncoderError(
+            f"timm model {name!r} cannot be built with {_short_args(kwargs)}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
+        ) from err
+    except (OSError, RuntimeError) as err:
+        if not pretrained:
+            raise EncoderError(
+                f"timm model {name!r} cannot be built with {_short_args(kwargs)}: "
+                f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
+            ) from err
+        raise EncoderError(
+            f"could not get pretrained weights for timm model {name!r} ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}). Offline? Download them once where "
+            "the hub is reachable and pass weights_file=PATH (.safetensors / .pth) with pretrained=false."
+        ) from err
+
+
+def _refused_arguments(name: str, kwargs: dict[str, Any], err: TypeError) -> EncoderError:
+    """The error for arguments timm's class refused: which ones, and what the class takes."""
+    model = _meta_model(name)
+    if model is None:
+        return EncoderError(
+            f"timm model {name!r} is not a Vision Transformer that vision_attn can read: "
+            f"timm.create_model refused the arguments {sorted(kwargs)} ({err}). Use a ViT such as "
+            f"{_READABLE_EXAMPLES} (list them with timm.list_models('vit_*'))."
+        )
+    reason = unreadable_reason(model)
+    if reason is not None:
+        return refusal(name, model, reason)
+    cls = type(model)
+    accepted = constructor_arguments(cls)
+    refused = sorted(k for k in kwargs if k not in accepted) or sorted(kwargs)
+    takes = sorted(a for a in accepted if a not in ("device", "dtype", "cfg"))
+    return EncoderError(
+        f"timm model {name!r} ({cls.__name__}) does not take the arguments {refused} ({err}); "
+        f"{cls.__name__} takes: {', '.join(takes)}"
+    )
+
+
+def _check_readable(name: str, model: nn.Module) -> str:
+    """The family (timm class) of a built model, or the refusal of one vision_attn cannot read."""
+    reason = unreadable_reason(model)
+    if reason is not None:
+        raise refusal(name, model, reason)
+    required = ("blocks", "num_prefix_tokens", "forward_features")
+    missing = [a for a in required if not hasattr(model, a)]
+    if not hasattr(model, "patch_embed") and not hasattr(model, "embeds"):
+        missing.insert(0, "patch_embed")
+    if missing:
+        raise refusal(name, model, f"it is not a Vision Transformer that vision_attn reads (it has no "
+                                   f"{', '.join(missing)})")
+    return model_family(model) or type(model).__name__
+
+
 class ConvStem(nn.Module):
     """Convolutional patch embedding ("Early convolutions help transformers see better",
     Xiao et al. 2021): a 3x3 conv, then ``log2(patch)`` stride-2 3x3 convs, then a 1x1 conv to
@@ -262,7 +503,9 @@ class ViTEncoder(nn.Module):
         drop_rate: dropout after the position embedding and in the MLPs.
         drop_path_rate: stochastic depth.
         dynamic_img_size: accept any input size (multiple of the patch size), resampling the
-            position embeddings on the fly.
+            position embeddings on the fly (for the classes that take it; NaFlexVit always does,
+            Beit, Cait and ``VisionTransformerRelPos`` take their built ``img_size`` only:
+            :attr:`fixed_input_size`).
         timm_kwargs: further keyword arguments for ``timm.create_model``: JSON scalars or lists of
             them (``{"qk_norm": true, "reg_tokens": 4}``). Arguments that make timm read files
             or download (:data:`TIMM_SOURCE_KWARGS`) are refused: use ``weights_file``.
@@ -340,60 +583,55 @@ class ViTEncoder(nn.Module):
             "mlp_ratio": mlp_ratio,
         }
         kwargs.update({k: v for k, v in sizes.items() if v is not None})
-        kwargs.update(
-            num_classes=num_classes,
-            drop_rate=drop_rate,
-            drop_path_rate=drop_path_rate,
-            dynamic_img_size=dynamic_img_size,
-        )
+        kwargs.update(num_classes=num_classes)
+        defaults = {"drop_rate": drop_rate, "drop_path_rate": drop_path_rate, "dynamic_img_size": dynamic_img_size}
         arch = name.split(".")[0] if isinstance(name, str) else ""
         if not timm.is_model(arch):
             raise EncoderError(f"Unknown timm model name {name!r}.{suggest_model_names(arch)}")
-        check_limits({**kwargs, **dict(preprocess or {})}, f"encoder {name}",
+        check_limits({**kwargs, **defaults, **dict(preprocess or {})}, f"encoder {name}",
                      error=EncoderError)
-        try:
-            # sized on the meta device first: nothing is allocated for a model beyond the limit
-            check_model_bytes(lambda: timm.create_model(name, pretrained=False, **kwargs), f"encoder {name}",
-                              EncoderError)
-            with hub_offline_when_unreachable() if pretrained else contextlib.nullcontext():
-                model = timm.create_model(name, pretrained=pretrained, **kwargs)
-        except TypeError as err:
+        model = _build_timm_model(name, pretrained, kwargs, defaults)
+        self.family: str = _check_readable(name, model)
+        self._replace_parts(model, name, pretrained, stem, stem_channels, lsa, local_mlp)
+        self.local_mlp = bool(local_mlp)
+        self.model = model
+        self.name = name
+        self.stem = stem
+        self.lsa = bool(lsa)
+        if weights_file:
+            self.load_weights(weights_file)
+        embed = patch_embedding(model)
+        self.embed_dim: int = model.embed_dim
+        self.num_heads: int = model.blocks[0].attn.num_heads
+        self.depth: int = len(model.blocks)
+        self.num_prefix_tokens: int = model.num_prefix_tokens
+        self.patch_size: tuple[int, int] = tuple(embed.patch_size)
+        # the input size of a model that takes no other (timm's strict patch embedding), else None
+        strict = getattr(embed, "strict_img_size", False) and getattr(embed, "img_size", None) is not None
+        self.fixed_input_size: tuple[int, int] | None = tuple(int(s) for s in embed.img_size) if strict else None
+        self.data_config: dict[str, Any] = self._resolve_data_config(preprocess or {})
+        # Set by a head that reads the first block's input too (the caption decoder's
+        # ``embedding_memory``): forward then fills ``EncoderOutput.embedding_tokens``.
+        self.keep_embedding: bool = False
+        # Set by a head that reads each patch's pixels (the caption decoder's ``pixel_memory``):
+        # forward then fills ``EncoderOutput.pixel_tokens``.
+        self.keep_pixels: bool = False
+
+    def _replace_parts(self, model: nn.Module, name: str, pretrained: bool, stem: str, stem_channels: int | None,
+                       lsa: bool, local_mlp: bool) -> None:
+        """The small-data options: another stem, locality self-attention, local feed-forward
+        (they change timm's ``VisionTransformer``, and only that class)."""
+        if self.family != "VisionTransformer" and (stem != "patch" or lsa or local_mlp):
             raise EncoderError(
-                f"timm model {name!r} is not a Vision Transformer that vision_attn can read: "
-                f"timm.create_model refused the arguments {sorted(kwargs)} ({err}). Use a ViT-family "
-                "model such as vit_tiny_patch16_224, deit_small_distilled_patch16_224 or "
-                "vit_base_patch16_reg4_gap_256 (list them with timm.list_models('vit_*'))."
-            ) from err
-        except EncoderError:
-            raise
-        except (AssertionError, ValueError, ZeroDivisionError, OverflowError, MemoryError) as err:
-            raise EncoderError(
-                f"timm model {name!r} cannot be built with {_short_args(kwargs)}: "
-                f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
-            ) from err
-        except (OSError, RuntimeError) as err:
-            if not pretrained:
-                raise EncoderError(
-                    f"timm model {name!r} cannot be built with {_short_args(kwargs)}: "
-                    f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
-                ) from err
-            raise EncoderError(
-                f"could not get pretrained weights for timm model {name!r} ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}). Offline? Download them once where "
-                "the hub is reachable and pass weights_file=PATH (.safetensors / .pth) with pretrained=false."
-            ) from err
-        required = ("patch_embed", "blocks", "num_prefix_tokens", "forward_features")
-        missing = [a for a in required if not hasattr(model, a)]
-        if missing:
-            raise EncoderError(
-                f"timm model {name!r} is not a Vision Transformer (it has no {', '.join(missing)}); "
-                "vision_attn encoders need a ViT-family model such as vit_tiny_patch16_224 or "
-                "deit_small_patch16_224."
+                f"stem={stem!r}, lsa={bool(lsa)}, local_mlp={bool(local_mlp)}: the small-data options change timm's "
+                f"VisionTransformer, and {name!r} is of the timm class {self.family}; build it with stem='patch', "
+                "lsa=False and local_mlp=False"
             )
         stems = {"conv": ConvStem, "spt": ShiftedPatchTokenizer}
         if stem_channels is not None and stem != "conv":
             # a config's stem switched on the command line (stem: patch on top of small.yaml) keeps working
-            log.warning("stem_channels=%s sets the width of stem='conv' and is ignored with stem=%r", stem_channels, stem)
+            log.warning("stem_channels=%s sets the width of stem='conv' and is ignored with stem=%r",
+                        stem_channels, stem)
         if stem in stems:
             if pretrained:
                 log.warning("stem=%r replaces the pretrained linear patch embedding of %s by a freshly "
@@ -407,25 +645,22 @@ class ViTEncoder(nn.Module):
             apply_locality_self_attention(model)
         if local_mlp:
             apply_local_mlp(model)
-        self.local_mlp = bool(local_mlp)
-        self.model = model
-        self.name = name
-        self.stem = stem
-        self.lsa = bool(lsa)
-        if weights_file:
-            self.load_weights(weights_file)
-        self.embed_dim: int = model.embed_dim
-        self.num_heads: int = model.blocks[0].attn.num_heads
-        self.depth: int = len(model.blocks)
-        self.num_prefix_tokens: int = model.num_prefix_tokens
-        self.patch_size: tuple[int, int] = tuple(model.patch_embed.patch_size)
-        self.data_config: dict[str, Any] = self._resolve_data_config(preprocess or {})
-        # Set by a head that reads the first block's input too (the caption decoder's
-        # ``embedding_memory``): forward then fills ``EncoderOutput.embedding_tokens``.
-        self.keep_embedding: bool = False
-        # Set by a head that reads each patch's pixels (the caption decoder's ``pixel_memory``):
-        # forward then fills ``EncoderOutput.pixel_tokens``.
-        self.keep_pixels: bool = False
+
+    @property
+    def class_attention(self) -> bool:
+        """Whether the maps read class attention (Cait): the class token's attention over itself
+        and the patches, ``[B, heads, 1, T]`` per block, instead of every token's."""
+        return self.family == "Cait"
+
+    @property
+    def attention_blocks(self) -> list[nn.Module]:
+        """The blocks whose attention the maps read, first first (:func:`timm_attention_blocks`)."""
+        return timm_attention_blocks(self.model)
+
+    @property
+    def last_block(self) -> nn.Module:
+        """The last block that reads every token (Grad-CAM reads its ``norm1`` output)."""
+        return timm_attention_blocks(self.model)[-1]
 
     def architecture_config(self) -> dict[str, Any]:
         """``{"class_path", "init_args"}`` that rebuilds this encoder without downloading weights."""
@@ -488,7 +723,8 @@ class ViTEncoder(nn.Module):
         if unknown:
             raise EncoderError(f"preprocess has unknown keys {sorted(unknown)}; allowed: {', '.join(PREPROCESS_KEYS)}")
         cfg = dict(timm.data.resolve_model_data_config(self.model))
-        img_size = self.model.patch_embed.img_size
+        embed = patch_embedding(self.model)
+        img_size = getattr(embed, "img_size", None) or getattr(embed, "default_img_size", None)
         if img_size is not None:
             cfg["input_size"] = (3, int(img_size[0]), int(img_size[1]))
         cfg.update(overrides)
@@ -604,7 +840,7 @@ class ViTEncoder(nn.Module):
     # ------------------------------------------------------------------ forward
     def grid_for(self, height: int, width: int) -> tuple[int, int]:
         """Patch grid ``(h, w)`` for an input of ``height x width`` pixels."""
-        return tuple(int(g) for g in self.model.patch_embed.dynamic_feat_size((height, width)))
+        return tuple(int(g) for g in patch_embedding(self.model).dynamic_feat_size((height, width)))
 
     def forward(self, x: Tensor, image_sizes: Tensor | None = None) -> EncoderOutput:
         """Encode images ``[B, 3, H, W]`` (normalised with ``data_config``).
@@ -619,9 +855,18 @@ class ViTEncoder(nn.Module):
         """
         if x.dim() != 4 or x.shape[1] != 3:
             raise EncoderError(f"ViTEncoder expects images [B, 3, H, W], got {tuple(x.shape)}")
+        if self.fixed_input_size is not None and tuple(x.shape[-2:]) != self.fixed_input_size:
+            raise EncoderError(
+                f"timm model {self.name!r} ({self.family}) takes images of {self.fixed_input_size[0]}x"
+                f"{self.fixed_input_size[1]} pixels only, got {x.shape[-2]}x{x.shape[-1]}; resize the images "
+                "(the model's data_config does) or build it with that img_size"
+            )
         if not self.keep_embedding:
             out = self._forward(x, image_sizes)
         else:
+            if self.class_attention:
+                raise EncoderError(f"keep_embedding: the first block of {self.name!r} ({self.family}) reads the "
+                                   "patch tokens only (its class token enters later), not [B, P + N, D] tokens")
             kept: list[Tensor] = []
             hook = self.model.blocks[0].register_forward_pre_hook(lambda _m, args: kept.append(args[0]))
             try:
@@ -658,7 +903,8 @@ class ViTEncoder(nn.Module):
         on the CPU, :func:`~vision_attn.attention.explicit_is_faster`), else as it is."""
         if not explicit_is_faster(device, num_tokens, num_tokens):
             return contextlib.nullcontext()
-        return explicit_attention(b.attn for b in self.model.blocks if getattr(getattr(b, "attn", None), "fused_attn", False))
+        return explicit_attention(b.attn for b in self.model.blocks
+                                  if getattr(getattr(b, "attn", None), "fused_attn", False))
 
     def _set_local_grid(self, grid: tuple[int, int], valid: Tensor | None) -> None:
         if getattr(self, "local_mlp", False):
@@ -692,6 +938,9 @@ class ViTEncoder(nn.Module):
         from timm.layers import resample_abs_pos_embed
 
         m = self.model
+        if self.family != "VisionTransformer":
+            raise EncoderError(f"padded batches (images of different sizes) need a timm VisionTransformer; "
+                               f"{self.name!r} is of the timm class {self.family}: give images of one size")
         if not getattr(m, "dynamic_img_size", False):
             raise EncoderError("padded batches (images of different sizes) need an encoder built with "
                                "dynamic_img_size=True")

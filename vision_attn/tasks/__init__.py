@@ -1,11 +1,17 @@
 """LightningModule systems, one per task, sharing :class:`VisionTask`; :data:`TASKS` maps a
-task name to its class (:func:`register_task`)."""
+task name to its class (:func:`register_task`). Each task's constructor takes its settings in
+named groups (dataclasses), re-exported here with the tasks."""
 
+from vision_attn.models.captioner import DecoderConfig, GenerationOptions
+from vision_attn.models.classifier import ClassifierConfig
+from vision_attn.models.detr import DETRConfig
 from vision_attn.tasks.base import TASKS, Explained, VisionTask, load_task, register_task
 from vision_attn.tasks.captioning import CaptioningTask
-from vision_attn.tasks.classification import ClassificationTask
-from vision_attn.tasks.detection import DetectionTask
+from vision_attn.tasks.captioning_config import CaptionTraining, SCSTConfig
+from vision_attn.tasks.classification import ClassificationTask, MixConfig
+from vision_attn.tasks.detection import DetectionTask, SetLossConfig
 from vision_attn.tasks.optim import Optimization
 
-__all__ = ["TASKS", "CaptioningTask", "ClassificationTask", "DetectionTask", "Explained", "Optimization",
-           "VisionTask", "load_task", "register_task"]
+__all__ = ["TASKS", "CaptionTraining", "CaptioningTask", "ClassificationTask", "ClassifierConfig", "DETRConfig",
+           "DecoderConfig", "DetectionTask", "Explained", "GenerationOptions", "MixConfig", "Optimization",
+           "SCSTConfig", "SetLossConfig", "VisionTask", "load_task", "register_task"]

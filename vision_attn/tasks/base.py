@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from vision_attn.checkpoint_io import CheckpointError, load_checkpoint_file
+from vision_attn.data import CaptioningDataModule, DetectionDataModule, ImageFolderDataModule
 from vision_attn.data.transforms import whole_image
 from vision_attn.distributed import gather_objects
 from vision_attn.errors import DataError, TrainingDivergedError, VisionAttnError
@@ -45,12 +46,15 @@ from vision_attn.tasks.optim import (
     warmup_cosine,
 )
 
-__all__ = ["Optimization", "VisionTask", "WarmupCosineSchedule", "cosine_factor", "gather_objects", "load_task", "warmup_cosine"]
+__all__ = ["Optimization", "VisionTask", "WarmupCosineSchedule", "cosine_factor", "gather_objects", "load_task",
+           "warmup_cosine"]
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "vision_attn"
-CHECKPOINT_FORMAT = 2  # 2: optimisation settings grouped in "optim", out of the model's arguments
+# 2: optimisation settings grouped in "optim", out of the model's arguments; 3: the model's arguments
+# in named groups (a task's ``legacy_arguments`` say where the flat arguments of formats 1 and 2 went)
+CHECKPOINT_FORMAT = 3
 RUNTIME_ARGS = ("compile", "optim")  # constructor arguments that describe the run, not the model
 # Encoder classes a checkpoint may name: the suite's own, never a class from another module
 # (not even one allowed with --allow_import: a checkpoint is data, and names no code to import).
@@ -101,8 +105,12 @@ class VisionTask(L.LightningModule):
     eval_file_names: tuple[str, ...] = ()  # the files :meth:`eval_files` gives, next to metrics.json
     overlay_description: str = ""  # what one overlay panel shows (demo, README)
     # constructor arguments that say where a run's weights came from (a file to read), never
-    # taken from a checkpoint: dropped with a warning when a checkpoint holds them
+    # taken from a checkpoint: dropped with a warning when a checkpoint holds them ("group.field"
+    # for one inside an argument group)
     source_args: tuple[str, ...] = ()
+    # where the flat constructor arguments of older checkpoints (formats 1 and 2) went: old name ->
+    # "group.field" (:func:`regroup_arguments`)
+    legacy_arguments: dict[str, str] = {}
 
     def __init__(
         self,
@@ -406,10 +414,63 @@ def _class_spec(cfg: Any, key: str, what: str) -> dict[str, Any]:
     return cfg
 
 
+def regroup_arguments(init_args: dict[str, Any], legacy: dict[str, str], what: str,
+                      key: str = "model.init_args") -> dict[str, Any]:
+    """``init_args`` with the flat arguments of an older layout moved into their groups.
+
+    ``legacy`` maps an old argument name to ``"group.field"`` (``{"num_queries":
+    "head.num_queries"}``). Arguments already grouped are kept, so converting twice changes
+    nothing; an old name that is also a group's name (captioning's ``scst``, classification's
+    ``head``) is converted only when its value is not a mapping.
+
+    Raises:
+        CheckpointError: naming ``what``, for a group that is not a mapping, or a value given both
+            flat and inside its group.
+    """
+    out = dict(init_args)
+    # an old name that is also its group's name first (classification's head="linear" -> head.kind)
+    for old, new in sorted(legacy.items(), key=lambda item: item[0] != item[1].split(".", 1)[0]):
+        if old not in out or (old == new.split(".", 1)[0] and isinstance(out[old], dict)):
+            continue
+        group, field = new.split(".", 1)
+        value = out.pop(old)
+        target = out.setdefault(group, {})
+        if not isinstance(target, dict):
+            raise CheckpointError(f"{what}: {key}.{group} is not a mapping; use a checkpoint written by train.py")
+        if field in target:
+            raise CheckpointError(f"{what}: {key} gives {old} and {group}.{field}; use a checkpoint written by "
+                                  "train.py")
+        out[group] = {**target, field: value}
+    return out
+
+
+def grouped_arguments(cls: type, init_args: dict[str, Any]) -> dict[str, Any]:
+    """``init_args`` with every mapping given to a dataclass-typed argument of ``cls`` (an argument
+    group) built into that dataclass: the constructor's default group with the given fields
+    replaced, as the config parser builds it."""
+    params = inspect.signature(cls.__init__).parameters
+    hints = constructor_hints(cls)
+    out = dict(init_args)
+    for name, value in init_args.items():
+        hint = hints.get(name)
+        if isinstance(value, dict) and isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            default = params[name].default if name in params else None
+            out[name] = (dataclasses.replace(default, **value) if isinstance(default, hint) else hint(**value))
+    return out
+
+
+def _data_modules() -> dict[str, type]:
+    """The suite's data modules by every class path that names them."""
+    classes = (ImageFolderDataModule, DetectionDataModule, CaptioningDataModule)
+    return {path: c for c in classes for path in (f"vision_attn.data.{c.__name__}", f"{c.__module__}.{c.__name__}")}
+
+
 def checked_data_settings(meta: dict[str, Any], what: str) -> dict[str, Any] | None:
     """The data settings a checkpoint was trained with (``{"class_path", "init_args"}``, plain
     data only; the class path is checked by the command line's import policy when parsed), or
-    ``None`` for checkpoints written before they were saved (format 1)."""
+    ``None`` for checkpoints written before they were saved (format 1). The flat arguments of
+    the suite's data modules in format 2 are moved into their groups (the data module's
+    ``legacy_arguments``)."""
     data = meta.get("data")
     if data is None:
         return None
@@ -417,7 +478,11 @@ def checked_data_settings(meta: dict[str, Any], what: str) -> dict[str, Any] | N
     if not isinstance(data.get("class_path"), str):
         raise CheckpointError(f"{what}: {CHECKPOINT_KEY}.data.class_path is not a string")
     _check_plain(data.get("init_args") or {}, "data.init_args", what)
-    return {"class_path": data["class_path"], "init_args": dict(data.get("init_args") or {})}
+    init_args = dict(data.get("init_args") or {})
+    module = _data_modules().get(data["class_path"])
+    if module is not None:
+        init_args = regroup_arguments(init_args, module.legacy_arguments, what, "data.init_args")
+    return {"class_path": data["class_path"], "init_args": init_args}
 
 
 def _checked_model_config(model_cfg: Any, what: str,
@@ -432,7 +497,9 @@ def _checked_model_config(model_cfg: Any, what: str,
       :data:`~vision_attn.schema.LIMITS`;
     - arguments that point at files (``pretrained``, ``weights_file``, a task's
       :attr:`VisionTask.source_args`) are dropped with a warning; the encoder's are those of
-      :meth:`~vision_attn.models.ViTEncoder.checked_architecture_args`.
+      :meth:`~vision_attn.models.ViTEncoder.checked_architecture_args`;
+    - the flat arguments of formats 1 and 2 are moved into the task's argument groups
+      (:attr:`VisionTask.legacy_arguments`, :func:`regroup_arguments`) before any check.
     """
 
     model_cfg = _class_spec(model_cfg, f"{CHECKPOINT_KEY}.model", what)
@@ -440,8 +507,15 @@ def _checked_model_config(model_cfg: Any, what: str,
     init_args = dict(model_cfg.get("init_args") or {})
     for key in (*RUNTIME_ARGS, *V1_OPTIMIZATION_KEYS):  # how it was trained (format 1 kept lr etc. here)
         init_args.pop(key, None)
+    init_args = regroup_arguments(init_args, cls.legacy_arguments, what)
     for key in cls.source_args:
-        if init_args.pop(key, None) is not None:
+        group, _, field = key.rpartition(".")
+        holder = init_args.get(group) if group else init_args
+        if not isinstance(holder, dict) or field not in holder:
+            continue
+        if group:
+            init_args[group] = holder = dict(holder)
+        if holder.pop(field) is not None:
             log.warning("%s: ignoring the stored argument %s (weights come from the checkpoint)", what, key)
     enc_cfg = _class_spec(init_args.pop("encoder", None), "model.init_args.encoder", what)
     enc_path = enc_cfg.get("class_path")
@@ -497,14 +571,14 @@ def read_task_meta(path: str | Path, allow_import: tuple[str, ...] = ()) -> tupl
         if meta.get(key) is not None:
             check_value(meta[key], hint, f"{CHECKPOINT_KEY}.{key}", what)
             check_limits(meta[key], what, f"{CHECKPOINT_KEY}.{key}")
-    checked_data_settings(meta, what)
+    data = checked_data_settings(meta, what)
     cls, _, model_cfg = _checked_model_config(meta.get("model"), what, allow_import)
     if TASKS.get(meta["task"]) is not cls:  # the registry names the class the checkpoint names
         raise CheckpointError(
             f"checkpoint {path}: its task {meta.get('task')!r} is not the registered name of "
             f"{model_cfg['class_path']} ({cls.task_name!r}); use a checkpoint written by vision-attn fit"
         )
-    return {**meta, "model": model_cfg}, ckpt
+    return {**meta, "model": model_cfg, **({"data": data} if data is not None else {})}, ckpt
 
 
 def build_task_from_meta(meta: dict[str, Any], what: str = "checkpoint",
@@ -517,7 +591,7 @@ def build_task_from_meta(meta: dict[str, Any], what: str = "checkpoint",
     enc_args = init_args.pop("encoder")["init_args"]
 
     def build() -> VisionTask:
-        return cls(encoder=enc_cls(**enc_args), **init_args)
+        return cls(encoder=enc_cls(**enc_args), **grouped_arguments(cls, init_args))
 
     try:
         check_model_bytes(build, what)  # sized on the meta device before anything is allocated
@@ -532,7 +606,8 @@ def check_state_shapes(model: nn.Module, state: Any, what: str) -> None:
     """Refuse, before loading, a state dict that is not a mapping of tensors or whose tensors do not
     have the shapes of ``model``'s (one line naming the first keys that differ)."""
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{what}: its state_dict is not a mapping of tensors; use a checkpoint written by train.py")
+        raise CheckpointError(f"{what}: its state_dict is not a mapping of tensors; use a checkpoint written by "
+                              "train.py")
     own = model.state_dict()
     wrong = [f"{k} {tuple(v.shape)} (model {tuple(own[k].shape)})"
              for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]

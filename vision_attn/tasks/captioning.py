@@ -5,9 +5,9 @@ run them (:mod:`vision_attn.metrics.caption`) and, when the split has instance a
 content accuracy (:mod:`vision_attn.metrics.caption_content`); ``predictions.json`` items carry their
 image's CIDEr-D (``"cider"``: their mean is the corpus ``cider``).
 
-Training is teacher-forced cross-entropy, or (``scst=True``, usually started from a
-cross-entropy checkpoint with ``init_from``) self-critical sequence training, Rennie et al.
-2017 (:mod:`vision_attn.losses.scst`; ``configs/captioning/scst.yaml``).
+Training is teacher-forced cross-entropy, or (``scst.enabled``, usually started from a
+cross-entropy checkpoint with ``training.init_from``) self-critical sequence training, Rennie et
+al. 2017 (:mod:`vision_attn.losses.scst`; ``configs/captioning/scst.yaml``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,13 @@ from vision_attn.metrics.caption import (
     java_metrics,
 )
 from vision_attn.metrics.caption_content import content_accuracy
-from vision_attn.models.captioner import CaptionDecoder, Generation, GenerationOptions
+from vision_attn.models.captioner import (
+    DEFAULT_DECODER,
+    CaptionDecoder,
+    DecoderConfig,
+    Generation,
+    GenerationOptions,
+)
 from vision_attn.models.detr import cell_centres
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
 from vision_attn.tasks.base import (
@@ -47,9 +53,17 @@ from vision_attn.tasks.base import (
     register_task,
     restore_from_checkpoint,
 )
+from vision_attn.tasks.captioning_config import (
+    CAPTION_GENERATION,
+    CaptionTraining,
+    SCSTConfig,
+    check_generation,
+)
 from vision_attn.tasks.optim import Optimization
 
 CAPTIONING_OPTIM = Optimization(lr=5e-4)
+CAPTION_TRAINING = CaptionTraining()
+CAPTION_SCST = SCSTConfig()
 
 GROUNDING_BACKGROUND_WEIGHT = 0.2
 """Class weight of "background" (no box holds the patch's centre) in the grounding loss: most
@@ -228,25 +242,14 @@ def concept_targets(references: list[list[str]], words: list[str]) -> Tensor:
 
 
 # what ``init_from`` compares between the checkpoint and the configured model (else a clear error)
-DECODER_ARCHITECTURE = ("hidden_dim", "num_layers", "num_heads", "mlp_ratio", "max_length", "embedding_memory", "pixel_memory")
+DECODER_ARCHITECTURE = ("hidden_dim", "num_layers", "num_heads", "mlp_ratio", "max_length", "embedding_memory",
+                        "pixel_memory")
 ENCODER_ARCHITECTURE = ("name", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "stem",
                         "lsa", "timm_kwargs")
 
-__all__ = ["CaptioningTask"]
+__all__ = ["CaptioningTask", "CaptionTraining", "SCSTConfig"]
 
 log = logging.getLogger(__name__)
-
-
-def _check_generation(options: GenerationOptions, prefix: str) -> None:
-    """Refuse decoding options that cannot work, naming the option and the allowed values."""
-    rules = {"beam_size": (lambda v: v >= 1, "at least 1"), "max_length": (lambda v: v >= 1, "at least 1"),
-             "min_length": (lambda v: v >= 0, "at least 0"),
-             "repetition_penalty": (lambda v: v > 0 and math.isfinite(v), "a positive number (1 = off)"),
-             "length_penalty": (math.isfinite, "a finite number")}
-    for key, (ok, allowed) in rules.items():
-        value = getattr(options, key)
-        if value is not None and not ok(value):
-            raise ConfigError(f"{prefix}.{key} must be {allowed}, got {value!r}")
 
 
 @register_task
@@ -260,104 +263,47 @@ class CaptioningTask(VisionTask):
         encoder: the ViT encoder.
         vocab: the tokenizer's ``tokenizers`` JSON (a word list in older checkpoints; default:
             from the data).
-        hidden_dim: decoder width.
-        num_layers: decoder layers.
-        num_heads: decoder heads.
-        mlp_ratio: decoder feed-forward ratio.
-        dropout: decoder dropout.
-        max_length: longest caption in tokens (``<bos>``, ``<eos>`` included).
-        label_smoothing: of the teacher-forced cross-entropy.
-        word_dropout: training only: share of the teacher-forced input words replaced by
-            ``<unk>`` (word dropout), which makes the decoder read more from the image; 0 = off.
-        freeze_encoder: keep the encoder's weights fixed (and in eval mode).
-        beam_size: beam width of evaluation (1 = greedy).
-        length_penalty: beam search ranks finished captions by
-            ``log p / length ** length_penalty`` (a pool of finished hypotheses, as fairseq).
-        min_length: fewest words before ``<eos>`` when generating (0 = no constraint; BLIP
-            uses 5 for COCO, see :class:`~vision_attn.models.captioner.GenerationOptions`).
-        repetition_penalty: Hugging Face's repetition penalty when generating (1 = off).
-        val_beam_size: beam width of the captions scored during training's validation.
+        decoder: the caption decoder's width, depth, heads, dropout, longest caption in tokens
+            (``<bos>``, ``<eos>`` included) and extra memory paths
+            (:class:`~vision_attn.models.captioner.DecoderConfig`; ``--model.decoder.hidden_dim``
+            etc.). ``embedding_memory``: the decoder also reads the stem's patch embeddings, so
+            low-level evidence (an object's colour) reaches the words even where the encoder's
+            output tokens are dominated by what the grounding loss asks for (README "Captioning":
+            it stops the colour collapse of the grounded recipe's bad draws). ``pixel_memory``:
+            each patch's own pixels too — with a fast-learning encoder (``optim.encoder_lr``) the
+            stem's embeddings lost the colours on some seeds. Both off by default; a checkpoint
+            remembers them.
+        generate: how evaluation and prediction decode
+            (:class:`~vision_attn.models.captioner.GenerationOptions`; default
+            :data:`~vision_attn.tasks.captioning_config.CAPTION_GENERATION`: beam 3, length
+            penalty 1, ``min_length`` 0, repetition penalty 1, ``max_length`` ``None`` = the
+            decoder's ``max_length - 1``); ``eval.py --generate.*`` overrides them for one run.
+        training: the cross-entropy training: label smoothing, word dropout, the auxiliary
+            grounding, word-attention and concept losses, a frozen encoder, validation's beam and
+            the checkpoint whose weights it starts from (:class:`CaptionTraining`;
+            ``--model.training.grounding_weight`` etc.).
+        scst: self-critical sequence training instead of cross-entropy (:class:`SCSTConfig`;
+            ``--model.scst.enabled true``).
         optim: learning rates, weight decay and schedule (default ``CAPTIONING_OPTIM``;
             ``--model.optim.lr`` etc.).
         compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
             choice: not stored in checkpoints).
-        scst: train with self-critical sequence training (Rennie et al. 2017,
-            :mod:`vision_attn.losses.scst`) instead of cross-entropy: CIDEr-D rewards of sampled
-            captions against the image's references, minus a baseline. A second phase: start it
-            from a cross-entropy model with ``init_from``. Needs a
-            :class:`~vision_attn.data.CaptioningDataModule` (the training references).
-        scst_samples: captions sampled per image and step.
-        scst_baseline: ``greedy`` (the greedy caption's reward, as the paper) or ``mean`` (the
-            mean reward of the image's other samples; needs ``scst_samples >= 2``).
-        scst_max_length: most tokens of a sampled (and of the greedy baseline) caption,
-            ``<eos>`` included (default: what the decoder holds, ``max_length - 1``).
-        scst_temperature: samples are drawn from the softmax of the logits divided by this (1:
-            the model's own distribution, as the paper; below 1 the samples stay closer to the
-            greedy caption, e.g. for a model trained with label smoothing, whose tails are fat);
-            the policy gradient uses the same tempered distribution.
-        scst_dropout: keep dropout and stochastic depth on during the self-critical step (as
-            in training). Off by default: sampled with dropout, a model's captions scored well
-            below its own greedy caption (CIDEr-D 0.65 vs 0.94 for samples without dropout, on a
-            batch of the embedded scenes), so nearly every advantage was negative.
-        grounding_weight: weight of an auxiliary loss that supervises the encoder's patch tokens
-            with the training split's instance boxes when it has them (``instances_<split>.json``
-            next to the captions: the embedded scenes and COCO do): a linear head on every patch
-            token predicts the category of the smallest box holding the patch's centre, or
-            background (cross-entropy, background weighted :data:`GROUNDING_BACKGROUND_WEIGHT`).
-            Captions alone teach a from-scratch encoder the objects' kinds slowly (README
-            "Captioning"); 0 = off. Without an instances file the captions alone are used (logged).
-            Training only: generation and the explanations do not use the head.
-        grounding_balance: weigh every object alike in the grounding loss, whatever its size
-            (its patches share one object's weight, :func:`grounding_weights`), instead of
-            every patch alike — a small object's kind gets as much of the loss as a large one's.
-        word_attention_weight: weight of an auxiliary loss on the decoder's cross-attention
-            (needs ``grounding_weight > 0``, whose boxes it reads): when the next word names a
-            category, or describes the object a category word names right after it ("red" in
-            "a red circle", :func:`word_attention_targets`), the last decoder layer's attention of
-            that step (mean over the heads; the layers before it stay free to look around) should
-            fall on the patches of that category's boxes
-            (:func:`class_regions`); the loss is ``-log`` of the mass there (attention correctness,
-            Liu et al. 2017). It teaches the decoder to look at the object it is about to name
-            — the step where a many-object caption decides which object comes next. 0 = off;
-            training only.
-        grounding_classes: the category names the grounding head predicts (set from the data
-            when training starts and saved in checkpoints; leave unset).
-        concept_weight: weight of an auxiliary loss that needs no boxes: the words that say what
-            an image shows (:func:`concept_vocabulary`: caption words in at most
-            ``concept_max_share`` of the training images' references — "zero", "circle", "red";
-            not "a", "and") are predicted from the patch tokens, multiple-instance style: a
-            linear head scores every word on every patch, the image's score is the patches'
-            log-sum-exp minus log(patches), and a binary cross-entropy pulls it towards the
-            share of the image's references that use the word (:func:`concept_targets`). It
-            tells the encoder which objects each training image holds straight from the
-            captions (Fang et al. 2015's visual concepts); 0 = off. Training only.
-        concept_max_share: the most images (share of the training set) whose references may use
-            a word for it to count as a concept.
-        concept_words: the words the concept head predicts (set from the training captions when
-            training starts and saved in checkpoints; leave unset).
-        embedding_memory: the decoder also reads the tokens that enter the encoder's first block
-            (the stem's patch embeddings with positions): each memory token is the projected
-            output token plus the projected embedding token of the same patch, so low-level
-            evidence (an object's colour) reaches the words even where the encoder's output
-            tokens are dominated by what the grounding loss asks for (the objects' kinds).
-            Measured on the embedded scenes (README "Captioning"): it stops the colour collapse
-            of the grounded recipe's bad draws. Off by default; a checkpoint remembers it.
-        pixel_memory: the decoder also reads each patch's own pixels (linear + LayerNorm of its
-            ``3 * p * p`` normalised values, added to the patch's memory token): a path to the
-            colours that no training of the encoder can close — with a fast-learning encoder
-            (``optim.encoder_lr``) the stem's embeddings lost the colours on some seeds, and the
-            captions named one colour for everything (README "Captioning"). Off by default; a
-            checkpoint remembers it.
-        init_from: a captioning checkpoint of ``train.py`` whose weights (and vocabulary, and
-            preprocessing) this model starts from — the weights only: the optimiser, the schedule
-            and the epoch start afresh (``--ckpt_path`` resumes a run instead). Read with the
-            suite's safe checkpoint reader; a checkpoint of another task, or whose vocabulary or
-            architecture differs from this model's, is an error. Not stored in checkpoints.
     """
 
     task_name = "captioning"
     built_from = "tokenizer vocabulary"
-    source_args = ("init_from",)  # a checkpoint to start from: never read because a checkpoint names it
+    source_args = ("training.init_from",)  # a checkpoint to start from: never read because a checkpoint names it
+    legacy_arguments = {
+        **{k: f"decoder.{k}" for k in ("hidden_dim", "num_layers", "num_heads", "mlp_ratio", "dropout", "max_length",
+                                       "embedding_memory", "pixel_memory")},
+        **{k: f"generate.{k}" for k in ("beam_size", "length_penalty", "min_length", "repetition_penalty")},
+        **{k: f"training.{k}" for k in (
+            "label_smoothing", "word_dropout", "freeze_encoder", "val_beam_size", "init_from", "grounding_weight",
+            "grounding_balance", "grounding_classes", "word_attention_weight", "concept_weight",
+            "concept_max_share", "concept_words")},
+        "scst": "scst.enabled",
+        **{f"scst_{k}": f"scst.{k}" for k in ("samples", "baseline", "max_length", "temperature", "dropout")},
+    }
     monitor = ("val/cider", "max")
     crop_at_inference = False  # a centre crop would cut objects off: the whole image, resized
     export_output_names = ("tokens",)  # the encoder's; beam search stays in PyTorch
@@ -370,56 +316,21 @@ class CaptioningTask(VisionTask):
         self,
         encoder: ViTEncoder,
         vocab: list[str] | str | None = None,
-        hidden_dim: int = 256,
-        num_layers: int = 3,
-        num_heads: int = 4,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.1,
-        max_length: int = 32,
-        label_smoothing: float = 0.1,
-        freeze_encoder: bool = False,
-        beam_size: int = 3,
-        length_penalty: float = 1.0,
-        min_length: int = 0,
-        repetition_penalty: float = 1.0,
-        val_beam_size: int = 1,
+        decoder: DecoderConfig = DEFAULT_DECODER,
+        generate: GenerationOptions = CAPTION_GENERATION,
+        training: CaptionTraining = CAPTION_TRAINING,
+        scst: SCSTConfig = CAPTION_SCST,
         optim: Optimization = CAPTIONING_OPTIM,
         compile: bool = False,
-        scst: bool = False,
-        scst_samples: int = 5,
-        scst_baseline: Literal["greedy", "mean"] = "greedy",
-        scst_max_length: int | None = None,
-        scst_temperature: float = 1.0,
-        scst_dropout: bool = False,
-        init_from: str | None = None,
-        word_dropout: float = 0.0,
-        grounding_weight: float = 0.0,
-        grounding_classes: list[str] | None = None,
-        grounding_balance: bool = False,
-        word_attention_weight: float = 0.0,
-        concept_weight: float = 0.0,
-        concept_max_share: float = 0.5,
-        concept_words: list[str] | None = None,
-        embedding_memory: bool = False,
-        pixel_memory: bool = False,
     ) -> None:
         super().__init__(encoder, optim, compile)
-        if not 0.0 <= word_dropout < 1.0:
-            raise ValueError(f"--model.init_args.word_dropout must be in [0, 1), got {word_dropout}")
-        if not (grounding_weight >= 0.0 and math.isfinite(grounding_weight)):
-            raise ConfigError(f"--model.init_args.grounding_weight must be a number >= 0 (0 = off), got {grounding_weight}")
-        if not (word_attention_weight >= 0.0 and math.isfinite(word_attention_weight)):
-            raise ConfigError("--model.init_args.word_attention_weight must be a number >= 0 (0 = off), "
-                              f"got {word_attention_weight}")
-        if word_attention_weight > 0 and not grounding_weight > 0:
-            raise ConfigError("--model.init_args.word_attention_weight needs the instance boxes that grounding reads: "
-                              "set --model.init_args.grounding_weight > 0 too (e.g. 0.3), or word_attention_weight 0")
-        if not (concept_weight >= 0.0 and math.isfinite(concept_weight)):
-            raise ConfigError(f"--model.init_args.concept_weight must be a number >= 0 (0 = off), got {concept_weight}")
-        if not 0.0 < concept_max_share <= 1.0:
-            raise ConfigError(f"--model.init_args.concept_max_share must be in (0, 1], got {concept_max_share}")
-        # optim: a dataclass, kept out of pickled state; init_from: where this run started, not the model
-        self.save_hyperparameters(ignore=["encoder", "optim", "init_from"])
+        # the groups are dataclasses: kept as plain mappings in hparams (what checkpoints store);
+        # init_from says where this run started, not what the model is
+        self.save_hyperparameters(ignore=["encoder", "optim", "decoder", "generate", "training", "scst"])
+        self.decoder_config, self.scst_config = decoder, scst
+        self.training_config = training
+        self.save_hyperparameters({"decoder": dataclasses.asdict(decoder), "generate": dataclasses.asdict(generate),
+                                   "training": self._training_hparams(), "scst": dataclasses.asdict(scst)})
         self.head: CaptionDecoder | None = None
         self.grounding_head: torch.nn.Linear | None = None
         self.word_kinds: Tensor | None = None  # [V]: the category each word names (word_attention_weight)
@@ -427,39 +338,42 @@ class CaptioningTask(VisionTask):
         self.concept_table: Tensor | None = None  # [training images, concepts]: the targets, by dataset index
         self.class_names = None
         self.tokenizer: WordTokenizer | None = None
-        self.generation = GenerationOptions(beam_size, length_penalty, max_length - 1, min_length, repetition_penalty)
-        _check_generation(self.generation, "--model.init_args")
+        chosen = {f.name: getattr(generate, f.name) for f in dataclasses.fields(generate)}
+        defaults = {**dataclasses.asdict(CAPTION_GENERATION), "max_length": decoder.max_length - 1}
+        self.generation = GenerationOptions(**{k: defaults[k] if v is None else v for k, v in chosen.items()})
+        check_generation(self.generation, "--model.generate")
+        if self.generation.max_length > decoder.max_length - 1:
+            raise ConfigError(f"--model.generate.max_length must be at most decoder.max_length - 1 = "
+                              f"{decoder.max_length - 1} (or null), got {self.generation.max_length!r}")
         self.eval_records: list[dict[str, Any]] = []
-        self._check_scst()
+        if scst.max_length is not None and not 1 <= scst.max_length <= decoder.max_length - 1:
+            raise ConfigError(f"--model.scst.max_length must be between 1 and decoder.max_length - 1 = "
+                              f"{decoder.max_length - 1} (or null), got {scst.max_length!r}")
         self.scst_cider: CiderD | None = None  # CIDEr-D statistics of the training references (SCST, built once)
         self.scst_references: list[list[str]] | None = None
-        self.init_from = init_from
-        if freeze_encoder:
+        self.init_from = training.init_from
+        if training.freeze_encoder:
             self.encoder.requires_grad_(False)
-        if init_from is not None:
-            self._start_from(init_from, vocab)
+        if self.init_from is not None:
+            self._start_from(self.init_from, vocab)
         elif vocab is not None:
             self._build(vocab)
 
-    def _check_scst(self) -> None:
-        hp = self.hparams
-        if hp.scst_baseline not in ("greedy", "mean"):
-            raise ConfigError(f"--model.scst_baseline must be greedy or mean, got {hp.scst_baseline!r}")
-        least = 2 if hp.scst_baseline == "mean" else 1
-        if not isinstance(hp.scst_samples, int) or hp.scst_samples < least:
-            raise ConfigError(f"--model.scst_samples must be at least {least} with the {hp.scst_baseline} baseline, "
-                              f"got {hp.scst_samples!r}")
-        temperature = hp.get("scst_temperature", 1.0)
-        if not isinstance(temperature, int | float) or not temperature > 0:
-            raise ConfigError(f"--model.scst_temperature must be a number > 0 (1: the model's own softmax), "
-                              f"got {temperature!r}")
-        if hp.scst_max_length is not None and not 1 <= hp.scst_max_length <= hp.max_length - 1:
-            raise ConfigError(f"--model.scst_max_length must be between 1 and max_length - 1 = {hp.max_length - 1} "
-                              f"(or null), got {hp.scst_max_length!r}")
+    def _training_hparams(self) -> dict[str, Any]:
+        """:attr:`training_config` as ``hparams`` keep it: without ``init_from``."""
+        stored = dataclasses.asdict(self.training_config)
+        stored.pop("init_from")
+        return stored
+
+    def _store_training(self, **learned: Any) -> None:
+        """Set fields of :attr:`training_config` learned from the data (``grounding_classes``,
+        ``concept_words``) and keep the group in ``hparams``."""
+        self.training_config = dataclasses.replace(self.training_config, **learned)
+        self.hparams["training"] = self._training_hparams()
 
     def _start_from(self, path: str, vocab: list[str] | str | None) -> None:
         """Load the weights (only) of the captioning checkpoint ``path`` (see ``init_from``)."""
-        what = f"--model.init_from {path}"
+        what = f"--model.training.init_from {path}"
         meta, ckpt = read_task_meta(path)
         if meta.get("task") != self.task_name:
             raise CheckpointError(f"{what} holds a {meta.get('task')!r} model, not a captioning one; start from a "
@@ -472,17 +386,21 @@ class CaptioningTask(VisionTask):
         if vocab is not None and WordTokenizer.restore(vocab).vocab != theirs.vocab:
             raise CheckpointError(f"{what}: its vocabulary ({len(theirs)} tokens) is not the one given in "
                                   "--model.vocab; leave --model.vocab out (the checkpoint's is used)")
+        theirs_decoder, ours_decoder = stored.get("decoder") or {}, self.hparams["decoder"]
         for key in DECODER_ARCHITECTURE:
-            if key in stored and stored[key] != self.hparams[key]:
-                raise CheckpointError(f"{what} was trained with model.{key}={stored[key]!r}, this model has "
-                                      f"{self.hparams[key]!r}; configure the checkpoint's (its run's config.yaml)")
+            if key in theirs_decoder and theirs_decoder[key] != ours_decoder[key]:
+                raise CheckpointError(f"{what} was trained with model.decoder.{key}={theirs_decoder[key]!r}, this "
+                                      f"model has {ours_decoder[key]!r}; configure the checkpoint's (its run's "
+                                      "config.yaml)")
         ours = self.encoder.architecture_config()["init_args"]
         enc = stored["encoder"]["init_args"]
         for key in ENCODER_ARCHITECTURE:
             if key in enc and key in ours and enc[key] != ours[key]:
                 raise CheckpointError(f"{what} was trained with model.encoder.{key}={enc[key]!r}, this model has "
                                       f"{ours[key]!r}; configure the checkpoint's (its run's config.yaml)")
-        self.hparams.update(grounding_classes=stored.get("grounding_classes"), concept_words=stored.get("concept_words"))
+        learned = stored.get("training") or {}
+        self._store_training(grounding_classes=learned.get("grounding_classes"),
+                             concept_words=learned.get("concept_words"))
         self._build(stored["vocab"])
         restore_from_checkpoint(self, meta, ckpt, what)
         self.train()
@@ -490,23 +408,19 @@ class CaptioningTask(VisionTask):
                  path)
 
     def _build(self, vocab: list[str] | str) -> None:
-        hp = self.hparams
+        config = self.decoder_config
         self.tokenizer = WordTokenizer.restore(vocab)
-        embedding_memory = bool(hp.get("embedding_memory", False))  # checkpoints from before the option lack it
-        pixel_memory = bool(hp.get("pixel_memory", False))  # ... and this one
-        self.head = CaptionDecoder(len(self.tokenizer), self.encoder.embed_dim, hp.hidden_dim, hp.num_layers, hp.num_heads,
-                                   hp.mlp_ratio, hp.dropout, hp.max_length, self.tokenizer.pad_id,
-                                   embedding_memory=embedding_memory,
-                                   pixel_dim=self._pixel_dim() if pixel_memory else None)
-        self.encoder.keep_embedding = embedding_memory  # the decoder reads what the encoder then returns
-        self.encoder.keep_pixels = pixel_memory
-        classes = hp.get("grounding_classes")
+        self.head = CaptionDecoder(len(self.tokenizer), self.encoder.embed_dim, config, self.tokenizer.pad_id,
+                                   pixel_dim=self._pixel_dim() if config.pixel_memory else None)
+        self.encoder.keep_embedding = config.embedding_memory  # the decoder reads what the encoder then returns
+        self.encoder.keep_pixels = config.pixel_memory
+        classes = self.training_config.grounding_classes
         self.grounding_head = self._grounding_head(classes) if classes else None
         self._word_kinds_for(classes)
         if self.grounding_head is not None and not self._grounding_active:
             # kept for the checkpoint, but no gradient reaches it (DDP requires every trained parameter used)
             self.grounding_head.requires_grad_(False)
-        words = hp.get("concept_words")
+        words = self.training_config.concept_words
         self.concept_head = self._concept_head(words) if words else None
         if self.concept_head is not None and not self._concept_active:
             self.concept_head.requires_grad_(False)  # as the grounding head
@@ -528,12 +442,12 @@ class CaptioningTask(VisionTask):
     @property
     def _word_attention_active(self) -> bool:
         """Whether training adds the word-attention loss (a weight > 0, cross-entropy training)."""
-        return self.hparams.get("word_attention_weight", 0.0) > 0 and not self.hparams.scst
+        return self.training_config.word_attention_weight > 0 and not self.scst_config.enabled
 
     @property
     def _grounding_active(self) -> bool:
         """Whether training adds the grounding loss (a weight > 0, cross-entropy training)."""
-        return self.hparams.get("grounding_weight", 0.0) > 0 and not self.hparams.scst
+        return self.training_config.grounding_weight > 0 and not self.scst_config.enabled
 
     def _concept_head(self, words: list[str]) -> torch.nn.Linear:
         """Per patch token: a score for each of the concept ``words``."""
@@ -542,13 +456,13 @@ class CaptioningTask(VisionTask):
     @property
     def _concept_active(self) -> bool:
         """Whether training adds the concept loss (a weight > 0, cross-entropy training)."""
-        return self.hparams.get("concept_weight", 0.0) > 0 and not self.hparams.scst
+        return self.training_config.concept_weight > 0 and not self.scst_config.enabled
 
     def build_from_data(self, datamodule) -> None:
         if self._grounding_active:
-            self.hparams.update(grounding_classes=self._attach_boxes(datamodule))
+            self._store_training(grounding_classes=self._attach_boxes(datamodule))
         if self._concept_active:
-            self.hparams.update(concept_words=self._concepts(datamodule, None))
+            self._store_training(concept_words=self._concepts(datamodule, None))
         self._build(datamodule.tokenizer.to_json())
 
     def _concepts(self, datamodule, words: list[str] | None) -> list[str] | None:
@@ -556,14 +470,15 @@ class CaptioningTask(VisionTask):
         :attr:`concept_table`, their targets per training image; ``None`` without a training
         split of COCO captions (logged)."""
         if not hasattr(datamodule, "train_references"):
-            log.warning("--model.concept_weight %g: the data has no training split of COCO captions; no concept loss",
-                        self.hparams.concept_weight)
+            log.warning("--model.training.concept_weight %g: the data has no training split of COCO captions; "
+                        "no concept loss", self.training_config.concept_weight)
             return None
         references = datamodule.train_references()
         if words is None:
-            words = concept_vocabulary(references, self.hparams.concept_max_share)
+            share = self.training_config.concept_max_share
+            words = concept_vocabulary(references, share)
             log.info("concept loss: %d words used by at most %.0f%% of the %d training images' references",
-                     len(words), 100 * self.hparams.concept_max_share, len(references))
+                     len(words), 100 * share, len(references))
         self.concept_table = concept_targets(references, words)
         return words
 
@@ -573,20 +488,20 @@ class CaptioningTask(VisionTask):
         split has no instances file (logged)."""
         dataset = getattr(datamodule, "datasets", {}).get("train")
         if dataset is None or not hasattr(dataset, "attach_boxes"):
-            log.warning("--model.grounding_weight %g: the data has no training split of COCO captions; training on the "
-                        "captions alone", self.hparams.grounding_weight)
+            log.warning("--model.training.grounding_weight %g: the data has no training split of COCO captions; "
+                        "training on the captions alone", self.training_config.grounding_weight)
             return None
-        found = dataset.attach_boxes(self.hparams.get("grounding_classes"))
+        found = dataset.attach_boxes(self.training_config.grounding_classes)
         if found is None:
-            log.warning("--model.grounding_weight %g: %s does not exist, so the encoder learns from the captions alone",
-                        self.hparams.grounding_weight, dataset.instances_file)
+            log.warning("--model.training.grounding_weight %g: %s does not exist, so the encoder learns from the "
+                        "captions alone", self.training_config.grounding_weight, dataset.instances_file)
         return found
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None)
-        if stage == "fit" and self.hparams.scst and self.init_from is None and not self.trainer.ckpt_path:
+        if stage == "fit" and self.scst_config.enabled and self.init_from is None and not self.trainer.ckpt_path:
             log.warning("self-critical training from scratch: it is a second phase; start it from a cross-entropy "
-                        "checkpoint with --model.init_from CKPT (configs/captioning/scst.yaml)")
+                        "checkpoint with --model.training.init_from CKPT (configs/captioning/scst.yaml)")
         if self.head is None:
             if dm is None or not hasattr(dm, "tokenizer"):
                 raise DataError("CaptioningTask needs a captioning datamodule (it trains the tokenizer)")
@@ -595,20 +510,21 @@ class CaptioningTask(VisionTask):
             if self.init_from is not None and stage == "fit" and hasattr(dm, "tokenizer") \
                     and dm.tokenizer.vocab != self.tokenizer.vocab:
                 raise CheckpointError(
-                    f"--model.init_from {self.init_from}: its vocabulary ({len(self.tokenizer)} tokens) is not the "
-                    f"one the training captions give ({len(dm.tokenizer)} tokens); start from a model trained on "
-                    "these captions with the same data.min_word_freq and data.max_vocab")
+                    f"--model.training.init_from {self.init_from}: its vocabulary ({len(self.tokenizer)} tokens) "
+                    f"is not the one the training captions give ({len(dm.tokenizer)} tokens); start from a model "
+                    "trained on these captions with the same data.captions.min_word_freq and "
+                    "data.captions.max_vocab")
             self.configure_datamodule(dm)
             if stage == "fit" and self._grounding_active:
                 classes = self._attach_boxes(dm)
                 if self.grounding_head is None and classes:  # started from a model trained without boxes
-                    self.hparams.update(grounding_classes=classes)
+                    self._store_training(grounding_classes=classes)
                     self.grounding_head = self._grounding_head(classes).to(self.device)
                     self._word_kinds_for(classes)
             if stage == "fit" and self._concept_active:
-                words = self._concepts(dm, self.hparams.get("concept_words"))
+                words = self._concepts(dm, self.training_config.concept_words)
                 if self.concept_head is None and words:  # started from a model trained without concepts
-                    self.hparams.update(concept_words=words)
+                    self._store_training(concept_words=words)
                     self.concept_head = self._concept_head(words).to(self.device)
 
     def configure_datamodule(self, datamodule) -> None:
@@ -618,29 +534,29 @@ class CaptioningTask(VisionTask):
         if datamodule is not None and hasattr(datamodule, "tokenizer"):
             datamodule.tokenizer = self.tokenizer
             if getattr(datamodule, "max_length", None) is not None:
-                datamodule.max_length = min(datamodule.max_length, self.hparams.max_length)
+                datamodule.max_length = min(datamodule.max_length, self.decoder_config.max_length)
 
     def set_generation(self, options: GenerationOptions) -> None:
         """Override decoding options (``eval.py --generate.*``; ``None`` fields keep the model's)."""
         chosen = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-        _check_generation(GenerationOptions(**chosen), "--generate")
+        check_generation(GenerationOptions(**chosen), "--generate")
         for key, value in chosen.items():
             if value is not None:
                 setattr(self.generation, key, value)
 
     def train(self, mode: bool = True):
         super().train(mode)
-        if self.hparams.freeze_encoder:
+        if self.training_config.freeze_encoder:
             self.encoder.eval()  # frozen: no dropout / drop-path either
         return self
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        if self.hparams.freeze_encoder:
+        if self.training_config.freeze_encoder:
             self.encoder.eval()  # Lightning restores per-module modes after validation
 
     # ------------------------------------------------------------------ model
     def encode(self, images: Tensor) -> EncoderOutput:
-        if self.hparams.freeze_encoder:
+        if self.training_config.freeze_encoder:
             with torch.no_grad():
                 return self.encoder(images)
         return self.encoder(images)
@@ -695,14 +611,15 @@ class CaptioningTask(VisionTask):
         """:meth:`_loss` from the encoder's output; a given ``attention`` list receives the last
         layer's cross-attention ``[B, T-1, N]`` (mean over the heads) of the teacher-forced steps."""
         inputs = tokens[:, :-1]
-        if self.training and self.hparams.get("word_dropout", 0.0) > 0:
+        if self.training and self.training_config.word_dropout > 0:
             inputs = self._drop_words(inputs)
         logits, weights = self.head(enc, inputs, need_weights=attention is not None)  # (B, T-1, V)
         if attention is not None:
             attention.append(weights[-1].float().mean(dim=1))
         targets = tokens[:, 1:].reshape(-1)
-        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=self.tokenizer.pad_id,
-                                label_smoothing=self.hparams.label_smoothing, reduction="sum")
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets,
+                                ignore_index=self.tokenizer.pad_id,
+                                label_smoothing=self.training_config.label_smoothing, reduction="sum")
         count = (targets != self.tokenizer.pad_id).sum().float()
         if across_processes:
             count = mean_across_processes(count)
@@ -715,11 +632,11 @@ class CaptioningTask(VisionTask):
         The targets are unchanged."""
         tok = self.tokenizer
         droppable = (inputs != tok.pad_id) & (inputs != tok.bos_id)
-        drop = droppable & (torch.rand(inputs.shape, device=inputs.device) < self.hparams.word_dropout)
+        drop = droppable & (torch.rand(inputs.shape, device=inputs.device) < self.training_config.word_dropout)
         return inputs.masked_fill(drop, tok.unk_id)
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        if self.hparams.scst:
+        if self.scst_config.enabled:
             return self._scst_step(batch)
         images, tokens, indices, *boxes = batch
         enc = self.encode(images)
@@ -730,19 +647,19 @@ class CaptioningTask(VisionTask):
         weights = {"caption": 1.0}
         if self.grounding_head is not None and boxes and self._grounding_active:
             terms["grounding"] = self._grounding_loss(enc, boxes[0])
-            weights["grounding"] = self.hparams.grounding_weight
+            weights["grounding"] = self.training_config.grounding_weight
         if attention:
-            k = len(self.hparams.grounding_classes)
+            k = len(self.training_config.grounding_classes)
             regions = torch.stack([class_regions(b.to(tokens.device), c.to(tokens.device), enc.grid, k)
                                    for b, c in boxes[0]])
             regions = regions.repeat_interleave(per_image, dim=0)
             word = word_attention_loss(attention[0], word_attention_targets(tokens[:, 1:], self.word_kinds), regions)
             if word is not None:
                 terms["word_attention"] = word
-                weights["word_attention"] = self.hparams.word_attention_weight
+                weights["word_attention"] = self.training_config.word_attention_weight
         if self.concept_head is not None and self.concept_table is not None and self._concept_active:
             terms["concept"] = self._concept_loss(enc, indices)
-            weights["concept"] = self.hparams.concept_weight
+            weights["concept"] = self.training_config.concept_weight
         loss = sum(weights[k] * v for k, v in terms.items())
         self.check_finite(loss, {("cross_entropy" if k == "caption" else k): v for k, v in terms.items()})
         if len(terms) > 1:
@@ -771,7 +688,7 @@ class CaptioningTask(VisionTask):
         owners = torch.stack([patch_objects(b.to(logits.device), enc.grid) for b, _ in boxes])
         targets = torch.stack([_owner_labels(o, c.to(logits.device)) for o, (_, c) in zip(owners, boxes, strict=True)])
         flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        if not self.hparams.get("grounding_balance", False):
+        if not self.training_config.grounding_balance:
             weight = torch.ones(logits.shape[-1], device=logits.device)
             weight[0] = GROUNDING_BACKGROUND_WEIGHT
             return F.cross_entropy(flat_logits, flat_targets, weight=weight)
@@ -816,33 +733,33 @@ class CaptioningTask(VisionTask):
 
     def _scst_loss(self, images: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The self-critical loss of a batch, with the samples' rewards and baselines ``(B, S)``."""
-        hp, tok = self.hparams, self.tokenizer
+        config, tok = self.scst_config, self.tokenizer
         scorer, references = self._scst_statistics()
         refs = [references[i] for i in indices.tolist()]
-        s = hp.scst_samples
-        max_new = hp.scst_max_length or hp.max_length - 1
+        s = config.samples
+        max_new = config.max_length or self.decoder_config.max_length - 1
         enc = self.encode(images)
-        temperature = float(hp.get("scst_temperature", 1.0))
+        temperature = float(config.temperature)
         samples = self.head.sample(enc, tok.bos_id, tok.eos_id, s, max_new, temperature=temperature)  # tokens only
         rewards = sample_rewards(scorer, self.decode(samples.tokens), refs).to(images.device)  # (B, S)
         greedy = None
-        if hp.scst_baseline == "greedy":
-            # the step already runs in eval mode (scst_dropout false): its encoding is the greedy decode's
+        if config.baseline == "greedy":
+            # the step already runs in eval mode (scst.dropout false): its encoding is the greedy decode's
             greedy_tokens = self._greedy_captions(images, max_new, None if self.training else enc)
             greedy = sample_rewards(scorer, self.decode(greedy_tokens), refs)[:, 0].to(images.device)  # (B,)
-        baseline = baselines(rewards, hp.scst_baseline, greedy)  # (B, S)
+        baseline = baselines(rewards, config.baseline, greedy)  # (B, S)
         logp = self.head.token_logprobs(enc, samples.tokens, tok.bos_id, repeats=s, temperature=temperature)  # (B*S, T)
         loss = scst_loss(logp, samples.lengths, rewards, baseline)
         return loss, rewards, baseline
 
     def _scst_step(self, batch) -> Tensor:
-        """One self-critical step (:mod:`vision_attn.losses.scst`): ``scst_samples`` sampled captions per
+        """One self-critical step (:mod:`vision_attn.losses.scst`): ``scst.samples`` sampled captions per
         image, rewarded by CIDEr-D against all of the image's training references, minus the
         baseline; ``-(reward - baseline) * log p(sample)`` averaged over the samples. Unless
-        ``scst_dropout``, the whole step runs without dropout or stochastic depth, so samples,
+        ``scst.dropout``, the whole step runs without dropout or stochastic depth, so samples,
         greedy baseline and log-probabilities all come from the same network."""
         images, _, indices = batch[:3]
-        with self._eval_mode(not self.hparams.get("scst_dropout", False)):
+        with self._eval_mode(not self.scst_config.dropout):
             loss, rewards, baseline = self._scst_loss(images, indices)
         self.check_finite(loss, {"scst": loss})
         n = len(images)
@@ -864,7 +781,7 @@ class CaptioningTask(VisionTask):
         self._stage, self.eval_records = "val", []
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        self._eval_step(batch, self.hparams.val_beam_size)
+        self._eval_step(batch, self.training_config.val_beam_size)
 
     def on_validation_epoch_end(self) -> None:
         dataset = self.trainer.val_dataloaders.dataset

@@ -1,6 +1,6 @@
 """Image classification system: ViT encoder + pooling head, label-smoothed cross-entropy.
 
-Mixup and CutMix (``--model.mixup ALPHA``, ``--model.cutmix ALPHA``: DeiT's small-data
+Mixup and CutMix (``--model.mix.mixup ALPHA``, ``--model.mix.cutmix ALPHA``: DeiT's small-data
 regularisers) are timm's :class:`timm.data.Mixup` applied to the training batch in
 ``training_step`` only, one ``lam`` per batch (timm's ``batch`` mode: image ``i`` is mixed with
 image ``B - 1 - i``), with the label smoothing passed to it and timm's
@@ -22,7 +22,8 @@ Details:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vision_attn.errors import EncoderError
 from vision_attn.metrics.breakdown import classification_breakdown
-from vision_attn.models.classifier import ClassificationHead, Pooling, TimmHead
+from vision_attn.models.classifier import ClassificationHead, ClassifierConfig, HeadKind, TimmHead
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks.base import VisionTask, gather_objects, register_task
 from vision_attn.tasks.optim import Optimization
@@ -43,9 +44,39 @@ from vision_attn.tasks.optim import Optimization
 CLASSIFICATION_OPTIM = Optimization()
 SOFT_TARGET_CROSS_ENTROPY = SoftTargetCrossEntropy()  # the loss of mixed targets (no state: shared)
 
-__all__ = ["ClassificationTask", "HeadKind", "classification_metrics"]
+__all__ = ["ClassificationTask", "ClassifierConfig", "HeadKind", "MixConfig", "classification_metrics"]
 
-HeadKind = Literal["linear", "timm"]
+
+@dataclass(frozen=True)
+class MixConfig:
+    """Mixup and CutMix of the training batches (timm's :class:`timm.data.Mixup`; see the module
+    docstring). Both alphas 0: nothing is mixed.
+
+    Attributes:
+        mixup: mixup's Beta(alpha, alpha) parameter (``0``: off; DeiT uses 0.8).
+        cutmix: CutMix's Beta(alpha, alpha) parameter (``0``: off; DeiT uses 1.0).
+        prob: probability that a training batch is mixed at all (mixup or CutMix).
+        switch_prob: with both on, probability that a mixed batch uses CutMix rather than mixup.
+    """
+
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    prob: float = 1.0
+    switch_prob: float = 0.5
+
+    def __post_init__(self) -> None:
+        for key in ("mixup", "cutmix"):
+            value = getattr(self, key)
+            if not value >= 0:
+                raise ValueError(f"--model.mix.{key} is a Beta distribution's alpha: >= 0 (0 = off), got {value}")
+        for key in ("prob", "switch_prob"):
+            value = getattr(self, key)
+            if not 0 <= value <= 1:
+                raise ValueError(f"--model.mix.{key} is a probability: between 0 and 1, got {value}")
+
+
+LINEAR_HEAD = ClassifierConfig()
+NO_MIX = MixConfig()
 
 
 def _metric_collection(num_classes: int) -> MetricCollection:
@@ -74,23 +105,14 @@ class ClassificationTask(VisionTask):
 
     Args:
         encoder: the ViT encoder.
-        num_classes: number of classes (default: from the datamodule).
+        num_classes: number of classes (default: from the datamodule; with ``head.kind='timm'``,
+            the timm model's classifier size).
         class_names: class names in label order (default: from the datamodule).
-        pooling: ``auto`` (class token if any, else mean), ``cls``, ``mean`` (over the patch
-            tokens) or ``seq`` (CCT's sequence pooling, see
-            :class:`~vision_attn.models.classifier.ClassificationHead`). The explanations explain
-            what the head reads: the class token's row, or the pooling's mixture of the patch
-            tokens' rows.
-        head_dropout: dropout before the classifier (``linear`` head).
-        head: ``linear`` (the suite's :class:`~vision_attn.models.classifier.ClassificationHead`,
-            built from the data) or ``timm`` (the timm model's own pooling and classifier,
-            :class:`~vision_attn.models.classifier.TimmHead`: a pretrained timm ViT as timm runs
-            it; ``num_classes`` is the encoder's classifier size, ``pooling`` is timm's).
+        head: the head's kind, pooling and dropout
+            (:class:`~vision_attn.models.classifier.ClassifierConfig`; ``--model.head.pooling``
+            etc.).
         label_smoothing: label smoothing of the training loss (with mixing: of the mixed targets).
-        mixup: mixup's Beta(alpha, alpha) parameter (``0``: off; DeiT uses 0.8).
-        cutmix: CutMix's Beta(alpha, alpha) parameter (``0``: off; DeiT uses 1.0).
-        mix_prob: probability that a training batch is mixed at all (mixup or CutMix).
-        mix_switch_prob: with both on, probability that a mixed batch uses CutMix rather than mixup.
+        mix: mixup and CutMix of the training batches (:class:`MixConfig`; off by default).
         optim: learning rates, weight decay and schedule (default ``CLASSIFICATION_OPTIM``;
             ``--model.optim.lr`` etc.).
         compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
@@ -104,42 +126,35 @@ class ClassificationTask(VisionTask):
                         "insertion_auc_random")
     overlay_description = "input | one overlay per explanation method (rollout, relevance, raw attention)"
     eval_file_names = ("per_class.json", "confusion_matrix.json")
+    legacy_arguments = {"head": "head.kind", "pooling": "head.pooling", "head_dropout": "head.dropout",
+                        "mixup": "mix.mixup", "cutmix": "mix.cutmix", "mix_prob": "mix.prob",
+                        "mix_switch_prob": "mix.switch_prob"}
 
     def __init__(
         self,
         encoder: ViTEncoder,
         num_classes: int | None = None,
         class_names: list[str] | None = None,
-        pooling: Pooling = "auto",
-        head_dropout: float = 0.0,
+        head: ClassifierConfig = LINEAR_HEAD,
         label_smoothing: float = 0.1,
+        mix: MixConfig = NO_MIX,
         optim: Optimization = CLASSIFICATION_OPTIM,
         compile: bool = False,
-        head: HeadKind = "linear",
-        mixup: float = 0.0,
-        cutmix: float = 0.0,
-        mix_prob: float = 1.0,
-        mix_switch_prob: float = 0.5,
     ) -> None:
         super().__init__(encoder, optim, compile)
-        self.save_hyperparameters(ignore=["encoder", "optim"])  # optim: a dataclass, kept out of pickled state
-        if head not in ("linear", "timm"):
-            raise ValueError(f"head must be 'linear' or 'timm', got {head!r}")
-        for key, value in (("mixup", mixup), ("cutmix", cutmix)):
-            if not value >= 0:
-                raise ValueError(f"--model.{key} is a Beta distribution's alpha: >= 0 (0 = off), got {value}")
-        for key, value in (("mix_prob", mix_prob), ("mix_switch_prob", mix_switch_prob)):
-            if not 0 <= value <= 1:
-                raise ValueError(f"--model.{key} is a probability: between 0 and 1, got {value}")
-        self.head_kind = head
-        self.pooling = pooling
-        self.head_dropout = head_dropout
+        # the groups are dataclasses: kept as plain mappings in hparams (what checkpoints store)
+        self.save_hyperparameters(ignore=["encoder", "optim", "head", "mix"])
+        self.save_hyperparameters({"head": asdict(head), "mix": asdict(mix)})
+        self.head_config, self.mix_config = head, mix
+        self.head_kind: HeadKind = head.kind
+        self.pooling = head.pooling
+        self.head_dropout = head.dropout
         self.label_smoothing = label_smoothing
-        self.mixup, self.cutmix, self.mix_prob, self.mix_switch_prob = mixup, cutmix, mix_prob, mix_switch_prob
+        self.mixup, self.cutmix, self.mix_prob, self.mix_switch_prob = mix.mixup, mix.cutmix, mix.prob, mix.switch_prob
         self.mixer: Mixup | None = None  # built with the head (it needs the number of classes)
         self.class_names: list[str] | None = None
         self.head: ClassificationHead | TimmHead | None = None
-        if head == "timm" and num_classes is None and class_names is None:
+        if head.kind == "timm" and num_classes is None and class_names is None:
             num_classes = int(getattr(encoder.model, "num_classes", 0) or 0)
         if class_names is not None or num_classes is not None:
             self._build_head(num_classes, class_names)
@@ -155,7 +170,7 @@ class ClassificationTask(VisionTask):
             head = TimmHead(self.encoder)
             if head.num_classes != n:
                 raise EncoderError(
-                    f"head='timm': the timm model's classifier has {head.num_classes} classes but "
+                    f"head.kind='timm': the timm model's classifier has {head.num_classes} classes but "
                     f"{n} class names were given; give {head.num_classes} names"
                 )
             self.head = head

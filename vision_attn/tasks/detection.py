@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +16,14 @@ from vision_attn.boxes import box_xyxy_to_xywh
 from vision_attn.losses.matcher import HungarianMatcher
 from vision_attn.losses.set_criterion import SetCriterion
 from vision_attn.metrics.breakdown import coco_map_metric, detection_breakdown
-from vision_attn.models.detr import DETRHead, post_process
+from vision_attn.models.detr import DETRConfig, DETRHead, post_process
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks.base import VisionTask, gather_objects, register_task
 from vision_attn.tasks.optim import Optimization
 
 DETECTION_OPTIM = Optimization(lr=1e-4, weight_decay=1e-4, warmup_fraction=0.0, min_lr_ratio=0.1)
 
-__all__ = ["DetectionTask", "mean_average_precision"]
+__all__ = ["DETECTION_HEAD", "DetectionTask", "SetLossConfig", "mean_average_precision"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,40 @@ def mean_average_precision(preds: list[dict[str, Tensor]], targets: list[dict[st
     return {k: float(res[k]) for k in ("map", "map_50", "map_75", "mar_100")}
 
 
+@dataclass(frozen=True)
+class SetLossConfig:
+    """The set loss of a detector: the Hungarian matcher's costs and the loss terms' weights
+    (:class:`~vision_attn.losses.matcher.HungarianMatcher`,
+    :class:`~vision_attn.losses.set_criterion.SetCriterion`). DETR's by default.
+
+    Attributes:
+        cost_class: matcher class cost.
+        cost_bbox: matcher L1 cost.
+        cost_giou: matcher GIoU cost.
+        weight_ce: loss weight of classification.
+        weight_bbox: loss weight of L1.
+        weight_giou: loss weight of GIoU.
+        eos_coef: weight of the no-object class (softmax only).
+        o2m_repeat: H-DETR's ``K``, the ground truth repeated ``K`` times for the one-to-many
+            queries (the head's ``o2m_mode="hybrid"`` only).
+    """
+
+    cost_class: float = 1.0
+    cost_bbox: float = 5.0
+    cost_giou: float = 2.0
+    weight_ce: float = 1.0
+    weight_bbox: float = 5.0
+    weight_giou: float = 2.0
+    eos_coef: float = 0.1
+    o2m_repeat: int = 6
+
+
+DETECTION_HEAD = DETRConfig()
+"""The task's default head: 20 queries, width 128, 3 layers, 4 heads, no dropout (smaller than DETR's,
+:data:`~vision_attn.models.detr.DEFAULT_DETR`)."""
+DETR_LOSS = SetLossConfig()
+
+
 @register_task
 class DetectionTask(VisionTask):
     """DETR-style detector on a ViT encoder.
@@ -51,40 +87,12 @@ class DetectionTask(VisionTask):
         num_classes: ``C`` (default: from the data).
         class_names: names in label order (default: from the data).
         category_ids: the annotation file's category id of each label (default: from the data).
-        num_queries: object queries (most objects per image).
-        hidden_dim: decoder width.
-        num_layers: decoder layers.
-        num_heads: decoder heads.
-        mlp_ratio: decoder feed-forward ratio.
-        dropout: decoder dropout.
-        focal: sigmoid focal-loss classification (remedy) instead of softmax + no-object.
-        box_refine: anchor boxes + iterative box refinement (remedy).
-        dn_groups: denoising query groups while training (DN-DETR); 0 = off. Needs ``box_refine``.
-        label_noise_ratio: denoising: DINO's ``label_noise_ratio``, a label is redrawn uniformly
-            with probability ``label_noise_ratio / 2`` (the default 0.5 is DINO's: a quarter of
-            the labels redrawn; :func:`~vision_attn.models.detr.noise_labels`).
-        box_noise_scale: denoising: box noise as a fraction of the half box size.
-        dn_negatives: denoising with DINO's contrastive negatives ("no object" targets).
-        query_selection: DINO's mixed query selection (anchors from the top-k encoder tokens, with
-            their own matched loss). Needs ``box_refine``.
-        look_forward_twice: DINO's look-forward-twice box refinement. Needs ``box_refine``.
-        o2m_groups: extra one-to-many query groups while training; 0 = off.
-        o2m_mode: ``"group"`` (Group DETR: each group matched on its own) or ``"hybrid"``
-            (H-DETR: one set of extra queries matched to the targets repeated ``o2m_repeat`` times).
-        o2m_repeat: H-DETR's ``K`` (``o2m_mode="hybrid"`` only).
-        pyramid: cross-attend over ViTDet's simple feature pyramid of the last patch map (strides
-            1/2, 1, 2, 4 patches) instead of the patch tokens alone.
-        dense_encoder: also train every encoder token's class and box, one-to-many (Co-DETR's
-            auxiliary dense supervision with FCOS's assignment; ``loss_dense_*``). Needs
-            ``query_selection``; training only.
-        cost_class: matcher class cost.
-        cost_bbox: matcher L1 cost.
-        cost_giou: matcher GIoU cost.
-        weight_ce: loss weight of classification.
-        weight_bbox: loss weight of L1.
-        weight_giou: loss weight of GIoU.
-        eos_coef: weight of the no-object class (softmax only).
-        top_k: detections kept per image after post-processing.
+        head: the DETR head: its architecture, the published remedies (``box_refine``,
+            ``focal``), the training aids and the detections kept
+            (:class:`~vision_attn.models.detr.DETRConfig`; default :data:`DETECTION_HEAD`;
+            ``--model.head.num_queries`` etc.).
+        loss: the matcher's costs and the loss weights (:class:`SetLossConfig`;
+            ``--model.loss.cost_class`` etc.).
         optim: learning rates, weight decay and schedule (default ``DETECTION_OPTIM``;
             ``--model.optim.lr`` etc.).
         compile: ``torch.compile`` the encoder when training or evaluation starts (a run-time
@@ -98,6 +106,15 @@ class DetectionTask(VisionTask):
     headline_metrics = ("map", "map_50", "map_75")
     eval_file_names = ("per_class.json", "pr_curves.json")
     overlay_description = "boxes | per detected object: its relevance and its query's raw cross-attention"
+    legacy_arguments = {
+        **{k: f"head.{k}" for k in (
+            "num_queries", "hidden_dim", "num_layers", "num_heads", "mlp_ratio", "dropout", "focal", "box_refine",
+            "dn_groups", "label_noise_ratio", "box_noise_scale", "dn_negatives", "query_selection",
+            "look_forward_twice", "o2m_groups", "o2m_mode", "pyramid", "dense_encoder", "top_k")},
+        **{k: f"loss.{k}" for k in (
+            "cost_class", "cost_bbox", "cost_giou", "weight_ce", "weight_bbox", "weight_giou", "eos_coef",
+            "o2m_repeat")},
+    }
 
     def __init__(
         self,
@@ -105,38 +122,16 @@ class DetectionTask(VisionTask):
         num_classes: int | None = None,
         class_names: list[str] | None = None,
         category_ids: list[int] | None = None,
-        num_queries: int = 20,
-        hidden_dim: int = 128,
-        num_layers: int = 3,
-        num_heads: int = 4,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.0,
-        focal: bool = False,
-        box_refine: bool = False,
-        dn_groups: int = 0,
-        label_noise_ratio: float = 0.5,
-        box_noise_scale: float = 1.0,
-        dn_negatives: bool = False,
-        query_selection: bool = False,
-        look_forward_twice: bool = False,
-        o2m_groups: int = 0,
-        o2m_mode: str = "group",
-        o2m_repeat: int = 6,
-        pyramid: bool = False,
-        dense_encoder: bool = False,
-        cost_class: float = 1.0,
-        cost_bbox: float = 5.0,
-        cost_giou: float = 2.0,
-        weight_ce: float = 1.0,
-        weight_bbox: float = 5.0,
-        weight_giou: float = 2.0,
-        eos_coef: float = 0.1,
-        top_k: int = 100,
+        head: DETRConfig = DETECTION_HEAD,
+        loss: SetLossConfig = DETR_LOSS,
         optim: Optimization = DETECTION_OPTIM,
         compile: bool = False,
     ) -> None:
         super().__init__(encoder, optim, compile)
-        self.save_hyperparameters(ignore=["encoder", "optim"])  # optim: a dataclass, kept out of pickled state
+        # the groups are dataclasses: kept as plain mappings in hparams (what checkpoints store)
+        self.save_hyperparameters(ignore=["encoder", "optim", "head", "loss"])
+        self.save_hyperparameters({"head": dataclasses.asdict(head), "loss": dataclasses.asdict(loss)})
+        self.head_config, self.loss_config = head, loss
         self.head: DETRHead | None = None
         self.class_names: list[str] | None = None
         self.category_ids: list[int] | None = None
@@ -147,24 +142,18 @@ class DetectionTask(VisionTask):
             self._build(num_classes, class_names, category_ids)
 
     def _build(self, num_classes: int | None, class_names: list[str] | None, category_ids: list[int] | None) -> None:
-        hp = self.hparams
+        head, loss = self.head_config, self.loss_config
         if class_names is None:
             class_names = [str(i) for i in range(int(num_classes))]
         n = len(class_names)
         self.class_names = list(class_names)
         self.category_ids = list(category_ids) if category_ids is not None else list(range(1, n + 1))
-        # .get: checkpoints saved before these switches existed have them off
-        aids = {k: hp.get(k, v) for k, v in (("dn_groups", 0), ("label_noise_ratio", 0.5), ("box_noise_scale", 1.0),
-                                             ("dn_negatives", False), ("query_selection", False),
-                                             ("look_forward_twice", False), ("o2m_groups", 0), ("o2m_mode", "group"),
-                                             ("pyramid", False), ("dense_encoder", False))}
-        self.head = DETRHead(self.encoder.embed_dim, n, hp.num_queries, hp.hidden_dim, hp.num_layers, hp.num_heads,
-                             hp.mlp_ratio, hp.dropout, hp.focal, hp.box_refine, **aids)
-        matcher = HungarianMatcher(hp.cost_class, hp.cost_bbox, hp.cost_giou, focal=hp.focal)
-        repeat = hp.get("o2m_repeat", 6) if aids["o2m_mode"] == "hybrid" else 1
-        self.criterion = SetCriterion(n, matcher, hp.weight_ce, hp.weight_bbox, hp.weight_giou, hp.eos_coef, hp.focal,
-                                      dn=aids["dn_groups"] > 0, enc=aids["query_selection"], o2m=aids["o2m_groups"] > 0,
-                                      o2m_repeat=repeat, dense=aids["dense_encoder"])
+        self.head = DETRHead(self.encoder.embed_dim, n, head)
+        matcher = HungarianMatcher(loss.cost_class, loss.cost_bbox, loss.cost_giou, focal=head.focal)
+        repeat = loss.o2m_repeat if head.o2m_mode == "hybrid" else 1
+        self.criterion = SetCriterion(n, matcher, loss.weight_ce, loss.weight_bbox, loss.weight_giou, loss.eos_coef,
+                                      head.focal, dn=head.dn_groups > 0, enc=head.query_selection,
+                                      o2m=head.o2m_groups > 0, o2m_repeat=repeat, dense=head.dense_encoder)
         self.val_pairs: list[tuple[dict, dict]] = []  # (prediction, target) per validation image
         self.hparams.update(num_classes=n, class_names=self.class_names, category_ids=self.category_ids)
 
@@ -192,12 +181,13 @@ class DetectionTask(VisionTask):
 
     def detect(self, outputs: dict, orig_sizes: Tensor) -> list[dict[str, Tensor]]:
         """Post-processed detections in original pixels (labels are contiguous 0..C-1)."""
-        return post_process(outputs, orig_sizes, self.hparams.top_k, self.hparams.focal)
+        return post_process(outputs, orig_sizes, self.head_config.top_k, self.head_config.focal)
 
     def _shared_step(self, batch, stage: str) -> Tensor:
         images, targets = batch
         # a padded batch (aspect-preserving resize): each image's own size, for the masks
-        sizes = torch.stack([t["size"] for t in targets]).to(images.device) if targets and "size" in targets[0] else None
+        sized = bool(targets) and "size" in targets[0]
+        sizes = torch.stack([t["size"] for t in targets]).to(images.device) if sized else None
         outputs = self(images, targets=targets if stage == "train" else None, image_sizes=sizes)
         terms = self.criterion(outputs, targets, across_processes=stage == "train")
         loss = self.criterion.total(terms, len(outputs["aux_outputs"]))
@@ -274,7 +264,8 @@ class DetectionTask(VisionTask):
         known = {im["id"] for im in dataset.images}
         unknown = [i for i in by_id if i not in known]
         if unknown:
-            log.warning("ignored predictions for %d image ids that the split does not have, e.g. %s", len(unknown), unknown[0])
+            log.warning("ignored predictions for %d image ids that the split does not have, e.g. %s", len(unknown),
+                        unknown[0])
         if not any(len(d["scores"]) for i, d in by_id.items() if i in known):
             log.warning("the model made no detection on %d images: every metric is 0", len(known))
         preds, targets, results = [], [], []

@@ -5,7 +5,7 @@ everything downstream (predictions, explanations, the report, export) runs on it
 
 - ``timm:NAME`` (``timm:vit_base_patch16_224.augreg_in21k_ft_in1k``, ``timm:deit_small_distilled_patch16_224``,
   ``timm:vit_medium_patch16_reg4_gap_256``, ...): a :class:`~vision_attn.tasks.ClassificationTask`
-  around the timm model *with its own classifier* (``head="timm"``: timm's pooling, ``fc_norm``
+  around the timm model *with its own classifier* (``head.kind="timm"``: timm's pooling, ``fc_norm``
   and distilled heads). Weights come from ``weights_file`` (a local ``.safetensors`` / ``.pth``
   timm state dict, read without executing pickles; its classifier's size sets the number of
   classes) or, without one, from timm's hub (``pretrained=True``). Preprocessing is the model's
@@ -89,7 +89,10 @@ def load_timm_model(
 ) -> VisionTask:
     """A :class:`~vision_attn.tasks.ClassificationTask` around timm model ``name`` with timm's
     own classifier (see :func:`load_model`; ``name`` without the ``timm:`` prefix)."""
-    from vision_attn.tasks.classification import ClassificationTask  # tasks import models
+    from vision_attn.tasks.classification import (  # tasks import models
+        ClassificationTask,
+        ClassifierConfig,
+    )
 
     name = name.strip()
     arch, _, tag = name.partition(".")
@@ -127,7 +130,7 @@ def load_timm_model(
     if state is not None:
         encoder.load_state(state, str(weights_file))
     names = resolve_class_names(num_classes, class_names)
-    task = ClassificationTask(encoder, num_classes=num_classes, class_names=names, head="timm")
+    task = ClassificationTask(encoder, num_classes=num_classes, class_names=names, head=ClassifierConfig(kind="timm"))
     log.info("timm model %s: %d classes, preprocessing %s", name, num_classes, encoder.data_config)
     return task.eval().to(map_location)
 
