@@ -87,7 +87,9 @@ def evaluate(task: str, ckpt: str | Path, images: int, seed: int, out_dir: Path,
     if meta.get("task") != task:
         raise CheckpointError(f"--{task} {ckpt}: the checkpoint holds a {meta.get('task')!r} model, not {task!r}")
     methods = [m for m in task_methods(task) if m != "random"]  # random: always measured
-    threshold = [] if score_threshold is None else ["--explain.score_threshold", str(score_threshold)]
+    # an option of the detector's own (DetectionOptions): the other tasks' evaluations do not take it
+    given = score_threshold is not None and task == "detection"
+    threshold = ["--explain.score_threshold", str(score_threshold)] if given else []
     return eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(out_dir), *threshold,
                       "--seed_everything", str(seed),
                       "--explain.methods", f"[{', '.join(methods)}]",

@@ -140,16 +140,18 @@ def same_predictions(ours: list[dict], plain: list[dict]) -> bool:
 def in_process_pairs(model: str, weights: Path, folder: Path, work: Path, repeats: int = 3, batch: int = 16,
                      num_workers: int = 2) -> list[dict]:
     """The two in-process rows (see the module docstring)."""
-    from vision_attn.predict import predict_folder
+    from vision_attn.explain.evaluate import ExplainOptions
+    from vision_attn.predict import FolderRun, ModelSource, predict_folder
 
     n = sum(1 for _ in folder.glob("*.jpg"))
     last: dict[str, object] = {}
+    source = ModelSource(f"timm:{model}", weights_file=weights)
+    run = FolderRun(batch_size=batch, num_workers=num_workers, overwrite=True, progress=False)
 
     def ours(overlays: bool, key: str):
         def call() -> None:
-            last[key] = predict_folder(f"timm:{model}", folder, work / key, batch_size=batch, overlays=overlays,
-                                       methods=("rollout",) if overlays else None, overwrite=True, progress=False,
-                                       num_workers=num_workers, weights_file=weights)
+            drawn = ExplainOptions(methods=["rollout"]) if overlays else None
+            last[key] = predict_folder(source, folder, work / key, run, drawn, overlays=overlays)
         return call
 
     def plain() -> None:

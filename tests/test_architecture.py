@@ -105,7 +105,6 @@ def test_nothing_imports_upward():
     assert upward == []
 
 
-@pytest.mark.xfail(strict=True, reason="explain.evaluate ranks detection mistakes through explain.detection")
 def test_no_import_cycles():
     edges = {m: {t for t, _, _ in e if t in GRAPH and not MODULES[t].name == "__init__.py"} for m, e in GRAPH.items()}
     cycles, seen = [], set()
@@ -123,6 +122,52 @@ def test_no_import_cycles():
     for module in sorted(edges):
         visit(module, [])
     assert cycles == []
+
+
+TASK_NAMES = ("classification", "detection", "captioning")  # the built-in tasks' registry names
+
+
+def _is_task_name(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value in TASK_NAMES
+
+
+def task_name_switches(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, what)`` for each place that chooses by a built-in task's name: a comparison with one
+    (``== "detection"``, ``in ("classification", "captioning")``), a lookup by one (``x["captioning"]``,
+    ``x.get("detection")``) and a table keyed by two or more of them (``{"classification": ...,
+    "detection": ...}``, what a ``TABLE[task]`` lookup reads)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_is_task_name(o) or (isinstance(o, (ast.Tuple, ast.List, ast.Set))
+                                        and any(_is_task_name(e) for e in o.elts)) for o in operands):
+                found.append((node.lineno, "a comparison with a task name"))
+        elif isinstance(node, ast.Subscript) and _is_task_name(node.slice):
+            found.append((node.lineno, "a lookup by a task name"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and node.args and _is_task_name(node.args[0])):
+            found.append((node.lineno, "a lookup by a task name"))
+        elif isinstance(node, ast.Dict) and sum(_is_task_name(k) for k in node.keys if k is not None) >= 2:
+            found.append((node.lineno, "a table keyed by task names"))
+    return found
+
+
+def test_task_name_switches_outside_the_tasks_are_caught():
+    code = ('if task == "detection": pass\nok = name in ("captioning", "x")\nHEADLINE = {"classification": 1, '
+            '"detection": 2}\nfile = files.get("captioning")\nmap = DEFAULTS["detection"]\n'
+            'record = {"index": 0, "detection": 1}\nlabel = "classification"\n')
+    assert [line for line, _ in task_name_switches(ast.parse(code))] == [1, 2, 3, 4, 5]
+
+
+def test_no_task_name_switches_outside_the_tasks():
+    """A task owns its behaviour (its report sections, mistakes, headline, options): nothing outside
+    ``vision_attn/tasks/`` (the report, the explanations, the commands, the entry points) chooses by
+    a task's name, so a task defined outside the package is served like the built-in ones."""
+    switches = [f"{path.relative_to(REPO)}:{line}: {what}" for name, path in MODULES.items()
+                if not name.startswith("vision_attn.tasks") and not is_forwarding_shim(path)
+                for line, what in task_name_switches(ast.parse(path.read_text()))]
+    assert switches == []
 
 
 def test_only_the_entry_scripts_import_the_commands():

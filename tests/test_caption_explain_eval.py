@@ -229,17 +229,18 @@ def test_explanation_numbers_are_pinned(captioner, tmp_path):
 
 
 def test_each_head_has_its_measured_default_and_a_given_order_wins():
-    from vision_attn.explain.detection import DECODER_DEFAULTS, decoder_methods
+    from vision_attn.explain.captioning import CAPTION_DEFAULTS
+    from vision_attn.explain.detection import DETECTION_DEFAULTS, decoder_methods
     from vision_attn.explain.evaluate import DEFAULT_METHODS
 
     default = ExplainOptions()
     assert default.methods == list(DEFAULT_METHODS) and default.methods_default
-    assert decoder_methods(default) == ["relevance", "attention"] == list(DECODER_DEFAULTS["detection"])
-    assert decoder_methods(default, "captioning") == ["relevance", "attention"]
+    assert decoder_methods(default) == ["relevance", "attention"] == list(DETECTION_DEFAULTS)
+    assert decoder_methods(default, CAPTION_DEFAULTS) == ["relevance", "attention"]
     given = ExplainOptions(methods=["rollout", "attention", "relevance"])
     assert not given.methods_default
-    assert decoder_methods(given) == decoder_methods(given, "captioning") == ["attention", "relevance"]
-    assert decoder_methods(ExplainOptions(methods=["rollout"]), "captioning") == ["attention"]
+    assert decoder_methods(given) == decoder_methods(given, CAPTION_DEFAULTS) == ["attention", "relevance"]
+    assert decoder_methods(ExplainOptions(methods=["rollout"]), CAPTION_DEFAULTS) == ["attention"]
 
 
 def test_grounded_positions_leave_out_words_that_name_nothing():

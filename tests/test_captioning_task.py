@@ -149,7 +149,7 @@ def test_decoding_options_reach_the_decoder(fitted):
     saved = copy.copy(task.generation)
     images = torch.stack([dm.datasets["val"][i][0] for i in range(4)])
     try:
-        task.set_generation(GenerationOptions(beam_size=2, min_length=6, repetition_penalty=1.5))
+        task.set_inference_options(GenerationOptions(beam_size=2, min_length=6, repetition_penalty=1.5))
         assert (task.generation.beam_size, task.generation.length_penalty) == (2, saved.length_penalty)  # None keeps
         with torch.no_grad():
             out = task.generate(images)
@@ -158,7 +158,7 @@ def test_decoding_options_reach_the_decoder(fitted):
         assert torch.equal(out.tokens, direct.tokens) and (out.lengths > 6).all()
         for key, value in (("min_length", -1), ("repetition_penalty", 0.0), ("beam_size", 0)):
             with pytest.raises(ConfigError, match=rf"--generate\.{key} must be"):
-                task.set_generation(GenerationOptions(**{key: value}))
+                task.set_inference_options(GenerationOptions(**{key: value}))
     finally:
         task.generation = saved
 

@@ -171,15 +171,15 @@ def test_eval_runs_on_a_format_2_checkpoint_without_a_config(task, tmp_path):
 def test_predict_runs_on_an_older_checkpoint(fmt, tmp_path):
     from PIL import Image
 
-    from vision_attn.predict import predict_folder
+    from vision_attn.predict import FolderRun, ModelSource, predict_folder
 
     folder = tmp_path / "images"
     folder.mkdir()
     for i, image in enumerate(_images(_fixture("classification", fmt)[1])):
         array = ((image.clamp(-2, 2) + 2) / 4 * 255).byte().permute(1, 2, 0).numpy()
         Image.fromarray(array).save(folder / f"{i}.png")
-    result = predict_folder(FIXTURES / f"classification_format{fmt}.ckpt", folder, tmp_path / "out", overlays=False,
-                            progress=False, expected_task="classification")
+    source = ModelSource(FIXTURES / f"classification_format{fmt}.ckpt", expected_task="classification")
+    result = predict_folder(source, folder, tmp_path / "out", FolderRun(progress=False), overlays=False)
     assert [r["file"] for r in result["predictions"]] == ["0.png", "1.png"]
     assert all(len(r["topk"]) == 5 for r in result["predictions"])
 

@@ -274,7 +274,7 @@ def test_predict_folder_merge_r(tmp_path):
     from PIL import Image
 
     from vision_attn.commands.predict import main
-    from vision_attn.predict import predict_folder
+    from vision_attn.predict import FolderRun, ModelSource, predict_folder
 
     from .test_export import _checkpoint, _tasks
 
@@ -284,9 +284,9 @@ def test_predict_folder_merge_r(tmp_path):
     for i in range(3):
         Image.fromarray((rng.random((40, 56, 3)) * 255).astype(np.uint8)).save(images / f"{i}.png")
     ckpt = _checkpoint(_tasks()["classification"], tmp_path / "m.ckpt")
-    kw = {"batch_size": 2, "progress": False, "num_workers": 0}
-    plain = predict_folder(ckpt, images, tmp_path / "plain", **kw)
-    same = predict_folder(ckpt, images, tmp_path / "r0", merge_r=0, **kw)
+    run = FolderRun(batch_size=2, progress=False, num_workers=0)
+    plain = predict_folder(ckpt, images, tmp_path / "plain", run)
+    same = predict_folder(ModelSource(ckpt, merge_r=0), images, tmp_path / "r0", run)
     assert same == plain
     main(["--model", str(ckpt), "--images", str(images), "--output_dir", str(tmp_path / "r2"), "--merge_r", "2",
           "--no_overlays", "--num_workers", "0"])

@@ -1,12 +1,14 @@
-"""The mistakes the report's gallery shows: which images (vision_attn.explain.evaluate.mistake_images,
-overlay_images) and, for detection, which objects were missed and which detections were false
-(vision_attn.explain.detection.detection_errors), on hand-made cases."""
+"""The mistakes the report's gallery shows: which images (each task's ``rank_mistakes``, and
+vision_attn.explain.evaluate.worst_images / overlay_images that ask it) and, for detection, which
+objects were missed and which detections were false (vision_attn.explain.detection.detection_errors),
+on hand-made cases."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from vision_attn.data.tokenizer import SPECIAL_TOKENS
 from vision_attn.explain.detection import (
     detection_errors,
     rank_detection_errors,
@@ -14,12 +16,23 @@ from vision_attn.explain.detection import (
 )
 from vision_attn.explain.evaluate import (
     ExplainOptions,
-    mistake_images,
     overlay_images,
     select_images,
+    worst_images,
 )
+from vision_attn.models.captioner import DecoderConfig
+from vision_attn.models.detr import DETRConfig
+from vision_attn.tasks import CaptioningTask, ClassificationTask, DetectionTask
+
+from .conftest import TINY_VIT
 
 NAMES = ["cat", "dog"]
+
+
+def _encoder():
+    from vision_attn import create_encoder
+
+    return create_encoder("vit_tiny_patch16_224", **TINY_VIT)
 # ground truth of one image: A cat, B dog, C cat, D a crowd region of cats
 TRUTH = {"boxes": torch.tensor([[0.0, 0.0, 10.0, 10.0], [20.0, 20.0, 30.0, 30.0], [40.0, 40.0, 50.0, 50.0],
                                 [60.0, 60.0, 80.0, 80.0]]),
@@ -96,7 +109,11 @@ def test_split_detection_errors_ranks_images_by_errors_then_false_score():
                                     "why": "background"}]}
     assert errors[4]["false"] == [] and len(errors[4]["missed"]) == 1
     assert rank_detection_errors(errors) == [0, 3, 2, 4]
-    assert mistake_images("detection", split, predictions, 2, score_threshold=0.3) == [0, 3]
+    task = DetectionTask(_encoder(), class_names=NAMES, category_ids=_Split.category_ids,
+                         head=DETRConfig(num_queries=4, hidden_dim=32, num_layers=1, num_heads=2))
+    assert task.rank_mistakes(split, predictions, 2, ExplainOptions(score_threshold=0.3)) == [0, 3]
+    # the threshold is the evaluation's: at 0.0 the detection of 15 matches its object
+    assert task.rank_mistakes(split, predictions, 5, ExplainOptions(score_threshold=0.0)) == [0, 3, 2]
 
 
 class _Folder:
@@ -112,21 +129,42 @@ def test_classification_mistakes_are_the_most_confident_wrong_predictions():
     preds = [{"file": rel, "label": "ab"[lab], "pred": "ab"[lab], "score": 0.9} for rel, lab in _Folder.samples]
     for k, score in ((3, 0.61), (17, 0.99), (8, 0.75), (12, 0.75), (19, 0.52)):
         preds[k] = {**preds[k], "pred": "ab"[1 - _Folder.samples[k][1]], "score": score}
-    assert mistake_images("classification", _Folder(), preds, 4) == [17, 8, 12, 3]  # ties: split order
-    assert mistake_images("classification", _Folder(), preds, 0) == []
-    assert mistake_images("classification", _Folder(), None, 4) == []
+    task = ClassificationTask(_encoder(), class_names=["a", "b"])
+    assert task.rank_mistakes(_Folder(), preds, 4) == [17, 8, 12, 3]  # ties: split order
+    assert task.rank_mistakes(_Folder(), preds, 0) == []
+    assert task.rank_mistakes(_Folder(), None, 4) == []
     options = ExplainOptions(num_overlays=3, mistakes=2)
     sample = select_images(20, 3, "sample", 0)
-    assert overlay_images(_Folder(), options, "classification") == sample  # no predictions: the sample only
+    assert worst_images(task, _Folder(), options) == []  # no predictions: the sample only
+    assert overlay_images(_Folder(), options, worst_images(task, _Folder(), options)) == sample
     options.predictions = preds
-    assert overlay_images(_Folder(), options, "classification") == sorted(set(sample) | {17, 8})
+    assert worst_images(task, _Folder(), options) == [17, 8]
+    assert overlay_images(_Folder(), options, worst_images(task, _Folder(), options)) == sorted(set(sample) | {17, 8})
 
 
 def test_captioning_mistakes_are_the_lowest_cider():
     split = _Split({7: {}, 3: {}, 5: {}, 9: {}})
     preds = [{"image_id": i, "caption": "x", "cider": c} for i, c in ((7, 0.8), (3, 0.1), (5, 1.2), (9, 0.0))]
-    assert mistake_images("captioning", split, preds, 2) == [3, 1]
-    assert mistake_images("captioning", split, [*preds, {"image_id": 99, "cider": -1.0}], 1) == [3]  # unknown id
+    task = CaptioningTask(_encoder(), vocab=[*SPECIAL_TOKENS, "a"],
+                          decoder=DecoderConfig(hidden_dim=32, num_layers=1, num_heads=2, max_length=4))
+    assert task.rank_mistakes(split, preds, 2) == [3, 1]
+    assert task.rank_mistakes(split, [*preds, {"image_id": 99, "cider": -1.0}], 1) == [3]  # unknown id
+
+
+def test_a_task_without_a_ranking_adds_no_mistakes(tmp_path):
+    """VisionTask's defaults: no mistakes ranked, no result section, no gallery; without an
+    explain_batch, the default explain_eval draws no overlay."""
+    from vision_attn.tasks import VisionTask
+
+    class Plain(VisionTask):
+        task_name = ""
+
+    task = Plain(_encoder())
+    options = ExplainOptions(num_overlays=2, mistakes=3)
+    options.predictions = [{"file": "x", "label": "a", "pred": "b", "score": 1.0}]
+    assert worst_images(task, _Folder(), options) == []
+    assert task.report_sections({}, {}) == [] and task.mistake_cards([], options.predictions) is None
+    assert task.explain_eval(_Folder(), options, tmp_path) == {} and not (tmp_path / "overlays").exists()
 
 
 def test_mistakes_option_is_checked():

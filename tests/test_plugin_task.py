@@ -1,9 +1,11 @@
 """A fourth task defined outside the package (tests/plugins/multilabel.py) goes through ``fit``,
 ``validate``, ``predict``, ``export`` and the report with no change to vision_attn — through
-``--allow_import tests.plugins`` only; without it, the config and the checkpoint are refused."""
+``--allow_import tests.plugins`` only; without it, the config and the checkpoint are refused. Its
+page has the headline, result section and mistakes gallery its hooks give."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -18,9 +20,9 @@ from vision_attn.commands import main as vision_attn_main
 from vision_attn.commands.evaluate import eval_main
 from vision_attn.commands.train import train_main
 from vision_attn.errors import CheckpointError, ConfigError
-from vision_attn.explain.evaluate import select_images
+from vision_attn.explain.evaluate import ExplainOptions, select_images
 from vision_attn.export import export_onnx, export_safetensors
-from vision_attn.predict import predict_folder
+from vision_attn.predict import FolderRun, ModelSource, predict_folder
 from vision_attn.tasks.base import TASKS, load_task, read_task_meta
 
 PLUGIN = "tests.plugins"
@@ -107,17 +109,51 @@ def test_validate_from_the_checkpoint_alone_writes_metrics_predictions_overlays_
     assert written["f1_micro"] == pytest.approx(2 * tp / (n_pred + n_true))
     exact = sum(p["labels"] == [k for k in SHAPE_KINDS if k in p["truth"]] for p in predictions)
     assert written["exact_match"] == pytest.approx(exact / len(predictions))
-    assert len(list((out / "overlays").glob("*.png"))) == 3
+    # per_label.json, the task's own file: what its predictions give
+    per_label = json.loads((out / "per_label.json").read_text())
+    assert list(per_label) == SHAPE_KINDS
+    for kind, row in per_label.items():
+        hits = sum(kind in p["labels"] and kind in p["truth"] for p in predictions)
+        assert row["n"] == sum(kind in p["truth"] for p in predictions)
+        assert row["recall"] == pytest.approx(hits / max(1, row["n"]))
+        assert row["precision"] == pytest.approx(hits / max(1, sum(kind in p["labels"] for p in predictions)))
+    # the overlays (the default explain_eval): the seeded sample and the images with the most wrong labels
+    wrong = {i: len(set(p["labels"]) ^ set(p["truth"])) for i, p in enumerate(predictions)}
+    worst = sorted((i for i in wrong if wrong[i]), key=lambda i: (-wrong[i], i))[:8]  # --explain.mistakes 8
+    assert worst  # a few steps of training: some label sets are wrong
+    chosen = select_images(len(predictions), 3, "sample", 0)  # the default: the seeded sample spread over the split
+    explained = sorted({*chosen, *worst})
+    assert sorted(int(p.name[:5]) for p in (out / "overlays").glob("*.png")) == explained
     report = (out / "report.html").read_text()
     assert "vision_attn multilabel evaluation" in report and "f1_micro" in report
-    chosen = select_images(len(predictions), 3, "sample", 0)  # the default: the seeded sample spread over the split
-    assert report.count('class="item"') == 3 and all(predictions[i]["file"] in report for i in chosen)
+    assert report.count('class="item"') == len(explained) and all(predictions[i]["file"] in report for i in chosen)
+    _check_page(report, written, per_label, [predictions[i] for i in worst], explained, predictions)
+
+
+def _check_page(report: str, metrics: dict, per_label: dict, worst: list[dict], explained: list[int],
+                predictions: list[dict]) -> None:
+    """The plugin's headline in the summary line, its per-label table and its mistakes gallery."""
+    summary = re.search(r'<p class="summary" id="summary">(.*?)</p>', report).group(1)
+    assert f'exact_match <b class="headline">{metrics["exact_match"]:.4f}</b>' in summary  # not the first metric
+    table = re.search(r'<table id="per-label">(.*?)</table>', report).group(1)
+    rows = [[html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<t[hd]>(.*?)</t[hd]>", r)]
+            for r in re.findall(r"<tr>(.*?)</tr>", table)]
+    order = sorted(per_label, key=lambda k: (per_label[k]["recall"], k))
+    assert rows == [["shape kind", "n", "precision", "recall"]] + [
+        [k, str(per_label[k]["n"]), f"{per_label[k]['precision']:.3f}", f"{per_label[k]['recall']:.3f}"] for k in order]
+    cards = re.findall(r'<div class="mistake" data-score="([^"]+)" data-item="(\d*)"><div>#(\d+) (.*?)</div>', report)
+    assert [int(rank) for _, _, rank, _ in cards] == list(range(1, len(worst) + 1))
+    names = [html.unescape(re.search(r'<span class="name">(.*?)</span>', c).group(1)) for *_, c in cards]
+    assert names == [p["file"] for p in worst]
+    assert [float(s) for s, *_ in cards] == [len(set(p["labels"]) ^ set(p["truth"])) for p in worst]
+    files = [predictions[i]["file"] for i in explained]  # the grid's order: each card shows its image's overlay
+    assert [int(item) for _, item, *_ in cards] == [files.index(p["file"]) for p in worst]
 
 
 def test_predict_and_onnx_export_give_the_same_records(run, images, tmp_path):
     ckpt = _ckpt(run)
-    result = predict_folder(ckpt, images, tmp_path / "pred", allow_import=(PLUGIN,), progress=False,
-                            methods=("rollout", "attention"))
+    result = predict_folder(ModelSource(ckpt, allow_import=(PLUGIN,)), images, tmp_path / "pred",
+                            FolderRun(progress=False), ExplainOptions(methods=["rollout", "attention"]))
     records = json.loads((tmp_path / "pred" / "predictions.json").read_text())
     assert records == result["predictions"] and len(records) == 6
     assert all(set(r) == {"file", "labels", "scores"} for r in records)
@@ -135,8 +171,8 @@ def test_predict_and_onnx_export_give_the_same_records(run, images, tmp_path):
 
     vision_attn_main(["export", "--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "onnx"), "--format", "onnx",
                       "--allow_import", PLUGIN])
-    onnx = predict_folder(tmp_path / "onnx" / "model.onnx", images, tmp_path / "pred_onnx", allow_import=(PLUGIN,),
-                          progress=False)["predictions"]
+    onnx = predict_folder(ModelSource(tmp_path / "onnx" / "model.onnx", allow_import=(PLUGIN,)), images,
+                          tmp_path / "pred_onnx", FolderRun(progress=False))["predictions"]
     assert [r["file"] for r in onnx] == [r["file"] for r in records]
     for a, b in zip(onnx, records, strict=True):
         assert a["scores"] == pytest.approx(b["scores"], abs=1e-4)
@@ -166,7 +202,7 @@ def test_without_allow_import_the_plugin_is_refused(run, images, tmp_path, monke
     with pytest.raises(CheckpointError, match=refused):
         eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "eval")])
     with pytest.raises(CheckpointError, match=refused):
-        predict_folder(ckpt, images, tmp_path / "pred", progress=False)
+        predict_folder(ckpt, images, tmp_path / "pred", FolderRun(progress=False))
     with pytest.raises(CheckpointError, match=refused):
         export_onnx(ckpt, tmp_path / "model.onnx")
     assert not any((tmp_path / name).exists() for name in ("eval/metrics.json", "pred/predictions.json", "model.onnx"))

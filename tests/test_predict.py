@@ -12,9 +12,22 @@ from PIL import Image
 
 from vision_attn.commands.predict import main
 from vision_attn.errors import CheckpointError, RunExistsError
-from vision_attn.predict import predict_folder
+from vision_attn.explain.evaluate import ExplainOptions
+from vision_attn.predict import FolderRun, predict_folder
+from vision_attn.tasks.detection import DetectionOptions
 
 from .test_export import _checkpoint, _tasks
+
+QUIET = FolderRun(progress=False)
+
+
+def _every_box(kind: str) -> DetectionOptions | None:
+    """The task options that keep every detection (``score_threshold`` 0) of a ``kind`` model."""
+    return DetectionOptions(score_threshold=0.0) if kind == "detection" else None
+
+
+def _methods(*names: str) -> ExplainOptions:
+    return ExplainOptions(methods=list(names))
 
 
 @pytest.fixture
@@ -32,7 +45,7 @@ def folder(tmp_path):
 def test_predict_from_a_checkpoint_writes_predictions_and_overlays(kind, folder, tmp_path):
     ckpt = _checkpoint(_tasks()[kind], tmp_path / "m.ckpt")
     out = tmp_path / "out"
-    res = predict_folder(ckpt, folder, out, batch_size=1, score_threshold=0.0, progress=False)
+    res = predict_folder(ckpt, folder, out, FolderRun(batch_size=1, progress=False), options=_every_box(kind))
     assert [p["file"] for p in res["predictions"]] == ["a.jpg", "sub/b.png"]
     assert [s["file"] for s in res["skipped"]] == ["broken.png"]
     keys = {"classification": {"file", "pred", "score", "topk"}, "detection": {"file", "detections"},
@@ -63,8 +76,8 @@ def test_predict_from_onnx_equals_the_checkpoint(kind, folder, tmp_path):
 
     ckpt = _checkpoint(_tasks()[kind], tmp_path / "m.ckpt")
     onnx_path = export_onnx(ckpt, tmp_path / "m.onnx")
-    a = predict_folder(ckpt, folder, tmp_path / "a", overlays=False, score_threshold=0.0, progress=False)["predictions"]
-    b = predict_folder(onnx_path, folder, tmp_path / "b", score_threshold=0.0, progress=False)["predictions"]
+    a = predict_folder(ckpt, folder, tmp_path / "a", QUIET, options=_every_box(kind), overlays=False)["predictions"]
+    b = predict_folder(onnx_path, folder, tmp_path / "b", QUIET, options=_every_box(kind))["predictions"]
     assert not (tmp_path / "b" / "overlays").exists()  # ONNX holds no attention maps
     if kind == "classification":
         assert [p["pred"] for p in a] == [p["pred"] for p in b]
@@ -81,7 +94,7 @@ def test_captioning_onnx_is_refused_clearly(folder, tmp_path):
 
     path = export_onnx(_checkpoint(_tasks()["captioning"], tmp_path / "m.ckpt"), tmp_path / "m.onnx")
     with pytest.raises(CheckpointError, match="captioning model whose predictions need PyTorch"):
-        predict_folder(path, folder, tmp_path / "out", progress=False)
+        predict_folder(path, folder, tmp_path / "out", QUIET)
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +114,9 @@ def test_predict_never_overwrites_a_users_files(present, classifier_ckpt, folder
         mine = mine / "a.jpg.png"
     mine.write_text("the user's own notes")
     with pytest.raises(RunExistsError, match=present):
-        predict_folder(classifier_ckpt, folder, out, progress=False)
+        predict_folder(classifier_ckpt, folder, out, QUIET)
     assert mine.read_text() == "the user's own notes"
-    predict_folder(classifier_ckpt, folder, out, overlays=False, overwrite=True, progress=False)
+    predict_folder(classifier_ckpt, folder, out, FolderRun(overwrite=True, progress=False), overlays=False)
     assert (out / "predictions.json").is_file()
 
 
@@ -118,7 +131,7 @@ def test_predict_names_fifos_devices_and_colliding_or_long_names(classifier_ckpt
     (images / "null.jpg").symlink_to("/dev/null")  # a character device
     (images / "gone.png").symlink_to(images / "missing.png")  # a link to nothing
     out = tmp_path / "out"
-    res = predict_folder(classifier_ckpt, images, out, methods=("rollout",), progress=False)
+    res = predict_folder(classifier_ckpt, images, out, QUIET, _methods("rollout"))
     assert [p["file"] for p in res["predictions"]] == ["a.jpg", "a.png", long_name]
     reasons = {s["file"]: s["reason"] for s in json.loads((out / "skipped.json").read_text())}
     assert set(reasons) == {"pipe.png", "null.jpg", "gone.png"}
@@ -249,8 +262,9 @@ def test_background_writer_writes_byte_identical_overlays_on_its_own_thread(clas
     for background in (False, True):
         out = tmp_path / f"bg{int(background)}"
         threads.clear()
-        res = predict_folder(classifier_ckpt, many_images, out, batch_size=4, methods=("rollout", "attention"),
-                             progress=False, background_writes=background)
+        res = predict_folder(classifier_ckpt, many_images, out,
+                             FolderRun(batch_size=4, progress=False, background_writes=background),
+                             _methods("rollout", "attention"))
         assert set(threads) == ({"vision_attn-overlay-writer"} if background else {threading.main_thread().name})
         runs[background] = (res, {p.relative_to(out).as_posix(): p.read_bytes() for p in (out / "overlays").rglob("*")
                                   if p.is_file()})
@@ -279,7 +293,7 @@ def test_an_overlay_write_error_surfaces_in_the_main_process_naming_the_file(cla
     monkeypatch.setattr(predict_module, "save_png", failing)
     out = tmp_path / "out"
     with pytest.raises(OverlayWriteError, match=r"i1\.jpg\.png.*No space left on device"):
-        predict_folder(classifier_ckpt, many_images, out, batch_size=4, methods=("rollout",), progress=False)
+        predict_folder(classifier_ckpt, many_images, out, FolderRun(batch_size=4, progress=False), _methods("rollout"))
     assert not (out / "predictions.json").exists()  # the run stopped: no results that look complete
     assert not [t for t in threading.enumerate() if t.name == "vision_attn-overlay-writer"]
     with pytest.raises(SystemExit) as info:  # the command: one line, status 2
@@ -334,19 +348,20 @@ def test_predictions_only_run_no_explanation_code_and_hook_nothing(kind, folder,
                  "register_full_backward_pre_hook"):
         real = getattr(torch.nn.Module, name)
         monkeypatch.setattr(torch.nn.Module, name,
-                            lambda self, *a, _real=real, _name=name, **k: (hooks.append(_name), _real(self, *a, **k))[1])
+                            lambda self, *a, _real=real, _name=name, **k: (hooks.append(_name),
+                                                                           _real(self, *a, **k))[1])
     real_forward, real_explain = task_class.export_forward, task_class.explain_batch
     monkeypatch.setattr(task_class, "export_forward",
                         lambda self, x: (modes.append(torch.is_inference_mode_enabled()), real_forward(self, x))[1])
     monkeypatch.setattr(task_class, "explain_batch",
                         lambda self, *a, **k: (explained.append(1), real_explain(self, *a, **k))[1])
-    plain = predict_folder(ckpt, folder, tmp_path / "plain", overlays=False, score_threshold=0.0, progress=False)
+    plain = predict_folder(ckpt, folder, tmp_path / "plain", QUIET, options=_every_box(kind), overlays=False)
     assert hooks == [] and explained == [] and modes and all(modes)
     assert not (tmp_path / "plain" / "overlays").exists()
-    drawn = predict_folder(ckpt, folder, tmp_path / "drawn", methods=("relevance",), score_threshold=0.0,
-                           progress=False)
+    drawn = predict_folder(ckpt, folder, tmp_path / "drawn", QUIET, _methods("relevance"), _every_box(kind))
     assert hooks and explained  # the spies do see an explanation run (relevance captures through hooks)
-    assert [p["file"] for p in plain["predictions"]] == [p["file"] for p in drawn["predictions"]] == ["a.jpg", "sub/b.png"]
+    files = [p["file"] for p in plain["predictions"]]
+    assert files == [p["file"] for p in drawn["predictions"]] == ["a.jpg", "sub/b.png"]
     for a, b in zip(plain["predictions"], drawn["predictions"], strict=True):
         assert _close(a, b), (a, b)
 
@@ -370,8 +385,8 @@ def test_worker_decoding_gives_the_main_process_predictions(overlays, classifier
     runs = []
     for workers in (0, 2):
         out = tmp_path / f"w{workers}"
-        res = predict_folder(classifier_ckpt, many_images, out, batch_size=3, overlays=overlays,
-                             methods=("rollout",), progress=False, num_workers=workers)
+        res = predict_folder(classifier_ckpt, many_images, out, FolderRun(batch_size=3, progress=False,
+                             num_workers=workers), _methods("rollout"), overlays=overlays)
         pngs = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*.png")}
         runs.append((res, pngs))
     (main_res, main_pngs), (worker_res, worker_pngs) = runs
@@ -393,8 +408,8 @@ def test_images_past_the_report_are_explained_without_report_items(classifier_ck
                         lambda self, images, pictures, options, truths=None: (reports.append(options.report),
                                                                               real(self, images, pictures, options))[1])
     out = tmp_path / "out"
-    res = predict_folder(classifier_ckpt, many_images, out, batch_size=2, methods=("rollout",), progress=False,
-                         report_images=3)
+    res = predict_folder(classifier_ckpt, many_images, out, FolderRun(batch_size=2, progress=False, report_images=3),
+                         _methods("rollout"))
     assert reports == [True, True, False, False]  # images 0-1, 2-3 (the 3rd is reported), 4-5, 6
     assert len(res["predictions"]) == 7 and len(list((out / "overlays").rglob("*.png"))) == 7
     assert (out / "report.html").read_text().count('"kind": "patches"') == 3
@@ -410,8 +425,8 @@ def test_report_items_are_built_only_for_the_report_s_images(classifier_ckpt, ma
     real = evaluate._report_item
     monkeypatch.setattr(evaluate, "_report_item", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = tmp_path / "out"
-    predict_folder(classifier_ckpt, many_images, out, batch_size=4, methods=("rollout",), progress=False,
-                   report_images=2, num_workers=0)
+    predict_folder(classifier_ckpt, many_images, out, FolderRun(batch_size=4, progress=False, report_images=2),
+                   _methods("rollout"))
     assert len(calls) == 4  # the first batch only (7 images in two batches)
     assert len(list((out / "overlays").rglob("*.png"))) == 7
     html = (out / "report.html").read_text()

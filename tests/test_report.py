@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from vision_attn import create_encoder
 from vision_attn.data.tokenizer import SPECIAL_TOKENS, WordTokenizer
-from vision_attn.explain.evaluate import ExplainOptions
+from vision_attn.explain.evaluate import DEFAULT_MISTAKES, ExplainOptions
 from vision_attn.explain.records import Report
 from vision_attn.models.captioner import DecoderConfig, GenerationOptions
 from vision_attn.models.detr import DETRConfig
 from vision_attn.report import write_report
+from vision_attn.tasks import captioning_report, classification_report, detection_report
 
 from .conftest import TINY_VIT
 
@@ -58,7 +60,8 @@ def _classification_report(shapes_root, out: Path) -> Path:
     report = Report()
     explain_eval_split(task, ds, _options(methods=["rollout", "attention"]), out, report)
     return write_report(out / "report.html", "classification", {"acc_top1": 0.5}, {"model": "tiny"}, report.items,
-                        report.curves)
+                        report.curves, task=task.task_name, headline=task.headline_metric,
+                        mistakes=task.mistake_cards(report.items, None))
 
 
 def _coco_report(kind: str, out: Path, data: Path) -> Path:
@@ -74,8 +77,8 @@ def _coco_report(kind: str, out: Path, data: Path) -> Path:
         from vision_attn.explain.detection import write_detection_overlays
         from vision_attn.tasks import DetectionTask
 
-        task = DetectionTask(enc, class_names=["a", "b", "c", "d", "e"], head=DETRConfig(num_queries=4, hidden_dim=32,
-                                                                                         num_layers=1, num_heads=2)).eval()
+        head = DETRConfig(num_queries=4, hidden_dim=32, num_layers=1, num_heads=2)
+        task = DetectionTask(enc, class_names=["a", "b", "c", "d", "e"], head=head).eval()
         ds = CocoDetection(root, "val", build_detection_transform(task.data_config, train=False))
         write_detection_overlays(task, ds, _options(), out, max_objects=3, report=report)
     else:
@@ -91,7 +94,9 @@ def _coco_report(kind: str, out: Path, data: Path) -> Path:
         ds = CocoCaptions(root, "val", build_eval_transform(whole_image(task.data_config)),
                           WordTokenizer(task.tokenizer.vocab))
         write_caption_overlays(task, ds, _options(), out, report=report)
-    return write_report(out / "report.html", kind, {"map": 0.1}, {"model": "tiny"}, report.items, report.curves)
+    return write_report(out / "report.html", kind, {"map": 0.1}, {"model": "tiny"}, report.items, report.curves,
+                        task=task.task_name, headline=task.headline_metric,
+                        mistakes=task.mistake_cards(report.items, None))
 
 
 def _open(browser, path: Path, shots: Path):
@@ -163,6 +168,7 @@ def _hostile_report(out: Path) -> tuple[Path, list[dict]]:
     """A page whose every text comes from hostile names: file names, class names, metric and
     method names, detection category names, caption vocabulary words."""
     import numpy as np
+
     from vision_attn.explain.records import png_data_uri, quantise
 
     rgb = np.full((16, 16, 3), 120, np.uint8)
@@ -183,11 +189,14 @@ def _hostile_report(out: Path) -> tuple[Path, list[dict]]:
     training = {"epochs": [0, 1],
                 "series": {"train/loss": [[0, 1.0], [1, 0.5]], f"val/{HOSTILE[0]}": [[0, 0.1], [1, 0.2]]},
                 "lr": {HOSTILE[1]: [[0, 0.1], [5, 0.2]]}, "files": [HOSTILE[3]]}
-    path = write_report(out / "report.html", HOSTILE[0], {HOSTILE[1]: 0.5, f"pointing_{HOSTILE[2]}": 0.4},
+    files = {"per_class.json": {name: {"acc": 0.5, "n": 2, "precision": 0.5, "recall": 0.5} for name in labels},
+             "confusion_matrix.json": {"labels": labels, "counts": [[1, 0, 0], [0, 0, 1], [0, 0, 1]]}}
+    metrics = {HOSTILE[1]: 0.5, f"pointing_{HOSTILE[2]}": 0.4}
+    path = write_report(out / "report.html", HOSTILE[0], metrics,
                         {"data": HOSTILE[2], HOSTILE[3]: 1, "checkpoint": HOSTILE[4], "split": HOSTILE[1]},
                         items, curves={HOSTILE[0]: [1.0, 0.5, 0.0], "random": [1.0, 0.8, 0.1]}, task="classification",
-                        per_class={name: {"acc": 0.5, "n": 2, "precision": 0.5, "recall": 0.5} for name in labels},
-                        confusion={"labels": labels, "counts": [[1, 0, 0], [0, 0, 1], [0, 0, 1]]},
+                        sections=classification_report.result_sections(files, metrics), headline="acc_top1",
+                        mistakes=classification_report.mistake_cards(items, predictions, DEFAULT_MISTAKES),
                         predictions=predictions, training_curves=training)
     return path, items
 
@@ -265,6 +274,7 @@ garbled,row,with,too,many,cells,x,y,z,w
 
 def _item(name: str, seed: int) -> dict:
     import numpy as np
+
     from vision_attn.explain.records import png_data_uri, quantise
 
     rng = np.random.default_rng(seed)
@@ -293,9 +303,11 @@ def _classification_page(out: Path) -> Path:
     items = [_item(f, k) for k, (f, *_rest) in enumerate(SPLIT[:EXPLAINED])]
     metrics = {"acc_top1": 0.4, "deletion_auc_rollout": 0.2, "deletion_auc_random": 0.4, "insertion_auc_rollout": 0.7,
                "insertion_auc_random": 0.5, "sanity_rollout": 0.1, "explain_images": 7.0}
+    files = {"per_class.json": per_class, "confusion_matrix.json": {"labels": CLASSES, "counts": counts}}
     return write_report(out / "report.html", "classification", metrics, {"checkpoint": "run/checkpoints/last.ckpt",
                         "split": "val"}, items, {"rollout": [1.0, 0.4, 0.1], "random": [1.0, 0.8, 0.5]},
-                        task="classification", per_class=per_class, confusion={"labels": CLASSES, "counts": counts},
+                        task="classification", sections=classification_report.result_sections(files, metrics),
+                        headline="acc_top1", mistakes=classification_report.mistake_cards(items, predictions, 8),
                         predictions=predictions, training_curves=read_training_curves(_write_run(out / "run")))
 
 
@@ -384,12 +396,15 @@ def _detection_and_captioning_pages(out: Path) -> tuple[Path, Path, list[float]]
                "mar_100": 0.45, "pointing_attention": 0.8, "pointing_random": 0.1}
     pr = {"cat": [[0.0, 1.0], [0.5, 0.8], [1.0, 0.2]], "dog": [[0.0, 1.0], [0.5, 0.4], [1.0, 0.0]]}
     det = write_report(out / "det" / "report.html", "detection", metrics, {}, det_items, task="detection",
-                       per_class=per_class, pr_curves=pr, predictions=[])
+                       sections=detection_report.result_sections({"per_class.json": per_class, "pr_curves.json": pr},
+                                                                 metrics),
+                       headline="map", mistakes=detection_report.mistake_cards(det_items, [], 8), predictions=[])
     ciders = [1.5, 0.2, 0.9, 0.0]
     cap_items = [_item(f"image id {k}", k) for k in range(4)]
     predictions = [{"image_id": k, "caption": f"caption {k}", "cider": c} for k, c in enumerate(ciders)]
     cap = write_report(out / "cap" / "report.html", "captioning", {"cider": 0.65}, {}, cap_items,
-                       task="captioning", predictions=predictions)
+                       task="captioning", headline="cider", split_size=len(predictions),
+                       mistakes=captioning_report.mistake_cards(cap_items, predictions, 8), predictions=predictions)
     return det, cap, ciders
 
 
@@ -466,6 +481,7 @@ def test_large_panels_are_compacted(tmp_path):
 
     import cv2
     import numpy as np
+
     from vision_attn.explain.records import compact_data_uri, png_data_uri
 
     yy, xx = np.mgrid[0:600, 0:1000]
@@ -530,7 +546,8 @@ def test_classification_mistakes_outside_the_sample_get_overlays(browser, shapes
     assert written == [f"{i:05d}" for i in explained]
     assert set(report.curves) == {"rollout", "random"}  # the deletion curves: the sample only (2 images)
     path = write_report(out / "report.html", "classification", {"acc_top1": 0.84}, {}, report.items, report.curves,
-                        task="classification", predictions=predictions)
+                        task=task.task_name, headline=task.headline_metric,
+                        mistakes=task.mistake_cards(report.items, predictions), predictions=predictions)
     page, errors, requests = _visit(browser, path)
     cards = _gallery(page)
     assert [c["score"] for c in cards] == [wrong[i] for i in order]
@@ -599,7 +616,9 @@ def test_detection_mistakes_list_missed_and_false_and_pr_curves_render(browser, 
           ds.class_names[1]: {"recall": [0.0, 0.5, 1.0], "precision": [0.8, 0.4, -1.0]},
           ds.class_names[-1]: {"recall": [0.0, 0.5, 1.0], "precision": [-1.0, -1.0, -1.0]}}
     path = write_report(tmp_path / "eval" / "report.html", "detection", {"map": 0.5}, {}, report.items,
-                        task="detection", predictions=predictions, pr_curves=pr)
+                        task=task.task_name, sections=task.report_sections({"pr_curves.json": pr}, {"map": 0.5}),
+                        headline=task.headline_metric, mistakes=task.mistake_cards(report.items, predictions),
+                        predictions=predictions)
     page, errors, requests = _visit(browser, path)
     cards = _gallery(page)
     assert [(card["name"], card["score"], card["top"]) for card in cards] == [
@@ -766,19 +785,28 @@ def test_sections_given_as_data_render_escaped_and_interactive(browser, tmp_path
 
 
 def test_builtin_results_are_section_records():
+    """Each built-in task builds its result sections from its own evaluation files (its
+    ``report_sections`` hook); captioning has none (the default)."""
     from vision_attn.report import BarChart, ConfusionMatrix, Curves, Section, Table
-    from vision_attn.report.sections import result_sections
+    from vision_attn.tasks import CaptioningTask, ClassificationTask, DetectionTask, VisionTask
 
     per_class = {c: {"acc": 0.5, "n": 2, "precision": 0.5, "recall": 0.5} for c in CLASSES}
     confusion = {"labels": CLASSES, "counts": [[1, 1, 0], [0, 2, 0], [1, 0, 1]]}
-    (cls,) = result_sections("classification", per_class, confusion, {}, None)
+    classifier = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=CLASSES)
+    (cls,) = classifier.report_sections({"per_class.json": per_class, "confusion_matrix.json": confusion}, {})
     assert isinstance(cls, Section) and [type(b) for b in cls.blocks] == [Table, ConfusionMatrix]
     assert cls.blocks[0].id == "per-class" and cls.blocks[1].id == "confusion"
     detection = {"cat": {"ap": 0.5, "ap_50": 0.8, "n_gt": 4}}
-    (det,) = result_sections("detection", detection, None, {"map_small": 0.1}, {"cat": [[0.0, 1.0], [1.0, 0.5]]})
+    detector = DetectionTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["cat"],
+                             head=DETRConfig(num_queries=4, hidden_dim=32, num_layers=1, num_heads=2))
+    files = {"per_class.json": detection, "pr_curves.json": {"cat": [[0.0, 1.0], [1.0, 0.5]]}}
+    (det,) = detector.report_sections(files, {"map_small": 0.1})
     assert [(type(b), b.id) for b in det.blocks] == [(BarChart, "ap-per-class"), (BarChart, "size-breakdown"),
                                                        (Curves, "pr-curves")]
-    assert result_sections("captioning", None, None, {"cider": 1.0}, None) == []
+    assert CaptioningTask.report_sections is VisionTask.report_sections
+    assert VisionTask.report_sections(classifier, {}, {"cider": 1.0}) == []
+    assert (classifier.headline_metric, detector.headline_metric, CaptioningTask.headline_metric) == (
+        "acc_top1", "map", "cider")
 
 
 def test_section_renderer_refuses_what_it_cannot_draw():

@@ -220,8 +220,9 @@ def test_write_json_writes_non_finite_numbers_as_null_with_one_warning(tmp_path,
 
 
 def test_a_model_with_nan_weights_writes_valid_predictions_json(tmp_path, caplog):
-    from vision_attn.predict import predict_folder
+    from vision_attn.predict import FolderRun, predict_folder
     from vision_attn.tasks import ClassificationTask
+    from vision_attn.tasks.classification import ClassificationOptions
 
     from .test_export import _checkpoint
 
@@ -237,7 +238,8 @@ def test_a_model_with_nan_weights_writes_valid_predictions_json(tmp_path, caplog
         Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(images / name)
     out = tmp_path / "out"
     with caplog.at_level(logging.WARNING, logger="vision_attn.outputs"):
-        predict_folder(ckpt, images, out, overlays=False, topk=2, progress=False, report_images=0)
+        predict_folder(ckpt, images, out, FolderRun(progress=False, report_images=0),
+                       options=ClassificationOptions(topk=2), overlays=False)
     records = _strict_json((out / "predictions.json").read_text())
     assert [r["file"] for r in records] == ["a.png", "b.png"]
     assert all(r["score"] is None and all(t["score"] is None for t in r["topk"]) for r in records)

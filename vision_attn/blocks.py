@@ -11,16 +11,21 @@ and numbers, never markup. A task's result section is built from these records::
         ConfusionMatrix(["cat", "dog"], [[1, 3], [1, 2]], title="Confusion matrix"),
     ])
 
-and handed to :func:`~vision_attn.report.page.write_report` (``sections=[...]``). The records
-import nothing from the package, so any layer may build them.
+and handed to :func:`~vision_attn.report.page.write_report` (``sections=[...]``). The mistakes
+gallery is data too: :class:`Mistakes` of :class:`Mistake` cards, worst first
+(``write_report(..., mistakes=...)``). The records import nothing from the package, so any layer
+may build them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["Bar", "BarChart", "Block", "Card", "Cards", "Column", "ConfusionMatrix", "Curves", "Section", "Table"]
+__all__ = ["Bar", "BarChart", "Block", "Card", "Cards", "Column", "ConfusionMatrix", "Curves", "Listing", "Mistake",
+           "Mistakes", "Section", "Strong", "Table", "finite"]
 
 # A table cell: text as it is, an int as it is, a float with the table's digits; None, NaN and -1.0
 # (COCO: no ground truth in range) read "—".
@@ -135,3 +140,70 @@ class Section:
     title: str
     blocks: Sequence[Block] = ()
     note: str = ""
+
+
+@dataclass(frozen=True)
+class Strong:
+    """A bold part of a :class:`Mistake`'s headline: text, or a number (formatted with the card's
+    ``digits``)."""
+
+    value: Cell
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A titled list in a :class:`Mistake` card, shown with its length (``missed (2):``) and its
+    entries, or ``none``; ``key`` is the list's class attribute, what scripts and tests select it by
+    (``""``: ``title``)."""
+
+    title: str
+    entries: Sequence[str]
+    key: str = ""
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """One card of the mistakes gallery: ``#rank`` (its place in :attr:`Mistakes.cards`), the
+    headline ``head`` (text, numbers and :class:`Strong` parts), the image's ``name``, ``tail``
+    after it, a ``text`` line under them and ``lists``. When the page explains the image called
+    ``name``, the card shows its overlay and links to its interactive view.
+
+    Args:
+        name: the image, as the report items and ``predictions.json`` name it.
+        head: what comes before the name; numbers are shown with ``digits`` decimals (``None``: —).
+        tail: text after the name.
+        text: a line under the headline (e.g. a caption; ``None``: no line).
+        lists: titled lists under the headline (e.g. missed objects, false detections).
+        score: what the gallery is ranked by (the card's ``data-score``; ``None``: none).
+        top: the second ranking key (the card's ``data-top``; ``None``: none).
+        digits: decimals of the numbers in ``head``.
+    """
+
+    name: str
+    head: Sequence[Cell | Strong] = ()
+    tail: str = ""
+    text: str | None = None
+    lists: Sequence[Listing] = ()
+    score: float | None = None
+    top: float | None = None
+    digits: int = 3
+
+
+@dataclass(frozen=True)
+class Mistakes:
+    """The mistakes gallery: its cards, worst first, with an ``intro`` above them; ``empty`` is what
+    the page says when there are no cards (``""``: the gallery is left out)."""
+
+    cards: Sequence[Mistake]
+    intro: str = ""
+    empty: str = ""
+
+
+def finite(value: Any) -> float | None:
+    """A finite float from any value (a number, a numeric string), or ``None`` (empty, garbled, NaN,
+    inf): how a result file's number becomes a cell."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None

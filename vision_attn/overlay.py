@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from vision_attn.predict import predict_folder
+from vision_attn.explain.evaluate import ExplainOptions
+from vision_attn.predict import FolderRun, predict_folder
 
 __all__ = ["explain_folder"]
 
@@ -44,8 +45,8 @@ def explain_folder(
 
     Returns ``{"predictions": [...], "skipped": [{"file", "reason"}]}``.
     """
-    return predict_folder(ckpt_path, images, output_dir, batch_size, True, tuple(methods), alpha=alpha, device=device,
-                          overwrite=overwrite, progress=progress)
+    run = FolderRun(batch_size=batch_size, device=device, overwrite=overwrite, progress=progress)
+    return predict_folder(ckpt_path, images, output_dir, run, ExplainOptions(methods=list(methods), alpha=alpha))
 
 
 if __name__ == "__main__":

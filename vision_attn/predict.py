@@ -6,10 +6,12 @@
 ``--ckpt_path`` (or ``--model``) is a checkpoint from training (any task; overlays included) or
 an ONNX file from ``vision-attn export`` (tasks whose predictions ONNX can make; ONNX holds no
 attention maps, so no overlays). Everything task specific is asked of the task
-(:meth:`~vision_attn.tasks.VisionTask.predict_step`). The images run through Lightning's predict
-loop: DataLoader workers decode them, ``--devices`` processes share them, a progress bar shows
-the run; unreadable files are listed in ``skipped.json`` and never abort it. Writes into
-``--output_dir``:
+(:meth:`~vision_attn.tasks.VisionTask.predict_step`), its own options included: the dataclass the
+task declares (:attr:`~vision_attn.tasks.VisionTask.inference_options`: ``--topk`` of a classifier,
+``--score_threshold`` of a detector, ``--generate.*`` of a captioner). The images run through
+Lightning's predict loop: DataLoader workers decode them, ``--devices`` processes share them, a
+progress bar shows the run; unreadable files are listed in ``skipped.json`` and never abort it.
+Writes into ``--output_dir``:
 
 - ``predictions.json``: the task's records, in file order (``file`` relative to ``--images``):
   classification ``[{"file", "pred", "score"}]``; detection ``[{"file", "detections":
@@ -36,12 +38,14 @@ explanation code runs and no hook is put on the model: the task's plain forward
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import queue
 import stat
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,16 +70,16 @@ from vision_attn.errors import (
     VisionAttnError,
 )
 from vision_attn.explain.evaluate import ExplainOptions
-from vision_attn.explain.methods import resolve_target_class
+from vision_attn.explain.methods import skip_inapplicable
 from vision_attn.explain.overlay import save_png
 from vision_attn.models.merging import merge_tokens
 from vision_attn.outputs import display_path, safe_filename, write_json
 from vision_attn.report import write_report
-from vision_attn.tasks.base import build_task_from_meta
+from vision_attn.tasks.base import VisionTask, build_task_from_meta
 from vision_attn.tasks.sources import load_model
 
-__all__ = ["OUTPUTS", "BackgroundWriter", "OverlayWriteError", "overlay_name", "predict_folder",
-           "scan_folder"]
+__all__ = ["OUTPUTS", "BackgroundWriter", "FolderRun", "ModelSource", "OverlayWriteError", "check_outputs",
+           "load_source", "overlay_name", "predict_folder", "scan_folder", "task_of"]
 
 log = logging.getLogger(__name__)
 
@@ -317,8 +321,10 @@ class PredictionWriter(BasePredictionWriter):
             return
         write_json(self.out / "predictions.json", self.result["predictions"], root=self.out)
         write_json(self.out / "skipped.json", self.result["skipped"], root=self.out)
+        task = getattr(pl_module, "task", pl_module)  # an ONNX model's task describes it
         write_report(self.out / "report.html", self.title, {"images": float(len(predictions)),
-                     "skipped": float(len(self.result["skipped"]))}, self.summary, items, root=self.out)
+                     "skipped": float(len(self.result["skipped"]))}, self.summary, items, root=self.out,
+                     task=task.task_name, headline=task.headline_metric, mistakes=task.mistake_cards(items, None))
 
 
 class OnnxPredictor(L.LightningModule):
@@ -380,105 +386,181 @@ def _first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-def predict_folder(
-    model_path: str | Path,
-    images: str | Path,
-    output_dir: str | Path,
-    batch_size: int = 16,
-    overlays: bool = True,
-    methods: tuple[str, ...] | None = None,
-    score_threshold: float = 0.3,
-    alpha: float = 0.5,
-    device: str | None = None,
-    overwrite: bool = False,
-    progress: bool = True,
-    expected_task: str | None = None,
-    report_images: int = 50,
-    num_workers: int = 0,
-    devices: int | str = 1,
-    allow_import: tuple[str, ...] = (),
-    weights_file: str | Path | None = None,
-    class_names: str | Path | list[str] | None = None,
-    topk: int = 5,
-    target_class: str | None = None,
-    token: str = "auto",
-    merge_r: int = 0,
-    background_writes: bool = True,
-) -> dict[str, list]:
-    """Predictions (and overlays) for every image under ``images``, through Lightning's predict
-    loop (DataLoader workers decode; ``devices`` processes share the images); returns
-    ``{"predictions": [...], "skipped": [{"file", "reason"}]}`` as written.
+@dataclass
+class ModelSource:
+    """Where the model of :func:`predict_folder` comes from, and how it is built (:func:`load_source`).
 
-    Args:
-        device: ``cpu``, ``cuda`` or ``auto`` (default: a GPU when there is one).
-        devices: processes / GPUs (Lightning's ``Trainer(devices=...)``).
-        methods: explanation methods drawn side by side (``None``: each head's default, see
-            :class:`~vision_attn.explain.evaluate.ExplainOptions`).
+    Attributes:
+        path: a checkpoint from training (any task), ``timm:NAME`` (any timm ViT by name) or an
+            ONNX file from ``vision-attn export`` (``.onnx``: predictions only, no overlays).
+        weights_file: ``timm:NAME`` only: a local weights file (else timm's hub).
+        class_names: ``timm:NAME`` only, for a head that is not an ImageNet one: the names (a list,
+            or a text file with one per line).
         allow_import: module prefixes whose task classes the checkpoint may name (``--allow_import``).
-        weights_file: for ``timm:NAME`` models: a local weights file (else timm's hub).
-        class_names: for ``timm:NAME`` models whose head is not an ImageNet one: the names (a
-            list, or a text file with one per line).
-        topk: classification records list the ``topk`` best classes.
-        target_class: explain this class (name or index) instead of the prediction.
-        token: which prefix token's row the classification explanations follow (``auto``,
-            ``cls``, ``dist``, ``mean`` of the two for distilled DeiT).
-        merge_r: token merging (:func:`vision_attn.merge_tokens`, ToMe): merge this many
-            tokens in every encoder block (``0``: off, exactly the model as trained). Faster,
-            slightly less accurate; the encoder still returns tokens on the patch grid, so
-            overlays keep their shape.
+        expected_task: refuse a model of another task (``None``: any task).
+        merge_r: token merging (:func:`vision_attn.merge_tokens`, ToMe): merge this many tokens in
+            every encoder block (``0``: off, exactly the model as trained). Faster, slightly less
+            accurate; the encoder still returns tokens on the patch grid, so overlays keep their shape.
+    """
+
+    path: str | Path
+    weights_file: str | Path | None = None
+    class_names: str | Path | list[str] | None = None
+    allow_import: tuple[str, ...] = ()
+    expected_task: str | None = None
+    merge_r: int = 0
+
+
+@dataclass
+class FolderRun:
+    """How :func:`predict_folder` runs: batches, processes, device, and what it may replace.
+
+    Attributes:
+        batch_size: images per batch.
+        num_workers: DataLoader processes decoding the images (``0``: the main process).
+        device: ``cpu``, ``cuda`` or ``auto`` (``None``: a GPU when there is one).
+        devices: processes / GPUs sharing the images (Lightning's ``Trainer(devices=...)``).
+        overwrite: replace the outputs of an earlier run (:data:`OUTPUTS`) in the output folder.
+        progress: show a progress bar.
+        report_images: how many images ``report.html`` shows (later ones get no report item).
         background_writes: encode and write the overlay PNGs on a background thread while the
             model runs the next batch (:class:`BackgroundWriter`; the same files as writing them
             in the loop, ``False``).
     """
 
-    out, model_path = Path(output_dir), Path(str(model_path))
-    images, files, skipped = resolve_images(images)
-    existing = [name for name in OUTPUTS if os.path.lexists(out / name)]
+    batch_size: int = 16
+    num_workers: int = 0
+    device: str | None = None
+    devices: int | str = 1
+    overwrite: bool = False
+    progress: bool = True
+    report_images: int = 50
+    background_writes: bool = True
+
+
+def check_outputs(out: Path, overwrite: bool = False) -> None:
+    """Refuse an output folder that holds any of :data:`OUTPUTS` (a user's file of the same name
+    included), unless ``overwrite``.
+
+    Raises:
+        RunExistsError: naming what is there.
+    """
+    existing = [name for name in OUTPUTS if os.path.lexists(Path(out) / name)]
     if existing and not overwrite:
         raise RunExistsError(f"{out} already holds {', '.join(existing)}, which predict would overwrite; "
                              "pass another --output_dir or --overwrite")
-    accelerator = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu"}.get(device or "auto", "auto")
-    check_accelerator(accelerator, devices, flag="--device")
-    options = ExplainOptions(methods=list(methods) if methods else None, alpha=alpha, score_threshold=score_threshold, topk=topk,
-                             target_class=target_class, token=token)
-    if model_path.suffix == ".onnx":
-        model, overlays, accelerator = OnnxPredictor(model_path, allow_import), False, "cpu"
-    else:  # a checkpoint, or timm:NAME
-        model = load_model(str(model_path), weights_file=weights_file, class_names=class_names,
-                           allow_import=allow_import)
-    kind = model.task_name
-    if merge_r:
-        if isinstance(model, OnnxPredictor):
-            raise ConfigError(f"--merge_r {merge_r}: token merging changes the PyTorch model; an ONNX model "
-                              "cannot merge tokens (export a merged model, or predict with the checkpoint)")
 
-        try:
-            merge_tokens(model, merge_r)
-        except EncoderError as err:
-            raise ConfigError(f"--merge_r {merge_r}: {err}") from err
-    if expected_task is not None and kind != expected_task:
-        raise CheckpointError(f"{model_path} holds a {kind!r} model, not a {expected_task!r} one")
-    if target_class is not None and getattr(model, "class_names", None):  # fail before the first batch
-        resolve_target_class(target_class, model.class_names, len(model.class_names))
-    model.predict_options = options
+
+def task_of(model: VisionTask | OnnxPredictor) -> VisionTask:
+    """The task that describes ``model``: an :class:`OnnxPredictor`'s, or the model itself."""
+    return model.task if isinstance(model, OnnxPredictor) else model
+
+
+def load_source(source: ModelSource | str | Path) -> VisionTask | OnnxPredictor:
+    """The model ``source`` describes, ready to predict: the task of a checkpoint or a timm model
+    (eval mode; its tokens merged when ``source.merge_r`` asks), or an :class:`OnnxPredictor`.
+
+    Raises:
+        CheckpointError: a model of another task than ``source.expected_task``, or one that cannot
+            be read.
+        ConfigError: token merging asked of an ONNX model, or of an encoder that cannot merge.
+    """
+    source = source if isinstance(source, ModelSource) else ModelSource(source)
+    path = Path(str(source.path))
+    if path.suffix == ".onnx":
+        model: VisionTask | OnnxPredictor = OnnxPredictor(path, source.allow_import)
+        if source.merge_r:
+            raise ConfigError(f"--merge_r {source.merge_r}: token merging changes the PyTorch model; an ONNX model "
+                              "cannot merge tokens (export a merged model, or predict with the checkpoint)")
+    else:  # a checkpoint, or timm:NAME
+        model = load_model(str(source.path), weights_file=source.weights_file, class_names=source.class_names,
+                           allow_import=source.allow_import)
+        if source.merge_r:
+            try:
+                merge_tokens(model, source.merge_r)
+            except EncoderError as err:
+                raise ConfigError(f"--merge_r {source.merge_r}: {err}") from err
+    if source.expected_task is not None and model.task_name != source.expected_task:
+        raise CheckpointError(f"{path} holds a {model.task_name!r} model, not a {source.expected_task!r} one")
+    return model
+
+
+def _drawn(task: VisionTask, explain: ExplainOptions, what: str) -> ExplainOptions:
+    """``explain`` with only the methods that apply to ``task`` (the others skipped with a warning,
+    :func:`~vision_attn.explain.methods.skip_inapplicable`)."""
+    kept = copy.copy(explain)
+    kept.methods = skip_inapplicable(task, explain.methods, what)
+    return kept
+
+
+def predict_folder(
+    source: ModelSource | str | Path,
+    images: str | Path,
+    output_dir: str | Path,
+    run: FolderRun | None = None,
+    explain: ExplainOptions | None = None,
+    options: Any = None,
+    overlays: bool = True,
+    model: VisionTask | OnnxPredictor | None = None,
+) -> dict[str, list]:
+    """Predictions (and overlays) for every image under ``images``, through Lightning's predict
+    loop (DataLoader workers decode; ``run.devices`` processes share the images); returns
+    ``{"predictions": [...], "skipped": [{"file", "reason"}]}`` as written.
+
+    Args:
+        source: the model: a checkpoint, ``timm:NAME`` or ``.onnx`` path, or a :class:`ModelSource`
+            (timm weights and class names, allowed imports, the task expected, token merging).
+        images: an image file, a folder (searched recursively) or a glob (:func:`resolve_images`).
+        output_dir: where ``predictions.json``, ``overlays/``, ``skipped.json`` and ``report.html`` go.
+        run: batches, processes, device, overwriting, progress (:class:`FolderRun`; default: its
+            defaults).
+        explain: the explanation methods drawn side by side and the overlays' opacity
+            (:class:`~vision_attn.explain.evaluate.ExplainOptions`; default: each head's methods);
+            a method that does not apply to the model is skipped with a warning.
+        options: the task's inference options: an instance of the dataclass the model's task
+            declares (:attr:`~vision_attn.tasks.VisionTask.inference_options`; ``None``: the task's
+            defaults), handed to it by :meth:`~vision_attn.tasks.VisionTask.set_inference_options`.
+        overlays: draw the explanations (``False``: predictions only; no explanation code runs).
+        model: the model ``source`` describes, already loaded (:func:`load_source`; ``None``: loaded
+            here).
+    """
+    run = run or FolderRun()
+    source = source if isinstance(source, ModelSource) else ModelSource(source)
+    out = Path(output_dir)
+    images, files, skipped = resolve_images(images)
+    check_outputs(out, run.overwrite)
+    accelerator = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu"}.get(run.device or "auto", "auto")
+    check_accelerator(accelerator, run.devices, flag="--device")
+    model = load_source(source) if model is None else model
+    task = task_of(model)
+    if isinstance(model, OnnxPredictor):  # ONNX holds no attention maps
+        overlays, accelerator = False, "cpu"
+    if options is not None:
+        task.set_inference_options(options)
+    model.predict_options = task.explain_options(explain if explain is not None else ExplainOptions())
+    if overlays:
+        model.predict_options = _drawn(task, model.predict_options, display_path(source.path))
+        if not model.predict_options.methods:
+            log.warning("no explanation method applies to %s: predictions only", display_path(source.path))
+            overlays = False
     model.predict_overlays = overlays
-    model.predict_report_images = report_images
+    model.predict_report_images = run.report_images
     loader = DataLoader(FolderImages(images, files, build_eval_transform(model.inference_data_config()), overlays),
-                        batch_size=batch_size, num_workers=num_workers, collate_fn=collate_folder,
+                        batch_size=run.batch_size, num_workers=run.num_workers, collate_fn=collate_folder,
                         persistent_workers=False,  # one pass: workers end with it
                         pin_memory=accelerator != "cpu" and torch.cuda.is_available())  # faster copies to a GPU
-    writer = PredictionWriter(out, skipped, f"vision_attn {kind} predictions",
-                              {"model": display_path(model_path), "images": display_path(images)}, report_images,
-                              background=background_writes)
+    writer = PredictionWriter(out, skipped, f"vision_attn {model.task_name} predictions",
+                              {"model": display_path(source.path), "images": display_path(images)}, run.report_images,
+                              background=run.background_writes)
     # explanations (relevance, Grad-CAM) need gradients; predictions alone run under inference_mode
-    trainer = L.Trainer(accelerator=accelerator, devices=devices, logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, enable_progress_bar=progress, callbacks=[writer],
+    trainer = L.Trainer(accelerator=accelerator, devices=run.devices, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, enable_progress_bar=run.progress, callbacks=[writer],
                         default_root_dir=str(out), inference_mode=not overlays)
     if files:
         trainer.predict(model, dataloaders=loader, return_predictions=False)
     else:
         writer.on_predict_epoch_end(trainer, model)
-    log.info("%s: %d images into %s (%d skipped)", kind, len(writer.result["predictions"]), out,
+    log.info("%s: %d images into %s (%d skipped)", model.task_name, len(writer.result["predictions"]), out,
              len(writer.result["skipped"]))
     return writer.result
 

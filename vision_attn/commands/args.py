@@ -11,8 +11,9 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -66,12 +67,48 @@ def normalize_flags(argv: Sequence[str], renamed: dict[str, str] | None = None,
     return out
 
 
+def _read_config(path: str) -> dict[str, Any]:
+    """A ``--config`` file of an argparse command: a YAML mapping of option names to values, nested
+    mappings flattened to dotted names (``group: {field: 1}`` is ``group.field``)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"--config {path}: cannot read it ({err})") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of option names to values")
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[str(key)] = value
+    return flat
+
+
+def _dests(parser: argparse.ArgumentParser) -> set[str]:
+    return {a.dest for a in parser._actions} - {"help", "config"}
+
+
+def _by_dest(parser: argparse.ArgumentParser, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with each option name (``ckpt_path``) turned into the name argparse stores it under
+    (``model``); names that are no option are kept."""
+    actions = parser._option_string_actions
+    return {(actions[f"--{k}"].dest if f"--{k}" in actions else k): v for k, v in data.items()}
+
+
 def parse_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None, required: Sequence[str] = (),
-                  renamed: dict[str, str] | None = None) -> argparse.Namespace:
+                  renamed: dict[str, str] | None = None,
+                  extend: Callable[[argparse.ArgumentParser, argparse.Namespace, bool], None] | None = None,
+                  ) -> argparse.Namespace:
     """Parse an argparse subcommand the vision_attn way: old spellings normalised
     (:func:`normalize_flags`), no abbreviated options, ``--config FILE`` (repeatable; YAML mapping
     of option names to values, later files and the command line win) as defaults, ``required``
     options checked after the config files are applied.
+
+    Args:
+        extend: adds options that depend on others (a model's own options): called with the parser,
+            the options known so far (config files applied) and whether help was asked for, before
+            the command line is parsed in full.
 
     Raises:
         ConfigError: for a config file that cannot be read, is not a mapping, names an option the
@@ -84,24 +121,26 @@ def parse_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None, r
     argv = normalize_flags(sys.argv[1:] if argv is None else argv, renamed, switches)
     parser.add_argument("--config", action="append", default=[], metavar="FILE",
                         help="YAML file of option: value pairs (repeatable; the command line wins)")
-    pre, _ = parser.parse_known_args(argv)
-    dests = {a.dest for a in parser._actions} - {"help", "config"}
-    for path in pre.config:
-        try:
-            data = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as err:
-            raise ConfigError(f"--config {path}: cannot read it ({err})") from err
-        if not isinstance(data, dict):
-            raise ConfigError(f"--config {path}: expected a mapping of option names to values")
-        unknown = sorted(str(k) for k in data if k not in dests)
-        if unknown:
-            raise ConfigError(f"--config {path}: unknown options {unknown}; see {parser.prog} --help")
-        only_here = sorted(str(k) for k in data if k in COMMAND_LINE_ONLY)
-        if only_here:
+    helping = any(a in ("-h", "--help") for a in argv)
+    plain = [a for a in argv if a not in ("-h", "--help")]
+    configs = [(path, _read_config(path)) for path in parser.parse_known_args(plain)[0].config]
+    for path, data in configs:
+        only_here = sorted(str(k) for k in _by_dest(parser, data) if k in COMMAND_LINE_ONLY)
+        if only_here:  # before anything the command line names is loaded
             raise ConfigError(
                 f"--config {path}: {only_here} may only be given on the command line (--allow_import PREFIX "
                 "opens the import policy, which no file may do)"
             )
+    if extend is not None:
+        known = _dests(parser)
+        parser.set_defaults(**{k: v for _, data in configs for k, v in _by_dest(parser, data).items() if k in known})
+        extend(parser, parser.parse_known_args(plain)[0], helping)
+    dests = _dests(parser)
+    for path, data in configs:
+        data = _by_dest(parser, data)
+        unknown = sorted(str(k) for k in data if k not in dests)
+        if unknown:
+            raise ConfigError(f"--config {path}: unknown options {unknown}; see {parser.prog} --help")
         parser.set_defaults(**data)
     args = parser.parse_args(argv)
     missing = [f"--{r}" for r in required if getattr(args, r, None) in (None, "")]

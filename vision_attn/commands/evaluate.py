@@ -21,12 +21,17 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from vision_attn.commands.args import _config_class_paths, _option_value, normalize_flags
 from vision_attn.commands.lightning import _check_writable, _VisionAttnCLI
+from vision_attn.commands.options import (
+    add_eval_options,
+    config_task_class,
+    eval_options,
+    usable_task_classes,
+)
 from vision_attn.commands.policy import split_allow_import
 from vision_attn.commands.run import run_entry
 from vision_attn.errors import CheckpointError, ConfigError, RunExistsError, VisionAttnError
-from vision_attn.explain.evaluate import ExplainOptions
+from vision_attn.explain.methods import skip_inapplicable
 from vision_attn.explain.records import Report
-from vision_attn.models.captioner import GenerationOptions
 from vision_attn.models.merging import merge_tokens
 from vision_attn.outputs import display_path, write_json
 from vision_attn.report import read_training_curves, write_report
@@ -46,12 +51,15 @@ class EvalCLI(_VisionAttnCLI):
     """``eval.py`` / ``vision-attn validate`` / ``test``: the model (architecture, classes,
     preprocessing) comes from the checkpoint; the data from ``--config`` or, without one that
     names data, from the data settings saved in the checkpoint (any key overridable, e.g.
-    ``--data.init_args.root DIR``)."""
+    ``--data.init_args.root DIR``). The checkpoint's task class decides which inference options
+    the command takes besides ``--explain.*`` (its :attr:`~vision_attn.tasks.VisionTask.inference_options`:
+    ``--GROUP.FIELD``, or ``--explain.FIELD`` for a task without a group of its own)."""
 
     def __init__(self, args: list[str] | None = None, default_split: str | None = None) -> None:
         argv = normalize_flags(list(sys.argv[1:] if args is None else args), valued_bools=("--overwrite",))
         self.default_split = default_split
         self._read: tuple[str, dict[str, Any], dict[str, Any]] | None = None  # (path, meta, checkpoint)
+        self.task_classes: list[type[VisionTask]] = []  # the checkpoint's (or the config's) task
         super().__init__(save_config_callback=None, args=self._from_checkpoint(argv))
 
     def _from_checkpoint(self, argv: list[str]) -> list[str]:
@@ -60,10 +68,15 @@ class EvalCLI(_VisionAttnCLI):
         read once; building the model reuses what was read here."""
         rest, allowed = split_allow_import(argv)
         ckpt = _option_value(rest, "--ckpt_path")
-        if not ckpt or any(a in ("-h", "--help") for a in rest) or ckpt == "last":
+        helping = any(a in ("-h", "--help") for a in rest)
+        if not ckpt or helping or ckpt == "last":
+            named = _named_task_class(rest, allowed, ckpt if helping else None)
+            every = usable_task_classes(allowed) if helping else []  # --help of no model: every task's options
+            self.task_classes = [named] if named is not None else every
             return argv
         meta, checkpoint = read_task_meta(ckpt, allowed)
         self._read = (ckpt, meta, checkpoint)
+        self.task_classes = [TASKS[meta["task"]]]  # its inference options are this command's
         front = ["--model", json.dumps(meta["model"])]
         has_data = "data" in _config_class_paths(rest) or any(a == "--data" or a.startswith("--data=") for a in rest)
         if not has_data:
@@ -89,8 +102,7 @@ class EvalCLI(_VisionAttnCLI):
         parser.add_argument("--merge_r", type=int, default=0,
                             help="Token merging (ToMe, Bolya et al. 2023): merge R tokens in every encoder block: "
                                  "faster, slightly less accurate (0: off, the model as trained).")
-        parser.add_class_arguments(ExplainOptions, "explain")
-        parser.add_class_arguments(GenerationOptions, "generate")
+        add_eval_options(parser, self.task_classes)
         parser.set_defaults({"seed_everything": 0, "trainer.logger": False})
 
     def before_instantiate_classes(self) -> None:
@@ -134,6 +146,17 @@ class EvalCLI(_VisionAttnCLI):
         config["enable_checkpointing"] = False
         config["default_root_dir"] = self.config.output_dir
         return super()._instantiate_trainer(config, callbacks)
+
+
+def _named_task_class(argv: list[str], allowed: tuple[str, ...], ckpt: str | None) -> type[VisionTask] | None:
+    """The task class of the checkpoint ``ckpt`` (read for ``--help``) or, without one, of the model
+    the ``--config`` files name; ``None`` when neither says (the command's own errors follow)."""
+    if ckpt and ckpt != "last":
+        try:
+            return TASKS[read_task_meta(ckpt, allowed)[0]["task"]]
+        except (VisionAttnError, OSError, ValueError, KeyError):
+            return None
+    return config_task_class(argv, allowed)
 
 
 RESULT_FILES = ("metrics.json", "predictions.json")  # what every task's evaluation writes
@@ -184,8 +207,9 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
     cli = EvalCLI(args=args, default_split=default_split)
     dm, model, trainer = cli.datamodule, cli.model, cli.trainer
     model.configure_datamodule(dm)
-    if hasattr(model, "set_generation"):
-        model.set_generation(cli.config_init.generate)
+    explain, task_options = eval_options(cli.config, type(model))
+    if task_options is not None:
+        model.set_inference_options(task_options)
     split = cli.config.split or (_test_split(dm) if cli.default_split == "test" else dm.val_split)
     data = _SplitData(dm, split)
     trainer.test(model, datamodule=data, verbose=False)
@@ -193,11 +217,15 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
     if trainer.is_global_zero:
         out = Path(cli.config.output_dir)
         model.eval()
-        options = cli.config_init.explain
+        options = model.explain_options(explain)
+        options.methods = skip_inapplicable(model, options.methods, f"checkpoint {cli.ckpt_file}")
         options.predictions = predictions  # the worst mistakes are explained too (--explain.mistakes)
         report = Report() if options.report else None
         files = _task_files(model, data.loader.dataset)  # of the test run, before the explanations run the model
-        metrics.update(model.explain_eval(data.loader.dataset, options, out, report=report))
+        if options.methods:
+            metrics.update(model.explain_eval(data.loader.dataset, options, out, report=report))
+        else:
+            log.warning("no explanation method applies to %s: no overlays or explanation numbers", cli.ckpt_file)
         write_json(out / "predictions.json", predictions, root=out)
         for name, content in files.items():
             write_json(out / name, content, root=out)
@@ -215,9 +243,9 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
                        "preprocessing": cli.ckpt_meta.get("data_config"), "data": data_settings}
             write_report(out / "report.html", f"vision_attn {model.task_name} evaluation", metrics, summary,
                          report.items, report.curves, root=out, task=model.task_name,
-                         per_class=files.get("per_class.json"), confusion=files.get("confusion_matrix.json"),
-                         predictions=predictions, training_curves=read_training_curves(cli.ckpt_file),
-                         split_size=len(data.loader.dataset), pr_curves=files.get("pr_curves.json"))
+                         sections=model.report_sections(files, metrics), headline=model.headline_metric,
+                         mistakes=model.mistake_cards(report.items, predictions), predictions=predictions,
+                         training_curves=read_training_curves(cli.ckpt_file), split_size=len(data.loader.dataset))
         log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)
     return metrics
 

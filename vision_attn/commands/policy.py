@@ -24,7 +24,6 @@ from vision_attn.distributed import BlockFSDPStrategy
 from vision_attn.errors import ConfigError
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.models import ViTEncoder
-from vision_attn.models.captioner import GenerationOptions
 from vision_attn.tasks.base import (
     TASKS,
 )
@@ -94,8 +93,9 @@ def _suite_classes() -> list[type]:
     modules and their generated-data settings, the option groups, the checkpoint callback and the
     sharding strategy."""
     tasks = [cls for cls in TASKS.values() if cls.__module__.split(".")[0] == "vision_attn"]
+    options = [cls.inference_options for cls in tasks if cls.inference_options is not None]  # the tasks' own
     return [*tasks, ViTEncoder, ImageFolderDataModule, DetectionDataModule, CaptioningDataModule,
-            ShapesConfig, SceneSetConfig, DigitSceneConfig, Optimization, ExplainOptions, GenerationOptions,
+            ShapesConfig, SceneSetConfig, DigitSceneConfig, Optimization, ExplainOptions, *options,
             RunCheckpoint, BlockFSDPStrategy]
 
 

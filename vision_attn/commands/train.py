@@ -26,13 +26,12 @@ from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from vision_attn.checkpoint_io import SafeCheckpointIO, check_checkpoint_file
-from vision_attn.commands.args import _config_class_paths, _take_flag, hide_options
+from vision_attn.commands.args import _config_class_paths, _take_flag
 from vision_attn.commands.callbacks import RunCheckpoint, RunConfigCallback
 from vision_attn.commands.lightning import _VisionAttnCLI
+from vision_attn.commands.options import add_eval_options, config_task_class, usable_task_classes
 from vision_attn.commands.run import run_entry
 from vision_attn.errors import CheckpointError, ConfigError
-from vision_attn.explain.evaluate import ExplainOptions
-from vision_attn.models.captioner import GenerationOptions
 from vision_attn.schema import check_limits
 from vision_attn.tasks.base import (
     VisionTask,
@@ -74,10 +73,10 @@ class TrainCLI(_VisionAttnCLI):
         # learning rates and weight decay stay in --model.optim (per parameter group).
         parser.add_optimizer_args((torch.optim.Optimizer,), nested_key="optimizer", link_to="AUTOMATIC")
         parser.add_lr_scheduler_args(nested_key="lr_scheduler", link_to="AUTOMATIC")
-        # evaluation's options, accepted so that one YAML serves fit and validate; not listed in fit's --help
-        parser.add_class_arguments(ExplainOptions, "explain")
-        parser.add_class_arguments(GenerationOptions, "generate")
-        hide_options(parser, ("explain", "generate"))
+        # evaluation's options (the explanations' and the tasks' own), accepted so that one YAML serves fit
+        # and validate; not listed in fit's --help
+        tasks = [*usable_task_classes(self.allow_import), config_task_class(self._argv, self.allow_import)]
+        add_eval_options(parser, tasks, hidden=True)
         parser.set_defaults({"trainer.default_root_dir": None, "seed_everything": 0})
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:

@@ -1,12 +1,13 @@
 """Maps per detected object (where each kept query looked in the image) and their measures.
 
 Overlays: :func:`write_detection_overlays`, of the seeded sample and the split's worst images
-(:func:`~vision_attn.explain.evaluate.overlay_images`); each explained image's report item
+(:func:`~vision_attn.explain.evaluate.overlay_images`, ranked by the task); each explained image's report item
 carries its **missed** and **false** detections (:func:`detection_errors`: the evaluation's
 detections scoring at least ``--explain.score_threshold``, matched by :func:`match_detections` at
 IoU 0.5; a missed object is a non-crowd ground-truth box no such detection matched, a false
 detection one that matched no box — nothing there, a box already taken, or an object of another
-class), and the images are ranked by :func:`rank_detection_errors` for the mistakes gallery.
+class), and the detection task ranks the images by :func:`rank_detection_errors` for the
+mistakes gallery.
 Measures at evaluation
 (:func:`detection_explain_metrics`, called by ``DetectionTask.explain_eval``) over the images
 of :func:`~vision_attn.explain.evaluate.select_images` (``--explain.faithfulness_images`` /
@@ -47,7 +48,7 @@ accumulated by :mod:`vision_attn.explain.measures`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,7 @@ import numpy as np
 import torch
 
 from vision_attn.explain.decoder_relevance import detection_relevance
+from vision_attn.explain.evaluate import overlay_images, select_images, worst_images
 from vision_attn.explain.faithfulness import (
     MODES,
     curve_ends,
@@ -71,8 +73,8 @@ from vision_attn.explain.sanity import StandIn, cascading_randomisation, spearma
 from vision_attn.outputs import safe_filename
 
 __all__ = [
-    "DECODER_DEFAULTS",
     "DECODER_METHODS",
+    "DETECTION_DEFAULTS",
     "StandIn",
     "decoder_methods",
     "detection_explain_metrics",
@@ -80,6 +82,7 @@ __all__ = [
     "detection_probabilities",
     "explain_detection",
     "detection_errors",
+    "error_keywords",
     "match_detections",
     "query_attention_maps",
     "rank_detection_errors",
@@ -120,24 +123,20 @@ the explained query / word; ``relevance`` = Chefer et al. 2021b through decoder 
 (:mod:`vision_attn.explain.decoder_relevance`), over image patches."""
 
 
-DECODER_DEFAULTS: dict[str, tuple[str, ...]] = {
-    "detection": ("relevance", "attention"),
-    "captioning": ("relevance", "attention"),
-}
-"""Each decoder head's methods, first = the default, when ``--explain.methods`` is not given:
-chosen from the measured table on the trained demo models (README "Against ground truth").
-Detection: raw cross-attention points (0.917 vs 0.912) and deletes (0.109 vs 0.123) slightly
-better, but fails the sanity check (0.78: with the encoder randomised a query still looks at
-its learned anchor, so the map shows where the box is, not the image evidence); relevance
-passes (0.40). Captioning: relevance points at the named object far more often (0.68 vs 0.49)
-and deletes faster (0.248 vs 0.283)."""
+DETECTION_DEFAULTS: tuple[str, ...] = ("relevance", "attention")
+"""The detection head's methods, first = the default, when ``--explain.methods`` is not given:
+chosen from the measured table on the trained demo model (README "Against ground truth"): raw
+cross-attention points (0.917 vs 0.912) and deletes (0.109 vs 0.123) slightly better, but fails
+the sanity check (0.78: with the encoder randomised a query still looks at its learned anchor, so
+the map shows where the box is, not the image evidence); relevance passes (0.40). The captioning
+head's are :data:`~vision_attn.explain.captioning.CAPTION_DEFAULTS`."""
 
 
-def decoder_methods(options, head: str = "detection") -> list[str]:
+def decoder_methods(options, defaults: Sequence[str] = DETECTION_DEFAULTS) -> list[str]:
     """The decoder-head methods among ``options.methods`` in their order (``attention`` when none
-    is); ``head``'s :data:`DECODER_DEFAULTS` when the methods were not given."""
+    is); the head's ``defaults`` when the methods were not given."""
     if getattr(options, "methods_default", False):
-        return list(DECODER_DEFAULTS[head])
+        return list(defaults)
     return [m for m in options.methods if m in DECODER_METHODS] or ["attention"]
 
 
@@ -215,7 +214,8 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, report=None,
     """Overlays (:func:`explain_detection`) of ``options.num_overlays`` images chosen by
     ``options.overlay_selection`` (:func:`~vision_attn.explain.evaluate.select_images`) and of the
     ``options.mistakes`` images with the most missed and false detections in the evaluation's
-    predictions (``options.predictions``; :func:`~vision_attn.explain.evaluate.overlay_images`).
+    predictions (``options.predictions``; :func:`~vision_attn.explain.evaluate.worst_images`, the
+    task's ranking).
 
     Each report item carries ``missed`` and ``false`` (:func:`detection_errors`) of the
     evaluation's detections (``options.predictions``), else of the detections drawn, and
@@ -223,12 +223,8 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, report=None,
     interactive view). Pictures
     come from ``dataset.read_rgb`` — the same read (orientation included, see
     :mod:`vision_attn.data.detection` on EXIF) as the model input and the boxes."""
-    from vision_attn.explain.evaluate import overlay_images
-
-    keywords = {"category_ids": getattr(task, "category_ids", None) or getattr(dataset, "category_ids", None),
-                "class_names": task.class_names or getattr(dataset, "class_names", None),
-                "score_threshold": options.score_threshold}
-    chosen = overlay_images(dataset, options, "detection", **keywords)
+    keywords = error_keywords(task, dataset, options)
+    chosen = overlay_images(dataset, options, worst_images(task, dataset, options))
     predictions = getattr(options, "predictions", None)  # the evaluation's (eval.py), else none
     errors = split_detection_errors(dataset, predictions, **keywords) if predictions else {}
     names = keywords["class_names"] or []
@@ -263,6 +259,15 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, report=None,
             written += 1
     log.info("wrote %d detection overlays to %s", written, out_dir / "overlays")
     return written
+
+
+def error_keywords(task, dataset, options) -> dict:
+    """The keywords of :func:`split_detection_errors` for ``task``'s evaluation of ``dataset``: its
+    category ids and class names (else the dataset's), and ``options.score_threshold`` (0.3
+    without options)."""
+    return {"category_ids": getattr(task, "category_ids", None) or getattr(dataset, "category_ids", None),
+            "class_names": task.class_names or getattr(dataset, "class_names", None),
+            "score_threshold": getattr(options, "score_threshold", 0.3)}
 
 
 def detection_errors(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, truth: dict[str, torch.Tensor],
@@ -573,8 +578,6 @@ def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects
         out_dir: the evaluation output folder.
         max_objects: most detections measured per image (the best ones).
     """
-    from vision_attn.explain.evaluate import select_images
-
     picked = select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection, options.seed)
     if not picked:
         return {}

@@ -1,11 +1,14 @@
 """Explanations at evaluation time: overlays, faithfulness, localisation and sanity numbers.
 
 Which images: :func:`select_images`. The overlays (and ``report.html``'s explained images) are
-that seeded sample **and** the evaluation's ``--explain.mistakes`` worst mistakes
-(:func:`mistake_images`: the most confident wrong predictions, the images with the most missed
-and false detections, the lowest-CIDEr captions), so the report's mistakes gallery shows each
-of them with its overlays wherever it lies in the split (:func:`overlay_images`; the mean
-deletion curves of the report stay those of the sample). By default the faithfulness numbers
+that seeded sample **and** the evaluation's ``--explain.mistakes`` worst mistakes as the task
+ranks them (:func:`worst_images`, :meth:`~vision_attn.tasks.VisionTask.rank_mistakes`: e.g. the
+most confident wrong predictions, the images with the most missed and false detections, the
+lowest-CIDEr captions), so the report's mistakes gallery shows each of them with its overlays
+wherever it lies in the split (:func:`overlay_images`; the mean deletion curves of the report
+stay those of the sample). :func:`write_overlays` draws them for any task through its
+:meth:`~vision_attn.tasks.VisionTask.explain_batch` (the default
+:meth:`~vision_attn.tasks.VisionTask.explain_eval`). By default the faithfulness numbers
 come from a seeded random sample spread over the whole split (one image drawn from each of
 ``N`` equal consecutive strata), so a class-sorted split (ImageFolder) is covered class by
 class rather than through its first classes only; ``metrics.json`` reports how many images
@@ -74,7 +77,7 @@ from vision_attn.explain.sanity import sanity_check
 from vision_attn.outputs import safe_filename
 
 __all__ = ["DEFAULT_MISTAKES", "ExplainOptions", "Selection", "explain_eval_split", "explanation_panel",
-           "mistake_images", "overlay_images", "select_images"]
+           "overlay_images", "select_images", "worst_images", "write_overlays"]
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +127,14 @@ trained demo classifier it points like raw attention (0.99), puts the most mass 
 
 @dataclass
 class ExplainOptions:
-    """What ``eval.py`` explains.
+    """What ``eval.py`` explains (``--explain.*``) and the folder commands draw.
+
+    ``score_threshold``, ``target_class``, ``token`` and ``topk`` (:attr:`task_fields`) are what the
+    explanation functions read of a task's own inference options: the commands take them from the
+    task's option group (:attr:`~vision_attn.tasks.VisionTask.inference_options`, e.g.
+    ``--explain.topk`` of a classifier) and the task fills them in
+    (:meth:`~vision_attn.tasks.VisionTask.explain_options`); they are not ``--explain`` options of
+    every task.
 
     Args:
         methods: explanation methods drawn side by side, names of the registry
@@ -138,7 +148,7 @@ class ExplainOptions:
             ``random`` baseline is always measured too.
         num_overlays: overlays written for N images of the split (0 = none).
         mistakes: overlays written also for the split's ``K`` worst mistakes, wherever they lie
-            (0 = the sample only; :func:`mistake_images`; default :data:`DEFAULT_MISTAKES`):
+            (0 = the sample only; :func:`worst_images`; default :data:`DEFAULT_MISTAKES`):
             the most confident wrong predictions (classification), the images with the most
             missed and false detections (detection), the lowest-CIDEr captions (captioning).
             They need the evaluation's predictions (:attr:`predictions`, set by ``eval.py``).
@@ -182,7 +192,7 @@ class ExplainOptions:
 
     # None: each head's own default, chosen from the measured table (README "Against ground
     # truth"; python -m benchmarks.explanations): DEFAULT_METHODS for the classifier, the
-    # decoder heads' DECODER_DEFAULTS (vision_attn.explain.detection).
+    # decoder heads' DETECTION_DEFAULTS / CAPTION_DEFAULTS (vision_attn.explain.detection / .captioning).
     methods: list[str] | None = None
     num_overlays: int = 16
     mistakes: int = DEFAULT_MISTAKES
@@ -210,6 +220,9 @@ class ExplainOptions:
     # the explanations run, so that :func:`overlay_images` can add the worst mistakes.
     predictions: ClassVar[list[dict[str, Any]] | None] = None
 
+    # The fields a task's inference options set (see the class docstring): no --explain option of their own.
+    task_fields: ClassVar[tuple[str, ...]] = ("score_threshold", "target_class", "token", "topk")
+
     def __post_init__(self) -> None:
         self.methods_default = self.methods is None  # whether the heads may put their own default first
         if self.methods is None:
@@ -226,58 +239,61 @@ class ExplainOptions:
             self.target_class = str(self.target_class)
 
 
-def mistake_images(task_name: str | None, dataset, predictions: Sequence[dict[str, Any]] | None, k: int,
-                   **detection: Any) -> list[int]:
-    """The dataset indices of the split's ``k`` worst mistakes, worst first.
-
-    Args:
-        task_name: ``classification`` | ``detection`` | ``captioning`` (another: none).
-        dataset: the evaluated split (``samples`` of an ImageFolder; ``images`` of a COCO split).
-        predictions: the evaluation's ``predictions.json`` records (``None``: none).
-        k: how many.
-        detection: for detection, the keywords of
-            :func:`~vision_attn.explain.detection.split_detection_errors` (``category_ids``,
-            ``class_names``, ``score_threshold``).
-
-    Returns:
-        classification: the wrong predictions (``label != pred``), the most probable first (ties in
-        split order); detection: the images with missed or false detections, the most errors first,
-        then the highest-scoring false detection; captioning: the lowest CIDEr-D first. Records of
-        images the split does not have are skipped.
-    """
+def worst_images(task, dataset, options) -> list[int]:
+    """The dataset indices of the split's ``options.mistakes`` worst mistakes in the evaluation's
+    predictions (``options.predictions``), worst first, as the task ranks them
+    (:meth:`~vision_attn.tasks.VisionTask.rank_mistakes`); none without predictions. Options
+    without these fields (the folder commands, tests) ask for none."""
+    predictions, k = getattr(options, "predictions", None), getattr(options, "mistakes", 0)
     if k <= 0 or not predictions:
         return []
-    if task_name == "classification":
-        where = {str(Path(rel).as_posix()): i for i, (rel, *_rest) in enumerate(getattr(dataset, "samples", []))}
-        wrong = [(-float(r.get("score", 0.0)), where[str(Path(str(r["file"])).as_posix())]) for r in predictions
-                 if isinstance(r, dict) and str(Path(str(r.get("file"))).as_posix()) in where
-                 and "label" in r and "pred" in r and str(r["label"]) != str(r["pred"])]
-        return [i for _, i in sorted(wrong)[:k]]
-    if task_name == "captioning":
-        where = {im["id"]: i for i, im in enumerate(getattr(dataset, "images", []))}
-        scored = [(float(r["cider"]), where[r["image_id"]]) for r in predictions
-                  if isinstance(r, dict) and r.get("image_id") in where and r.get("cider") is not None]
-        return [i for _, i in sorted(scored)[:k]]
-    if task_name == "detection":
-        from vision_attn.explain.detection import rank_detection_errors, split_detection_errors
-
-        return rank_detection_errors(split_detection_errors(dataset, predictions, **detection))[:k]
-    return []
+    return list(task.rank_mistakes(dataset, predictions, k, options))[:k]
 
 
-def overlay_images(dataset, options: ExplainOptions, task_name: str | None, **detection: Any) -> list[int]:
+def overlay_images(dataset, options: ExplainOptions, worst: Sequence[int] = ()) -> list[int]:
     """Sorted dataset indices to draw overlays for: the seeded sample (:func:`select_images` with
-    ``options.num_overlays``, ``overlay_selection``, ``seed``) and the ``options.mistakes`` worst
-    mistakes of ``options.predictions`` (:func:`mistake_images`; ``detection``: its keywords)."""
+    ``options.num_overlays``, ``overlay_selection``, ``seed``) and the ``worst`` mistakes (dataset
+    indices, e.g. :func:`worst_images`)."""
     chosen = set(select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed))
-    # options may be any object with the selection fields (the folder commands, tests): no mistakes then
-    worst = mistake_images(task_name, dataset, getattr(options, "predictions", None), getattr(options, "mistakes", 0),
-                           **detection)
     extra = [i for i in worst if i not in chosen]
     if worst:
         log.info("overlays: %d worst mistakes added to the %d sampled images (%d were in the sample)",
                  len(extra), len(chosen), len(worst) - len(extra))
     return sorted(chosen | set(worst))
+
+
+def write_overlays(task, dataset, options: ExplainOptions, out_dir: Path, report: Report | None = None) -> int:
+    """The overlays of a split, drawn by the task's :meth:`~vision_attn.tasks.VisionTask.explain_batch`:
+    of the seeded sample and the worst mistakes (:func:`overlay_images`, :func:`worst_images`), in
+    batches of ``options.batch_size``, into ``out_dir/overlays/<NNNNN>_<name>.png`` (``NNNNN`` the
+    image's index in the split); their report items, named as the images, go into ``report``.
+    Returns the number of overlays written.
+
+    What it reads of ``dataset``: ``dataset[i][0]``, the model input ``[3, H, W]``;
+    ``dataset.relative_file(i)``, the image's name (its path relative to ``dataset.root``); the
+    picture drawn on from ``dataset.read_rgb(i)`` when the dataset has it, else from the file. The
+    ground truth drawn on each panel is the task's
+    :meth:`~vision_attn.tasks.VisionTask.truth_text` (none when it gives ``None``).
+    """
+    chosen = overlay_images(dataset, options, worst_images(task, dataset, options))
+    device = next(task.parameters()).device
+    written = 0
+    for start in range(0, len(chosen), options.batch_size):
+        idx = chosen[start : start + options.batch_size]
+        names = [str(dataset.relative_file(i)) for i in idx]
+        images = torch.stack([dataset[i][0] for i in idx]).to(device)
+        pictures = [dataset.read_rgb(i) if hasattr(dataset, "read_rgb") else read_image(Path(dataset.root) / name)
+                    for i, name in zip(idx, names, strict=True)]
+        truths = [task.truth_text(dataset, i) for i in idx]
+        explained = task.explain_batch(images, pictures, options, truths if None not in truths else None)
+        for i, name, e in zip(idx, names, explained, strict=True):
+            save_png(out_dir / "overlays" / safe_filename(f"{i:05d}_{Path(name).stem}.png"), e.panel, root=out_dir)
+            written += 1
+            if report is not None and e.report_item is not None:
+                report.items.append({"name": name, **e.report_item})
+    if written:
+        log.info("wrote %d overlays to %s", written, out_dir / "overlays")
+    return written
 
 
 def explanation_panel(
@@ -392,7 +408,7 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
     device = next(task.parameters()).device
     names = task.class_names or []
     metrics: dict[str, float] = {}
-    chosen = overlay_images(dataset, options, "classification")
+    chosen = overlay_images(dataset, options, worst_images(task, dataset, options))
     if chosen:
         written = 0
         sample = set(select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed))

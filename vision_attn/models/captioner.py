@@ -77,7 +77,8 @@ DEFAULT_DECODER = DecoderConfig()
 
 @dataclass
 class GenerationOptions:
-    """How captions are generated (``--generate.*`` of ``eval.py``; ``None`` = the model's own setting).
+    """How captions are generated: the captioning task's inference options (``--generate.*`` of
+    ``eval.py``, ``predict`` and ``explain``; ``None`` = the model's own setting).
 
     BLIP (Li et al. 2022) decodes its COCO captions with beam search of width 3, at least 5 and
     at most 20 tokens and no repetition penalty (its ``generate()`` defaults: beam 3,

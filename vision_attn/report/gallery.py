@@ -1,28 +1,30 @@
 """The page's images: what is known of each explained image, the mistakes gallery and the image grid.
 
-The mistakes gallery shows the most confident wrong predictions (classification), the images with
-missed or false detections (detection, when the items carry them: the most errors first, then the
-highest-scoring false detection, each error listed) or the lowest-CIDEr captions (captioning), each
-with its overlay and a link to its interactive view. The grid shows every explained image with its
-overlay panels and an interactive canvas: **patches** — click a patch to see what it attends to (a
-layer, a head or the heads fused); **boxes** — click a box to see its query's cross-attention;
-**words** — hover a word to see where it looked. Its filters (correct / wrong, class) and the
-confusion matrix's cells hide the others.
+The mistakes gallery (:func:`mistakes_section`) draws the task's :class:`~vision_attn.blocks.Mistakes`
+(:meth:`~vision_attn.tasks.VisionTask.mistake_cards`): one card per mistake, worst first, each with
+the overlay of its image when the page explains it and a link to its interactive view. The grid
+shows every explained image with its overlay panels and an interactive canvas: **patches** — click
+a patch to see what it attends to (a layer, a head or the heads fused); **boxes** — click a box to
+see its query's cross-attention; **words** — hover a word to see where it looked. Its filters
+(correct / wrong, class) and the confusion matrix's cells hide the others.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
+from vision_attn.blocks import Mistake, Mistakes, Strong, finite
 from vision_attn.explain.records import compact_data_uri
-from vision_attn.report.markup import esc, finite, fmt
+from vision_attn.report.markup import esc, fmt
+from vision_attn.report.render import cell_text
 
 __all__ = ["grid", "item_meta", "mistakes_section", "record_key"]
 
 
 def record_key(record: dict[str, Any]) -> str | None:
-    """The item name a ``predictions.json`` record belongs to: its ``file`` (classification), or
-    ``image id <id>`` (detection, captioning: the names their explanation code gives items)."""
+    """The item name a ``predictions.json`` record belongs to: its ``file``, or ``image id <id>``
+    (the name the explanation code gives the items of a COCO split)."""
     if "file" in record:
         return str(record["file"])
     if "image_id" in record:
@@ -31,9 +33,9 @@ def record_key(record: dict[str, Any]) -> str | None:
 
 
 def item_meta(items: list[dict[str, Any]], predictions: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Per item what the filters and galleries need: ``truth``, ``pred``, ``score``, ``correct``,
-    ``cider``, ``missed``, ``false``, ``false_score``, ``classes`` — from the item itself where it
-    carries them, else from its ``predictions.json`` record (joined by name, see :func:`record_key`)."""
+    """Per item what the grid's badges and filters need: ``truth``, ``pred``, ``score``, ``correct``,
+    ``cider``, ``classes`` — from the item itself where it carries them, else from its
+    ``predictions.json`` record (joined by name, see :func:`record_key`)."""
     by_name: dict[str, dict[str, Any]] = {}
     for r in predictions or []:
         key = record_key(r) if isinstance(r, dict) else None
@@ -49,10 +51,6 @@ def item_meta(items: list[dict[str, Any]], predictions: list[dict[str, Any]] | N
                              "score": finite(it.get("score", r.get("score"))),
                              "cider": finite(it.get("cider", r.get("cider")))}
         m["correct"] = None if m["truth"] is None or m["pred"] is None else m["truth"] == m["pred"]
-        m["missed"] = [_error_text(x) for x in it.get("missed") or []]
-        m["false"] = [_error_text(x) for x in it.get("false") or []]
-        m["false_score"] = max((s for x in it.get("false") or [] if isinstance(x, dict)
-                                and (s := finite(x.get("score"))) is not None), default=None)
         classes = it.get("classes")
         m["classes"] = ([str(c) for c in classes] if classes is not None
                         else [m["truth"]] if m["truth"] is not None else [m["pred"]] if m["pred"] is not None else [])
@@ -60,133 +58,43 @@ def item_meta(items: list[dict[str, Any]], predictions: list[dict[str, Any]] | N
     return meta
 
 
-def _error_text(error: Any) -> str:
-    """A missed object or false detection for display: ``label``, ``label 0.87``, ``label 0.87
-    (wrong class: cat)``; a plain string as it is (see
-    :func:`~vision_attn.explain.detection.detection_errors` for the records)."""
-    if not isinstance(error, dict):
-        return str(error)
-    text = str(error.get("label", "?"))
-    score = finite(error.get("score"))
-    if score is not None:
-        text += f" {score:.2f}"
-    if error.get("why"):
-        text += f" ({error['why']})"
-    return text
-
-
 # ---------------------------------------------------------------------------------------------- mistakes gallery
-class _Card(NamedTuple):
-    score: float | None  # data-score: what the gallery is ranked by
-    top: float | None  # data-top: the second key (detection: the highest-scoring false detection)
-    item: int | None  # the explained item it shows, or None (no overlay)
-    caption: str  # markup, every text from data escaped
-
-
-class _Gallery(NamedTuple):
-    intro: str  # plain text above the cards
-    cards: list[_Card]
-    empty: str  # plain text said when there are no cards ("": the gallery is left out)
-
-
-def mistakes_section(task: str | None, items: list[dict[str, Any]], meta: list[dict[str, Any]],
-                     predictions: list[dict[str, Any]] | None, limit: int) -> str:
+def mistakes_section(gallery: Mistakes | None, index: Mapping[str, int]) -> str:
     """The mistakes gallery: one card per mistake, worst first, with the overlay panel of the
     explained ones (copied by the script from the grid, so the page holds each image once) and
-    a link to its interactive view."""
-    rank = {"classification": _classification_mistakes, "captioning": _caption_mistakes,
-            "detection": _detection_mistakes}.get(task or "")
-    if rank is None:
+    a link to its interactive view; ``index`` gives the grid position of each explained image by
+    name. Without cards it says ``gallery.empty`` (nothing when that is empty)."""
+    if gallery is None:
         return ""
-    index = {str(it.get("name")): i for i, it in enumerate(items)}
-    gallery = rank(items, meta, predictions, limit, index)
     if not gallery.cards:
         return f'<h2>Mistakes</h2><p class="note" id="mistakes">{esc(gallery.empty)}</p>' if gallery.empty else ""
-    html_cards = []
-    for card in gallery.cards:
-        data = "" if card.score is None else f' data-score="{card.score!r}"'
-        if card.top is not None:
-            data += f' data-top="{card.top!r}"'
-        i = card.item
-        if i is None:
-            body = '<div class="note">not among the explained images: no overlay</div>'
-        else:
-            body = (f'<img class="copy" data-item="{i}" alt="overlay">'
-                    f'<a class="goto" href="#item{i}">interactive view ↓</a>')
-        html_cards.append(f'<div class="mistake"{data} data-item="{"" if i is None else i}"><div>{card.caption}</div>'
-                          f"{body}</div>")
+    cards = "".join(_mistake_card(rank, card, index.get(card.name)) for rank, card in enumerate(gallery.cards, 1))
     return (f'<h2>Mistakes</h2><p class="note">{esc(gallery.intro)}</p><div class="mistakes" id="mistakes">'
-            + "".join(html_cards) + "</div>")
+            + cards + "</div>")
 
 
-def _classification_mistakes(items: list[dict[str, Any]], meta: list[dict[str, Any]],
-                             predictions: list[dict[str, Any]] | None, limit: int, index: dict[str, int]) -> _Gallery:
-    """The split's most confident wrong predictions (the explained images' without ``predictions``)."""
-    wrong = [r for r in predictions or [] if isinstance(r, dict) and "label" in r and "pred" in r
-             and str(r["label"]) != str(r["pred"])]
-    source = "the split"
-    if predictions is None:
-        wrong = [{"file": it.get("name"), "label": m["truth"], "pred": m["pred"], "score": m["score"]}
-                 for it, m in zip(items, meta, strict=True) if m["correct"] is False]
-        source = "the explained images"
-    if not wrong:
-        known = predictions is not None or any(m["correct"] is not None for m in meta)
-        return _Gallery("", [], f"No wrong prediction in {source}." if known else "")
-    wrong.sort(key=lambda r: -(finite(r.get("score")) or 0.0))
-    cards = []
-    for rank, r in enumerate(wrong[:limit], 1):
-        score = finite(r.get("score"))
-        caption = (f'#{rank} <b>{esc(r["label"])}</b> → <b>{esc(r["pred"])}</b> {fmt(score, 3)} '
-                   f'<span class="name">{esc(r.get("file", ""))}</span>')
-        cards.append(_Card(score, None, index.get(str(r.get("file"))), caption))
-    intro = (f"{len(wrong)} wrong predictions in {source}; the {len(cards)} most confident, most confident "
-             "first (truth → predicted, probability).")
-    return _Gallery(intro, cards, "")
-
-
-def _caption_mistakes(items: list[dict[str, Any]], meta: list[dict[str, Any]],
-                      predictions: list[dict[str, Any]] | None, limit: int, index: dict[str, int]) -> _Gallery:
-    """The split's lowest-CIDEr captions (the explained images' when no record carries a CIDEr-D)."""
-    records = [(c, k, record_key(r), r.get("caption")) for k, r in enumerate(predictions or [])
-               if isinstance(r, dict) and (c := finite(r.get("cider"))) is not None]
-    if records:  # the whole split's captions, joined to the explained items by name
-        scored = [(c, index.get(str(key)), str(key), text) for c, _, key, text in sorted(records)]
-        intro = f"The {min(limit, len(scored))} lowest-CIDEr captions of the split's {len(scored)}, lowest first."
+def _mistake_card(rank: int, card: Mistake, i: int | None) -> str:
+    """One card: ``data-score`` / ``data-top`` (its ranking keys), its caption, and the overlay of
+    grid item ``i`` with a link to it (``None``: not explained, no overlay)."""
+    data = "" if card.score is None else f' data-score="{float(card.score)!r}"'
+    if card.top is not None:
+        data += f' data-top="{float(card.top)!r}"'
+    head = "".join(f"<b>{cell_text(part.value, card.digits)}</b>" if isinstance(part, Strong)
+                   else cell_text(part, card.digits) for part in card.head)
+    caption = f'#{rank} {head}<span class="name">{esc(card.name)}</span>{esc(card.tail)}'
+    if card.text is not None:
+        caption += f"<br>{esc(card.text)}"
+    if card.lists:
+        lists = "".join(f'<div>{esc(x.title)} ({len(x.entries)}):<ul class="{esc(x.key or x.title)}">'
+                        + ("".join(f"<li>{esc(e)}</li>" for e in x.entries) or "<li>none</li>") + "</ul></div>"
+                        for x in card.lists)
+        caption += f'<div class="errs">{lists}</div>'
+    if i is None:
+        body = '<div class="note">not among the explained images: no overlay</div>'
     else:
-        scored = [(c, i, str(items[i].get("name", "")), items[i].get("text", ""))
-                  for c, i in sorted((m["cider"], i) for i, m in enumerate(meta) if m["cider"] is not None)]
-        intro = "The explained images' lowest-CIDEr captions, lowest first."
-    cards = []
-    for rank, (cider, i, name, text) in enumerate(scored[:limit], 1):
-        caption = (f'#{rank} CIDEr-D <b>{fmt(cider, 3)}</b> <span class="name">{esc(name)}</span><br>'
-                   f'{esc(text if text is not None else "")}')
-        cards.append(_Card(cider, None, i, caption))
-    return _Gallery(intro, cards, "")
-
-
-def _detection_mistakes(items: list[dict[str, Any]], meta: list[dict[str, Any]],
-                        predictions: list[dict[str, Any]] | None, limit: int, index: dict[str, int]) -> _Gallery:
-    """The explained images with missed objects or false detections, the most errors first, then
-    the highest-scoring false detection; each card lists its errors."""
-    bad = sorted(((len(m["missed"]) + len(m["false"]), m["false_score"] or 0.0, i)
-                  for i, m in enumerate(meta) if m["missed"] or m["false"]), key=lambda x: (-x[0], -x[1], x[2]))
-    # an evaluation (it has predictions) says why the gallery is empty; a predict page says nothing
-    empty = ("Missed and false detections are listed here when the explained images carry their matching to "
-             "the ground truth; these do not." if predictions is not None else "")
-    cards = []
-    for rank, (count, top, i) in enumerate(bad[:limit], 1):
-        m = meta[i]
-        missed = "".join(f"<li>{esc(x)}</li>" for x in m["missed"]) or "<li>none</li>"
-        false = "".join(f"<li>{esc(x)}</li>" for x in m["false"]) or "<li>none</li>"
-        caption = (f'#{rank} <span class="name">{esc(items[i].get("name", ""))}</span> — {count} '
-                   f'error{"s" if count != 1 else ""}'
-                   f'<div class="errs"><div>missed ({len(m["missed"])}):<ul class="missed">{missed}</ul></div>'
-                   f'<div>false ({len(m["false"])}):<ul class="false">{false}</ul></div></div>')
-        cards.append(_Card(float(count), top, i, caption))
-    intro = ("Explained images with missed objects (ground truth that no detection above the threshold matched "
-             "at IoU 0.5) or false detections (above the threshold, matching no object of their class), the "
-             "most errors first, then the highest-scoring false detection.")
-    return _Gallery(intro, cards, empty)
+        body = (f'<img class="copy" data-item="{i}" alt="overlay">'
+                f'<a class="goto" href="#item{i}">interactive view ↓</a>')
+    return f'<div class="mistake"{data} data-item="{"" if i is None else i}"><div>{caption}</div>{body}</div>'
 
 
 # ---------------------------------------------------------------------------------------------- image grid

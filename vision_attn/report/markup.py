@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+from vision_attn.blocks import finite
 from vision_attn.outputs import json_ready
 
 __all__ = ["esc", "finite", "fmt", "script_json", "tick"]
@@ -40,15 +41,6 @@ def script_json(obj: Any) -> str:
 def esc(value: Any) -> str:
     """``str(value)`` escaped for HTML text and attribute values (quotes included)."""
     return html.escape(str(value), quote=True)
-
-
-def finite(value: Any) -> float | None:
-    """A finite float from any value (a number, a numeric string), or ``None`` (empty, garbled, NaN, inf)."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def fmt(value: Any, digits: int = 4) -> str:

@@ -24,7 +24,7 @@ from vision_attn.blocks import (
 from vision_attn.report.charts import bars_svg, confusion_svg, line_svg
 from vision_attn.report.markup import esc, fmt
 
-__all__ = ["render_block", "render_section"]
+__all__ = ["cell_text", "render_block", "render_section"]
 
 # The explained images by name: their index in the page's grid (``#item<index>``).
 ItemIndex = Mapping[str, int]
@@ -70,7 +70,7 @@ def _hint(text: str) -> str:
     return f' title="{esc(text)}"' if text else ""
 
 
-def _cell(value: Cell, digits: int) -> str:
+def cell_text(value: Cell, digits: int) -> str:
     """A cell's text: strings as they are, ints whole, floats with ``digits`` decimals (escaped)."""
     if isinstance(value, str):
         return esc(value)
@@ -97,7 +97,7 @@ def _table(block: Table, items: ItemIndex) -> str:
         cells = []
         for k, (column, value) in enumerate(zip(columns, row, strict=True)):
             tag = "th" if k == 0 else "td"
-            text = (_bar(value) if column.bar else "") + _cell(value, block.digits)
+            text = (_bar(value) if column.bar else "") + cell_text(value, block.digits)
             cells.append(f"<{tag}>{text}</{tag}>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table{_id(block)}><tr>{head}</tr>" + "".join(rows) + "</table>"

@@ -1,28 +1,21 @@
-"""The page's sections above the images: the summary line, the task's results, every other metric,
-the training curves and the explanation quality.
+"""The page's sections above the images that every page has: the summary line, every metric, the
+training curves and the explanation quality; the configuration at the end.
 
-The results of the built-in tasks are :class:`~vision_attn.blocks.Section` records
-(:func:`result_sections`): **classification** — the per-class table (worst class first, with the
-class each is most confused with) and the clickable confusion matrix; **detection** — per-category
-AP bars, the COCO size breakdown (``map_small`` ..., ``mar_1`` ...) and the precision-recall curves
-at IoU 0.5. The other sections are markup built here, every text from data HTML-escaped.
+A task's own results are :class:`~vision_attn.blocks.Section` records that the task builds
+(:meth:`~vision_attn.tasks.VisionTask.report_sections`) and
+:func:`~vision_attn.report.render.render_section` draws. The sections here are markup built from
+the metrics, every text from data HTML-escaped.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
-from vision_attn.blocks import Bar, BarChart, Column, ConfusionMatrix, Curves, Section, Table
 from vision_attn.report.charts import line_svg
 from vision_attn.report.markup import esc, finite, fmt
 
-__all__ = ["HEADLINE", "config_section", "metrics_grid", "quality_section", "result_sections", "summary",
-           "training_section"]
-
-# The headline metric of each built-in task (the summary line, the training-curve metric).
-HEADLINE = {"classification": "acc_top1", "detection": "map", "captioning": "cider"}
+__all__ = ["config_section", "metrics_grid", "quality_section", "summary", "training_section"]
 
 # The explanation-quality columns: metric prefix (``<prefix>_<method>`` in metrics.json), the
 # column title and which direction is better.
@@ -38,8 +31,6 @@ _QUALITY_EXTRA = ("explain_images", "explain_classes", "explain_words")
 # and its earlier names of ``pointing_attention`` / ``pointing_random`` (kept in metrics.json for old
 # readers).
 _QUALITY_NOT_METHODS = ("pointing_words", "pointing_acc", "pointing_acc_random")
-_SIZE_KEYS = ("map_small", "map_medium", "map_large", "mar_1", "mar_10", "mar_100")
-_PR_SHOWN = 8  # categories drawn in the precision-recall plot
 
 
 def summary(task: str | None, headline: str | None, metrics: dict[str, Any], config: dict[str, Any],
@@ -103,7 +94,8 @@ def _quality_table(metrics: dict[str, Any]) -> str:
         return ""
     cols = [(p, t, h) for p, t, h in _QUALITY if any(p in row for row in table.values())]
     methods = sorted(table, key=lambda m: (m == "random", m))
-    head = "".join(f'<th title="{esc(h)}">{esc(t)} {"↓" if h.startswith("lower") else "↑"}</th>' for p, t, h in cols)
+    head = "".join(f'<th title="{esc(h)}">{esc(t)} {"↓" if h.startswith("lower") else "↑"}</th>'
+                   for p, t, h in cols)
     rows = []
     for m in methods:
         name = "random (baseline)" if m == "random" else m
@@ -149,98 +141,3 @@ def config_section(config: dict[str, Any]) -> str:
     """The configuration as JSON, folded in a ``<details>``."""
     return (f'<details id="config"><summary>Configuration</summary><pre>'
             f"{esc(json.dumps(config, indent=2, default=str))}</pre></details>")
-
-
-# ---------------------------------------------------------------------------------------------- task results
-def result_sections(task: str | None, per_class: dict[str, Any] | None, confusion: dict[str, Any] | None,
-                    metrics: dict[str, Any], pr_curves: dict[str, Any] | None) -> list[Section]:
-    """The result sections of the built-in tasks, from their evaluation files (captioning: none)."""
-    if task == "classification":
-        return [classification_section(per_class, confusion)]
-    if task == "detection":
-        return [detection_section(per_class, metrics, pr_curves)]
-    return []
-
-
-def classification_section(per_class: dict[str, Any] | None, confusion: dict[str, Any] | None) -> Section:
-    """``per_class.json`` as a table (worst accuracy first, ties in file order, with the class each is
-    most confused with) and ``confusion_matrix.json`` as the clickable matrix."""
-    labels = [str(x) for x in (confusion or {}).get("labels") or []]
-    counts = [[int(c) for c in row] for row in (confusion or {}).get("counts") or []]
-    blocks: list[Any] = []
-    if per_class:
-        def order(entry: tuple[str, Any]) -> tuple[bool, float]:
-            acc = finite(entry[1].get("acc")) if isinstance(entry[1], dict) else None
-            return (acc is None, acc if acc is not None else 0.0)
-
-        rows = []
-        for name, row in sorted(per_class.items(), key=order):
-            row = row if isinstance(row, dict) else {}
-            rows.append([str(name), str(row.get("n", "—")), finite(row.get("acc")), finite(row.get("precision")),
-                         finite(row.get("recall")), _most_confused(str(name), labels, counts)])
-        columns = ["class", "n", Column("acc", bar=True), "precision", "recall", "most confused with"]
-        blocks.append(Table(columns, rows, title="Per class (worst first)", id="per-class"))
-    if labels:
-        blocks.append(ConfusionMatrix(labels, counts, title="Confusion matrix (rows: truth, columns: predicted; "
-                                                            "click a cell)"))
-    return Section("", blocks)
-
-
-def _most_confused(name: str, labels: list[str], counts: list[list[int]]) -> str:
-    """``other (count)``: the class ``name`` is most often predicted as instead, or ``""``."""
-    if name not in labels or len(counts) != len(labels):
-        return ""
-    t = labels.index(name)
-    off = [(c, labels[p]) for p, c in enumerate(counts[t]) if p != t and c > 0]
-    if not off:
-        return ""
-    c, other = max(off, key=lambda x: x[0])
-    return f"{other} ({c})"
-
-
-def detection_section(per_class: dict[str, Any] | None, metrics: dict[str, Any],
-                      pr_curves: dict[str, Any] | None = None) -> Section:
-    """Per-category AP bars (AP@[.5:.95] over AP@0.5, worst first, no ground truth last), the COCO
-    size breakdown and, when given, the precision-recall curves of the first 8 categories."""
-    blocks: list[Any] = []
-    if per_class:
-        bars = []
-        for name, row in per_class.items():
-            row = row if isinstance(row, dict) else {}
-            bars.append(Bar(str(name), finite(row.get("ap")), finite(row.get("ap_50")),
-                            f"({row.get('n_gt', '?')} objects)"))
-        bars.sort(key=lambda b: (b.value is None or b.value < 0, b.value if b.value is not None else 0.0))
-        blocks.append(BarChart(bars, title="AP per category (worst first)", id="ap-per-class", value_label="AP",
-                               back_label="AP@0.5"))
-    sizes = [Bar(k, finite(metrics.get(k))) for k in _SIZE_KEYS if k in metrics]
-    if sizes:  # -1 (COCO: no object of that size) reads "no ground truth"
-        blocks.append(BarChart(sizes, title="By object size; recall at 1 / 10 / 100 detections", id="size-breakdown",
-                               hint="COCO: small < 32², large > 96² pixels of area; mar_k: recall with at most k "
-                                    "detections per image"))
-    curves = pr_points(pr_curves)
-    if curves:
-        more = f" (the first {_PR_SHOWN} of {len(curves)} categories)" if len(curves) > _PR_SHOWN else ""
-        blocks.append(Curves(dict(list(curves.items())[:_PR_SHOWN]), "recall", "precision",
-                             title=f"Precision-recall at IoU 0.5{more}", id="pr-curves", width=420, height=250,
-                             y_range=(0.0, 1.0), legend="bottom-left",
-                             hint="COCOeval's interpolated precision at each recall threshold; IoU 0.5, all areas, "
-                                  "100 detections per image"))
-    return Section("", blocks)
-
-
-def pr_points(pr_curves: dict[str, Any] | None) -> dict[str, list[list[float]]]:
-    """``{category: [[recall, precision], ...]}`` from either form write_report accepts: point lists,
-    or ``pr_curves.json``'s ``{"recall": [...], "precision": [...]}``. Points with precision
-    ``-1`` (pycocotools: no ground truth) are left out, and so are categories left without any."""
-    out: dict[str, list[list[float]]] = {}
-    for name, curve in (pr_curves or {}).items():
-        if isinstance(curve, dict):
-            pairs: Sequence[Sequence[Any]] = list(zip(curve.get("recall") or [], curve.get("precision") or [],
-                                                      strict=False))
-        else:
-            pairs = [tuple(p)[:2] for p in curve or [] if isinstance(p, list | tuple) and len(p) >= 2]
-        points = [[r, p] for r, p in ((finite(a), finite(b)) for a, b in pairs)
-                  if r is not None and p is not None and p >= 0]
-        if points:
-            out[str(name)] = points
-    return out

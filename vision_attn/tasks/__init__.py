@@ -1,6 +1,8 @@
 """LightningModule systems, one per task, sharing :class:`VisionTask`; :data:`TASKS` maps a
 task name to its class (:func:`register_task`). Each task's constructor takes its settings in
-named groups (dataclasses), re-exported here with the tasks."""
+named groups (dataclasses), re-exported here with the tasks, as are their inference options
+(:attr:`VisionTask.inference_options`: ``ClassificationOptions``, ``DetectionOptions``,
+``GenerationOptions``)."""
 
 from vision_attn.models.captioner import DecoderConfig, GenerationOptions
 from vision_attn.models.classifier import ClassifierConfig
@@ -8,10 +10,11 @@ from vision_attn.models.detr import DETRConfig
 from vision_attn.tasks.base import TASKS, Explained, VisionTask, load_task, register_task
 from vision_attn.tasks.captioning import CaptioningTask
 from vision_attn.tasks.captioning_config import CaptionTraining, SCSTConfig
-from vision_attn.tasks.classification import ClassificationTask, MixConfig
-from vision_attn.tasks.detection import DetectionTask, SetLossConfig
+from vision_attn.tasks.classification import ClassificationOptions, ClassificationTask, MixConfig
+from vision_attn.tasks.detection import DetectionOptions, DetectionTask, SetLossConfig
 from vision_attn.tasks.optim import Optimization
 
-__all__ = ["TASKS", "CaptionTraining", "CaptioningTask", "ClassificationTask", "ClassifierConfig", "DETRConfig",
-           "DecoderConfig", "DetectionTask", "Explained", "GenerationOptions", "MixConfig", "Optimization",
-           "SCSTConfig", "SetLossConfig", "VisionTask", "load_task", "register_task"]
+__all__ = ["TASKS", "CaptionTraining", "CaptioningTask", "ClassificationOptions", "ClassificationTask",
+           "ClassifierConfig", "DETRConfig", "DecoderConfig", "DetectionOptions", "DetectionTask", "Explained",
+           "GenerationOptions", "MixConfig", "Optimization", "SCSTConfig", "SetLossConfig", "VisionTask", "load_task",
+           "register_task"]

@@ -8,6 +8,7 @@ the checkpoint alone, without downloading anything and without executing pickled
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import inspect
@@ -20,11 +21,13 @@ import lightning as L
 import torch
 from torch import nn
 
+from vision_attn.blocks import Mistakes, Section
 from vision_attn.checkpoint_io import CheckpointError, load_checkpoint_file
 from vision_attn.data import CaptioningDataModule, DetectionDataModule, ImageFolderDataModule
 from vision_attn.data.transforms import whole_image
 from vision_attn.distributed import gather_objects
-from vision_attn.errors import DataError, TrainingDivergedError, VisionAttnError
+from vision_attn.errors import ConfigError, DataError, TrainingDivergedError, VisionAttnError
+from vision_attn.explain.evaluate import DEFAULT_MISTAKES, write_overlays
 from vision_attn.explain.records import Explained
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.schema import (
@@ -102,8 +105,17 @@ class VisionTask(L.LightningModule):
     export_output_names: tuple[str, ...] = ()  # names of :meth:`export_forward`'s outputs (ONNX)
     onnx_predicts: bool = True  # whether :meth:`predictions_from_outputs` can run on ONNX outputs
     headline_metrics: tuple[str, ...] = ()  # the metrics a summary shows first (demo, report)
+    # the one metric of report.html's summary line and training plot (None: the first metric)
+    headline_metric: str | None = None
     eval_file_names: tuple[str, ...] = ()  # the files :meth:`eval_files` gives, next to metrics.json
     overlay_description: str = ""  # what one overlay panel shows (demo, README)
+    # The dataclass of the task's own predict / eval / explain options (None: it has none), given to
+    # :meth:`set_inference_options`; the commands add its fields to their command line, as
+    # ``--GROUP.FIELD`` for the group named by ``inference_group`` (``--generate.beam_size``), else as
+    # ``--FIELD`` of ``predict`` / ``explain`` and ``--explain.FIELD`` of ``eval.py`` (``--topk``,
+    # ``--explain.topk``).
+    inference_options: type | None = None
+    inference_group: str | None = None
     # constructor arguments that say where a run's weights came from (a file to read), never
     # taken from a checkpoint: dropped with a warning when a checkpoint holds them ("group.field"
     # for one inside an argument group)
@@ -185,6 +197,43 @@ class VisionTask(L.LightningModule):
         centre crop when the task must see the whole image (:attr:`crop_at_inference`)."""
         return self.data_config if self.crop_at_inference else whole_image(self.data_config)
 
+    _inference: Any = None  # the options given to set_inference_options (None: none given)
+
+    @property
+    def inference(self) -> Any:
+        """The task's inference options in use: those of :meth:`set_inference_options`, else the
+        defaults of :attr:`inference_options` (``None`` for a task without options)."""
+        if self._inference is not None or self.inference_options is None:
+            return self._inference
+        return self.inference_options()
+
+    def set_inference_options(self, options: Any) -> None:
+        """Predict, evaluate and explain with ``options`` (an :attr:`inference_options` instance)
+        from now on: the one way ``eval.py``, ``predict`` and ``explain`` hand a task its options.
+
+        Raises:
+            ConfigError: options of another type than the task declares.
+        """
+        if self.inference_options is None or not isinstance(options, self.inference_options):
+            wanted = getattr(self.inference_options, "__name__", "no options")
+            raise ConfigError(f"{type(self).__name__} takes {wanted} as its inference options, "
+                              f"not {type(options).__name__}")
+        self._inference = options
+
+    def explain_options(self, options: Any) -> Any:
+        """``options`` (an :class:`~vision_attn.explain.evaluate.ExplainOptions`) with the fields
+        that share a name with the task's inference options set from those given to
+        :meth:`set_inference_options` (the explanation functions read e.g. ``score_threshold``
+        there); a copy, or ``options`` itself when no options were given."""
+        if self._inference is None or not dataclasses.is_dataclass(options):
+            return options
+        names = {f.name for f in dataclasses.fields(options)}
+        out = copy.copy(options)
+        for field in dataclasses.fields(self._inference):
+            if field.name in names:
+                setattr(out, field.name, getattr(self._inference, field.name))
+        return out
+
     def export_forward(self, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The tensors-in, tensors-out forward that ONNX holds (:attr:`export_output_names`)."""
         raise NotImplementedError(f"{type(self).__name__} does not define export_forward")
@@ -226,9 +275,48 @@ class VisionTask(L.LightningModule):
         return {}
 
     def explain_eval(self, dataset: Any, options: Any, out_dir: Path, report: Any = None) -> dict[str, float]:
-        """Overlays of the evaluated split into ``out_dir/overlays`` (drawn by
-        :meth:`explain_batch`) and the explanation metrics; fills ``report`` when given."""
+        """Overlays of the evaluated split into ``out_dir/overlays`` and the explanation metrics;
+        fills ``report`` (a :class:`~vision_attn.explain.records.Report`) when given.
+
+        By default the overlays of the seeded sample and of the worst mistakes (:meth:`rank_mistakes`),
+        drawn by :meth:`explain_batch` (:func:`~vision_attn.explain.evaluate.write_overlays`, which
+        says what it reads of ``dataset``), and no metrics: a task overrides it to add measures. A
+        task without :meth:`explain_batch` draws none."""
+        if type(self).explain_batch is VisionTask.explain_batch:
+            log.info("no overlays: %s does not define explain_batch", type(self).__name__)
+            return {}
+        write_overlays(self, dataset, options, out_dir, report)
         return {}
+
+    def truth_text(self, dataset: Any, index: int) -> str | None:
+        """The ground truth of image ``index`` of an evaluated split as text, drawn on its overlay
+        panel by the default :meth:`explain_eval` (default: ``None``, none drawn)."""
+        return None
+
+    # ------------------------------------------------------------------ report.html
+    # What report.html shows of the task's evaluation: callers ask these and never the task's name.
+    def rank_mistakes(self, dataset: Any, predictions: list[dict[str, Any]], k: int,
+                      options: Any = None) -> list[int]:
+        """The dataset indices of the ``k`` worst mistakes of ``predictions`` (the evaluation's
+        ``predictions.json`` records of ``dataset``), worst first; ``eval.py`` explains them
+        besides the seeded sample, so the mistakes gallery shows their overlays. ``options``: the
+        evaluation's :class:`~vision_attn.explain.evaluate.ExplainOptions` (e.g. a score
+        threshold). Default: none."""
+        return []
+
+    def report_sections(self, files: dict[str, Any], metrics: dict[str, float]) -> list[Section]:
+        """The task's result sections of ``report.html`` (:mod:`vision_attn.blocks` records), built
+        from its evaluation files (:meth:`eval_files`: file name -> JSON object) and ``metrics``.
+        Default: none."""
+        return []
+
+    def mistake_cards(self, items: list[dict[str, Any]], predictions: list[dict[str, Any]] | None,
+                      limit: int = DEFAULT_MISTAKES) -> Mistakes | None:
+        """The mistakes gallery of ``report.html``: at most ``limit`` cards, worst first, from the
+        evaluation's ``predictions`` (``None``: a page without them, e.g. a folder run) and the
+        explained images' report ``items`` (a card whose ``name`` is an item's shows its overlay).
+        Default: no gallery."""
+        return None
 
     # Set by the folder commands (vision_attn.predict): an ExplainOptions, whether to draw, and
     # how many images report.html shows (later images need no report item: ExplainOptions.report

@@ -24,10 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vision_attn.blocks import Mistakes
 from vision_attn.data.caption_objects import GENERIC_NOUNS, NUMBER_WORDS, WINDOW, ObjectVocabulary
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 from vision_attn.distributed import mean_across_processes
 from vision_attn.errors import CheckpointError, ConfigError, DataError
+from vision_attn.explain.evaluate import DEFAULT_MISTAKES
 from vision_attn.losses.scst import baselines, sample_rewards, scst_loss
 from vision_attn.metrics.caption import (
     CiderD,
@@ -46,6 +48,7 @@ from vision_attn.models.captioner import (
 )
 from vision_attn.models.detr import cell_centres
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
+from vision_attn.tasks import captioning_report
 from vision_attn.tasks.base import (
     VisionTask,
     gather_objects,
@@ -291,6 +294,8 @@ class CaptioningTask(VisionTask):
     """
 
     task_name = "captioning"
+    inference_options = GenerationOptions  # --generate.beam_size etc.
+    inference_group = "generate"
     built_from = "tokenizer vocabulary"
     source_args = ("training.init_from",)  # a checkpoint to start from: never read because a checkpoint names it
     legacy_arguments = {
@@ -310,6 +315,7 @@ class CaptioningTask(VisionTask):
     onnx_predicts = False
     headline_metrics = ("bleu1", "bleu4", "cider", "kinds_exact", "content_exact", "image_dependence",
                         "pointing_relevance", "pointing_attention", "pointing_random")
+    headline_metric = "cider"
     overlay_description = "the caption, then each word's map: relevance and raw cross-attention (one strip each)"
 
     def __init__(
@@ -536,13 +542,19 @@ class CaptioningTask(VisionTask):
             if getattr(datamodule, "max_length", None) is not None:
                 datamodule.max_length = min(datamodule.max_length, self.decoder_config.max_length)
 
-    def set_generation(self, options: GenerationOptions) -> None:
-        """Override decoding options (``eval.py --generate.*``; ``None`` fields keep the model's)."""
+    def set_inference_options(self, options: GenerationOptions) -> None:
+        """Override decoding options (``--generate.*`` of ``eval.py``, ``predict`` and ``explain``;
+        ``None`` fields keep the model's)."""
         chosen = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
         check_generation(GenerationOptions(**chosen), "--generate")
+        super().set_inference_options(options)
         for key, value in chosen.items():
             if value is not None:
                 setattr(self.generation, key, value)
+
+    def set_generation(self, options: GenerationOptions) -> None:
+        """:meth:`set_inference_options` (its name in earlier versions)."""
+        self.set_inference_options(options)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -865,6 +877,15 @@ class CaptioningTask(VisionTask):
         from vision_attn.explain.captioning import write_caption_overlays
 
         return write_caption_overlays(self, dataset, options, out_dir, report)
+
+    # ------------------------------------------------------------------ report.html
+    def rank_mistakes(self, dataset, predictions, k, options=None) -> list[int]:
+        """The lowest-CIDEr-D captions (:func:`~vision_attn.tasks.captioning_report.rank_mistakes`)."""
+        return captioning_report.rank_mistakes(dataset, predictions, k)
+
+    def mistake_cards(self, items, predictions, limit=DEFAULT_MISTAKES) -> Mistakes:
+        """The lowest-CIDEr-D captions (:func:`~vision_attn.tasks.captioning_report.mistake_cards`)."""
+        return captioning_report.mistake_cards(items, predictions, limit)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_meta(self) -> dict[str, Any]:

@@ -34,17 +34,22 @@ from torch import Tensor
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from vision_attn.errors import EncoderError
+from vision_attn.blocks import Mistakes, Section
+from vision_attn.errors import ConfigError, EncoderError
+from vision_attn.explain.evaluate import DEFAULT_MISTAKES
+from vision_attn.explain.methods import TOKENS, Token, resolve_target_class
 from vision_attn.metrics.breakdown import classification_breakdown
 from vision_attn.models.classifier import ClassificationHead, ClassifierConfig, HeadKind, TimmHead
 from vision_attn.models.encoder import ViTEncoder
+from vision_attn.tasks import classification_report
 from vision_attn.tasks.base import VisionTask, gather_objects, register_task
 from vision_attn.tasks.optim import Optimization
 
 CLASSIFICATION_OPTIM = Optimization()
 SOFT_TARGET_CROSS_ENTROPY = SoftTargetCrossEntropy()  # the loss of mixed targets (no state: shared)
 
-__all__ = ["ClassificationTask", "ClassifierConfig", "HeadKind", "MixConfig", "classification_metrics"]
+__all__ = ["ClassificationOptions", "ClassificationTask", "ClassifierConfig", "HeadKind", "MixConfig",
+           "classification_metrics"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,33 @@ class MixConfig:
             value = getattr(self, key)
             if not 0 <= value <= 1:
                 raise ValueError(f"--model.mix.{key} is a probability: between 0 and 1, got {value}")
+
+
+@dataclass
+class ClassificationOptions:
+    """What a classifier's predictions and explanations show: its inference options
+    (``--topk``, ``--target_class``, ``--token`` of ``predict`` / ``explain``;
+    ``--explain.topk`` etc. of ``eval.py``).
+
+    Attributes:
+        topk: the K best classes listed per image (``"topk"`` of the folder commands' records).
+        target_class: explain this class (a class name, or an index) instead of the prediction;
+            the faithfulness numbers then follow its probability.
+        token: the token row explained: ``auto`` (what the head reads), or for a distilled DeiT
+            ``cls`` (class token), ``dist`` (distillation token), ``mean`` (their average).
+    """
+
+    topk: int = 5
+    target_class: str | None = None
+    token: Token = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
+            raise ConfigError(f"topk must be an integer >= 1, got {self.topk!r}")
+        if self.token not in TOKENS:
+            raise ConfigError(f"token {self.token!r} invalid; choose one of {', '.join(TOKENS)}")
+        if self.target_class is not None:
+            self.target_class = str(self.target_class)
 
 
 LINEAR_HEAD = ClassifierConfig()
@@ -120,12 +152,14 @@ class ClassificationTask(VisionTask):
     """
 
     task_name = "classification"
+    inference_options = ClassificationOptions  # --topk, --target_class, --token (eval.py: --explain.topk ...)
     monitor = ("val/acc_top1", "max")
     export_output_names = ("logits",)
     headline_metrics = ("acc_top1", "acc_macro", "deletion_auc", "deletion_auc_random", "insertion_auc",
                         "insertion_auc_random")
     overlay_description = "input | one overlay per explanation method (rollout, relevance, raw attention)"
     eval_file_names = ("per_class.json", "confusion_matrix.json")
+    headline_metric = "acc_top1"
     legacy_arguments = {"head": "head.kind", "pooling": "head.pooling", "head_dropout": "head.dropout",
                         "mixup": "mix.mixup", "cutmix": "mix.cutmix", "mix_prob": "mix.prob",
                         "mix_switch_prob": "mix.switch_prob"}
@@ -296,16 +330,23 @@ class ClassificationTask(VisionTask):
         return {"per_class.json": per_class, "confusion_matrix.json": confusion}
 
     # ------------------------------------------------------------------ inference, export, explanation
+    def set_inference_options(self, options: ClassificationOptions) -> None:
+        """:meth:`VisionTask.set_inference_options`; a ``target_class`` that names no class of the
+        model is refused here, before any image runs."""
+        if getattr(options, "target_class", None) is not None and self.class_names:
+            resolve_target_class(options.target_class, self.class_names, len(self.class_names))
+        super().set_inference_options(options)
+
     def export_forward(self, images: Tensor) -> tuple[Tensor]:
         return (self(images),)
 
     def predictions_from_outputs(self, outputs, sizes, options=None) -> list[dict[str, Any]]:
         """``{"pred", "score", "topk"}`` per image from ``(logits,)``: the top-1 class and its
         softmax probability, and ``topk``: ``[{"label", "score"}]`` of the ``k`` most probable
-        classes, top-1 first (``k = options.topk``, default 5, at most ``C``)."""
+        classes, top-1 first (``k``: ``options.topk``, else :attr:`inference`'s, at most ``C``)."""
         names = self.class_names or []
         probs = outputs[0].float().softmax(-1)  # (B, C)
-        k = max(1, min(int(getattr(options, "topk", 5) or 5), probs.shape[-1]))
+        k = max(1, min(int(getattr(options, "topk", None) or self.inference.topk), probs.shape[-1]))
         scores, classes = probs.topk(k, dim=-1)  # (B, k), sorted: top-1 first
         records = []
         for top_scores, top_classes in zip(scores.tolist(), classes.tolist(), strict=True):
@@ -324,3 +365,16 @@ class ClassificationTask(VisionTask):
         from vision_attn.explain.evaluate import explain_eval_split
 
         return explain_eval_split(self, dataset, options, out_dir, report)
+
+    # ------------------------------------------------------------------ report.html
+    def rank_mistakes(self, dataset, predictions, k, options=None) -> list[int]:
+        """The most confident wrong predictions (:func:`~vision_attn.tasks.classification_report.rank_mistakes`)."""
+        return classification_report.rank_mistakes(dataset, predictions, k)
+
+    def report_sections(self, files, metrics) -> list[Section]:
+        """The per-class table and the confusion matrix (:mod:`~vision_attn.tasks.classification_report`)."""
+        return classification_report.result_sections(files, metrics)
+
+    def mistake_cards(self, items, predictions, limit=DEFAULT_MISTAKES) -> Mistakes:
+        """The most confident wrong predictions (:func:`~vision_attn.tasks.classification_report.mistake_cards`)."""
+        return classification_report.mistake_cards(items, predictions, limit)

@@ -12,18 +12,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vision_attn.blocks import Mistakes, Section
 from vision_attn.boxes import box_xyxy_to_xywh
+from vision_attn.errors import ConfigError
+from vision_attn.explain.detection import error_keywords
+from vision_attn.explain.evaluate import DEFAULT_MISTAKES
 from vision_attn.losses.matcher import HungarianMatcher
 from vision_attn.losses.set_criterion import SetCriterion
 from vision_attn.metrics.breakdown import coco_map_metric, detection_breakdown
 from vision_attn.models.detr import DETRConfig, DETRHead, post_process
 from vision_attn.models.encoder import ViTEncoder
+from vision_attn.tasks import detection_report
 from vision_attn.tasks.base import VisionTask, gather_objects, register_task
 from vision_attn.tasks.optim import Optimization
 
 DETECTION_OPTIM = Optimization(lr=1e-4, weight_decay=1e-4, warmup_fraction=0.0, min_lr_ratio=0.1)
 
-__all__ = ["DETECTION_HEAD", "DetectionTask", "SetLossConfig", "mean_average_precision"]
+__all__ = ["DETECTION_HEAD", "DetectionOptions", "DetectionTask", "SetLossConfig", "mean_average_precision"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,23 @@ class SetLossConfig:
     o2m_repeat: int = 6
 
 
+@dataclass
+class DetectionOptions:
+    """Which detections the folder commands and the overlays keep: a detector's inference options
+    (``--score_threshold`` of ``predict`` / ``explain``; ``--explain.score_threshold`` of ``eval.py``).
+
+    Attributes:
+        score_threshold: objects scoring less are left out of the records of ``predict`` and of
+            the overlays (``eval.py``'s ``predictions.json`` keeps every detection, for COCO scoring).
+    """
+
+    score_threshold: float = 0.3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.score_threshold, bool) or not isinstance(self.score_threshold, (int, float)):
+            raise ConfigError(f"score_threshold must be a number, got {self.score_threshold!r}")
+
+
 DETECTION_HEAD = DETRConfig()
 """The task's default head: 20 queries, width 128, 3 layers, 4 heads, no dropout (smaller than DETR's,
 :data:`~vision_attn.models.detr.DEFAULT_DETR`)."""
@@ -100,11 +122,13 @@ class DetectionTask(VisionTask):
     """
 
     task_name = "detection"
+    inference_options = DetectionOptions  # --score_threshold (eval.py: --explain.score_threshold)
     monitor = ("val/map", "max")
     crop_at_inference = False  # a centre crop would cut objects off: the whole image, resized
     export_output_names = ("pred_logits", "pred_boxes")
     headline_metrics = ("map", "map_50", "map_75")
     eval_file_names = ("per_class.json", "pr_curves.json")
+    headline_metric = "map"
     overlay_description = "boxes | per detected object: its relevance and its query's raw cross-attention"
     legacy_arguments = {
         **{k: f"head.{k}" for k in (
@@ -302,8 +326,8 @@ class DetectionTask(VisionTask):
     def predictions_from_outputs(self, outputs, sizes, options=None) -> list[dict[str, Any]]:
         """``{"detections": [{"label", "category_id", "bbox": [x, y, w, h] pixels, "score"}]}`` per
         image from ``(pred_logits, pred_boxes)``: objects scoring at least
-        ``options.score_threshold`` (0.3 without options)."""
-        threshold = 0.3 if options is None else options.score_threshold
+        ``options.score_threshold`` (without options: :attr:`inference`'s)."""
+        threshold = (self.inference if options is None else options).score_threshold
         logits, boxes = outputs
         dets = self.detect({"pred_logits": logits, "pred_boxes": boxes}, torch.tensor([tuple(s) for s in sizes]))
         names, cat_ids = self.class_names or [], self.category_ids or []
@@ -345,3 +369,18 @@ class DetectionTask(VisionTask):
             dataset.with_size = False
         write_detection_overlays(self, dataset, options, out_dir, report=report)
         return detection_explain_metrics(self, dataset, options, out_dir)
+
+    # ------------------------------------------------------------------ report.html
+    def rank_mistakes(self, dataset, predictions, k, options=None) -> list[int]:
+        """The images with the most missed and false detections scoring at least
+        ``options.score_threshold`` (:func:`~vision_attn.tasks.detection_report.rank_mistakes`)."""
+        return detection_report.rank_mistakes(dataset, predictions, k, **error_keywords(self, dataset, options))
+
+    def report_sections(self, files, metrics) -> list[Section]:
+        """Per-category AP, the size breakdown and the PR curves (:mod:`~vision_attn.tasks.detection_report`)."""
+        return detection_report.result_sections(files, metrics)
+
+    def mistake_cards(self, items, predictions, limit=DEFAULT_MISTAKES) -> Mistakes:
+        """The explained images' missed and false detections
+        (:func:`~vision_attn.tasks.detection_report.mistake_cards`)."""
+        return detection_report.mistake_cards(items, predictions, limit)
