@@ -12,7 +12,7 @@ DEV     = $(VENV)/.installed-dev
 DEMO_DIR ?= runs/demo
 export VISION_ATTN_DATA ?= $(CURDIR)/.data
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench lint docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,8 +47,21 @@ bench: $(DEV)
 	if ls $(DEMO_DIR)/*/*/checkpoints/last.ckpt >/dev/null 2>&1; then $(PY) -m benchmarks.explanations --demo_dir $(DEMO_DIR) --json benchmarks/results/explanations.json; else echo "no $(DEMO_DIR)/*/<task>/checkpoints/last.ckpt: run make demo for the explanations table"; fi
 	ckpt=$$(ls -t $(DEMO_DIR)/*/captioning/checkpoints/last.ckpt 2>/dev/null | head -1); if [ -n "$$ckpt" ]; then $(PY) -m benchmarks.caption_grounding "$$ckpt" --json benchmarks/results/caption_grounding.json; fi
 
+# the documentation site: the generated pages written again (command line, configuration keys, API,
+# results), then built into site/ offline; a broken link or reference, or a docstring warning, fails it
+DOCS_STAMP = $(VENV)/.installed-docs
+$(DOCS_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(PY) docs/generate.py
+	$(PY) -m mkdocs build --strict --quiet
+
 lint: $(DEV)
 	$(PY) -m ruff check vision_attn tests train.py eval.py
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache site

@@ -1,0 +1,217 @@
+"""The documentation stays true: the site builds strict, every relative link resolves, the
+generated pages (command line, configuration keys, API, checkpoint formats, results) are what
+docs/generate.py writes from today's code and results files, the README stays short, and the
+pages speak of the software, never of how it was developed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+
+PROSE = ("README.md", "CHANGES.md", "mkdocs.yml", "docs", "configs", "notebooks")
+"""What a user reads: searched for words about how the project was developed."""
+
+PROCESS_WORDS = {
+    r"\b(this|last|earlier|previous|next|later|latest|that|same|one|each|every|a|helper)\s+sessions?\b": "a session",
+    r"\brounds?\b(?!\s*\()": "a round (of work)",  # Python's round(...) is fine
+    r"\bissues?\s*#?\d+": "an issue number",
+    r"\bthe issue'?s?\b": "the issue",
+    r"\bhelpers?\b": "a helper",
+    r"calibrat": "a timing-script reading (calibrate)",
+    r"reference[ -]minutes?": "reference minutes",
+    r"\.\./shared\b": "the development machine's shared folder",
+}
+
+README_MAX_LINES = 200
+
+KNOWN_WITHOUT_HELP = {
+    # options whose parsers give no help text yet; a new option without one fails the test below
+    "predict --batch_size", "explain --batch_size", "export --format", "data kind", "data --image_size",
+    "data --seed",
+}
+
+
+def _generate():
+    spec = importlib.util.spec_from_file_location("docs_generate", DOCS / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def generate():
+    return _generate()
+
+
+def _prose_files() -> list[Path]:
+    files = []
+    for name in PROSE:
+        path = REPO / name
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files += [p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix in (
+                ".md", ".yaml", ".yml", ".py", ".ipynb", ".json", ".txt", ".html")]
+    return files
+
+
+def test_no_words_about_how_the_project_was_developed():
+    found = []
+    for path in _prose_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for pattern, what in PROCESS_WORDS.items():
+            for match in re.finditer(pattern, text, re.IGNORECASE):
+                line = text.count("\n", 0, match.start()) + 1
+                found.append(f"{path.relative_to(REPO)}:{line}: {what}: {match.group(0)!r}")
+    assert not found, "the pages speak of the software, not of its development:\n" + "\n".join(found[:40])
+
+
+def test_readme_is_the_front_door():
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move the details into docs/"
+
+
+# ---------------------------------------------------------------------------------------- links
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+_CODE = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.M)
+
+
+def slug(heading: str) -> str:
+    """The anchor MkDocs (Python-Markdown's toc) and GitHub give a heading."""
+    text = re.sub(r"<[^>]+>", "", heading).replace("`", "")
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    text = unicodedata.normalize("NFKD", text)
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def anchors(page: Path) -> set[str]:
+    text = _FENCE.sub("", page.read_text(encoding="utf-8"))
+    return {slug(h) for h in _HEADING.findall(text)}
+
+
+def relative_links(page: Path) -> list[str]:
+    text = _CODE.sub("", _FENCE.sub("", page.read_text(encoding="utf-8")))
+    return [t for t in _LINK.findall(text) if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]
+
+
+def _pages() -> list[Path]:
+    return [REPO / "README.md", REPO / "CHANGES.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in _pages():
+        for target in relative_links(page):
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(REPO)}: ({target})"
+            if not file.exists():
+                broken.append(f"{where}: no such file")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{where}: no heading #{anchor} in {file.relative_to(REPO)}")
+    assert not broken, "\n".join(broken)
+
+
+def test_mkdocs_builds_strict(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=REPO, capture_output=True, text=True, env={**_env(), "NO_MKDOCS_2_WARNING": "1"})
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    warnings = [line for line in log.splitlines() if line.startswith(("WARNING", "ERROR"))]
+    assert not warnings, "\n".join(warnings)
+    assert (tmp_path / "site" / "reference" / "api" / "index.html").is_file()
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+# ---------------------------------------------------------------------------------------- generated pages
+
+
+def test_generated_pages_are_current(generate):
+    files = generate.generate()
+    stale = [str(p.relative_to(REPO)) for p in generate.stale(files)]
+    assert not stale, (f"out of date: {stale}; run `python docs/generate.py` (or make docs) and check the "
+                       "difference")
+
+
+def test_every_option_has_a_help_text(generate):
+    missing = set(generate.options_without_help())
+    new = sorted(missing - KNOWN_WITHOUT_HELP)
+    assert not new, f"options without a help text (the command line reference would show none): {new}"
+
+
+def test_the_reference_names_every_subcommand_and_public_name(generate):
+    from vision_attn.commands import SUBCOMMANDS
+
+    cli = (DOCS / "reference" / "cli.md").read_text(encoding="utf-8")
+    assert all(f"## vision-attn {name}\n" in cli for name in SUBCOMMANDS)
+    api = "".join(p.read_text(encoding="utf-8") for p in (DOCS / "reference" / "api").glob("*.md"))
+    for entries in generate.api_targets().values():
+        for name, target in entries:
+            assert f"::: {target}\n" in api or f"[{target}]" in api, name
+    config = (DOCS / "reference" / "configuration.md").read_text(encoding="utf-8")
+    for path in generate.shipped_class_paths():
+        name = path.rsplit(".", 1)[-1]
+        assert f"### {name}\n" in config or f"`{path}`" in config, path
+
+
+# ---------------------------------------------------------------------------------------- results
+
+
+def test_results_files_follow_the_schema_and_render_with_their_provenance(generate, tmp_path):
+    from benchmarks.results_json import SCHEMA, machine_info, validate, write_results
+
+    path = write_results(tmp_path / "r.json", page="performance", title="a pair", command="python -m benchmarks.x",
+                         columns=["pair", {"name": "ratio", "format": ".2f"}], rows=[["a vs b", 0.5], ["c", None]],
+                         notes=["random weights"])
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA and not validate(data)
+    assert data["machine"]["cores"] >= 1 and data["machine"]["cpu"]
+    assert set(machine_info()) == set(data["machine"])
+    page = generate.results_table("r.json", data)
+    assert "python -m benchmarks.x" in page and data["date"] in page and data["commit"] in page
+    assert data["machine"]["cpu"] in page and "| a vs b | 0.50 |" in page and "| c | – |" in page
+    with pytest.raises(ValueError, match="rows\\[0\\]"):
+        write_results(tmp_path / "bad.json", page="performance", title="t", command="c", columns=["a", "b"],
+                      rows=[[1]])
+    with pytest.raises(ValueError, match="page"):
+        write_results(tmp_path / "bad.json", page="elsewhere", title="t", command="c", columns=["a"], rows=[])
+
+
+def test_demo_summary_becomes_the_readmes_glance_rows(generate):
+    from benchmarks.results_json import demo_results
+
+    summary = {"classification": {"metrics": {"acc_top1": 0.9, "acc_macro": 0.9}, "train_seconds": 120.0,
+                                  "headline": ["acc_top1"]},
+               "detection": {"metrics": {"map": 0.5, "map_50": 0.8}, "train_seconds": 300.0, "headline": ["map"]}}
+    data = demo_results(summary, date="2025-01-02", commit="abc1234", machine={"cpu": "a CPU", "cores": 2})
+    glance = generate.glance_table([("demo.json", data)])
+    assert "| classification |" in glance and "acc_top1 0.900" in glance and "2025-01-02" in glance
+    assert "a CPU, 2 cores" in glance and "`make demo`" in glance
+    assert [r[2] for r in data["rows"]] == ["acc_top1", "map", "map_50"]
+
+
+def test_every_committed_results_file_is_rendered(generate):
+    results = generate.load_results()  # raises on a file that does not follow the schema
+    pages = generate.results_pages()
+    for name, data in results:
+        page = pages[generate.RESULTS / generate.PAGE_FILES[data["page"]]]
+        assert f"`docs/results/{name}`" in page
