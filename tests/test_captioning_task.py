@@ -240,8 +240,11 @@ def test_train_and_eval_contract(tmp_path):
     metrics = eval_main([*common, "--ckpt_path", ckpt, "--output_dir", str(out / "eval"), "--explain.num_overlays", "2",
                          "--explain.mistakes", "0"])
     saved = json.loads((out / "eval" / "metrics.json").read_text())
-    assert saved == metrics and {"bleu1", "bleu2", "bleu3", "bleu4", "cider", "rouge_l", "image_dependence"} <= set(saved)
+    assert saved == metrics
+    assert {"bleu1", "bleu2", "bleu3", "bleu4", "cider", "rouge_l", "image_dependence"} <= set(saved)
     assert CONTENT_KEYS <= set(saved) and "meteor" not in saved  # VISION_ATTN_JAVA_METRICS=0
+    # the content words checked against the references alone (vision_attn.metrics.reference_content)
+    assert {"objects_exact", "relations_exact", "hallucination_rate", "hallucinated_captions"} <= set(saved)
     # (pointing metrics of a model that names objects: test_eval_points_at_the_named_objects)
     preds = json.loads((out / "eval" / "predictions.json").read_text())
     val = json.loads(next((tmp_path / "data").glob("*/annotations/captions_val.json")).read_text())
@@ -252,9 +255,17 @@ def test_train_and_eval_contract(tmp_path):
     page = (out / "eval" / "report.html").read_text()
     assert '"kind": "words"' in page  # per-word interactive views
     # greedy instead of the config's beam search, into another folder
+    words = tmp_path / "words.txt"
+    words.write_text("circle\nsquare\n")
     greedy = eval_main([*common, "--ckpt_path", ckpt, "--output_dir", str(out / "greedy"), "--generate.beam_size", "1",
                         "--generate.min_length", "4", "--generate.repetition_penalty", "1.2", "--explain.num_overlays",
-                        "0"])
+                        "0", "--explain.content_words", str(words)])
+    assert greedy["content_vocabulary"] == 2.0
+    with pytest.raises(ConfigError, match="empty.txt: no word"):
+        (tmp_path / "empty.txt").write_text("\n")
+        eval_main([*common, "--ckpt_path", ckpt, "--output_dir", str(out / "none"), "--explain.num_overlays", "0",
+                   "--explain.content_words", str(tmp_path / "empty.txt")])
+    assert not (out / "none" / "metrics.json").exists()
     assert set(greedy) >= {"bleu4", "cider"}
     greedy_preds = json.loads((out / "greedy" / "predictions.json").read_text())
     assert all(len(p["caption"].split()) >= 4 for p in greedy_preds)
