@@ -34,8 +34,9 @@ demo: $(STAMP)
 	$(PY) -m vision_attn.demo --output_dir $(DEMO_DIR)
 
 # two workers, one test file each at a time (module fixtures are trained once), one thread each;
-# the 15 slowest tests are listed at the end
+# the 15 slowest tests are listed at the end; ruff first (style, imports, lines of at most 120 characters)
 test: $(DEV)
+	$(PY) -m ruff check vision_attn tests benchmarks docs/generate.py train.py eval.py
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: $(DEV)
@@ -61,7 +62,7 @@ docs: $(DOCS_STAMP)
 	$(PY) -m mkdocs build --strict --quiet
 
 lint: $(DEV)
-	$(PY) -m ruff check vision_attn tests train.py eval.py
+	$(PY) -m ruff check vision_attn tests benchmarks docs/generate.py train.py eval.py
 
 clean:
 	rm -rf runs .pytest_cache site

@@ -59,7 +59,8 @@ def reference_rows(references: Mapping[Hashable, Sequence[str]]) -> dict[str, fl
             "held-out reference": float(np.mean(rounds))}
 
 
-def prediction_row(predictions: Mapping[Hashable, str], references: Mapping[Hashable, Sequence[str]]) -> dict[str, float]:
+def prediction_row(predictions: Mapping[Hashable, str],
+                   references: Mapping[Hashable, Sequence[str]]) -> dict[str, float]:
     """``{"all references", "held-out"}``: CIDEr-D of ``{image: caption}`` against all
     references, and in the held-out rounds of :func:`reference_rows` against each image's
     references without the held-out one."""
@@ -93,7 +94,8 @@ def read_predictions(path: Path, references: Mapping[Hashable, Sequence[str]]) -
     try:
         rows = json.loads(file.read_text())
     except (OSError, ValueError) as err:
-        raise SystemExit(f"{file}: cannot read the predictions ({err}); pass eval.py's predictions.json or its run folder") from err
+        raise SystemExit(f"{file}: cannot read the predictions ({err}); "
+                         "pass eval.py's predictions.json or its run folder") from err
     if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("caption"), str) for r in rows):
         raise SystemExit(f"{file}: expected eval.py's list of {{\"image_id\", \"caption\"}}")
     ids = [r.get("image_id") for r in rows]
@@ -150,7 +152,8 @@ def main() -> None:
         rows[run] = prediction_row(read_predictions(Path(run), references), references)
     write_result(args.json, {"root": str(root), "split": args.split, "images": len(references), "rows": rows})
     ref = rows["references"]
-    print(f"| {len(references)} images of {root.name}/{args.split} | CIDEr-D, all references | held-out reference's sets |")
+    print(f"| {len(references)} images of {root.name}/{args.split} "
+          "| CIDEr-D, all references | held-out reference's sets |")
     print("| --- | --- | --- |")
     print(f"| a reference, verbatim | {ref['reference']:.3f} | {ref['held-out reference']:.3f} |")
     print(f"| the best reference of each image (oracle) | {ref['best reference']:.3f} | - |")

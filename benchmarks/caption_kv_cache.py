@@ -57,7 +57,8 @@ def main() -> None:
     print(f"{a.tokens} tokens, batch {a.batch}, beam {a.beam}, width {a.hidden}, {a.layers} layers, "
           f"{r['patches']} patches ({r['machine']['threads']} threads)")
     print(f"cached     {m['cached'] * 1e3:8.1f} ms")
-    print(f"uncached   {m['uncached'] * 1e3:8.1f} ms   speed-up of the cache {r['speedup']:.2f}x   same tokens: {r['same_tokens']}")
+    print(f"uncached   {m['uncached'] * 1e3:8.1f} ms   speed-up of the cache {r['speedup']:.2f}x   "
+          f"same tokens: {r['same_tokens']}")
     write_result(a.json, r)
 
 

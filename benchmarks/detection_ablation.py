@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/detection/shapes.yaml")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--val_every", type=int, default=5)
-    parser.add_argument("--rows", nargs="*", default=None, help="only the rows whose name contains one of these, in this order")
+    parser.add_argument("--rows", nargs="*", default=None,
+                        help="only the rows whose name contains one of these, in this order")
     parser.add_argument("--work", default=None, help="runs (default: benchmarks/results/detection-ablation)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--step_cost", action="store_true", help="per-step cost of each row instead of trainings")

@@ -22,7 +22,7 @@ counted, as is usual for MFU. The count equals ``torch.utils.flop_counter.FlopCo
 (tested on a tiny ViT).
 
 Without a CUDA device it says so plainly, writes ``{"gpu": null, "reason": ...}`` to ``--json``
-and exits 0. Goal (issue 22): >= 40 % MFU for the bf16 + SDPA + compile step.
+and exits 0. Goal: >= 40 % MFU for the bf16 + SDPA + compile step.
 """
 
 from __future__ import annotations
@@ -177,12 +177,14 @@ def run(model: str = "vit_base_patch16_224", batch: int = 256, steps: int = 20, 
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [f"training step, {result['model']} (random weights), batch {result['batch']}, {result['gpu']}",
-             "| set-up | images/s | step ms | model TFLOP/s | MFU | peak GiB |", "| --- | --- | --- | --- | --- | --- |"]
+             "| set-up | images/s | step ms | model TFLOP/s | MFU | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"| {r['setup']} | {r['error']} | | | | |")
             continue
-        mfu = f"{100 * r['mfu']:.1f} % of {r['peak_tflops']:.0f}" if r["mfu"] is not None else "— (device not in the table)"
+        mfu = (f"{100 * r['mfu']:.1f} % of {r['peak_tflops']:.0f}" if r["mfu"] is not None
+               else "— (device not in the table)")
         lines.append(f"| {r['setup']} | {r['images_per_s']:.0f} | {1000 * r['step_s']:.1f} | {r['tflops']:.1f} | {mfu} "
                      f"| {r['max_memory_gib']:.1f} |")
     lines.append(f"goal: bf16 + SDPA + compile >= {100 * MFU_GOAL:.0f} % MFU: "

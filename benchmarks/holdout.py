@@ -9,7 +9,7 @@ The recipes were tuned on the embedded *shape* scenes. This benchmark writes the
 *digit* scenes instead (:func:`vision_attn.data.synthetic.ensure_digit_scenes_coco`: grey
 glyph digits in a cluttered picture, ten categories told apart by their strokes, captions such
 as "a two above a zero"): detection on 1.5k 96 px scenes with 1-4 digits, captioning on 1.5k
-64 px scenes with two digits and five template captions each. Then, as in the issues::
+64 px scenes with two digits and five template captions each. Then, as a user runs them::
 
     python train.py --config configs/<task>/small.yaml --data.root ROOT --trainer.max_epochs 40 \\
         --model.encoder.init_args.img_size SIZE

@@ -16,7 +16,7 @@ mode, ``inference_mode``. For ``r`` in {0, 4, 8, 16} (tokens merged per block,
 
 The images are smooth random images (a 14x14 colour noise upsampled bicubically, plus fine
 noise), not photographs: with random weights the maps show how much merging disturbs the
-attention flow, not what a trained model looks at. Goal (issue 22): r=8 >= 1.4x throughput,
+attention flow, not what a trained model looks at. Goal: r=8 >= 1.4x throughput,
 rollout rank correlation >= 0.8.
 """
 

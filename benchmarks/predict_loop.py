@@ -51,7 +51,7 @@ import torch
 from benchmarks.common import interleaved_medians, machine, write_result
 
 GOALS = {"predictions_only": 0.9, "overlays": 1.5, "whole_process": 0.85}
-"""Issue 22's goals: images/s ratio >= 0.9; overlays time ratio <= 1.5; whole process plain / ours >= 0.85."""
+"""The goals: images/s ratio >= 0.9; overlays time ratio <= 1.5; whole process plain / ours >= 0.85."""
 
 PLAIN_SCRIPT = textwrap.dedent('''\
     """A plain timm prediction script: PIL decode, timm's eval transform, batches, inference_mode."""
@@ -100,7 +100,8 @@ def make_images(folder: Path, n: int, width: int = 320, height: int = 420, seed:
         coarse = rng.integers(0, 256, (height // 32 + 1, width // 32 + 1, 3), dtype=np.uint8)
         img = cv2.resize(coarse, (width, height), interpolation=cv2.INTER_CUBIC)
         x0, y0 = int(rng.integers(0, width // 2)), int(rng.integers(0, height // 2))
-        cv2.rectangle(img, (x0, y0), (x0 + width // 3, y0 + height // 4), tuple(int(c) for c in rng.integers(0, 256, 3)), -1)
+        cv2.rectangle(img, (x0, y0), (x0 + width // 3, y0 + height // 4),
+                      tuple(int(c) for c in rng.integers(0, 256, 3)), -1)
         cv2.circle(img, (int(rng.integers(0, width)), int(rng.integers(0, height))), width // 6,
                    tuple(int(c) for c in rng.integers(0, 256, 3)), -1)
         img = np.clip(img.astype(np.int16) + rng.integers(-8, 9, img.shape), 0, 255).astype(np.uint8)
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="torch threads here and OMP_NUM_THREADS of the subprocesses (default: torch's / inherited)")
     p.add_argument("--python", default=None,
                    help="interpreter of the whole-process pair, both sides (default: this one); e.g. the .venv of "
-                        "`make install`, which lacks the test extras (matplotlib, which torchmetrics imports when present)")
+                        "`make install`, which lacks the test extras "
+                        "(matplotlib, which torchmetrics imports when present)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")

@@ -184,7 +184,8 @@ def run_finetune(args, work: Path) -> list[dict]:
     rows = []
     for size in args.sizes:
         root = glyph_root(work, size, 32, args.colour)
-        scratch = train(args.config, root, args.epochs, work / "runs" / "finetune" / f"scratch-{size}", FINETUNE_ENCODER)
+        scratch = train(args.config, root, args.epochs, work / "runs" / "finetune" / f"scratch-{size}",
+                        FINETUNE_ENCODER)
         tuned = train(args.config, root, args.epochs, work / "runs" / "finetune" / f"finetune-{size}",
                       [*FINETUNE_ENCODER, "--model.encoder.init_args.weights_file", str(weights), *args.finetune_args])
         rows.append({"train_images": size, "scratch": scratch, "finetune": tuned})

@@ -23,7 +23,8 @@ def _row(pair: str, ours: float, reference: float, ratio: float, goal: str, met:
             "detail": detail}
 
 
-def encoder_pairs(model: str = "vit_tiny_patch16_224", img: int = 224, batch: int = 8, repeats: int = 7, **kw) -> list[dict]:
+def encoder_pairs(model: str = "vit_tiny_patch16_224", img: int = 224, batch: int = 8, repeats: int = 7,
+                  **kw) -> list[dict]:
     """Encoder vs timm's model called directly; capture vs none; capture vs timm's AttentionExtract;
     rollout vs the forward pass."""
     from timm.utils import AttentionExtract
@@ -102,8 +103,8 @@ def attention_paths(tokens: int = 197, dim: int = 192, heads: int = 3, batch: in
 
     med = interleaved_medians({"fused": fused, "explicit": explicit}, repeats)
     r = med["fused"] / med["explicit"]
-    return _row(f"MultiHeadAttention fused vs explicit (T={tokens})", med["fused"], med["explicit"], r, "<= 1.00", r <= 1.00,
-                f"dim {dim}, {heads} heads, batch {batch}")
+    return _row(f"MultiHeadAttention fused vs explicit (T={tokens})", med["fused"], med["explicit"], r,
+                "<= 1.00", r <= 1.00, f"dim {dim}, {heads} heads, batch {batch}")
 
 
 def capture_memory(model: str = "vit_tiny_patch16_224", img: int = 224, batch: int = 8, **kw) -> dict:

@@ -19,7 +19,7 @@ tensor memory of the call (``torch.cuda.max_memory_allocated`` on a GPU). Report
   explanation itself adds;
 - ``stored attention``: ``L * heads * T^2 * 4 bytes * B``, what the capture keeps.
 
-Goal (issue 22): streaming ``extra`` <= 1/L of the stored capture's attention memory, at equal
+Goal: streaming ``extra`` <= 1/L of the stored capture's attention memory, at equal
 time (<= 1.05x).
 """
 

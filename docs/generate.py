@@ -277,8 +277,9 @@ def option_rows(parser: Any) -> list[dict[str, Any]]:
         strings = [s for s in action.option_strings if not s.endswith("+")]
         if not strings:  # a positional argument
             strings = [action.metavar or action.dest]
-        rows.append({"option": strings[-1] if strings[-1].startswith("--") else strings[0],
-                     "aliases": [s for s in strings if s != (strings[-1] if strings[-1].startswith("--") else strings[0])],
+        option = strings[-1] if strings[-1].startswith("--") else strings[0]
+        rows.append({"option": option,
+                     "aliases": [s for s in strings if s != option],
                      "type": _action_type(action), "default": action.default, "help": action.help or "",
                      "action": action})
     return rows
@@ -392,7 +393,8 @@ def options_without_help() -> list[str]:
 # ------------------------------------------------------------------------------------ configuration
 
 TOP_SECTIONS = {"explain": "vision_attn.explain.evaluate.ExplainOptions",
-                "generate": "vision_attn.models.captioner.GenerationOptions"}
+                "generate": "vision_attn.models.captioner.GenerationOptions",
+                "report": "vision_attn.report.budget.ReportOptions"}
 """The top-level sections of ``fit`` / ``validate`` besides ``trainer``, ``model`` and ``data``."""
 LIGHTNING_SECTIONS = ("trainer", "model", "data", "optimizer", "lr_scheduler", "seed_everything", "ckpt_path",
                       "config", "print_config", "allow_import", "output_dir", "split", "overwrite", "merge_r")
@@ -761,7 +763,8 @@ def results_table(name: str, data: dict[str, Any], level: str = "##") -> str:
     if data.get("description"):
         parts.append(data["description"].strip() + "\n\n")
     parts.append(f"```bash\n{data['command']}\n```\n\n")
-    parts.append(f"Measured {data['date']} at commit `{data['commit']}` on {markdown_text(machine_text(data['machine']), table=False)} "
+    machine_md = markdown_text(machine_text(data["machine"]), table=False)
+    parts.append(f"Measured {data['date']} at commit `{data['commit']}` on {machine_md} "
                  f"(`docs/results/{name}`).\n\n")
     parts.append(table([markdown_text(column_name(c)) for c in columns], rows))
     for note in data.get("notes", []):

@@ -124,6 +124,37 @@ def test_no_import_cycles():
     assert cycles == []
 
 
+# ---------------------------------------------------------------------------------------- sizes
+
+MAX_MODULE_LINES = 600
+MODULES_OVER_THE_LIMIT = 1  # at most this many modules may exceed MAX_MODULE_LINES
+MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LEVEL_IMPORTS = 10  # imports of the package's own modules inside functions (lazy loading only)
+
+
+def test_modules_are_small():
+    big = sorted((n, str(p.relative_to(REPO))) for p in MODULES.values()
+                 if (n := p.read_text().count("\n")) > MAX_MODULE_LINES)
+    assert len(big) <= MODULES_OVER_THE_LIMIT, f"modules over {MAX_MODULE_LINES} lines: {big}; split them by concept"
+
+
+def test_functions_are_short():
+    long = []
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []
+
+
+def test_the_package_imports_its_own_modules_at_module_level():
+    inner = sorted({f"{m}:{line} imports {t}" for m, edges in GRAPH.items() for t, line, in_function in edges
+                    if in_function})
+    assert len(inner) <= MAX_FUNCTION_LEVEL_IMPORTS, "\n".join(inner)
+
+
 TASK_NAMES = ("classification", "detection", "captioning")  # the built-in tasks' registry names
 
 

@@ -267,7 +267,7 @@ def test_caption_grounding_counts_object_words_against_oracle_and_constant_decod
 
 
 def test_holdout_scores_predictions_files_against_references(tmp_path):
-    """``benchmarks.holdout`` scores eval.py's files as the issues' checks do: pycocotools map_50 is
+    """``benchmarks.holdout`` scores eval.py's files with the standard scorers: pycocotools map_50 is
     1 for the true boxes and falls for shifted ones; captions equal to a reference score far
     above captions of another image."""
     import json
@@ -293,7 +293,8 @@ def test_holdout_scores_predictions_files_against_references(tmp_path):
     ids = sorted(first)
     (tmp_path / "right.json").write_text(json.dumps([{"image_id": i, "caption": first[i]} for i in ids]))
     rolled = ids[1:] + ids[:1]
-    (tmp_path / "wrong.json").write_text(json.dumps([{"image_id": i, "caption": first[j]} for i, j in zip(ids, rolled, strict=True)]))
+    wrong_rows = [{"image_id": i, "caption": first[j]} for i, j in zip(ids, rolled, strict=True)]
+    (tmp_path / "wrong.json").write_text(json.dumps(wrong_rows))
     right = score_captioning(tmp_path / "right.json", root / "annotations" / "captions_val.json")
     wrong = score_captioning(tmp_path / "wrong.json", root / "annotations" / "captions_val.json")
     assert right["bleu4"] > 0.9 and right["cider"] > wrong["cider"] + 1.0 and wrong["bleu4"] < right["bleu4"]
@@ -319,7 +320,8 @@ def test_caption_ceiling_rows_against_direct_cider_d(tmp_path):
     per = np.array([[cider_d({i: refs[i][j] for i in refs}, refs)[1][i] for i in refs] for j in range(3)])
     assert rows["reference"] == pytest.approx(per.mean())
     assert rows["best reference"] == pytest.approx(per.max(0).mean()) and rows["best reference"] > rows["reference"]
-    held = [cider_d({i: refs[i][j] for i in refs}, {i: [c for n, c in enumerate(r) if n != j] for i, r in refs.items()})[0]
+    held = [cider_d({i: refs[i][j] for i in refs},
+                    {i: [c for n, c in enumerate(r) if n != j] for i, r in refs.items()})[0]
             for j in range(3)]
     assert rows["held-out reference"] == pytest.approx(np.mean(held)) and rows["held-out reference"] < rows["reference"]
 
@@ -347,6 +349,7 @@ def test_caption_ceiling_rows_against_direct_cider_d(tmp_path):
     # cosine 1 for n = 1..4, no length penalty; the same against the other references. The
     # images may have different numbers of references (COCO: 5-7).
     same = {1: ["a red circle on the left"] * 3, 2: ["two blue squares in a row"] * 2, 3: ["one green star up top"] * 4}
-    assert reference_rows(same) == pytest.approx({"reference": 10.0, "best reference": 10.0, "held-out reference": 10.0})
+    assert reference_rows(same) == pytest.approx({"reference": 10.0, "best reference": 10.0,
+                                                  "held-out reference": 10.0})
     assert prediction_row({i: r[0] for i, r in same.items()}, same) == pytest.approx({"all references": 10.0,
                                                                                     "held-out": 10.0})

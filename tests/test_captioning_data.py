@@ -49,7 +49,8 @@ def test_synthetic_captions_name_every_object_left_to_right(coco_root):
     caps = json.loads((coco_root / "annotations" / "captions_val.json").read_text())
     kinds = {c["id"]: c["name"] for c in inst["categories"]}
     for im in inst["images"]:
-        anns = sorted((a for a in inst["annotations"] if a["image_id"] == im["id"]), key=lambda a: a["bbox"][0] + a["bbox"][2] / 2)
+        anns = sorted((a for a in inst["annotations"] if a["image_id"] == im["id"]),
+                      key=lambda a: a["bbox"][0] + a["bbox"][2] / 2)
         texts = [c["caption"] for c in caps["annotations"] if c["image_id"] == im["id"]]
         assert len(texts) == 5 and len(set(texts)) >= 4  # varied phrasings
         plain = min(texts, key=len)  # the plain list: "a red circle, a blue star and ..."

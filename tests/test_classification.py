@@ -211,7 +211,8 @@ def test_eval_task_files_are_refused_and_replaced_like_metrics_json(evaluated, t
     assert (out / "per_class.json").read_text() == "{}"
     (out / "confusion_matrix.json").write_text("{}")
     real = ClassificationTask.eval_files
-    monkeypatch.setattr(ClassificationTask, "eval_files", lambda self, ds: {"per_class.json": real(self, ds)["per_class.json"]})
+    monkeypatch.setattr(ClassificationTask, "eval_files",
+                        lambda self, ds: {"per_class.json": real(self, ds)["per_class.json"]})
     eval_main([*_FAST_EVAL, "--ckpt_path", ckpt, "--output_dir", str(out), "--overwrite"])
     assert (out / "per_class.json").read_bytes() == (src / "per_class.json").read_bytes()
     assert not (out / "confusion_matrix.json").exists()

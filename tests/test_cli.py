@@ -182,7 +182,8 @@ def test_corrupt_image_skipped_in_training_fatal_in_evaluation_and_empty_class_f
     bad_val = root / "val" / "square" / "broken.png"
     shutil.copy(bad, bad_val)
     res = _run([str(REPO / "eval.py"), *_tiny(root), "--data.init_args.batching.num_workers", "1",
-                "--ckpt_path", str(tmp_path / "out" / "checkpoints" / "last.ckpt"), "--output_dir", str(tmp_path / "ev")], tmp_path)
+                "--ckpt_path", str(tmp_path / "out" / "checkpoints" / "last.ckpt"),
+                "--output_dir", str(tmp_path / "ev")], tmp_path)
     assert res.returncode == 2, res.stderr[-2000:]
     last = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert len(last) == 1 and str(bad_val) in last[0] and "cannot read image" in last[0]
@@ -205,7 +206,8 @@ def test_folder_overlay_command_explains_and_skips_bad_files(trained_run, tmp_pa
     images = tmp_path / "imgs"
     (images / "sub").mkdir(parents=True)
     Image.new("RGB", (48, 40), (200, 30, 30)).save(images / "a.jpg")
-    Image.fromarray((np.random.default_rng(0).random((33, 65)) * 255).astype(np.uint8), "L").save(images / "sub" / "b.png")
+    grey = (np.random.default_rng(0).random((33, 65)) * 255).astype(np.uint8)
+    Image.fromarray(grey, "L").save(images / "sub" / "b.png")
     Image.new("RGBA", (32, 32), (0, 200, 0, 128)).save(images / "sub" / "c.png")
     (images / "broken.png").write_bytes(b"not an image")
     out = tmp_path / "out"
@@ -241,7 +243,8 @@ def test_detection_train_and_eval_contract(tmp_path):
                 "--trainer.check_val_every_n_epoch", "1",
                 "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out)])
     assert "val/map" in (out / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
-    metrics = eval_main([*common, "--ckpt_path", str(out / "checkpoints" / "last.ckpt"), "--output_dir", str(out / "eval"),
+    metrics = eval_main([*common, "--ckpt_path", str(out / "checkpoints" / "last.ckpt"),
+                         "--output_dir", str(out / "eval"),
                          "--explain.num_overlays", "2", "--explain.score_threshold", "0.0",
                          "--explain.faithfulness_images", "2", "--explain.steps", "4", "--explain.mistakes", "0"])
     saved = json.loads((out / "eval" / "metrics.json").read_text())
@@ -264,7 +267,8 @@ def test_eval_from_the_checkpoint_alone_equals_eval_with_the_config(trained_run,
     alone = eval_main([*fast, "--ckpt_path", ckpt, "--output_dir", str(tmp_path / "b")])
     assert alone == pytest.approx(with_config, abs=1e-5)  # (the config's batch size differs: float noise)
     preds_a, preds_b = (json.loads((tmp_path / d / "predictions.json").read_text()) for d in "ab")
-    assert [(p["file"], p["label"], p["pred"]) for p in preds_a] == [(p["file"], p["label"], p["pred"]) for p in preds_b]
+    assert ([(p["file"], p["label"], p["pred"]) for p in preds_a]
+            == [(p["file"], p["label"], p["pred"]) for p in preds_b])
     assert [p["score"] for p in preds_a] == pytest.approx([p["score"] for p in preds_b], abs=1e-5)
     # any saved data setting can be overridden; a bare --overwrite (the switch spelling) works too
     with pytest.raises((VisionAttnError, ValueError), match="absent"):  # jsonargparse wraps it

@@ -1,4 +1,4 @@
-"""Data layouts (issue 16.6): annotation files and image folders per split for COCO-layout data,
+"""Data layouts: annotation files and image folders per split for COCO-layout data,
 and a seeded stratified validation split of an ImageFolder without ``val/``."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_a_missing_images_folder_names_it_and_the_option(tmp_path):
         CocoDetection(tmp_path, "val", ann_file=tmp_path / "val.json", images_dir=tmp_path / "nowhere")
 
 
-# --- the path rules of issue 15 hold for given image folders --------------------------------------
+# --- the path rules (no path outside the folder, no symbolic links) hold for given image folders ---
 
 
 @pytest.mark.parametrize("kind", ["instances", "captions"])

@@ -1,4 +1,4 @@
-"""DETR training aids (issue 20): denoising queries (DN-DETR / DINO), mixed query selection and
+"""DETR training aids: denoising queries (DN-DETR / DINO), mixed query selection and
 look-forward-twice (DINO), one-to-many query groups (Group DETR / H-DETR).
 
 Masks and noise against hand-computed cases; the head's inference (and its matching queries in
@@ -292,7 +292,7 @@ def test_training_matching_queries_do_not_see_the_extra_queries(name):
     _assert_same_outputs(a, b, exact=False)
 
 
-# ---------------------------------------------------------------------------------------------- DINO's query selection, look forward twice
+# --------------------------------------------------------------------------- DINO's query selection, look forward twice
 
 
 def test_look_forward_twice_same_values_gradient_reaches_the_previous_box_head():

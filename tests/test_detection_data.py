@@ -75,7 +75,8 @@ def test_missing_file_duplicate_ids_and_malformed_json_are_clear_errors(tmp_path
     (root / "val" / "b.png").unlink()
     with pytest.raises(DataError, match=r"image id 9 has no file .*b.png"):
         CocoDetection(root, "val")
-    images = [{"id": 3, "file_name": "a.png", "width": 8, "height": 8}, {"id": 3, "file_name": "b.png", "width": 8, "height": 8}]
+    images = [{"id": 3, "file_name": "a.png", "width": 8, "height": 8},
+              {"id": 3, "file_name": "b.png", "width": 8, "height": 8}]
     with pytest.raises(DataError, match="image id 3 appears twice"):
         CocoDetection(_coco(tmp_path / "b", images=images, anns=[]), "val")
     bad = _coco(tmp_path / "c")

@@ -1,5 +1,5 @@
-"""Real input sizes for detection (issue 20 item 5): aspect-preserving resize, padded batches with
-key padding masks through the encoder and the decoder, boxes in original pixels."""
+"""Real input sizes for detection: aspect-preserving resize, padded batches with key padding
+masks through the encoder and the decoder, boxes in original pixels."""
 
 from __future__ import annotations
 
@@ -158,7 +158,8 @@ def _padded(images, size):
 
 
 @pytest.mark.parametrize("stem, kw", [("patch", {}), ("conv", {}), ("patch", {"reg_tokens": 2, "no_embed_class": True}),
-                                      ("spt", {}), ("conv", {"lsa": True}), ("patch", {"class_token": False, "global_pool": "avg"})])
+                                      ("spt", {}), ("conv", {"lsa": True}),
+                                      ("patch", {"class_token": False, "global_pool": "avg"})])
 def test_encoder_padded_tokens_equal_each_image_alone(stem, kw):
     enc = _encoder(stem, **kw)
     g = torch.Generator().manual_seed(0)
@@ -177,7 +178,8 @@ def test_encoder_padded_tokens_equal_each_image_alone(stem, kw):
     # without the mask, the padding changes the image's tokens (the check above can fail)
     with torch.no_grad():
         unmasked = enc(batch)
-    assert (unmasked.tokens[0, p:].reshape(5, 6, -1)[:3, :5] - alone[0].patch_tokens[0].reshape(3, 5, -1)).abs().max() > 1e-3
+    first = unmasked.tokens[0, p:].reshape(5, 6, -1)[:3, :5]
+    assert (first - alone[0].patch_tokens[0].reshape(3, 5, -1)).abs().max() > 1e-3
 
 
 def test_encoder_same_size_batch_takes_timm_s_own_forward():

@@ -132,7 +132,8 @@ def _crowd_and_tiny_split(root, n_images=4, seed=0):
 
         for _ in range(2):  # ordinary objects, detected with jitter (some with the wrong class)
             x, y = rng.uniform(0, 40, 2)
-            box, label = [float(x), float(y), float(rng.uniform(8, 20)), float(rng.uniform(8, 20))], int(rng.integers(2))
+            box = [float(x), float(y), float(rng.uniform(8, 20)), float(rng.uniform(8, 20))]
+            label = int(rng.integers(2))
             add(box, label, 0)
             j = rng.normal(0, 1.5, 4)
             boxes.append([box[0] + j[0], box[1] + j[1], box[0] + box[2] + j[2], box[1] + box[3] + j[3]])
@@ -258,7 +259,7 @@ def test_detection_overlay_of_an_exif_rotated_image_draws_the_box_on_the_object(
     assert inner.size and inner.mean() > 200  # the box lies on the white square
 
 
-# --- issue 20: training aids through the task ----------------------------------------------------------
+# --- training aids through the task --------------------------------------------------------------------
 
 
 def test_training_aids_through_the_task_fit_log_and_reload(tmp_path):

@@ -103,11 +103,12 @@ def test_query_attention_maps_last_and_mean():
     assert torch.allclose(mean[0], row / row.max())
 
 
-# --- issue 20: the training aids switched off leave the head exactly as it was ----------------------
+# --- the training aids switched off leave the plain head exactly ------------------------------------
 
 
-def _pre_issue20_forward(head: DETRHead, enc: EncoderOutput) -> dict:
-    """The head's forward as written before the training aids existed, from its own modules."""
+def _plain_head_forward(head: DETRHead, enc: EncoderOutput) -> dict:
+    """The head's forward without any training aid (no denoising, query selection, query groups
+    or look-forward-twice), from its own modules."""
     from vision_attn.models.detr import _box_sine_embedding, _inverse_sigmoid
     from vision_attn.models.layers import sine_position_embedding_2d
 
@@ -138,7 +139,7 @@ def _pre_issue20_forward(head: DETRHead, enc: EncoderOutput) -> dict:
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("box_refine", [False, True])
 @pytest.mark.parametrize("focal", [False, True])
-def test_switches_off_is_exactly_the_pre_issue20_head(training, box_refine, focal):
+def test_switches_off_is_exactly_the_plain_head(training, box_refine, focal):
     torch.manual_seed(0)
     head = DETRHead(24, 5, config=DETRConfig(num_queries=7, hidden_dim=32, num_layers=3, num_heads=4, dropout=0.0,
                                              focal=focal, box_refine=box_refine)).train(training)
@@ -148,7 +149,7 @@ def test_switches_off_is_exactly_the_pre_issue20_head(training, box_refine, foca
     enc = _enc()
     targets = [{"labels": torch.tensor([1]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.2]])}] * 2
     out = head(enc, need_weights=True, targets=targets)  # targets are unused without denoising
-    ref = _pre_issue20_forward(head, enc)
+    ref = _plain_head_forward(head, enc)
     assert set(out) == set(ref)
     assert torch.equal(out["pred_logits"], ref["pred_logits"]) and torch.equal(out["pred_boxes"], ref["pred_boxes"])
     assert len(out["aux_outputs"]) == len(ref["aux_outputs"]) == (2 if box_refine or training else 0)

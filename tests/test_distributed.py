@@ -32,7 +32,8 @@ ENC = "--model.init_args.encoder.init_args."
 def test_unpadded_sampler_gives_every_index_once(size, world):
     parts = [list(UnpaddedDistributedSampler(range(size), num_replicas=world, rank=r)) for r in range(world)]
     assert sorted(i for p in parts for i in p) == list(range(size))
-    assert [len(UnpaddedDistributedSampler(range(size), num_replicas=world, rank=r)) for r in range(world)] == [len(p) for p in parts]
+    lengths = [len(UnpaddedDistributedSampler(range(size), num_replicas=world, rank=r)) for r in range(world)]
+    assert lengths == [len(p) for p in parts]
 
 
 def _collectives(rank: int, world: int, init: str, out: str) -> None:
@@ -147,7 +148,8 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
         assert [f for f in files if not f.startswith("overlays/")] == sorted(
             ["metrics.json", "predictions.json", "report.html", *task_files])
         assert len([f for f in files if f.startswith("overlays/")]) == 3  # written once, by rank 0
-        results[n] = (json.loads((out / "metrics.json").read_text()), json.loads((out / "predictions.json").read_text()),
+        results[n] = (json.loads((out / "metrics.json").read_text()),
+                      json.loads((out / "predictions.json").read_text()),
                       {name: json.loads((out / name).read_text()) for name in task_files})
 
     (m1, p1, f1), (m2, p2, f2) = results[1], results[2]

@@ -68,7 +68,8 @@ def test_onnx_runtime_matches_pytorch(kind, tmp_path):
             expected = [out["pred_logits"], out["pred_boxes"]]
         else:
             expected = [model.encoder(x).tokens]
-    assert [o.name for o in session.get_outputs()] == {"classification": ["logits"], "detection": ["pred_logits", "pred_boxes"],
+    assert [o.name for o in session.get_outputs()] == {"classification": ["logits"],
+                                                       "detection": ["pred_logits", "pred_boxes"],
                                                        "captioning": ["tokens"]}[kind]
     for got, ref in zip(outputs, expected, strict=True):
         np.testing.assert_allclose(got, ref.numpy(), atol=1e-4, rtol=0)

@@ -19,7 +19,10 @@ def _save(img: Image.Image, path, **kw):
 @pytest.mark.parametrize("mode", ["L", "LA", "RGBA", "CMYK", "P", "RGB", "1", "I;16"])
 def test_any_mode_becomes_rgb_uint8(tmp_path, mode):
     ext = ".tif" if mode == "CMYK" else ".png"
-    img = Image.new("RGB", (20, 10), (200, 100, 50)).convert(mode) if mode != "I;16" else Image.new("I;16", (20, 10), 1000)
+    if mode == "I;16":
+        img = Image.new("I;16", (20, 10), 1000)
+    else:
+        img = Image.new("RGB", (20, 10), (200, 100, 50)).convert(mode)
     arr = read_image(_save(img, tmp_path / f"x{ext}"))
     assert arr.shape == (10, 20, 3) and arr.dtype == np.uint8
 
@@ -85,20 +88,20 @@ def test_decompression_bomb_refused(tmp_path):
 
 
 def test_alpha_is_composited_in_integers_exactly(tmp_path):
-    """Every (value, alpha) pair: round(v * a / 255) exactly, within 1 of the old float32 code."""
+    """Every (value, alpha) pair: round(v * a / 255) exactly, within 1 of compositing in float32."""
     v, a = np.meshgrid(np.arange(256, dtype=np.uint8), np.arange(256, dtype=np.uint8), indexing="ij")
     rgba = np.stack([v, 255 - v, v // 2, a], axis=-1)  # (256, 256, 4)
     arr = read_image(_save(Image.fromarray(rgba, "RGBA"), tmp_path / "all.png"))
     exact = np.round(rgba[..., :3].astype(np.float64) * rgba[..., 3:4] / 255.0)
     assert np.array_equal(arr, exact.astype(np.uint8))
-    old = (rgba[..., :3].astype(np.float32) * (rgba[..., 3:4].astype(np.float32) / 255.0)).round()
-    assert np.abs(arr.astype(np.int16) - old.astype(np.int16)).max() <= 1
+    in_float32 = (rgba[..., :3].astype(np.float32) * (rgba[..., 3:4].astype(np.float32) / 255.0)).round()
+    assert np.abs(arr.astype(np.int16) - in_float32.astype(np.int16)).max() <= 1
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "I;16"])
 def test_conversion_makes_no_full_size_copy(mode, monkeypatch):
-    """The 36-megapixel RGBA PNG of issue 15 cost 1.9 GB because alpha was composited on a float32
-    copy (44 bytes per pixel here); now beyond the 3-byte result only a block of rows is held."""
+    """Alpha is not composited on a full-size float32 copy (44 bytes per pixel here, 1.9 GB for a
+    36-megapixel RGBA PNG): beyond the 3-byte result only a block of rows is held."""
     import tracemalloc
 
     from vision_attn.data import imageio
@@ -147,7 +150,7 @@ def test_decoding_is_bounded_by_bytes_before_decoding(tmp_path, monkeypatch):
     with pytest.raises(ImageReadError, match="337 MiB decoded, which exceeds the limit of 320 MiB") as info:
         read_image(big)
     assert str(big) in str(info.value)
-    # The issue's 36-megapixel 16-bit RGBA PNG, with a tighter cap.
+    # A 36-megapixel 16-bit RGBA PNG, with a tighter cap.
     png16 = _png_header_only(tmp_path / "rgba16.png", 6000, 6000, 16, 6)
     with pytest.raises(ImageReadError, match=r"6000x6000 RGBA image takes 137 MiB decoded.*max_bytes"):
         read_image(png16, max_bytes=100 * 2**20)

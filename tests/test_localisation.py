@@ -202,7 +202,8 @@ def test_eval_split_localises_through_a_centre_crop_and_saves_maps(tmp_path):
 
     try:
         torch.manual_seed(0)
-        encoder = create_encoder("vit_tiny_patch16_224", **TINY_VIT, preprocess={"crop_pct": 0.8, "crop_mode": "center"})
+        encoder = create_encoder("vit_tiny_patch16_224", **TINY_VIT,
+                                 preprocess={"crop_pct": 0.8, "crop_mode": "center"})
         task = ClassificationTask(encoder, class_names=["a", "b"]).eval()
         ds = ImageFolderDataset(tmp_path / "data", "val", ["a", "b"], build_eval_transform(task.data_config))
         options = ExplainOptions(methods=["brightness", "attention"], num_overlays=0, faithfulness=False,

@@ -315,7 +315,7 @@ def test_explain_classifier_on_a_merged_model():
     from vision_attn.tasks import ClassificationTask
 
     if "merges" not in MethodInputs.__dataclass_fields__:
-        pytest.skip("explain_classifier passes no merges yet (the methods.py change of issue 22)")
+        pytest.skip("explain_classifier passes no merges (MethodInputs has no merges field)")
     torch.manual_seed(0)
     task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **SIZES), class_names=["a", "b", "c"]).eval()
     merge_tokens(task, 4)

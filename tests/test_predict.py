@@ -229,7 +229,7 @@ def test_a_pretrained_name_offline_without_weights_is_one_line_and_status_2(fold
     assert len(err.strip().splitlines()) == 1
 
 
-# ---------------------------------------------------------------- issue 22: a predict loop as fast as the model
+# ---------------------------------------------------------------- a predict loop as fast as the model
 @pytest.fixture
 def many_images(tmp_path):
     """Seven colour JPEGs / PNGs of different sizes (two batches of 4), one in a sub-folder."""

@@ -1,5 +1,5 @@
-"""ViTDet's simple feature pyramid in the DETR head (issue 20 item 4): the switch off is the old
-head bit for bit, the levels are what ViTDet builds, the cross-attention maps go back to the
+"""ViTDet's simple feature pyramid in the DETR head: switched off, the head is the head without
+the pyramid bit for bit, the levels are what ViTDet builds, the cross-attention maps go back to the
 patch grid without losing mass, and both explanation methods work with the pyramid on."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from vision_attn.tasks.detection import DetectionTask
 from .conftest import REPO
 from .test_decoder_relevance import _bar, _fuse
 
-BEFORE_PYRAMID = "7a388ec"  # the commit of issue 20 items 1-3, before the pyramid existed
+BEFORE_PYRAMID = "7a388ec"  # a commit whose vision_attn/models/detr.py has no pyramid
 
 
 def _enc(b=2, grid=(5, 6), dim=24, prefix=1, seed=1):

@@ -43,8 +43,8 @@ ENC = "--model.init_args.encoder.init_args."
 def _tiny_args(root: Path) -> list[str]:
     return ["--config", CONFIG, "--data.init_args.root", str(root), "--data.init_args.batching.num_workers", "0",
             "--data.init_args.batching.batch_size", "16", f"{ENC}embed_dim", "32", f"{ENC}depth", "1",
-            f"{ENC}num_heads", "2",
-            f"{ENC}patch_size", "8", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+            f"{ENC}num_heads", "2", f"{ENC}patch_size", "8",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 
 
 def _task() -> ClassificationTask:
@@ -82,7 +82,8 @@ def test_non_finite_loss_stops_naming_the_term_and_keeps_the_last_good_checkpoin
 
 def test_check_finite_names_every_bad_term():
     task = _task()
-    terms = {"loss_ce": torch.tensor(0.5), "loss_bbox": torch.tensor(float("inf")), "loss_giou": torch.tensor(float("nan"))}
+    terms = {"loss_ce": torch.tensor(0.5), "loss_bbox": torch.tensor(float("inf")),
+             "loss_giou": torch.tensor(float("nan"))}
     with pytest.raises(TrainingDivergedError) as err:
         task.check_finite(torch.tensor(float("nan")), terms)
     assert "loss_bbox=inf" in str(err.value) and "loss_giou=nan" in str(err.value) and "loss_ce" not in str(err.value)
@@ -108,7 +109,8 @@ def test_checkpoint_written_atomically_survives_a_crash_while_saving(shapes_root
         trainer.save_checkpoint(path)
     monkeypatch.undo()
     assert path.read_bytes() == before  # the previous checkpoint is intact
-    assert sorted(p.name for p in path.parent.iterdir()) == sorted(["last.ckpt", *[p.name for p in path.parent.glob("best-*")]])
+    best = [p.name for p in path.parent.glob("best-*")]
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted(["last.ckpt", *best])
 
 
 def test_sigterm_saves_a_checkpoint_and_the_run_continues(shapes_root, tmp_path):
@@ -200,9 +202,10 @@ def test_a_field_of_any_argument_group_can_be_set_to_null_on_the_command_line():
     assert batching.eval_batch_size is None and batching.batch_size == 16 and batching.num_workers == 0
 
 
-@pytest.mark.parametrize(("arg", "message"), [(["--model.init_args.optim.lr", "abc"], "model.optim.lr: expected one of float"),
-                                               (["--model.init_args.no_such_key", "3"], "no_such_key"),
-                                               (["--trainer.max_epochs", "many"], "max_epochs")])
+@pytest.mark.parametrize(("arg", "message"),
+                         [(["--model.init_args.optim.lr", "abc"], "model.optim.lr: expected one of float"),
+                          (["--model.init_args.no_such_key", "3"], "no_such_key"),
+                          (["--trainer.max_epochs", "many"], "max_epochs")])
 def test_unknown_keys_and_wrong_types_are_rejected_before_anything_is_created(arg, message, tmp_path, capsys):
     with pytest.raises(SystemExit):
         TrainCLI(args=["--config", CONFIG, *arg, "--trainer.default_root_dir", str(tmp_path / "out")])
@@ -240,7 +243,8 @@ def test_export_safetensors_round_trip_and_no_overwrite(shapes_root, tmp_path):
         torch.testing.assert_close(fresh(x).tokens, loaded.encoder(x).tokens)
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()
-    assert meta["task"] == "classification" and json.loads(meta["model"])["init_args"]["class_names"] == task.class_names
+    assert meta["task"] == "classification"
+    assert json.loads(meta["model"])["init_args"]["class_names"] == task.class_names
     with pytest.raises(RunExistsError, match="refusing to overwrite"):
         export_safetensors(ckpt, out)
     with pytest.raises(SystemExit):

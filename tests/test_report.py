@@ -106,6 +106,8 @@ def _open(browser, path: Path, shots: Path):
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(path.resolve().as_uri())
     page.wait_for_function("() => [...document.querySelectorAll('canvas')].every(c => c.dataset.shown === 'image')")
+    # the pictures are lazy-loaded (a reader's scrolling loads them); load every one now
+    page.evaluate("() => document.querySelectorAll('img[loading=lazy]').forEach(i => { i.loading = 'eager'; })")
     page.wait_for_function("() => [...document.images].every(i => i.complete)")
     widths = page.eval_on_selector_all("img", "els => els.map(e => e.naturalWidth)")
     assert widths and all(w > 0 for w in widths), widths
@@ -324,6 +326,8 @@ def _visit(browser, path: Path, on_dialog=None):
             and not r.url.startswith("data:") else None)
     page.goto(path.resolve().as_uri())
     page.wait_for_function("() => [...document.querySelectorAll('canvas')].every(c => c.dataset.shown === 'image')")
+    # the pictures are lazy-loaded (a reader's scrolling loads them); load every one now
+    page.evaluate("() => document.querySelectorAll('img[loading=lazy]').forEach(i => { i.loading = 'eager'; })")
     page.wait_for_function("() => [...document.images].every(i => i.complete && i.naturalWidth > 0)")
     return page, errors, requests
 

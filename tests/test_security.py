@@ -1,7 +1,7 @@
-"""Security (issue 15): nothing a config, checkpoint or weights file contains runs code, reads
-files it should not or downloads. Each attack is a small file; each test fails on the code
-before its fix (imports ran, pickles were loaded by Lightning, checkpoint metadata steered
-weight loading, zip bombs expanded)."""
+"""Security: nothing a config, checkpoint or weights file contains runs code, reads files it
+should not or downloads. Each attack is a small file; each test checks that its attack has no
+effect (no import runs, Lightning loads no pickle, checkpoint metadata does not steer weight
+loading, no zip bomb expands)."""
 
 from __future__ import annotations
 
@@ -71,10 +71,11 @@ CALLBACK = "trainer:\n  callbacks:\n    - class_path: {mod}.Cb\n"
 TRAINER_GROUP = "callbacks:\n  - class_path: {mod}.Cb\n"
 ENCODER = "model:\n  init_args:\n    encoder: {mod}.Enc\n"
 
-# every spelling of the command line that imported an outside module before the fix
+# every spelling of the command line that can name an outside module to import
 SPELLINGS = {
     "short_c_flag": lambda f, m: ["-c", f(CALLBACK)],
-    "inline_config_json": lambda f, m: ["--config", json.dumps({"trainer": {"callbacks": [{"class_path": f"{m}.Cb"}]}})],
+    "inline_config_json": lambda f, m: ["--config",
+                                        json.dumps({"trainer": {"callbacks": [{"class_path": f"{m}.Cb"}]}})],
     "abbreviated_conf": lambda f, m: ["--conf", f(CALLBACK)],
     "trainer_group_file": lambda f, m: ["--trainer", f(TRAINER_GROUP)],
     "encoder_key_in_file": lambda f, m: ["--config", f(ENCODER)],

@@ -1,4 +1,4 @@
-"""Data-side attacks (issue 15): reads outside the data root, non-integer image ids, deeply
+"""Data-side attacks: reads outside the data root, non-integer image ids, deeply
 nested or malformed annotation files. Each is refused with a clear DataError (evaluation) or a
 counted warning (training), never followed and never a traceback."""
 

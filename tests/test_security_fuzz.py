@@ -133,8 +133,9 @@ def test_every_checkpoint_field_takes_hostile_values_as_data_or_refuses_them(tmp
                 outcome = "refused"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
             if kind == "class_path":  # eval.py builds the model through the config parser
-                _one_line_or_accepted(lambda: EvalCLI(args=["--ckpt_path", str(ckpt), "--output_dir", str(out)]),  # noqa: B023
-                                      capsys)
+                _one_line_or_accepted(
+                    lambda: EvalCLI(args=["--ckpt_path", str(ckpt), "--output_dir", str(out)]),  # noqa: B023
+                    capsys)
             assert not out.exists() or not any(out.iterdir())  # nothing written
     assert outcomes.get("refused", 0) > len(paths)  # most hostile values are refused outright
     assert outcomes.get("accepted", 0) > 0  # and the walk did build models: the fields are live

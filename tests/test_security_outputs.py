@@ -1,6 +1,6 @@
-"""Issue 15, the write side: every output stays inside its output folder (item 5), a planted link
-in the output folder is replaced, never followed (item 7), and names built from data are made safe
-and short, so a long file name cannot fail an evaluation (item 11)."""
+"""The write side: every output stays inside its output folder, a planted link in the output
+folder is replaced, never followed, and names built from data are made safe and short, so a long
+file name cannot fail an evaluation."""
 
 from __future__ import annotations
 
@@ -61,9 +61,11 @@ def test_safe_filename_flat_deterministic_distinct_and_short():
 def test_writers_refuse_paths_outside_the_output_folder(tmp_path):
     out = tmp_path / "out"
     escape = out / "overlays" / ".." / ".." / "escaped.json"
+    deep = out / "overlays" / "00001_.." / ".." / ".." / ".." / "x.png"
     for write in (lambda: write_json(escape, {"a": 1}, root=out), lambda: write_bytes(escape, b"x", root=out),
-                  lambda: write_npy(escape, np.zeros(2), root=out), lambda: write_png(escape.with_suffix(".png"), IMG,
-                  root=out), lambda: save_png(out / "overlays" / "00001_.." / ".." / ".." / ".." / "x.png", IMG, root=out),
+                  lambda: write_npy(escape, np.zeros(2), root=out),
+                  lambda: write_png(escape.with_suffix(".png"), IMG, root=out),
+                  lambda: save_png(deep, IMG, root=out),
                   lambda: write_report(escape.with_suffix(".html"), "t", {}, {}, [], root=out)):
         with pytest.raises(OutputPathError, match="outside the output folder"):
             write()
@@ -171,7 +173,8 @@ def test_long_file_name_does_not_fail_the_evaluation(tmp_path):
         (root / "val" / cls).mkdir(parents=True)
         Image.fromarray(np.full((32, 32, 3), 40, np.uint8)).save(root / "val" / cls / f"{stem}.png")
     torch.manual_seed(0)
-    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), class_names=["circle", "square"]).eval()
+    encoder = create_encoder("vit_tiny_patch16_224", **TINY_VIT)
+    task = ClassificationTask(encoder, class_names=["circle", "square"]).eval()
     ds = ImageFolderDataset(root, "val", task.class_names, build_eval_transform(task.data_config))
     out = tmp_path / "out"
     options = ExplainOptions(num_overlays=2, faithfulness=False, batch_size=2, methods=["rollout"])

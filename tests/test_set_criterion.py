@@ -30,7 +30,8 @@ def test_terms_weights_and_total(focal):
     targets = [{"labels": torch.tensor([0, 2]), "boxes": torch.tensor([[0.3, 0.3, 0.2, 0.2], [0.6, 0.6, 0.3, 0.2]])},
                {"labels": torch.tensor([1]), "boxes": torch.tensor([[0.5, 0.5, 0.4, 0.4]])}]
     terms = crit(out, targets)
-    assert {"loss_ce", "loss_bbox", "loss_giou", "cardinality_error", "loss_ce_0", "loss_bbox_0", "loss_giou_0"} == set(terms)
+    assert {"loss_ce", "loss_bbox", "loss_giou", "cardinality_error",
+            "loss_ce_0", "loss_bbox_0", "loss_giou_0"} == set(terms)
     weights = crit.weight_dict(num_aux=1)
     assert "cardinality_error" not in weights and weights["loss_bbox_0"] == 5.0
     total = crit.total(terms, num_aux=1)
@@ -82,7 +83,7 @@ def test_focal_loss_is_torchvisions_and_alpha_is_checked_when_built():
         SetCriterion(3, HungarianMatcher(), focal=True, focal_alpha=1.5)
 
 
-# --- issue 20: denoising, encoder-selection and one-to-many terms ------------------------------------
+# --- denoising, encoder-selection and one-to-many terms ----------------------------------------------
 
 GT = {"labels": torch.tensor([1]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.2]])}
 NO_GT = {"labels": torch.zeros(0, dtype=torch.int64), "boxes": torch.zeros(0, 4)}
@@ -153,7 +154,8 @@ def test_denoising_terms_zero_without_targets_and_in_the_weighted_total():
     weights = crit.weight_dict(num_aux=1)
     assert weights["loss_dn_ce"] == weights["loss_ce"] and weights["loss_dn_bbox_0"] == 5.0
     assert weights["loss_enc_giou"] == 2.0 and "loss_enc_giou_0" not in weights
-    assert crit.total(terms, 1).item() == pytest.approx(sum(weights[k] * terms[k].item() for k in terms if k in weights))
+    weighted = sum(weights[k] * terms[k].item() for k in terms if k in weights)
+    assert crit.total(terms, 1).item() == pytest.approx(weighted)
     assert crit.total(terms, 1) > crit.total({k: v for k, v in terms.items() if "dn" not in k}, 1)
     with pytest.raises(KeyError, match="no dn_meta"):
         crit({k: v for k, v in _dn_case(False).items() if k != "dn_meta"}, [GT, NO_GT], across_processes=False)
@@ -262,7 +264,8 @@ def test_dense_terms_against_a_per_token_reference(focal):
             if o >= 0:
                 tb = targets[0]["boxes"][o]
                 l1 += float((boxes[i, t] - tb).abs().sum())
-                giou += 1 - float(generalized_box_iou(box_cxcywh_to_xyxy(boxes[i, t][None]), box_cxcywh_to_xyxy(tb[None])))
+                giou += 1 - float(generalized_box_iou(box_cxcywh_to_xyxy(boxes[i, t][None]),
+                                                      box_cxcywh_to_xyxy(tb[None])))
     assert terms["loss_dense_ce"].item() == pytest.approx(ce / n_pos if focal else ce / weights, rel=1e-5)
     assert terms["loss_dense_bbox"].item() == pytest.approx(l1 / n_pos, rel=1e-5)
     assert terms["loss_dense_giou"].item() == pytest.approx(giou / n_pos, rel=1e-5)

@@ -175,7 +175,8 @@ def test_imagenet_heads_are_named_offline():
 
 
 def test_bad_sources_are_clear_errors(vit_tiny, tmp_path):
-    with pytest.raises(EncoderError, match=r"unknown timm model name 'vit_tiny_patch16_2244'.*Did you mean: vit_tiny_patch16_224"):
+    with pytest.raises(EncoderError,
+                       match=r"unknown timm model name 'vit_tiny_patch16_2244'.*Did you mean: vit_tiny_patch16_224"):
         load_model("timm:vit_tiny_patch16_2244")
     with pytest.raises(EncoderError, match=r"'resnet18' is not a Vision Transformer"):
         load_model("timm:resnet18")

@@ -45,7 +45,8 @@ def test_encode_decode_round_trip_unknown_words_and_truncation():
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
     assert tok.decode(ids) == "a red circle"
     assert tok.encode("a green circle")[2] == tok.unk_id
-    assert tok.encode("a red circle a blue star", max_length=4) == [tok.bos_id, tok.index["a"], tok.index["red"], tok.eos_id]
+    assert tok.encode("a red circle a blue star", max_length=4) == [tok.bos_id, tok.index["a"], tok.index["red"],
+                                                                    tok.eos_id]
     # decoding stops at <eos>, skips <bos>/<pad>
     assert tok.decode([tok.bos_id, tok.index["star"], tok.eos_id, tok.index["red"], tok.pad_id]) == "star"
     assert tok.pad_id == 0
@@ -58,7 +59,7 @@ def test_bad_vocabulary_is_a_clear_error():
         WordTokenizer([*SPECIAL_TOKENS, "a", "a"])
 
 
-# --- issue 16.7: the pipeline is a tokenizers WordLevel model, saved as its JSON ------------------
+# --- the pipeline is a tokenizers WordLevel model, saved as its JSON ------------------------------
 
 _REF_NOT_WORD = re.compile(r"[^\w']+|_")
 _REF_LONE_APOSTROPHE = re.compile(r"(^|\s)'+|'+(\s|$)")

@@ -168,8 +168,11 @@ class Runner:
         exec(compile(code, where, "exec"), self.namespace)
 
     def expand(self, token: str) -> str:
-        return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: self.vars.get(m.group(1) or m.group(2),
-                                                                     os.environ.get(m.group(1) or m.group(2), "")), token)
+        def value(m: re.Match) -> str:
+            name = m.group(1) or m.group(2)
+            return self.vars.get(name, os.environ.get(name, ""))
+
+        return re.sub(r"\$\{(\w+)\}|\$(\w+)", value, token)
 
     def shell(self, line: str, parse_only: bool) -> None:
         assign = re.fullmatch(r"(\w+)=\$\((.*)\)", line)

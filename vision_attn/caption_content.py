@@ -1,4 +1,5 @@
-"""Deprecated: moved to :mod:`vision_attn.data.caption_objects` and :mod:`vision_attn.metrics.caption_content` (this path works for one more version, with a warning)."""
+"""Deprecated: moved to :mod:`vision_attn.data.caption_objects` and
+:mod:`vision_attn.metrics.caption_content` (this path works for one more version, with a warning)."""
 
 from vision_attn._deprecated import moved
 

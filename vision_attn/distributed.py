@@ -1,7 +1,8 @@
 """What a distributed run needs beyond Lightning's defaults.
 
 - :func:`gather_objects`: evaluation records from every process (rank order), for results that
-  do not depend on the process count;
+  do not depend on the process count; :func:`unique_records` the same, each record once (a
+  distributed sampler pads the last batches with repeats);
 - :func:`mean_across_processes`: loss normalisers (DETR's box count, the caption token count)
   averaged over processes, so that DDP's gradient averaging gives the gradient of the global
   batch. Training only: evaluation steps may differ in number between processes (see
@@ -15,6 +16,7 @@ is needed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -24,8 +26,8 @@ from torch import Tensor
 
 from vision_attn.errors import ConfigError
 
-__all__ = ["FSDP_BLOCKS", "BlockFSDPStrategy", "check_accelerator", "gather_objects", "is_distributed", "mean_across_processes",
-           "register_fsdp_block"]
+__all__ = ["FSDP_BLOCKS", "BlockFSDPStrategy", "check_accelerator", "gather_objects", "is_distributed",
+           "mean_across_processes", "register_fsdp_block", "unique_records"]
 
 
 def is_distributed() -> bool:
@@ -39,6 +41,26 @@ def gather_objects(items: list[Any]) -> list[Any]:
     gathered: list[list[Any]] = [None] * torch.distributed.get_world_size()  # type: ignore[list-item]
     torch.distributed.all_gather_object(gathered, list(items))
     return [x for part in gathered for x in part]
+
+
+def unique_records(records: list[Any], key: str | Callable[[Any], Hashable] = "index",
+                   sort: bool = False) -> list[Any]:
+    """The records of every process (:func:`gather_objects`), one per key.
+
+    A distributed sampler pads the last batches with repeats of the first items, so the same
+    item can be evaluated twice; its records agree, and one of them is kept. Without ``sort``
+    the keys come in the order they first occur (the record kept for a repeated key is its
+    last one); with ``sort``, in ascending key order, so the result does not depend on the
+    process count.
+
+    Args:
+        records: this process's records.
+        key: the field that identifies a record (``record[key]``), or a function of the record.
+        sort: order the records by key.
+    """
+    key_of = key if callable(key) else (lambda record: record[key])
+    unique = {key_of(r): r for r in gather_objects(records)}
+    return [unique[k] for k in sorted(unique)] if sort else list(unique.values())
 
 
 GPU_ACCELERATORS = ("gpu", "cuda")

@@ -8,9 +8,9 @@ the model as ONNX.
 ONNX (chosen by the ``.onnx`` suffix): input ``images`` ``[batch, 3, H, W]`` normalised as the
 model's preprocessing says (stored in the file's metadata with the labels or vocabulary), any
 batch size. The export writes exactly one file, ``model.onnx`` (its weights inside); nothing is
-left beside it, also when the export fails or is interrupted. Outputs: classification ``logits [B, C]``; detection ``pred_logits [B, Q, C(+1)]``
-and ``pred_boxes [B, Q, 4]`` (cxcywh in [0, 1]); captioning the encoder's ``tokens [B, T, D]``
-(beam search stays in PyTorch).
+left beside it, also when the export fails or is interrupted. Outputs: classification
+``logits [B, C]``; detection ``pred_logits [B, Q, C(+1)]`` and ``pred_boxes [B, Q, 4]``
+(cxcywh in [0, 1]); captioning the encoder's ``tokens [B, T, D]`` (beam search stays in PyTorch).
 
 ``--part encoder`` (default) writes the timm ViT's state dict — keys exactly as timm names
 them, so ``create_encoder(NAME, weights_file=...)`` or timm itself can load it; ``--part model``
@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from vision_attn.errors import RunExistsError, VisionAttnError
+from vision_attn.explain.progress import Progress
 from vision_attn.outputs import atomic_output
 from vision_attn.tasks.base import load_task
 
@@ -82,8 +83,13 @@ class _OnnxGraph(torch.nn.Module):
 
 
 def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18, overwrite: bool = False,
-                allow_import: tuple[str, ...] = ()) -> Path:
-    """Write the model of ``ckpt_path`` as ONNX (see the module docstring); returns the path."""
+                allow_import: tuple[str, ...] = (), progress: bool | None = None) -> Path:
+    """Write the model of ``ckpt_path`` as ONNX (see the module docstring); returns the path.
+
+    The export's steps (loading the checkpoint, tracing the model, which takes the longest,
+    adding the metadata, writing the file) are reported as they run
+    (:class:`~vision_attn.explain.progress.Progress`: a bar on a terminal, log lines otherwise;
+    ``progress=False``: none; ``None``: unless the ``vision_attn`` logger is quiet)."""
     try:
         import onnx
     except ImportError as err:  # pragma: no cover - depends on the install
@@ -91,7 +97,14 @@ def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18, over
 
     output = Path(output)
     _check_target(output, overwrite)
+    with Progress("ONNX export: loading the checkpoint", 4, "step", enabled=progress, log_every=0.0) as steps:
+        return _export_onnx(ckpt_path, output, opset, allow_import, onnx, steps)
+
+
+def _export_onnx(ckpt_path, output: Path, opset: int, allow_import: tuple[str, ...], onnx, steps: Progress) -> Path:
     task = load_task(ckpt_path, allow_import=allow_import).eval()
+    steps.set_description(f"ONNX export: tracing the {task.task_name} model")
+    steps.update()
     _, h, w = task.data_config["input_size"]
     example = torch.zeros(2, 3, int(h), int(w))
     # torch writes the graph (and, for large models, its weights as a side file) into a private
@@ -102,6 +115,8 @@ def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18, over
         torch.onnx.export(_OnnxGraph(task).eval(), (example,), str(graph), input_names=["images"],
                           output_names=list(task.export_output_names), dynamic_shapes=({0: torch.export.Dim("batch")},),
                           dynamo=True, opset_version=opset, verbose=False)
+        steps.set_description("ONNX export: adding the metadata")
+        steps.update()
         model = onnx.load(str(graph))  # with its weights, wherever torch put them
         meta = task.checkpoint_meta()
         for key, value in {"format": "vision_attn", "task": str(meta.get("task")), "model": json.dumps(meta["model"]),
@@ -110,8 +125,12 @@ def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18, over
         if model.ByteSize() >= ONNX_SINGLE_FILE_BYTES:
             raise VisionAttnError(f"the {task.task_name} model is {model.ByteSize() >> 20} MiB, beyond what one ONNX "
                                   "file holds (2 GiB); export the weights with --format safetensors instead")
+        steps.set_description(f"ONNX export: writing {output.name}")
+        steps.update()
         with atomic_output(output, suffix=".tmp.onnx") as tmp:
             onnx.save(model, str(tmp))
+        steps.set_description(f"ONNX export: wrote {output.name}")
+        steps.update()
     log.info("wrote the %s model as ONNX to %s", task.task_name, output)
     return output
 

@@ -23,7 +23,11 @@ Writes into ``--output_dir``:
   deterministically (:func:`vision_attn.outputs.safe_filename`);
 - ``skipped.json``: ``[{"file", "reason"}]``: unreadable images, and FIFOs, devices, sockets and
   broken links, which are listed, never opened;
-- ``report.html``: the predictions and overlays of the first 50 images in one self-contained page.
+- ``report.html``: one self-contained page, under 10 MB whatever the model and the number of
+  images: a table of the first 50 images with what the model said of each (the top-k classes
+  and their scores, the objects found, the caption) and the skipped files with the reason,
+  then the overlays and interactive attention view of those images (the attention kept at
+  what fits the page unless ``FolderRun.full_attention``, :mod:`vision_attn.report.budget`).
 
 A folder that already holds any of these outputs is refused unless ``--overwrite`` is given.
 Every file is written through a temporary file and a rename, inside ``--output_dir``
@@ -75,6 +79,7 @@ from vision_attn.explain.overlay import save_png
 from vision_attn.models.merging import merge_tokens
 from vision_attn.outputs import display_path, safe_filename, write_json
 from vision_attn.report import write_report
+from vision_attn.report.folder import folder_sections, record_line
 from vision_attn.tasks.base import VisionTask, build_task_from_meta
 from vision_attn.tasks.sources import load_model
 
@@ -103,7 +108,8 @@ def scan_folder(folder: Path) -> tuple[list[Path], list[dict[str, str]]]:
             mode = p.stat().st_mode
         except OSError as err:
             if is_image:
-                skipped.append({"file": str(p.relative_to(folder)), "reason": f"cannot access it ({err.strerror or err})"})
+                reason = f"cannot access it ({err.strerror or err})"
+                skipped.append({"file": str(p.relative_to(folder)), "reason": reason})
             continue
         if stat.S_ISDIR(mode):
             continue
@@ -279,9 +285,11 @@ class PredictionWriter(BasePredictionWriter):
     file order, on the main process."""
 
     def __init__(self, out: Path, skipped: list[dict[str, str]], title: str, summary: dict[str, str],
-                 report_images: int = 50, background: bool = True, max_pending: int = 8) -> None:
+                 report_images: int = 50, background: bool = True, max_pending: int = 8,
+                 full_attention: bool = False) -> None:
         super().__init__(write_interval="batch")
         self.out, self.title, self.summary, self.report_images = out, title, summary, report_images
+        self.full_attention = full_attention
         self.skipped = list(skipped)  # found while scanning the folder (main process)
         self.records: list[dict[str, Any]] = []
         self.items: list[dict[str, Any]] = []
@@ -302,7 +310,7 @@ class PredictionWriter(BasePredictionWriter):
                     save_png(path, panel, root=self.out)
             if len(self.items) < self.report_images:
                 panels = item.get("panels", []) if item else []
-                self.items.append({**(item or {}), "name": file, "text": json.dumps(record)[:300], "panels": panels})
+                self.items.append({**(item or {}), "name": file, "text": record_line(record), "panels": panels})
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self.overlay_writer is not None:  # stop the thread; the run's own error is the one raised
@@ -322,9 +330,11 @@ class PredictionWriter(BasePredictionWriter):
         write_json(self.out / "predictions.json", self.result["predictions"], root=self.out)
         write_json(self.out / "skipped.json", self.result["skipped"], root=self.out)
         task = getattr(pl_module, "task", pl_module)  # an ONNX model's task describes it
-        write_report(self.out / "report.html", self.title, {"images": float(len(predictions)),
-                     "skipped": float(len(self.result["skipped"]))}, self.summary, items, root=self.out,
-                     task=task.task_name, headline=task.headline_metric, mistakes=task.mistake_cards(items, None))
+        write_report(self.out / "report.html", self.title, {"images": len(predictions),
+                     "skipped": len(self.result["skipped"])}, self.summary, items, root=self.out,
+                     task=task.task_name, headline=task.headline_metric, mistakes=task.mistake_cards(items, None),
+                     sections=folder_sections(predictions, self.result["skipped"], self.report_images),
+                     full_attention=self.full_attention)
 
 
 class OnnxPredictor(L.LightningModule):
@@ -349,7 +359,8 @@ class OnnxPredictor(L.LightningModule):
         if meta.get("format") != "vision_attn":
             raise CheckpointError(f"{path} was not exported by vision_attn (no metadata); use vision-attn export")
         try:
-            data_config = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["data_config"]).items()}
+            stored = json.loads(meta["data_config"])
+            data_config = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()}
             model = json.loads(meta["model"])
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise CheckpointError(f"{path} has broken vision_attn metadata ({type(err).__name__}: {err}); "
@@ -426,6 +437,10 @@ class FolderRun:
         background_writes: encode and write the overlay PNGs on a background thread while the
             model runs the next batch (:class:`BackgroundWriter`; the same files as writing them
             in the loop, ``False``).
+        full_attention: ``report.html`` keeps every layer and head of the per-patch attention
+            view (``--report.full_attention``; the page then grows with the model and the number
+            of images: about 7.4 MB per image on ViT-B/16); default: each image's attention is
+            fitted to its share of a 10 MB page (:mod:`vision_attn.report.budget`).
     """
 
     batch_size: int = 16
@@ -436,6 +451,7 @@ class FolderRun:
     progress: bool = True
     report_images: int = 50
     background_writes: bool = True
+    full_attention: bool = False
 
 
 def check_outputs(out: Path, overwrite: bool = False) -> None:
@@ -551,7 +567,7 @@ def predict_folder(
                         pin_memory=accelerator != "cpu" and torch.cuda.is_available())  # faster copies to a GPU
     writer = PredictionWriter(out, skipped, f"vision_attn {model.task_name} predictions",
                               {"model": display_path(source.path), "images": display_path(images)}, run.report_images,
-                              background=run.background_writes)
+                              background=run.background_writes, full_attention=run.full_attention)
     # explanations (relevance, Grad-CAM) need gradients; predictions alone run under inference_mode
     trainer = L.Trainer(accelerator=accelerator, devices=run.devices, logger=False, enable_checkpointing=False,
                         enable_model_summary=False, enable_progress_bar=run.progress, callbacks=[writer],

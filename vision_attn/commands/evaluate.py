@@ -35,6 +35,7 @@ from vision_attn.explain.records import Report
 from vision_attn.models.merging import merge_tokens
 from vision_attn.outputs import display_path, write_json
 from vision_attn.report import read_training_curves, write_report
+from vision_attn.report.budget import ReportOptions
 from vision_attn.tasks.base import (
     TASKS,
     VisionTask,
@@ -56,7 +57,8 @@ class EvalCLI(_VisionAttnCLI):
     ``--GROUP.FIELD``, or ``--explain.FIELD`` for a task without a group of its own)."""
 
     def __init__(self, args: list[str] | None = None, default_split: str | None = None) -> None:
-        argv = normalize_flags(list(sys.argv[1:] if args is None else args), valued_bools=("--overwrite",))
+        argv = normalize_flags(list(sys.argv[1:] if args is None else args),
+                               valued_bools=("--overwrite", "--report.full_attention"))
         self.default_split = default_split
         self._read: tuple[str, dict[str, Any], dict[str, Any]] | None = None  # (path, meta, checkpoint)
         self.task_classes: list[type[VisionTask]] = []  # the checkpoint's (or the config's) task
@@ -102,6 +104,7 @@ class EvalCLI(_VisionAttnCLI):
         parser.add_argument("--merge_r", type=int, default=0,
                             help="Token merging (ToMe, Bolya et al. 2023): merge R tokens in every encoder block: "
                                  "faster, slightly less accurate (0: off, the model as trained).")
+        parser.add_class_arguments(ReportOptions, "report", instantiate=False)
         add_eval_options(parser, self.task_classes)
         parser.set_defaults({"seed_everything": 0, "trainer.logger": False})
 
@@ -210,6 +213,7 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
     explain, task_options = eval_options(cli.config, type(model))
     if task_options is not None:
         model.set_inference_options(task_options)
+    model.evaluation_options = explain  # read by a task whose metrics take options
     split = cli.config.split or (_test_split(dm) if cli.default_split == "test" else dm.val_split)
     data = _SplitData(dm, split)
     trainer.test(model, datamodule=data, verbose=False)
@@ -245,7 +249,8 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
                          report.items, report.curves, root=out, task=model.task_name,
                          sections=model.report_sections(files, metrics), headline=model.headline_metric,
                          mistakes=model.mistake_cards(report.items, predictions), predictions=predictions,
-                         training_curves=read_training_curves(cli.ckpt_file), split_size=len(data.loader.dataset))
+                         training_curves=read_training_curves(cli.ckpt_file), split_size=len(data.loader.dataset),
+                         full_attention=bool(cli.config.get("report.full_attention", False)))
         log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)
     return metrics
 

@@ -28,9 +28,11 @@ whole task. An existing file is never overwritten unless --overwrite is given.""
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m vision_attn.export") -> None:
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt_path", help="checkpoint from training")
-    parser.add_argument("--output_dir", help="folder to write into (model.onnx, encoder.safetensors or model.safetensors)")
+    parser.add_argument("--output_dir",
+                        help="folder to write into (model.onnx, encoder.safetensors or model.safetensors)")
     parser.add_argument("--output_file", dest="output", default=None,
                         help="the exact file to write instead (its suffix chooses the format)")
     parser.add_argument("--format", choices=["onnx", "safetensors"], default="safetensors")

@@ -42,7 +42,8 @@ def _check_writable(folder: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
             pass
     except OSError as err:
-        raise VisionAttnError(f"cannot write results into {folder}: {err.strerror or err}; pass a writable --output_dir") from err
+        raise VisionAttnError(f"cannot write results into {folder}: {err.strerror or err}; "
+                              "pass a writable --output_dir") from err
 
 
 class _GuardedParser(LightningArgumentParser):

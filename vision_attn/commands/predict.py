@@ -90,6 +90,11 @@ def build_parser(prog: str, description: str, expected_task: str | None = None,
                         help="token merging (ToMe, Bolya et al. 2023): merge R tokens in every encoder block: "
                              "faster inference, slightly less accurate (0: off)")
     parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity")
+    parser.add_argument("--report.full_attention", dest="full_attention", action="store_true",
+                        help="report.html keeps every layer and head of the per-patch attention view (the page "
+                             "then grows with the model and the number of images, about 7.4 MB per image on "
+                             "ViT-B/16); default: what fits a page of at most 10 MB (the last layer, heads "
+                             "averaged, on large models)")
     parser.add_argument("--device", "--accelerator", dest="device", default="auto",
                         choices=["auto", "cpu", "cuda", "gpu"],
                         help="where the model runs (auto: a GPU when there is one)")
@@ -144,7 +149,7 @@ def run_cli(argv: list[str] | None, prog: str, description: str, expected_task: 
         args = parse_command(parser, argv, required=("model", "images", "output_dir"), extend=task_options)
         devices = int(args.devices) if str(args.devices).isdigit() else args.devices
         run = FolderRun(batch_size=args.batch_size, num_workers=args.num_workers, device=args.device,
-                        devices=devices, overwrite=args.overwrite)
+                        devices=devices, overwrite=args.overwrite, full_attention=args.full_attention)
         drawn = ExplainOptions(methods=list(args.methods) if args.methods else None, alpha=args.alpha)
         model = task_options.model
         result = predict_folder(_source(args, expected_task), args.images, args.output_dir, run, drawn,

@@ -121,7 +121,8 @@ class TrainCLI(_VisionAttnCLI):
         if logger in (None, True):
             logger = [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                        "init_args": {"save_dir": str(root), "name": "tensorboard"}},
-                      {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root), "name": "csv"}}]
+                      {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": str(root), "name": "csv"}}]
         if logger and not any(is_lr_monitor(c) for c in user_callbacks):
             added.append({"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
                           "init_args": {"logging_interval": "step"}})
@@ -153,7 +154,8 @@ class TrainCLI(_VisionAttnCLI):
         self.model.lr_scheduler_init = spec("lr_scheduler")
         data = spec("data")
         try:
-            self.model.run_data = checked_data_settings({"data": data}, "the data settings")  # saved in checkpoints: evaluation needs no config
+            # saved in checkpoints: evaluation needs no config
+            self.model.run_data = checked_data_settings({"data": data}, "the data settings")
         except CheckpointError as err:
             log.warning("the data settings are not plain data, so checkpoints will not hold them (%s); "
                         "evaluate with --config", err)
@@ -164,8 +166,9 @@ class TrainCLI(_VisionAttnCLI):
         logger, added = self._run_defaults(root, user + callbacks, config.get("logger"),
                                            lambda c: isinstance(c, ModelCheckpoint),
                                            lambda c: isinstance(c, LearningRateMonitor))
-        classes = {"vision_attn.commands.callbacks.RunCheckpoint": RunCheckpoint, "lightning.pytorch.callbacks.LearningRateMonitor":
-                   LearningRateMonitor, "lightning.pytorch.loggers.TensorBoardLogger": TensorBoardLogger,
+        classes = {"vision_attn.commands.callbacks.RunCheckpoint": RunCheckpoint,
+                   "lightning.pytorch.callbacks.LearningRateMonitor": LearningRateMonitor,
+                   "lightning.pytorch.loggers.TensorBoardLogger": TensorBoardLogger,
                    "lightning.pytorch.loggers.CSVLogger": CSVLogger}
 
         def build(c: Any) -> Any:

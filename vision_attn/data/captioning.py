@@ -12,7 +12,7 @@
   are skipped — each kind counted in one warning naming an example id. A file that is not
   UTF-8 or not JSON, or an image file that is missing, is an error naming the file or id.
 - Image ids must be what COCO tools accept (they end up in output file names and results files:
-  :func:`~vision_attn.data.detection.is_coco_id`, integers from 0 to 2**63 - 1, never ``true``
+  :func:`~vision_attn.data.coco.is_coco_id`, integers from 0 to 2**63 - 1, never ``true``
   or ``false``), else an error naming the file and the id; ``file_name`` must stay inside the
   split folder (see :func:`vision_attn.data.loading.image_path_inside`):
   a refused path is a counted warning in training, an error in evaluation.
@@ -43,29 +43,22 @@ import torch
 from torch.utils.data import Dataset
 
 from vision_attn.data.caption_objects import AnnotatedObjects, Mention
-from vision_attn.data.detection import (
-    CocoLayout,
-    check_category_id,
-    check_images_dir,
+from vision_attn.data.coco import (
+    annotation_problem,
+    category_names,
     is_coco_id,
     load_coco_annotations,
-    validate_image_entry,
+    read_image_entries,
 )
+from vision_attn.data.detection import CocoDetection, CocoLayout
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
 from vision_attn.data.layout import SPLIT_LAYOUT_LEGACY, SplitLayout
-from vision_attn.data.loading import (
-    BATCHING_LEGACY,
-    Batching,
-    PathRefusals,
-    SkipUnreadable,
-    SplitDataModule,
-    image_path_inside,
-    relative_file,
-)
+from vision_attn.data.loading import BATCHING_LEGACY, Batching, SkipUnreadable, SplitDataModule, relative_file
 from vision_attn.data.synthetic import SceneSetConfig
 from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
 from vision_attn.data.transforms import (
     AugmentPreset,
+    box_transform,
     build_eval_transform,
     build_train_transform,
     model_preprocess,
@@ -102,25 +95,9 @@ def read_captions(root: Path, split: str, follow_symlinks: bool = False, skip_re
     images_dir = Path(images_dir) if images_dir is not None else root / split
     ann_file = Path(ann_file) if ann_file is not None else root / "annotations" / f"captions_{split}.json"
     data = load_coco_annotations(ann_file)
-    if data["images"]:
-        check_images_dir(images_dir, ann_file, split)
-    split_dir = images_dir.resolve()
-    refusals = PathRefusals(ann_file, skip=skip_refused)
-    images: list[dict] = []
-    captions: dict[int, list[str]] = {}
-    seen: set[int] = set()
-    for im in data["images"]:
-        validate_image_entry(im, ann_file)
-        if im["id"] in seen:
-            raise DataError(f"{ann_file}: image id {im['id']} appears twice")
-        seen.add(im["id"])
-        path, why = image_path_inside(split_dir, im["file_name"], follow_symlinks)
-        if why is not None:
-            refusals.refuse(f"image id {im['id']}", images_dir / im["file_name"], why)
-            continue
-        captions[im["id"]] = []
-        images.append({**im, "path": path})
-    refusals.report()
+    entries = read_image_entries(data, ann_file, images_dir, split, follow_symlinks, skip_refused=skip_refused)
+    images: list[dict] = [{**im, "path": path} for im, path in entries]
+    captions: dict[int, list[str]] = {im["id"]: [] for im in images}
     dropped: Counter = Counter()
     example: dict[str, Any] = {}
     for a in data["annotations"]:
@@ -171,21 +148,13 @@ def read_annotated_objects(path: Path) -> AnnotatedObjects:
     when no object has one, colours are not compared (all ``None``).
     """
     data = load_coco_annotations(path)
-    cats = data.get("categories")
-    if not isinstance(cats, list) or not cats:
-        raise DataError(f"instances file {path} has no categories list; content accuracy needs the category names")
-    names: dict[int, str] = {}
-    for c in cats:
-        check_category_id(c, path)
-        if not isinstance(c.get("name"), str):
-            raise DataError(f"{path}: category {str(c)[:80]} needs an integer 'id' and a text 'name'")
-        names[c["id"]] = normalize_caption(c["name"])
+    missing = f"instances file {path} has no categories list; content accuracy needs the category names"
+    names = {i: normalize_caption(n) for i, n in category_names(data.get("categories"), path, missing).items()}
     objects: dict[int, list[Mention]] = {
         im["id"]: [] for im in data["images"] if isinstance(im, dict) and is_coco_id(im.get("id"))}
     dropped, example = 0, None
     for a in data["annotations"]:
-        if (not isinstance(a, dict) or not is_coco_id(a.get("image_id")) or a["image_id"] not in objects
-                or not is_coco_id(a.get("category_id")) or a["category_id"] not in names):
+        if annotation_problem(a, objects, names, check_box=False)[0] is not None:
             dropped += 1
             example = example or (a.get("id") if isinstance(a, dict) else str(a)[:40])
             continue
@@ -278,9 +247,6 @@ class CocoCaptions(SkipUnreadable, Dataset):
             DataError: when the training transform moves pixels in a way the boxes cannot follow
                 (RandAugment, the ``finetune`` preset's random resized crops).
         """
-        from vision_attn.data.detection import CocoDetection
-        from vision_attn.data.transforms import box_transform
-
         if not self.instances_file.is_file():
             return None
         self._with_boxes = box_transform(self.transform)

@@ -61,7 +61,7 @@ from vision_attn.data.loading import (
     SplitDataModule,
     image_path_inside,
 )
-from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
+from vision_attn.data.synthetic import ShapesConfig, embedded_data_warning, ensure_shapes_classification
 from vision_attn.data.transforms import (
     AugmentPreset,
     build_eval_transform,
@@ -281,6 +281,8 @@ class ImageFolderDataModule(SplitDataModule):
         self.layout = layout
         self.follow_symlinks = layout.follow_symlinks
         if root is None:
+            if synthetic is None:
+                log.warning(embedded_data_warning("a folder holding train/<class>/ and val/<class>/ image folders"))
             root = str(ensure_shapes_classification(synthetic or ShapesConfig(), cache_dir))
         self.root = Path(root).expanduser()
         if not self.root.is_dir():

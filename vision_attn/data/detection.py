@@ -44,7 +44,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections import Counter
@@ -60,18 +59,23 @@ from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
 from vision_attn.boxes import box_xyxy_to_cxcywh
+from vision_attn.data.coco import (
+    COCO_ID_LIMIT,
+    _is_number,
+    annotation_problem,
+    check_category_id,
+    check_images_dir,
+    coco_id_error,
+    is_coco_id,
+    load_coco_annotations,
+    read_image_entries,
+    sorted_categories,
+    validate_image_entry,
+)
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
 from vision_attn.data.layout import SPLIT_LAYOUT_LEGACY, SplitLayout
-from vision_attn.data.loading import (
-    BATCHING_LEGACY,
-    Batching,
-    PathRefusals,
-    SkipUnreadable,
-    SplitDataModule,
-    image_path_inside,
-    relative_file,
-)
-from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
+from vision_attn.data.loading import BATCHING_LEGACY, Batching, SkipUnreadable, SplitDataModule, relative_file
+from vision_attn.data.synthetic import SceneSetConfig, embedded_data_warning, ensure_shapes_coco
 from vision_attn.data.transforms import (
     DETR_EVAL_SIZE,
     DETR_MAX_SIZE,
@@ -83,107 +87,22 @@ from vision_attn.data.transforms import (
 from vision_attn.errors import DataError
 
 __all__ = ["COCO_ID_LIMIT", "CocoDetection", "CocoLayout", "DetectionDataModule", "DetectionTransform",
-           "SquareDetectionTransform",
-           "check_category_id", "coco_id_error", "coco_root", "detection_collate", "is_coco_id",
-           "load_coco_annotations", "split_layout", "validate_image_entry"]
+           "SquareDetectionTransform", "check_category_id", "check_images_dir", "coco_id_error", "coco_root",
+           "detection_collate", "is_coco_id", "load_coco_annotations", "split_layout", "validate_image_entry"]
 
 log = logging.getLogger(__name__)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-COCO_ID_LIMIT = 2**63
-"""Image, annotation and category ids lie in ``0 .. COCO_ID_LIMIT - 1``: the non-negative
-64-bit integers that pycocotools and other COCO tools (NumPy ``int64`` arrays) accept."""
-
-
-def is_coco_id(value: Any) -> bool:
-    """Whether ``value`` is an id COCO tools accept: an ``int`` (not a ``bool``) from 0 to 2**63 - 1."""
-    return _is_int(value) and 0 <= value < COCO_ID_LIMIT
-
-
-def coco_id_error(ann_file: Path, what: str, value: Any, fix: str = "fix the annotation file") -> DataError:
-    """The error for an id that is not a COCO id (:func:`is_coco_id`), naming the file and the
-    id as the file writes it (``what``: ``"image id"``, ``"category id"``), ending with ``fix``."""
-    try:
-        shown = json.dumps(value)
-    except (TypeError, ValueError):
-        shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return DataError(f"{ann_file}: {what} {shown} is not an integer from 0 to 2**63 - 1 (COCO ids are "
-                     f"non-negative 64-bit integers); {fix}")
-
-
-def load_coco_annotations(path: Path) -> dict[str, Any]:
-    """Read an annotation file; malformed JSON (invalid, not UTF-8, nested too deeply, not a
-    COCO object) is a :class:`DataError` naming the file (and line and column where known)."""
-    if not path.is_file():
-        raise DataError(f"annotation file {path} does not exist")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise DataError(f"annotation file {path} is not valid JSON: {err.msg} at line {err.lineno}, "
-                        f"column {err.colno}") from err
-    except UnicodeDecodeError as err:
-        raise DataError(f"annotation file {path} is not UTF-8 text: {err}") from err
-    except RecursionError as err:
-        raise DataError(f"annotation file {path} is nested too deeply to be a COCO annotation file") from err
-    except ValueError as err:  # e.g. an integer with more digits than Python converts
-        raise DataError(f"annotation file {path} is not usable JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise DataError(f"annotation file {path} is a JSON {type(data).__name__}, not an object (is it COCO format?)")
-    for key in ("images", "annotations"):
-        if not isinstance(data.get(key), list):
-            raise DataError(f"annotation file {path} has no {key!r} list (is it COCO format?)")
-    return data
-
-
-def validate_image_entry(im: Any, ann_file: Path) -> None:
-    """Check one ``images`` entry: an object with an ``id`` COCO tools accept (:func:`is_coco_id`),
-    a string ``file_name`` and, if present, numeric ``width`` / ``height``."""
-    if not isinstance(im, dict) or "id" not in im or "file_name" not in im:
-        raise DataError(f"{ann_file}: image entry {str(im)[:80]} needs 'id' and 'file_name'")
-    if not is_coco_id(im["id"]):
-        raise coco_id_error(ann_file, "image id", im["id"])
-    if not isinstance(im["file_name"], str):
-        raise DataError(f"{ann_file}: image id {im['id']} has a file_name that is not text: "
-                        f"{str(im['file_name'])[:80]}")
-    for key in ("width", "height"):
-        if im.get(key) is not None and not (_is_number(im[key]) and math.isfinite(im[key])):
-            raise DataError(f"{ann_file}: image id {im['id']} has a {key} that is not a number: {str(im[key])[:80]}")
-
-
-def _categories(cats: Any, ann_file: Path) -> list[dict]:
-    if not isinstance(cats, list) or not cats:
-        raise DataError(f"annotation file {ann_file} has no categories")
-    for c in cats:
-        check_category_id(c, ann_file)
-    return sorted(cats, key=lambda c: c["id"])
-
-
-def check_category_id(category: Any, ann_file: Path) -> None:
-    """Check one ``categories`` entry: an object whose ``id`` COCO tools accept (:func:`is_coco_id`)."""
-    if not isinstance(category, dict) or "id" not in category:
-        raise DataError(f"{ann_file}: category {str(category)[:80]} needs an integer 'id'")
-    if not is_coco_id(category["id"]):
-        raise coco_id_error(ann_file, "category id", category["id"],
-                            "every category needs an integer 'id': fix the annotation file")
 
 
 def coco_root(root: str | None, synthetic: SceneSetConfig | None, cache_dir: str | None, what: str,
               all_given: bool = False) -> Path:
     """The data root: ``root``; when unset, the current folder if ``all_given`` (every train and
-    val path was given), else the embedded shape scenes (generated on first use)."""
+    val path was given), else the embedded shape scenes (generated on first use; with a warning
+    unless ``synthetic`` asks for them)."""
     if root is None and all_given:
         root = "."
     if root is None:
+        if synthetic is None:
+            log.warning(embedded_data_warning(what))
         root = str(ensure_shapes_coco(synthetic or SceneSetConfig(), cache_dir))
     path = Path(root).expanduser()
     if not path.is_dir():
@@ -245,26 +164,11 @@ class CocoLayout:
         return split_layout(self.root, split, self.annotation_kind, images, ann)
 
 
-def check_images_dir(images_dir: Path, ann_file: Path, split: str) -> None:
-    """A clear error when the images folder of a split is missing."""
-    if not images_dir.is_dir():
-        raise DataError(f"{ann_file}: the images folder {images_dir} of split {split!r} does not exist; "
-                        f"pass --data.root (images in ROOT/{split}/) or the split's --data.layout.<split>_images")
-
-
 def _to_target(boxes_xyxy: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
     """The one place where boxes become normalised ``cxcywh``."""
     h, w = size_hw
     scale = torch.tensor([w, h, w, h], dtype=torch.float32)
     return box_xyxy_to_cxcywh(boxes_xyxy.float() / scale).clamp(0, 1)
-
-
-def _box(a: dict) -> tuple[float, float, float, float] | None:
-    """``(x, y, w, h)`` of an annotation, or ``None`` if its ``bbox`` is not four numbers."""
-    box = a.get("bbox")
-    if not isinstance(box, list) or len(box) != 4 or not all(_is_number(v) for v in box):
-        return None
-    return tuple(float(v) for v in box)
 
 
 class CocoDetection(SkipUnreadable, Dataset):
@@ -304,56 +208,34 @@ class CocoDetection(SkipUnreadable, Dataset):
         default_ann = self.root / "annotations" / f"instances_{split}.json"
         self.ann_file = Path(ann_file) if ann_file is not None else default_ann
         data = annotations if annotations is not None else load_coco_annotations(self.ann_file)
-        if data["images"]:
+        if data["images"]:  # a missing images folder is the first error
             check_images_dir(self.images_dir, self.ann_file, split)
-        self.categories = _categories(categories if categories is not None else data.get("categories"), self.ann_file)
+        self.categories = sorted_categories(categories if categories is not None else data.get("categories"),
+                                            self.ann_file)
         self.category_ids = [int(c["id"]) for c in self.categories]
         self.class_names = [str(c.get("name", c["id"])) for c in self.categories]
-        label_of = {cid: i for i, cid in enumerate(self.category_ids)}
         self.transform = transform
         self.max_pixels = max_pixels
         self._raw_orientation: set[int] = set()
-        split_dir = self.images_dir.resolve()
-        refusals = PathRefusals(self.ann_file, skip=skip_unreadable)
-        self.images: list[dict] = []
-        self._paths: list[Path] = []
-        seen: set[int] = set()
-        for im in data["images"]:
-            validate_image_entry(im, self.ann_file)
-            if im["id"] in seen:
-                raise DataError(f"{self.ann_file}: image id {im['id']} appears twice")
-            seen.add(im["id"])
-            path, why = image_path_inside(split_dir, im["file_name"], follow_symlinks)
-            if why is not None:
-                refusals.refuse(f"image id {im['id']}", self.images_dir / im["file_name"], why)
-                continue
-            if not path.is_file():
-                raise DataError(f"{self.ann_file}: image id {im['id']} has no file "
-                                f"{self.images_dir / im['file_name']}")
-            self.images.append(im)
-            self._paths.append(path)
-        refusals.report()
-        # Training targets (non-crowd, clipped to the image) and the scored ground truth
-        # (crowd included and flagged, boxes as written, as pycocotools scores them).
+        entries = read_image_entries(data, self.ann_file, self.images_dir, split, follow_symlinks,
+                                     skip_refused=skip_unreadable, require_files=True)
+        self.images: list[dict] = [im for im, _ in entries]
+        self._paths: list[Path] = [path for _, path in entries]
+        self.annotations, self.scored = self._read_annotations(data["annotations"])
+
+    def _read_annotations(self, annotations: list) -> tuple[dict[int, list], dict[int, list]]:
+        """``(training targets, scored ground truth)`` by image id: the training targets
+        (non-crowd, clipped to the image) and the scored ground truth (crowd included and flagged,
+        boxes as written, as pycocotools scores them). Unusable annotations are dropped, each kind
+        counted in one warning."""
+        label_of = {cid: i for i, cid in enumerate(self.category_ids)}
         by_image: dict[int, list[tuple[list[float], int]]] = {im["id"]: [] for im in self.images}
         scored: dict[int, list[tuple[list[float], int, int, float]]] = {im["id"]: [] for im in self.images}
         sizes = {im["id"]: (im.get("height"), im.get("width")) for im in self.images}
         dropped: Counter = Counter()
         example: dict[str, Any] = {}
-        for a in data["annotations"]:
-            reason, box = None, None
-            if not isinstance(a, dict):
-                reason = "not an object"
-            elif not _is_int(a.get("image_id")) or a["image_id"] not in by_image:
-                reason = "unknown image id"
-            elif not _is_int(a.get("category_id")) or a["category_id"] not in label_of:
-                reason = "unknown category id"
-            elif (box := _box(a)) is None:
-                reason = "bbox is not four numbers"
-            elif not all(math.isfinite(v) for v in box):
-                reason = "non-finite box"
-            elif box[2] <= 0 or box[3] <= 0:
-                reason = "zero or negative size"
+        for a in annotations:
+            reason, box = annotation_problem(a, by_image, label_of)
             if reason:
                 dropped[reason] += 1
                 example.setdefault(reason, a.get("id") if isinstance(a, dict) else str(a)[:40])
@@ -376,8 +258,7 @@ class CocoDetection(SkipUnreadable, Dataset):
         for reason, n in dropped.items():
             log.warning("%s: dropped %d annotations (%s), e.g. annotation id %s", self.ann_file, n, reason,
                         example[reason])
-        self.annotations = by_image
-        self.scored = scored
+        return by_image, scored
 
     def __len__(self) -> int:
         return len(self.images)
@@ -632,7 +513,7 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         train_ann_file = self.split_paths(train_split)[1]
         ann = load_coco_annotations(train_ann_file)
         self._train_annotations: dict[str, Any] | None = ann  # parsed once; handed to the train dataset
-        self.categories = _categories(ann.get("categories"), train_ann_file)
+        self.categories = sorted_categories(ann.get("categories"), train_ann_file)
         self.class_names = [str(c.get("name", c["id"])) for c in self.categories]
         self.category_ids = [int(c["id"]) for c in self.categories]
         self.preprocess: dict[str, Any] | None = None

@@ -75,6 +75,7 @@ from vision_attn.explain.decoder_relevance import caption_relevance
 from vision_attn.explain.detection import decoder_methods
 from vision_attn.explain.evaluate import overlay_images, select_images, worst_images
 from vision_attn.explain.faithfulness import MODES, blur, order_ends, perturbation_curves
+from vision_attn.explain.images import enlarge
 from vision_attn.explain.localisation import grid_to_image, localisation
 from vision_attn.explain.measures import MapWriter, Measures, Perturbation
 from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
@@ -148,10 +149,7 @@ def caption_strip(rgb: np.ndarray, words: list[str], maps: torch.Tensor, alpha: 
                   title: str | None = None) -> np.ndarray:
     """The image, then one overlay per word titled with the word; the caption (after ``title``,
     e.g. the method, when given) written above."""
-    side = max(rgb.shape[:2])
-    if side < 128:  # enlarge small images so the heat maps can be seen
-        f = int(np.ceil(128 / side))
-        rgb = cv2.resize(rgb, (rgb.shape[1] * f, rgb.shape[0] * f), interpolation=cv2.INTER_NEAREST)
+    rgb = enlarge(rgb, 128)  # small images enlarged so the heat maps can be seen
     tiles = [rgb] + [overlay_saliency(rgb, m, alpha=alpha) for m in maps]
     grid = image_grid(tiles, ["image", *words], cols=min(cols, len(tiles)))
     band = np.full((22, grid.shape[1], 3), 255, np.uint8)

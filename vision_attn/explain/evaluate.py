@@ -48,7 +48,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import cv2
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -62,6 +61,7 @@ from vision_attn.explain.faithfulness import (
     deletion_insertion_curve,
     end_probabilities,
 )
+from vision_attn.explain.images import enlarge
 from vision_attn.explain.localisation import grid_to_image, load_image_boxes
 from vision_attn.explain.measures import MapWriter, Measures, Perturbation
 from vision_attn.explain.methods import (
@@ -188,10 +188,14 @@ class ExplainOptions:
             ``OUT/maps/<method>/<NNNNN>.npy`` with ``OUT/maps/index.json``.
         sanity: the model-randomisation sanity check (Adebayo et al. 2018): ``sanity_<method>``
             and ``OUT/sanity.json``.
+        content_words: captioning: a text file of the object words whose presence in the
+            captions is checked against the references (one word per line); unset: the words
+            that vary between the images' references
+            (:mod:`vision_attn.metrics.reference_content`).
     """
 
-    # None: each head's own default, chosen from the measured table (README "Against ground
-    # truth"; python -m benchmarks.explanations): DEFAULT_METHODS for the classifier, the
+    # None: each head's own default, chosen from the measured table (docs/results/explanations.md;
+    # python -m benchmarks.explanations): DEFAULT_METHODS for the classifier, the
     # decoder heads' DETECTION_DEFAULTS / CAPTION_DEFAULTS (vision_attn.explain.detection / .captioning).
     methods: list[str] | None = None
     num_overlays: int = 16
@@ -215,6 +219,7 @@ class ExplainOptions:
     annotations: str | None = None
     save_maps: bool = False
     sanity: bool = False
+    content_words: str | None = None
 
     # Not an option: ``eval.py`` sets it to the evaluation's ``predictions.json`` records before
     # the explanations run, so that :func:`overlay_images` can add the worst mistakes.
@@ -304,10 +309,7 @@ def explanation_panel(
     Small inputs are enlarged (nearest neighbour) to at least 160 px first, so the caption
     fits and the heat map is drawn at a resolution one can look at.
     """
-    side = max(display.shape[:2])
-    if side < 160:
-        f = int(np.ceil(160 / side))
-        display = cv2.resize(display, (display.shape[1] * f, display.shape[0] * f), interpolation=cv2.INTER_NEAREST)
+    display = enlarge(display, 160)
     tiles = [put_text(display, caption)]
     titles = ["input"]
     for method, m in maps.items():

@@ -36,6 +36,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from vision_attn.data.coco import annotation_problem, category_names, load_coco_annotations, validate_image_entry
 from vision_attn.data.transforms import CROP_MODES, LEGACY_CROP_MODE
 from vision_attn.errors import DataError
 
@@ -227,10 +228,6 @@ def localisation(image_map: np.ndarray, boxes: Sequence[Sequence[float]], tolera
     return pointing_hit(image_map, boxes, tolerance), energy_share(image_map, boxes)
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def load_image_boxes(path: str | Path) -> dict[str, list[tuple[str, Box]]]:
     """Boxes of a COCO instances file per image: ``{file_name: [(category name, (x0, y0, x1,
     y1))]}``, ``file_name`` as written (with ``/``; for classification data: the image's path
@@ -239,33 +236,26 @@ def load_image_boxes(path: str | Path) -> dict[str, list[tuple[str, Box]]]:
     Raises:
         DataError: an unreadable or malformed file (the message names the file and entry).
     """
-    from vision_attn.data.detection import is_coco_id, load_coco_annotations, validate_image_entry
-
     path = Path(path).expanduser()
     data = load_coco_annotations(path)
-    cats = data.get("categories")
-    if not isinstance(cats, list) or not cats:
-        raise DataError(f"annotation file {path} has no categories; the boxes need category names")
-    names: dict[int, str] = {}
-    for c in cats:
-        if not isinstance(c, dict) or not is_coco_id(c.get("id")) or not isinstance(c.get("name"), str):
-            raise DataError(f"{path}: category {str(c)[:80]} needs an integer 'id' and a 'name'")
-        names[c["id"]] = c["name"]
+    names = category_names(data.get("categories"), path,
+                           f"annotation file {path} has no categories; the boxes need category names",
+                           invalid="needs an integer 'id' and a 'name'")
     files: dict[int, str] = {}
     for im in data["images"]:
         validate_image_entry(im, path)
         files[im["id"]] = Path(im["file_name"]).as_posix()
     out: dict[str, list[tuple[str, Box]]] = {f: [] for f in files.values()}
     for a in data["annotations"]:
-        if not isinstance(a, dict) or not is_coco_id(a.get("image_id")) or a.get("image_id") not in files:
+        reason, box = annotation_problem(a, files, names)
+        if reason in ("not an object", "unknown image id"):
             raise DataError(f"{path}: annotation {str(a)[:80]} names no image of the file ('image_id')")
-        if not is_coco_id(a.get("category_id")) or a.get("category_id") not in names:
+        if reason == "unknown category id":
             raise DataError(f"{path}: annotation id {a.get('id')} has category_id {a.get('category_id')!r}, "
                             "which is not in 'categories'")
-        bbox = a.get("bbox")
-        if not (isinstance(bbox, list) and len(bbox) == 4 and all(_number(v) for v in bbox)) or min(bbox[2:]) < 0:
-            raise DataError(f"{path}: annotation id {a.get('id')} has bbox {str(bbox)[:80]}; expected "
+        if reason is not None and (reason != "zero or negative size" or min(box[2:]) < 0):  # a size of 0 is a box
+            raise DataError(f"{path}: annotation id {a.get('id')} has bbox {str(a.get('bbox'))[:80]}; expected "
                             "[x, y, width, height] in pixels, finite, width and height >= 0")
-        x, y, w, h = (float(v) for v in bbox)
+        x, y, w, h = box
         out[files[a["image_id"]]].append((names[a["category_id"]], (x, y, x + w, y + h)))
     return out

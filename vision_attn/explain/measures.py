@@ -18,6 +18,11 @@ of ``metrics.json``, the same way for every head:
 As torchmetrics' metrics: ``update(...)`` adds items, ``compute()`` returns ``{name: float}``
 (nothing when no item was added), ``reset()`` forgets them. The methods are those of the
 updates, in the order they first appear (the ``random`` baseline is a method like the others).
+
+Progress: :class:`Localisation`, :class:`Perturbation` and :class:`Sanity` report what they
+measure as items come in (:class:`~vision_attn.explain.progress.Progress`: a bar on a terminal,
+a log line every 30 s otherwise, nothing when quiet); given the ``total`` of items expected,
+with the time left. The report starts with the first update and ends with ``compute()``.
 """
 
 from __future__ import annotations
@@ -33,11 +38,31 @@ from torch import Tensor
 
 from vision_attn.explain.faithfulness import MODES, auc
 from vision_attn.explain.localisation import localisation
+from vision_attn.explain.progress import Progress
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
 __all__ = ["Localisation", "MapWriter", "Measures", "Perturbation", "Sanity"]
 
 log = logging.getLogger(__name__)
+
+
+class _Reported:
+    """What the measures share: a progress report of the items added (see the module docstring)."""
+
+    what = "explanation measures"
+    total: int | None = None
+    progress_enabled: bool | None = None
+    _progress: Progress | None = None
+
+    def _advance(self, n: int) -> None:
+        if self._progress is None:
+            self._progress = Progress(self.what, self.total, "item", enabled=self.progress_enabled)
+        self._progress.update(n)
+
+    def _done(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
 
 
 def _rows(values: Mapping[str, Mapping[str, Tensor]]) -> int:
@@ -48,7 +73,7 @@ def _rows(values: Mapping[str, Mapping[str, Tensor]]) -> int:
     return counts.pop() if counts else 0
 
 
-class Localisation:
+class Localisation(_Reported):
     """Pointing game and energy share of each method's maps against their items' boxes.
 
     ``pointing_<method>``: the share of items whose map maximum lies within ``tolerance`` px of
@@ -59,10 +84,14 @@ class Localisation:
 
     Args:
         tolerance: of the pointing hit, in pixels.
+        total: the items expected (the progress report's time left; ``None``: unknown).
+        progress: report progress (``None``: unless quiet; see the module docstring).
     """
 
-    def __init__(self, tolerance: float = 1.0) -> None:
-        self.tolerance = tolerance
+    what = "explanation measures: localisation"
+
+    def __init__(self, tolerance: float = 1.0, total: int | None = None, progress: bool | None = None) -> None:
+        self.tolerance, self.total, self.progress_enabled = tolerance, total, progress
         self.reset()
 
     def reset(self) -> None:
@@ -78,6 +107,7 @@ class Localisation:
                 ``[D, H, W]`` for ``D`` draws whose mean counts.
             boxes: the boxes of the item's object, ``[x0, y0, x1, y1]`` pixels.
         """
+        self._advance(1)
         if len(boxes) == 0:
             return False
         for method, image_map in maps.items():
@@ -92,6 +122,7 @@ class Localisation:
 
     def compute(self) -> dict[str, float]:
         """``pointing_<method>`` and ``energy_<method>`` means over the scored items."""
+        self._done()
         out: dict[str, float] = {}
         if not self.count:
             return out
@@ -101,16 +132,20 @@ class Localisation:
         return out
 
 
-class Perturbation:
+class Perturbation(_Reported):
     """Deletion / insertion AUC of each method's maps, from the curves of their items.
 
     Args:
         first: the head's method reported again as ``deletion_auc`` / ``insertion_auc``
             (``None``: no such keys).
+        total: the items expected (the progress report's time left; ``None``: unknown).
+        progress: report progress (``None``: unless quiet; see the module docstring).
     """
 
-    def __init__(self, first: str | None = None) -> None:
-        self.first = first
+    what = "explanation measures: deletion / insertion curves"
+
+    def __init__(self, first: str | None = None, total: int | None = None, progress: bool | None = None) -> None:
+        self.first, self.total, self.progress_enabled = first, total, progress
         self.reset()
 
     def reset(self) -> None:
@@ -133,10 +168,12 @@ class Perturbation:
                 prev = self.curve_sums.get((method, mode))
                 self.curve_sums[method, mode] = total if prev is None else prev + total
         self.count += rows
+        self._advance(rows)
 
     def compute(self) -> dict[str, float]:
         """``<mode>_auc_<method>`` means over the items, then ``deletion_auc`` / ``insertion_auc``
         of :attr:`first`."""
+        self._done()
         if not self.count:
             return {}
         out = {key: total / self.count for key, total in self.sums.items()}
@@ -152,13 +189,21 @@ class Perturbation:
         return {method: (total / self.count).tolist() for (method, m), total in self.curve_sums.items() if m == mode}
 
 
-class Sanity:
+class Sanity(_Reported):
     """The model-randomisation check: mean Spearman correlation between each method's maps of
     the trained model and of its cascadingly randomised copies
     (:func:`~vision_attn.explain.sanity.cascading_randomisation`), per randomisation step.
-    ``sanity_<method>`` is the step ``all`` (the fully randomised encoder)."""
+    ``sanity_<method>`` is the step ``all`` (the fully randomised encoder).
 
-    def __init__(self) -> None:
+    Args:
+        total: the items expected (the progress report's time left; ``None``: unknown).
+        progress: report progress (``None``: unless quiet; see the module docstring).
+    """
+
+    what = "explanation measures: sanity check"
+
+    def __init__(self, total: int | None = None, progress: bool | None = None) -> None:
+        self.total, self.progress_enabled = total, progress
         self.reset()
 
     def reset(self) -> None:
@@ -174,6 +219,7 @@ class Sanity:
             for step, rho in steps.items():
                 sums[step] = sums.get(step, 0.0) + float(rho.sum())
         self.count += rows
+        self._advance(rows)
 
     def curves(self) -> dict[str, dict[str, float]]:
         """``{method: {step: mean correlation}}``."""
@@ -183,6 +229,7 @@ class Sanity:
 
     def compute(self) -> dict[str, float]:
         """``sanity_<method>``: the mean correlation after full randomisation."""
+        self._done()
         return {f"sanity_{m}": curve["all"] for m, curve in self.curves().items()}
 
     def write(self, out_dir: Path) -> None:

@@ -39,7 +39,6 @@ warning naming each, so a run goes on with the methods that apply.
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +64,15 @@ from vision_attn.explain.rollout import (
     last_layer_attention,
     normalize_maps,
     to_grid,
+)
+from vision_attn.explain.targets import (
+    _MEAN_POOLING,
+    _SEQ_POOLING,
+    TOKENS,
+    Token,
+    explained_token,
+    resolve_target_class,
+    resolve_token,
 )
 from vision_attn.models.merging import merge_log
 
@@ -93,8 +101,6 @@ log = logging.getLogger(__name__)
 Need = Literal["attention", "attention_grad", "block_input", "block_input_grad", "block_output"]
 _NEEDS: frozenset[str] = frozenset({"attention", "attention_grad", "block_input", "block_input_grad",
                                     "block_output"})
-Token = Literal["auto", "cls", "dist", "mean"]
-TOKENS: tuple[str, ...] = ("auto", "cls", "dist", "mean")
 
 
 @dataclass
@@ -272,7 +278,7 @@ def _random(x: MethodInputs) -> Tensor:
     return rand.to(x.images.device)
 
 
-# ---------------------------------------------------------------------------- target and token
+# ---------------------------------------------------------------------------- the result
 @dataclass
 class Explanation:
     """Saliency maps of a batch. ``maps[method]`` is ``[B, h, w]`` in ``[0, 1]``; ``attentions``
@@ -289,107 +295,6 @@ class Explanation:
     attentions: list[Tensor] = field(default_factory=list)
     num_prefix_tokens: int = 0
     token_index: TokenIndex = 0
-
-
-_CLS_POOLING = ("cls", "token")  # ClassificationHead's and timm's names
-_MEAN_POOLING = ("mean", "avg")
-_SEQ_POOLING = ("seq",)  # ClassificationHead's sequence pooling (CCT)
-
-
-def explained_token(head, num_prefix_tokens: int, out=None) -> TokenIndex:
-    """The row that explains what ``head`` reads: ``0`` (the class token) for ``cls`` pooling,
-    ``(0, 1)`` (the mean of the class and distillation rows) for a distilled head
-    (``head.distilled``: a DeiT's head averages its two classifiers), ``"patches"`` (the mean of
-    the patch tokens' rows) for ``mean`` pooling; ``auto`` and heads without a ``pooling``
-    attribute read the class token when there is one, else the mean.
-
-    ``seq`` pooling (:class:`~vision_attn.models.smalldata.SequencePooling`) reads
-    ``sum_i w_i x_i`` with weights ``w`` that depend on the image: its row is the ``[B, T]``
-    tensor ``head.token_weights(out)`` (detached; 0 on the prefix tokens), the weighted mixture
-    of the patch tokens' rows, so ``out`` (the batch's
-    :class:`~vision_attn.models.EncoderOutput`) is needed.
-
-    Raises:
-        ValueError: a pooling no row describes (e.g. attention pooling), or ``seq`` pooling
-            without ``out``.
-    """
-    pooling = getattr(head, "pooling", None) or getattr(head, "global_pool", None) or "auto"
-    if pooling == "auto":
-        pooling = "cls" if num_prefix_tokens > 0 else "mean"
-    if pooling in _CLS_POOLING:
-        return (0, 1) if getattr(head, "distilled", False) and num_prefix_tokens >= 2 else 0
-    if pooling in _MEAN_POOLING:
-        return "patches"
-    if pooling in _SEQ_POOLING:
-        if out is None:
-            raise ValueError("a sequence-pooling head's row depends on the image (its pooling weights): pass the "
-                             "encoder output, explained_token(head, num_prefix_tokens, out)")
-        return head.token_weights(out).detach()
-    raise ValueError(
-        f"cannot explain a head with pooling {pooling!r}: the explanations follow a class token ('cls') or the "
-        "mean of the patch tokens ('mean'); pass token_index= to explain_classifier to choose a row"
-    )
-
-
-def _prefix_layout(encoder: nn.Module, num_prefix_tokens: int) -> tuple[bool, bool]:
-    """``(has_class_token, distilled)`` of a timm ViT (a ViTEncoder's ``model``): timm puts the
-    class token first, then a DeiT's distillation token, then the register tokens."""
-    model = getattr(encoder, "model", encoder)
-    has_cls = getattr(model, "cls_token", None) is not None if hasattr(model, "cls_token") else num_prefix_tokens > 0
-    distilled = getattr(model, "dist_token", None) is not None
-    return has_cls, distilled
-
-
-def resolve_token(task, num_prefix_tokens: int, token: str = "auto", out=None) -> TokenIndex:
-    """The row explained for ``token``: ``auto`` (what the head reads, :func:`explained_token`;
-    ``out``, the batch's encoder output, is needed for a sequence-pooling head),
-    ``cls`` (the class token), ``dist`` (a distilled DeiT's distillation token) or ``mean`` (the
-    average of the class and distillation rows).
-
-    Raises:
-        ConfigError: an unknown ``token``, or one the model does not have.
-    """
-    if token not in TOKENS:
-        raise ConfigError(f"token {token!r} invalid; choose one of {', '.join(TOKENS)}")
-    if token == "auto":
-        return explained_token(task.head, num_prefix_tokens, out)
-    has_cls, distilled = _prefix_layout(task.encoder, num_prefix_tokens)
-    if token == "cls":
-        if not has_cls:
-            raise ConfigError(f"token='cls': this model has no class token ({num_prefix_tokens} prefix tokens); "
-                              "use token='auto'")
-        return 0
-    if not distilled:
-        raise ConfigError(f"token={token!r} needs a distilled model (DeiT *_distilled_*: class and distillation "
-                          "tokens); this one has none: use token='auto' or 'cls'")
-    return 1 if token == "dist" else (0, 1)
-
-
-def resolve_target_class(target_class: str | int, class_names: Sequence[str] | None, num_classes: int) -> int:
-    """The index of ``target_class``: a class name (from ``class_names``), an index, or a string
-    of digits that is not a class name (an index given on the command line).
-
-    Raises:
-        ConfigError: an unknown name (close names suggested) or an index out of range.
-    """
-    names = list(class_names or [])
-    if isinstance(target_class, str):
-        if names.count(target_class) > 1:  # ImageNet-1k has two "crane"s (bird and machine)
-            where = [i for i, n in enumerate(names) if n == target_class]
-            raise ConfigError(f"target_class {target_class!r} names several classes of this model (indices "
-                              f"{where}); give the index instead")
-        if target_class in names:
-            return names.index(target_class)
-        if not target_class.strip().lstrip("-").isdigit():
-            close = difflib.get_close_matches(target_class, names, n=3, cutoff=0.6)
-            hint = f" Did you mean: {', '.join(repr(c) for c in close)}?" if close else ""
-            raise ConfigError(f"target_class {target_class!r} is not a class name of this model "
-                              f"({len(names)} classes: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''})."
-                              f"{hint} Give a class name or an index 0..{num_classes - 1}.")
-        target_class = int(target_class)
-    if isinstance(target_class, bool) or not isinstance(target_class, int) or not 0 <= target_class < num_classes:
-        raise ConfigError(f"target_class {target_class!r} is not a class index 0..{num_classes - 1} of this model")
-    return target_class
 
 
 # ---------------------------------------------------------------------------- which methods apply

@@ -16,6 +16,8 @@ import cv2
 import numpy as np
 import torch
 
+from vision_attn.explain.images import resize_nearest
+
 __all__ = ["Explained", "Report", "compact_data_uri", "png_data_uri", "quantise"]
 
 
@@ -54,7 +56,7 @@ class Report:
         if max(h, w) > side:
             rgb = cv2.resize(rgb, (side, side), interpolation=cv2.INTER_AREA)
         elif h != w:  # the canvas is square: make the image square at its longer side
-            rgb = cv2.resize(rgb, (max(h, w), max(h, w)), interpolation=cv2.INTER_NEAREST)
+            rgb = resize_nearest(rgb, max(h, w), max(h, w))
         return png_data_uri(rgb)
 
 

@@ -1,4 +1,5 @@
-"""Deprecated: moved to :mod:`vision_attn.report` and :mod:`vision_attn.explain.records` (this path works for one more version, with a warning)."""
+"""Deprecated: moved to :mod:`vision_attn.report` and :mod:`vision_attn.explain.records` (this path
+works for one more version, with a warning)."""
 
 from vision_attn._deprecated import moved
 

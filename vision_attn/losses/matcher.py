@@ -70,7 +70,8 @@ class HungarianMatcher(nn.Module):
         return self.cost_bbox * c_bbox + self.cost_class * c_class + self.cost_giou * c_giou
 
     @torch.no_grad()
-    def forward(self, pred_logits: Tensor, pred_boxes: Tensor, targets: list[dict[str, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    def forward(self, pred_logits: Tensor, pred_boxes: Tensor,
+                targets: list[dict[str, Tensor]]) -> list[tuple[Tensor, Tensor]]:
         """Match a batch.
 
         Args:
@@ -102,5 +103,6 @@ class HungarianMatcher(nn.Module):
             rows, cols = linear_sum_assignment(cost[i, :, start : start + g])
             start += g
             order = rows.argsort()
-            out.append((torch.as_tensor(rows[order], dtype=torch.int64), torch.as_tensor(cols[order], dtype=torch.int64)))
+            out.append((torch.as_tensor(rows[order], dtype=torch.int64),
+                        torch.as_tensor(cols[order], dtype=torch.int64)))
         return out

@@ -169,11 +169,13 @@ class SetCriterion(nn.Module):
         weights = self.weight_dict(num_aux)
         return sum(weights[k] * v for k, v in terms.items() if k in weights)
 
-    def _terms(self, logits: Tensor, boxes: Tensor, targets: list[dict[str, Tensor]], num_boxes: float) -> dict[str, Tensor]:
+    def _terms(self, logits: Tensor, boxes: Tensor, targets: list[dict[str, Tensor]],
+               num_boxes: float) -> dict[str, Tensor]:
         indices = self.matcher(logits, boxes, targets)
         b_idx = torch.cat([torch.full_like(p, i) for i, (p, _) in enumerate(indices)]).to(logits.device)
         q_idx = torch.cat([p for p, _ in indices]).to(logits.device)
-        matched_labels = torch.cat([t["labels"][j] for t, (_, j) in zip(targets, indices, strict=True)]).to(logits.device)
+        matched_labels = torch.cat([t["labels"][j] for t, (_, j) in zip(targets, indices, strict=True)])
+        matched_labels = matched_labels.to(logits.device)
         matched_boxes = torch.cat([t["boxes"][j] for t, (_, j) in zip(targets, indices, strict=True)]).to(boxes.device)
         if self.focal:
             onehot = torch.zeros_like(logits)
@@ -230,7 +232,8 @@ class SetCriterion(nn.Module):
         # each token's target as an index into the batch's concatenated targets (-1: background)
         owner, start = [], 0
         for i, t in enumerate(targets):
-            o = dense_assignment(centres[i], all_boxes[start : start + len(t["labels"])], None if mask is None else mask[i])
+            o = dense_assignment(centres[i], all_boxes[start : start + len(t["labels"])],
+                                 None if mask is None else mask[i])
             owner.append(torch.where(o >= 0, o + start, o))
             start += len(t["labels"])
         owner = torch.stack(owner)  # (B, N)
@@ -265,7 +268,8 @@ class SetCriterion(nn.Module):
             terms.update({f"{_name(k, part)}_{i}": v for k, v in aux_terms.items() if k != "cardinality_error"})
         return terms
 
-    def forward(self, outputs: dict, targets: list[dict[str, Tensor]], across_processes: bool = True) -> dict[str, Tensor]:
+    def forward(self, outputs: dict, targets: list[dict[str, Tensor]],
+                across_processes: bool = True) -> dict[str, Tensor]:
         """Loss terms of the final layer and of every ``outputs["aux_outputs"]`` layer.
 
         Args:

@@ -164,7 +164,8 @@ def pr_curves_from_precision(precision: Tensor | np.ndarray | None, present: Seq
 
     Returns:
         ``{name: {"recall": [101 thresholds], "precision": [101 values]}}`` with, for the
-        category's index ``k`` in ``present``, ``precision[r] = eval["precision"][0, r, k, 0, -1]``: COCOeval's interpolated precision
+        category's index ``k`` in ``present``, ``precision[r] = eval["precision"][0, r, k, 0, -1]``:
+        COCOeval's interpolated precision
         (the best precision at any recall at least ``recall[k]``; IoU 0.5, all areas, 100
         detections per image). ``-1`` entries are pycocotools' own: a recall the detections
         never reach is ``0``, a category without ground truth is ``-1`` throughout (also a

@@ -273,7 +273,8 @@ def caption_metrics_per_image(hypotheses: Mapping[Hashable, str], references: Ma
     return out, {i: {"cider": cider[i], "rouge_l": rouge[i]} for i in cider}
 
 
-def caption_metrics(hypotheses: Mapping[Hashable, str], references: Mapping[Hashable, Sequence[str]]) -> dict[str, float]:
+def caption_metrics(hypotheses: Mapping[Hashable, str],
+                    references: Mapping[Hashable, Sequence[str]]) -> dict[str, float]:
     """``bleu1``..``bleu4``, ``cider`` (CIDEr-D) and ``rouge_l``: what every captioning evaluation
     reports (``eval.py`` adds :func:`image_dependence`, :func:`java_metrics` and content accuracy)."""
     return caption_metrics_per_image(hypotheses, references)[0]

@@ -427,22 +427,14 @@ class CaptionDecoder(nn.Module):
             src = image * k + beam  # (B, 2K) rows of the extended hypotheses
             is_eos = tok == eos_id
             prefix = tokens[:, 1:].view(b, k, -1)
-            prefix_att = torch.stack(attention, dim=1).view(b, k, step, *attn.shape[1:]) if step and return_attention \
-                else None
+            prefix_att = (torch.stack(attention, dim=1).view(b, k, step, *attn.shape[1:])
+                          if step and return_attention else None)
             # 1. finished: <eos> extensions ranked among the first K enter the pool
             first_k = torch.arange(2 * k, device=device)[None] < k
             fin = is_eos & first_k & torch.isfinite(cand_scores) & ~done[:, None]  # (B, 2K)
             new_norm = torch.where(fin, cand_scores / float(steps) ** length_penalty, float("-inf"))
-            new_tokens = torch.full((b, 2 * k, max_new), self.pad_id, dtype=torch.long, device=device)
-            new_tokens[:, :, :step] = prefix.gather(1, beam[..., None].expand(-1, -1, step))
-            new_tokens[:, :, step] = tok
-            new_att = None
-            if return_attention:
-                step_att = attn.view(b, k, *attn.shape[1:])  # (B, K, L, N)
-                new_att = memory.new_zeros(b, 2 * k, max_new, *attn.shape[1:], dtype=attn.dtype)
-                if prefix_att is not None:
-                    new_att[:, :, :step] = prefix_att[image, beam]
-                new_att[:, :, step] = step_att[image, beam]
+            new_tokens, new_att = self._extensions(prefix, prefix_att, attn if return_attention else None,
+                                                   beam, tok, max_new, memory)
             pool_tokens, pool_scores, pool_norm, pool_lengths, pool_attention = self._merge_pool(
                 (pool_tokens, pool_scores, pool_norm, pool_lengths, pool_attention),
                 (new_tokens, cand_scores, new_norm, torch.full_like(tok, steps), new_att), k)
@@ -463,21 +455,48 @@ class CaptionDecoder(nn.Module):
             if bool(done.all()):
                 break
         # hypotheses still live at max_new enter the pool unfinished (length max_new)
-        live_scores = torch.where(done[:, None], float("-inf"), scores)
-        live_tokens = torch.full((b, k, max_new), self.pad_id, dtype=torch.long, device=device)
-        live_tokens[:, :, :steps] = tokens[:, 1:].view(b, k, steps)
-        live_att = None
-        if return_attention:
-            live_att = memory.new_zeros(b, k, max_new, *attention[0].shape[1:], dtype=attention[0].dtype)
-            live_att[:, :, :steps] = torch.stack(attention, dim=1).view(b, k, steps, *attention[0].shape[1:])
+        live = self._live_hypotheses(tokens, scores, done, attention if return_attention else None, steps,
+                                     max_new, length_penalty, memory)
         pool_tokens, pool_scores, pool_norm, pool_lengths, pool_attention = self._merge_pool(
-            (pool_tokens, pool_scores, pool_norm, pool_lengths, pool_attention),
-            (live_tokens, live_scores, live_scores / float(steps) ** length_penalty,
-             torch.full_like(pool_lengths, steps), live_att), k)
+            (pool_tokens, pool_scores, pool_norm, pool_lengths, pool_attention), live, k)
         best = pool_norm.argmax(dim=1)  # (B,)
         att = pool_attention[image[:, 0], best, :steps] if return_attention else None  # (B, T, L, N)
         return Generation(tokens=pool_tokens[image[:, 0], best, :steps], lengths=pool_lengths[image[:, 0], best],
                           scores=pool_scores[image[:, 0], best], attention=att)
+
+    def _extensions(self, prefix: Tensor, prefix_att: Tensor | None, attn: Tensor | None, beam: Tensor,
+                    tok: Tensor, max_new: int, memory: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The ``2K`` ranked extensions of a beam-search step as pool entries: their tokens
+        ``[B, 2K, max_new]`` (padded) and, when the step's cross-attention ``attn [B*K, L, N]`` is
+        given, their attention ``[B, 2K, max_new, L, N]`` (``prefix_att``: the earlier steps')."""
+        b, k, step = prefix.shape[0], prefix.shape[1], prefix.shape[2]
+        new_tokens = torch.full((b, 2 * k, max_new), self.pad_id, dtype=torch.long, device=prefix.device)
+        new_tokens[:, :, :step] = prefix.gather(1, beam[..., None].expand(-1, -1, step))
+        new_tokens[:, :, step] = tok
+        if attn is None:
+            return new_tokens, None
+        image = torch.arange(b, device=prefix.device)[:, None]
+        step_att = attn.view(b, k, *attn.shape[1:])  # (B, K, L, N)
+        new_att = memory.new_zeros(b, 2 * k, max_new, *attn.shape[1:], dtype=attn.dtype)
+        if prefix_att is not None:
+            new_att[:, :, :step] = prefix_att[image, beam]
+        new_att[:, :, step] = step_att[image, beam]
+        return new_tokens, new_att
+
+    def _live_hypotheses(self, tokens: Tensor, scores: Tensor, done: Tensor, attention: list[Tensor] | None,
+                         steps: int, max_new: int, length_penalty: float, memory: Tensor) -> tuple:
+        """The live hypotheses at the end of beam search as pool entries ``(tokens, scores, ranking
+        scores, lengths, attention or None)`` (those of finished images score ``-inf``)."""
+        b, k = scores.shape
+        live_scores = torch.where(done[:, None], float("-inf"), scores)
+        live_tokens = torch.full((b, k, max_new), self.pad_id, dtype=torch.long, device=tokens.device)
+        live_tokens[:, :, :steps] = tokens[:, 1:].view(b, k, steps)
+        live_att = None
+        if attention is not None:
+            live_att = memory.new_zeros(b, k, max_new, *attention[0].shape[1:], dtype=attention[0].dtype)
+            live_att[:, :, :steps] = torch.stack(attention, dim=1).view(b, k, steps, *attention[0].shape[1:])
+        lengths = torch.full((b, k), steps, dtype=torch.long, device=tokens.device)
+        return live_tokens, live_scores, live_scores / float(steps) ** length_penalty, lengths, live_att
 
     @staticmethod
     def _merge_pool(pool: tuple, new: tuple, k: int) -> tuple:

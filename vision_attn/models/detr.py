@@ -73,18 +73,16 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vision_attn.boxes import box_cxcywh_to_xyxy, box_xyxy_to_cxcywh
+from vision_attn.boxes import box_cxcywh_to_xyxy
+from vision_attn.models.denoising import O2M_MODES, denoising_slots, noise_boxes, noise_labels, query_group_mask
 from vision_attn.models.encoder import EncoderOutput
 from vision_attn.models.layers import MLP, DecoderLayer, sine_position_embedding_2d
+from vision_attn.models.pyramid import PYRAMID_SCALES, SimpleFeaturePyramid
 
-__all__ = ["DETRConfig", "DETRHead", "PYRAMID_SCALES", "SimpleFeaturePyramid", "noise_boxes", "noise_labels",
-           "post_process", "query_group_mask"]
-
-O2M_MODES = ("group", "hybrid")
-
+__all__ = ["DETRConfig", "DETRHead", "O2M_MODES", "PYRAMID_SCALES", "SimpleFeaturePyramid", "cell_centres",
+           "noise_boxes", "noise_labels", "post_process", "query_group_mask"]
 
 @dataclass(frozen=True)
 class DETRConfig:
@@ -225,173 +223,6 @@ def _grid_proposals(grid: tuple[int, int], valid: list[tuple[int, int]] | None, 
     return torch.stack(out)
 
 
-def _masked_max_pool(x: Tensor, mask: Tensor | None, k: int) -> tuple[Tensor, Tensor | None]:
-    """``k x k`` stride-``k`` max pooling of ``x [B, D, h, w]`` (partial windows at the bottom and
-    right kept, as ``ceil_mode``) over the real cells only (``mask [B, h, w]``); a window with no
-    real cell gives zeros and ``False`` in the pooled mask."""
-    if mask is None:
-        return F.max_pool2d(x, k, k, ceil_mode=True), None
-    pooled = F.max_pool2d(x.masked_fill(~mask[:, None], float("-inf")), k, k, ceil_mode=True)
-    keep = F.max_pool2d(mask[:, None].float(), k, k, ceil_mode=True)[:, 0] > 0
-    return pooled.masked_fill(~keep[:, None], 0.0), keep
-
-
-PYRAMID_SCALES = (2.0, 1.0, 0.5, 0.25)
-"""Resolution of each pyramid level relative to the patch grid (strides 1/2, 1, 2, 4 patches)."""
-
-
-class SimpleFeaturePyramid(nn.Module):
-    """ViTDet's simple feature pyramid (Li et al. 2022) from the last patch-token map.
-
-    Levels (:data:`PYRAMID_SCALES`): ``2x`` a 2x2 stride-2 transposed convolution, ``1x`` the map
-    itself, ``1/2`` and ``1/4`` max pooling (2x2 and 4x4, partial windows kept); each then a
-    per-token linear projection to ``out_dim`` and LayerNorm. ViTDet adds a 3x3 convolution per
-    level; it is left out so that every level token depends on a known block of patches (one
-    patch, or a 2x2 / 4x4 block), which :meth:`to_patches` and the explanations rely on.
-
-    Args:
-        in_dim: width of the encoder's tokens.
-        out_dim: the decoder width.
-    """
-
-    def __init__(self, in_dim: int, out_dim: int) -> None:
-        super().__init__()
-        self.up = nn.ConvTranspose2d(in_dim, in_dim, kernel_size=2, stride=2)
-        self.proj = nn.ModuleList(nn.Sequential(nn.Linear(in_dim, out_dim), nn.LayerNorm(out_dim))
-                                  for _ in PYRAMID_SCALES)
-        self.level_embed = nn.Parameter(torch.randn(len(PYRAMID_SCALES), out_dim) * 0.02)
-
-    @staticmethod
-    def level_grids(grid: tuple[int, int]) -> list[tuple[int, int]]:
-        """The levels' grids for a patch grid ``(h, w)``: ``(2h, 2w), (h, w), ceil(/2), ceil(/4)``."""
-        h, w = grid
-        return [(2 * h, 2 * w), (h, w), (-(-h // 2), -(-w // 2)), (-(-h // 4), -(-w // 4))]
-
-    def forward(self, tokens: Tensor, grid: tuple[int, int], mask: Tensor | None = None
-                ) -> list[tuple[Tensor, Tensor | None]]:
-        """``tokens [B, h * w, in_dim]`` (row-major), ``mask [B, h * w]`` (``True`` = real or
-        ``None``) -> per level ``(tokens [B, h_l * w_l, out_dim], mask [B, h_l * w_l] or None)``."""
-        b, _, d = tokens.shape
-        h, w = grid
-        x = tokens.transpose(1, 2).reshape(b, d, h, w)
-        m = None if mask is None else mask.reshape(b, h, w)
-        up = self.up(x)
-        up_mask = None if m is None else m.repeat_interleave(2, 1).repeat_interleave(2, 2)
-        levels = [(up, up_mask), (x, m), _masked_max_pool(x, m, 2), _masked_max_pool(x, m, 4)]
-        out = []
-        for proj, (feat, keep) in zip(self.proj, levels, strict=True):
-            flat = proj(feat.flatten(2).transpose(1, 2))
-            out.append((flat, None if keep is None else keep.flatten(1)))
-        return out
-
-    @staticmethod
-    def to_patches(values: Tensor, grid: tuple[int, int], mask: Tensor | None = None) -> Tensor:
-        """Values over the concatenated levels' tokens ``[..., M]`` -> over the patch grid
-        ``[..., h * w]``, linear and mass-preserving (sums are kept): a ``2x`` token adds to the
-        patch it lies in, a ``1x`` token is its patch, a pooled token is spread evenly over the
-        real patches of its window (``mask [B, h * w]``, ``B`` the first of ``values``' leading
-        dimensions: a padded batch's real patches; default all). Used for the cross-attention
-        maps and their relevance."""
-        h, w = grid
-        grids = SimpleFeaturePyramid.level_grids(grid)
-        total = sum(lh * lw for lh, lw in grids)
-        if values.shape[-1] != total:
-            raise ValueError(f"to_patches: {values.shape[-1]} tokens, but the pyramid of grid {grid} has {total}")
-        lead = values.shape[:-1]
-        if mask is None:
-            real = values.new_ones(h, w)
-        else:
-            real = mask.to(values.dtype).reshape(mask.shape[0], *[1] * (len(lead) - 1), h, w)
-        out = values.new_zeros(*lead, h, w)
-        start = 0
-        for scale, (lh, lw) in zip(PYRAMID_SCALES, grids, strict=True):
-            part = values[..., start : start + lh * lw].reshape(*lead, lh, lw)
-            start += lh * lw
-            if scale > 1:
-                out = out + part.reshape(*lead, h, 2, w, 2).sum(dim=(-3, -1))
-            elif scale == 1:
-                out = out + part
-            else:
-                k = round(1 / scale)
-                padded = F.pad(real, (0, lw * k - w, 0, lh * k - h))
-                count = padded.reshape(*padded.shape[:-2], lh, k, lw, k).sum(dim=(-3, -1))  # real patches per window
-                spread = torch.where(count > 0, part / count.clamp(min=1), torch.zeros_like(part))
-                up = spread.repeat_interleave(k, -2)[..., :h, :].repeat_interleave(k, -1)[..., :w]
-                out = out + up * real
-        return out.reshape(*lead, h * w)
-
-
-def query_group_mask(
-    num_queries: int,
-    o2m_groups: int = 0,
-    o2m_mode: str = "group",
-    dn_groups: int = 0,
-    dn_group_size: int = 0,
-    device: torch.device | None = None,
-) -> Tensor:
-    """Self-attention keep-mask ``[T, T]`` (``True`` = query ``i`` may attend to query ``j``).
-
-    Queries are ordered ``[num_queries matching | o2m_groups * num_queries | dn_groups *
-    dn_group_size denoising]``. The matching queries see only each other, so they compute
-    exactly what they compute alone (the extra queries leak no ground truth and cost nothing at
-    inference). One-to-many queries see only their own group (``"group"``, Group DETR) or the
-    whole one-to-many set (``"hybrid"``, H-DETR). A denoising group sees itself and the matching
-    queries (DN-DETR), never another denoising group nor the one-to-many queries.
-    """
-    if o2m_mode not in O2M_MODES:
-        raise ValueError(f"o2m_mode must be one of {O2M_MODES}, got {o2m_mode!r}")
-    q, n_o2m, n_dn = num_queries, o2m_groups * num_queries, dn_groups * dn_group_size
-    total = q + n_o2m + n_dn
-    keep = torch.zeros(total, total, dtype=torch.bool, device=device)
-    keep[:q, :q] = True
-    if n_o2m:
-        if o2m_mode == "hybrid":
-            keep[q : q + n_o2m, q : q + n_o2m] = True
-        else:
-            for g in range(o2m_groups):
-                s = q + g * num_queries
-                keep[s : s + num_queries, s : s + num_queries] = True
-    for g in range(dn_groups):
-        s = q + n_o2m + g * dn_group_size
-        keep[s : s + dn_group_size, s : s + dn_group_size] = True
-        keep[s : s + dn_group_size, :q] = True
-    return keep
-
-
-def noise_labels(labels: Tensor, num_classes: int, ratio: float, generator: torch.Generator | None = None) -> Tensor:
-    """Each label replaced, with probability ``ratio / 2``, by a class drawn uniformly from
-    ``0..C-1`` (which may be the same class), as DINO's ``prepare_for_cdn`` does with its
-    ``label_noise_ratio``: a label changes with probability ``ratio / 2 * (1 - 1 / C)``."""
-    if ratio <= 0:
-        return labels.clone()
-    flip = torch.rand(labels.shape, generator=generator, device=labels.device) < ratio * 0.5
-    random = torch.randint(0, num_classes, labels.shape, generator=generator, device=labels.device)
-    return torch.where(flip, random, labels)
-
-
-def noise_boxes(boxes: Tensor, scale: float, negative: Tensor | None = None,
-                generator: torch.Generator | None = None) -> Tensor:
-    """Noised copies of ``cxcywh`` boxes ``[..., 4]``, clamped to the image.
-
-    Each corner of a box moves, per coordinate, by ``± u * scale`` times half the box's size, with
-    ``u`` uniform in ``[0, 1)`` — so the centre shifts by at most ``scale * w / 2`` (resp. ``h``) and
-    the size is scaled by a factor in ``[1 - scale, 1 + scale]`` (DN-DETR's centre-shift and
-    box-scale noise). Where ``negative`` (broadcastable to ``boxes[..., 0]``) is ``True``, ``u``
-    lies in ``[1, 2)`` instead: DINO's contrastive negatives, farther from the truth than any
-    positive.
-    """
-    if scale <= 0:
-        return boxes.clone()
-    xyxy = box_cxcywh_to_xyxy(boxes)
-    half = torch.cat([boxes[..., 2:], boxes[..., 2:]], dim=-1) / 2
-    u = torch.rand(boxes.shape, generator=generator, device=boxes.device, dtype=boxes.dtype)
-    if negative is not None:
-        u = u + negative[..., None].to(u.dtype)
-    sign = torch.rand(boxes.shape, generator=generator, device=boxes.device) < 0.5
-    shift = torch.where(sign, u, -u) * half * scale
-    return box_xyxy_to_cxcywh((xyxy + shift).clamp(0, 1))
-
-
 class DETRHead(nn.Module):
     """Object queries + transformer decoder over patch tokens + class and box heads.
 
@@ -439,7 +270,7 @@ class DETRHead(nn.Module):
             for head in self.class_heads:
                 nn.init.constant_(head.bias, -math.log((1 - 0.01) / 0.01))
         # The switches' own parameters, created after all of the above so that a head with the
-        # switches off draws exactly the same initial weights as before they existed.
+        # switches off draws exactly the same initial weights as the plain head.
         if query_selection:
             self.query_content = nn.Embedding(num_queries, hidden_dim)  # learned contents (DINO: tgt_embed)
             self.enc_proj = nn.Linear(hidden_dim, hidden_dim)
@@ -503,42 +334,14 @@ class DETRHead(nn.Module):
 
     def _denoising_queries(self, targets: list[dict[str, Tensor]],
                            device: torch.device) -> tuple[Tensor, Tensor, Tensor, dict]:
-        """Noised ground truth as queries: ``(contents [B, D, hidden], boxes [B, D, 4], real [B, D], meta)``.
-
-        A group holds ``P = max_b G_b`` positive slots (and, with negatives, ``P`` negative slots
-        after them); image ``b`` fills the first ``G_b`` of each, the rest are padding (``real``
-        is ``False``: hidden from every query and from the loss). ``meta["positive"]`` gives per
-        image ``(query index, target index)`` (indices within the denoising queries, on the CPU),
-        ``meta["negative"]`` the query indices that must predict "no object"; ``meta["groups"]``
-        and ``meta["group_size"]`` the layout, ``meta["padded"]`` whether any slot is padding.
-        """
-        b = len(targets)
-        pad = max((len(t["labels"]) for t in targets), default=0)
-        size = pad * (2 if self.dn_negatives else 1)
-        n = self.dn_groups
-        labels = torch.zeros(b, n, size, dtype=torch.int64, device=device)
-        boxes = torch.full((b, n, size, 4), 0.5, device=device)
-        real = torch.zeros(b, n, size, dtype=torch.bool, device=device)
-        negative = torch.zeros(size, dtype=torch.bool, device=device)
-        negative[pad:] = True
-        positive_idx, negative_idx = [], []
-        for i, t in enumerate(targets):
-            g = len(t["labels"])
-            starts = torch.arange(n)[:, None] * size  # indices on the CPU, as the matcher's
-            slots = torch.arange(g)[None, :]
-            positive_idx.append(((starts + slots).flatten(), torch.arange(g).repeat(n)))
-            negative_idx.append((starts + pad + slots).flatten() if self.dn_negatives else
-                                torch.empty(0, dtype=torch.int64))
-            for offset in (0, pad) if self.dn_negatives else (0,):
-                labels[i, :, offset : offset + g] = t["labels"].to(device)
-                boxes[i, :, offset : offset + g] = t["boxes"].to(device=device, dtype=boxes.dtype)
-                real[i, :, offset : offset + g] = True
+        """Noised ground truth as queries: ``(contents [B, D, hidden], boxes [B, D, 4], real [B, D], meta)``
+        (the slots and ``meta``: :func:`~vision_attn.models.denoising.denoising_slots`)."""
+        labels, boxes, real, negative, meta = denoising_slots(targets, self.dn_groups, self.dn_negatives, device)
+        b, total = len(targets), meta["groups"] * meta["group_size"]
         noised_labels = noise_labels(labels, self.num_classes, self.label_noise_ratio)
         noised_boxes = noise_boxes(boxes, self.box_noise_scale, negative)
-        contents = self.label_embed(noised_labels).reshape(b, n * size, self.hidden_dim)
-        meta = {"groups": n, "group_size": size, "positive": positive_idx, "negative": negative_idx,
-                "padded": any(len(t["labels"]) < pad for t in targets)}
-        return contents, noised_boxes.reshape(b, n * size, 4), real.reshape(b, n * size), meta
+        contents = self.label_embed(noised_labels).reshape(b, total, self.hidden_dim)
+        return contents, noised_boxes.reshape(b, total, 4), real.reshape(b, total), meta
 
     # ------------------------------------------------------------------ memory
     def _memory(self, enc: EncoderOutput) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
@@ -589,41 +392,93 @@ class DETRHead(nn.Module):
                 denoising queries' source; used only while training with ``dn_groups > 0``.
         """
         memory, memory_pos, memory_mask, proposals = self._memory(enc)  # (B, M, hidden), (1 or B, M, hidden)
-        b = memory.shape[0]
         q = self.num_queries
         result: dict = {}
+        x, reference, query_embed = self._matching_queries(memory, proposals, memory_mask, result)
+        # training-only extra queries: one-to-many groups, then denoising groups
+        n_o2m = self.o2m_groups if self.training else 0
+        if n_o2m:
+            x, reference, query_embed = self._add_o2m_queries(x, reference, query_embed, memory, n_o2m)
+        dn_meta, key_mask = None, None
+        if self.dn_groups and self.training and targets is not None:
+            x, reference, dn_meta, key_mask = self._add_denoising_queries(x, reference, targets, memory.device)
+        mask = None
+        if x.shape[1] > q:
+            mask = query_group_mask(q, n_o2m, self.o2m_mode, dn_meta["groups"] if dn_meta else 0,
+                                    dn_meta["group_size"] if dn_meta else 0, memory.device)
+        outputs, weights = self._decode(enc, x, reference, query_embed, (memory, memory_pos, memory_mask),
+                                        key_mask, mask, need_weights)
+
+        def part(start: int, stop: int) -> dict:
+            out = {k: v[:, start:stop] for k, v in outputs[-1].items()}
+            out["aux_outputs"] = [{k: v[:, start:stop] for k, v in o.items()} for o in outputs[:-1]]
+            return out
+
+        result.update(part(0, q) if x.shape[1] > q else {**outputs[-1], "aux_outputs": outputs[:-1]})
+        if n_o2m:
+            sets = [(q, q * (1 + n_o2m))] if self.o2m_mode == "hybrid" else \
+                [(q * (1 + g), q * (2 + g)) for g in range(n_o2m)]
+            result["o2m_outputs"] = [part(s, e) for s, e in sets]
+        if dn_meta is not None:
+            result["dn_outputs"] = part(q * (1 + n_o2m), x.shape[1])
+            result["dn_meta"] = dn_meta
+        if need_weights:
+            result["cross_attn"] = weights
+        return result
+
+    def _matching_queries(self, memory: Tensor, proposals: Tensor | None, memory_mask: Tensor | None,
+                          result: dict) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The ``Q`` matching queries: ``(contents [B, Q, hidden], reference boxes [B, Q, 4] or
+        None, positional embedding [1, Q, hidden] or None)``. With query selection the anchors come
+        from the memory tokens, and ``enc_outputs`` (and ``dense_outputs``) are put in ``result``."""
+        b = memory.shape[0]
         if self.query_selection:
             reference, result["enc_outputs"], dense = self._select_queries(memory, proposals, memory_mask)
             if dense is not None:
                 result["dense_outputs"] = dense
             x = self.query_content.weight.unsqueeze(0).expand(b, -1, -1)
         else:
-            x = memory.new_zeros(b, q, self.hidden_dim)
+            x = memory.new_zeros(b, self.num_queries, self.hidden_dim)
             reference = self.anchors.unsqueeze(0).expand(b, -1, -1) if self.box_refine else None
         query_embed = None if self.box_refine else self.query_embed.weight.unsqueeze(0)
-        # training-only extra queries: one-to-many groups, then denoising groups
-        n_o2m = self.o2m_groups if self.training else 0
-        if n_o2m:
-            if self.query_selection:
-                x = torch.cat([x, self.o2m_content.reshape(1, -1, self.hidden_dim).expand(b, -1, -1)], dim=1)
-                reference = torch.cat([reference, reference.repeat(1, n_o2m, 1)], dim=1)
-            elif self.box_refine:
-                x = memory.new_zeros(b, q * (1 + n_o2m), self.hidden_dim)
-                reference = torch.cat([reference, self.o2m_anchors.reshape(1, -1, 4).expand(b, -1, -1)], dim=1)
-            else:
-                x = memory.new_zeros(b, q * (1 + n_o2m), self.hidden_dim)
-                query_embed = torch.cat([query_embed, self.o2m_query_embed.reshape(1, -1, self.hidden_dim)], dim=1)
-        dn_meta, key_mask = None, None
-        if self.dn_groups and self.training and targets is not None:
-            contents, dn_boxes, real, dn_meta = self._denoising_queries(targets, memory.device)
-            x = torch.cat([x, contents.to(x.dtype)], dim=1)
-            reference = torch.cat([reference, dn_boxes.to(reference.dtype)], dim=1)
-            if dn_meta["padded"]:  # (known on the CPU: no device synchronisation)
-                key_mask = torch.cat([real.new_ones(b, x.shape[1] - real.shape[1]), real], dim=1)
-        mask = None
-        if x.shape[1] > q:
-            mask = query_group_mask(q, n_o2m, self.o2m_mode, dn_meta["groups"] if dn_meta else 0,
-                                    dn_meta["group_size"] if dn_meta else 0, memory.device)
+        return x, reference, query_embed
+
+    def _add_o2m_queries(self, x: Tensor, reference: Tensor | None, query_embed: Tensor | None, memory: Tensor,
+                         n_o2m: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The queries with ``n_o2m`` one-to-many groups of ``Q`` appended (training only)."""
+        b, q = memory.shape[0], self.num_queries
+        if self.query_selection:
+            x = torch.cat([x, self.o2m_content.reshape(1, -1, self.hidden_dim).expand(b, -1, -1)], dim=1)
+            reference = torch.cat([reference, reference.repeat(1, n_o2m, 1)], dim=1)
+        elif self.box_refine:
+            x = memory.new_zeros(b, q * (1 + n_o2m), self.hidden_dim)
+            reference = torch.cat([reference, self.o2m_anchors.reshape(1, -1, 4).expand(b, -1, -1)], dim=1)
+        else:
+            x = memory.new_zeros(b, q * (1 + n_o2m), self.hidden_dim)
+            query_embed = torch.cat([query_embed, self.o2m_query_embed.reshape(1, -1, self.hidden_dim)], dim=1)
+        return x, reference, query_embed
+
+    def _add_denoising_queries(self, x: Tensor, reference: Tensor, targets: list[dict[str, Tensor]],
+                               device: torch.device) -> tuple[Tensor, Tensor, dict, Tensor | None]:
+        """The queries with the denoising groups appended (training only): ``(contents, reference
+        boxes, dn_meta, key mask [B, T] or None)`` (the key mask hides padded denoising slots)."""
+        contents, dn_boxes, real, dn_meta = self._denoising_queries(targets, device)
+        x = torch.cat([x, contents.to(x.dtype)], dim=1)
+        reference = torch.cat([reference, dn_boxes.to(reference.dtype)], dim=1)
+        key_mask = None
+        if dn_meta["padded"]:  # (known on the CPU: no device synchronisation)
+            key_mask = torch.cat([real.new_ones(x.shape[0], x.shape[1] - real.shape[1]), real], dim=1)
+        return x, reference, dn_meta, key_mask
+
+    def _decode(self, enc: EncoderOutput, x: Tensor, reference: Tensor | None, query_embed: Tensor | None,
+                memory: tuple[Tensor, Tensor, Tensor | None], key_mask: Tensor | None, mask: Tensor | None,
+                need_weights: bool) -> tuple[list[dict], list[Tensor | None]]:
+        """Run the decoder layers: per layer (every layer with box refinement or while training,
+        else the last only) the logits and boxes of all queries, and per layer the cross-attention
+        weights of the matching queries over the patch grid (``None`` without ``need_weights``).
+        ``memory``: ``(tokens, positions, key mask)`` as :meth:`_memory` gives them."""
+        memory, memory_pos, memory_mask = memory
+        q = self.num_queries
         outputs, weights = [], []
         one_step = None  # look forward twice: the previous layer's box, differentiable through its own head
         for i, layer in enumerate(self.layers):
@@ -647,23 +502,8 @@ class DETRHead(nn.Module):
             elif i == len(self.layers) - 1 or self.training:
                 h = self.norm(x)
                 outputs.append({"pred_logits": self.class_heads[0](h), "pred_boxes": self.box_heads[0](h).sigmoid()})
+        return outputs, weights
 
-        def part(start: int, stop: int) -> dict:
-            out = {k: v[:, start:stop] for k, v in outputs[-1].items()}
-            out["aux_outputs"] = [{k: v[:, start:stop] for k, v in o.items()} for o in outputs[:-1]]
-            return out
-
-        result.update(part(0, q) if x.shape[1] > q else {**outputs[-1], "aux_outputs": outputs[:-1]})
-        if n_o2m:
-            sets = [(q, q * (1 + n_o2m))] if self.o2m_mode == "hybrid" else \
-                [(q * (1 + g), q * (2 + g)) for g in range(n_o2m)]
-            result["o2m_outputs"] = [part(s, e) for s, e in sets]
-        if dn_meta is not None:
-            result["dn_outputs"] = part(q * (1 + n_o2m), x.shape[1])
-            result["dn_meta"] = dn_meta
-        if need_weights:
-            result["cross_attn"] = weights
-        return result
 
 
 @torch.no_grad()

@@ -1,4 +1,8 @@
-"""ViT encoder: the one place in the suite that talks to timm.
+"""ViT encoder: where the suite builds and runs timm models. The timm-facing parts live beside it:
+which timm classes it reads (:mod:`~vision_attn.models.timm_family`), how a timm model is built
+(:mod:`~vision_attn.models.timm_build`), how weights files load
+(:mod:`~vision_attn.models.encoder_weights`) and the forward pass over padded batches
+(:mod:`~vision_attn.models.encoder_padding`); their public names are importable from here too.
 
 ``ViTEncoder`` wraps a timm Vision Transformer with global attention over its patch grid and
 returns its tokens together with what downstream code needs to interpret them:
@@ -26,16 +30,8 @@ timm's data config and is kept in ``data_config``; tasks store it in their check
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import difflib
-import importlib
 import inspect
 import logging
-import os
-import socket
-import typing
-import urllib.parse
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -48,29 +44,51 @@ from torch import Tensor, nn
 from vision_attn.attention import explicit_attention, explicit_is_faster
 from vision_attn.checkpoint_io import load_state_dict_file
 from vision_attn.errors import CheckpointError, EncoderError
+from vision_attn.models.encoder_padding import padded_forward_features
+from vision_attn.models.encoder_weights import check_stem_and_lsa, load_state
 from vision_attn.models.smalldata import (
-    LSA_TEMPERATURE_KEY,
     ShiftedPatchTokenizer,
     apply_local_mlp,
     apply_locality_self_attention,
 )
-from vision_attn.schema import (
-    JSONValue,
-    PreprocessOverrides,
-    check_limits,
-    check_model_bytes,
-    check_value,
+from vision_attn.models.timm_build import (
+    CHECKPOINT_TIMM_KWARGS,
+    HUB_PROBE_SECONDS,
+    TIMM_SOURCE_KWARGS,
+    _build_timm_model,
+    _plain_data,
+    checked_timm_kwargs,
+    hub_offline_when_unreachable,
+    hub_reachable,
 )
+from vision_attn.models.timm_family import (
+    READABLE_CLASSES,
+    UNREADABLE_CLASSES,
+    _check_readable,
+    constructor_arguments,
+    model_family,
+    patch_embedding,
+    refusal,
+    suggest_model_names,
+    timm_attention_blocks,
+    unreadable_reason,
+)
+from vision_attn.schema import JSONValue, PreprocessOverrides, check_limits, check_value
 
 __all__ = [
     "CHECKPOINT_TIMM_KWARGS",
+    "HUB_PROBE_SECONDS",
     "READABLE_CLASSES",
+    "TIMM_SOURCE_KWARGS",
     "UNREADABLE_CLASSES",
     "ConvStem",
     "EncoderOutput",
     "ViTEncoder",
+    "checked_timm_kwargs",
     "constructor_arguments",
     "create_encoder",
+    "hub_offline_when_unreachable",
+    "hub_reachable",
     "model_family",
     "patch_embedding",
     "refusal",
@@ -127,318 +145,7 @@ class EncoderOutput:
         return self.tokens[:, : self.num_prefix_tokens]
 
 
-# timm keyword arguments a checkpoint may store in ``timm_kwargs``: sizes and switches of the
-# architecture only. Not ``pretrained_cfg(_overlay)``, ``checkpoint_path``, ``cache_dir`` (they
-# make timm read files or download) nor layer classes (code).
-CHECKPOINT_TIMM_KWARGS = frozenset({
-    "img_size", "patch_size", "in_chans", "num_classes", "global_pool", "embed_dim", "depth",
-    "num_heads", "mlp_ratio", "qkv_bias", "qk_norm", "scale_attn_norm", "scale_mlp_norm",
-    "proj_bias", "init_values", "class_token", "pos_embed", "no_embed_class", "reg_tokens",
-    "pre_norm", "final_norm", "fc_norm", "pool_include_prefix", "dynamic_img_size",
-    "dynamic_img_pad", "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate",
-    "attn_drop_rate", "drop_path_rate", "weight_init", "fix_init", "distilled",
-    # Eva (EVA-02, RoPE ViTs, Perception Encoder)
-    "num_kv_heads", "qkv_fused", "swiglu_mlp", "swiglu_align_to", "scale_mlp", "scale_attn_inner",
-    "attn_type", "attn_only_layer_scale", "num_reg_tokens", "use_abs_pos_emb", "use_rot_pos_emb",
-    "rope_type", "rope_grid_offset", "rope_grid_indexing", "rope_temperature", "rope_rotate_half",
-    "use_post_norm", "use_pre_transformer_norm", "use_post_transformer_norm", "use_fc_norm",
-    "attn_pool_num_heads", "attn_pool_mlp_ratio", "ref_feat_shape", "head_init_scale",
-    # Beit, Cait, VisionTransformerRelPos, NaFlexVit
-    "use_rel_pos_bias", "use_shared_rel_pos_bias", "depth_token_only", "mlp_ratio_token_only",
-    "rel_pos_type", "rel_pos_dim", "shared_rel_pos", "pos_embed_grid_size", "embed_proj_type",
-    "scale_attn_inner_norm",
-})
-
-
-# timm keyword arguments that tell timm where weights come from (a file, a download, a cache):
-# refused in ``timm_kwargs`` everywhere (``pretrained`` and ``weights_file`` say it instead).
-TIMM_SOURCE_KWARGS = frozenset({
-    "pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path", "cache_dir",
-    "pretrained_strict", "feature_cfg", "kwargs_filter",
-})
-
-
-def checked_timm_kwargs(timm_kwargs: Any, what: str = "ViTEncoder") -> dict[str, Any]:
-    """``timm_kwargs`` as a dict, after checking that it holds JSON scalars or lists of them under
-    string keys, none of :data:`TIMM_SOURCE_KWARGS`.
-
-    Raises:
-        EncoderError: naming the key, for anything else (a nested mapping, a class path, an object).
-    """
-    if timm_kwargs is None:
-        return {}
-    check_value(timm_kwargs, dict[str, JSONValue], "timm_kwargs", what, EncoderError)
-    sources = sorted(k for k in timm_kwargs if k in TIMM_SOURCE_KWARGS)
-    if sources:
-        raise EncoderError(
-            f"{what}: timm_kwargs {sources} would make timm read or download weights; give the weights "
-            "with pretrained=true or weights_file=PATH instead"
-        )
-    return dict(timm_kwargs)
-
-
-def _short_args(kwargs: dict[str, Any], width: int = 200) -> str:
-    text = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _plain_data(value: Any) -> bool:
-    """Whether ``value`` is JSON-like data (no objects a builder could call)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_plain_data(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain_data(v) for k, v in value.items())
-    return False
-
-
 PREPROCESS_KEYS = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")
-
-
-HUB_PROBE_SECONDS = 3.0
-
-
-def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
-    """Whether a TCP connection to the Hugging Face hub (``HF_ENDPOINT``) opens within ``timeout``."""
-    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    port = url.port or (80 if url.scheme == "http" else 443)
-    try:
-        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def hub_offline_when_unreachable() -> Iterator[None]:
-    """Download nothing, and retry nothing, when the hub cannot be reached: one connection attempt
-    (:func:`hub_reachable`), then the local hub cache only, so an offline machine gets its answer
-    in seconds (the weights when cached, else the advice to pass a weights file)."""
-    import huggingface_hub.constants as hub
-
-    if hub.HF_HUB_OFFLINE or hub_reachable():
-        yield
-        return
-    log.info("the Hugging Face hub is not reachable: looking for the weights in the local cache only")
-    hub.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        hub.HF_HUB_OFFLINE = False
-
-
-def suggest_model_names(name: str) -> str:
-    """" Did you mean: ...?" with close timm model names (ViT family first), and where to list them."""
-    vit_family = timm.list_models("vit_*") + timm.list_models("deit*")
-    close = difflib.get_close_matches(name, vit_family, n=3, cutoff=0.5)
-    close = close or difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.5)
-    hint = f" Did you mean: {', '.join(close)}?" if close else ""
-    return hint + " List the available names with `timm.list_models('vit_*')`."
-
-
-# ---------------------------------------------------------------------------- timm model classes
-# The timm classes whose attention vision_attn reads: global self-attention over one patch grid
-# (with Cait, the class attention over it). A subclass reads as its base (DeiT's distilled model).
-READABLE_CLASSES = ("VisionTransformer", "VisionTransformerRelPos", "Eva", "Beit", "Cait", "NaFlexVit")
-
-# Classes that are refused, and why: their attention does not relate the image's patches to one
-# another over one grid (or they have none). Gradient and relevance methods on feature maps
-# (Grad-CAM, LRP) would apply to them; attention maps would not.
-_WINDOWED = ("windowed attention: each token attends only within a local window of the grid, so no "
-             "attention map covers the image")
-_POOLED = "pooling attention: keys and values are pooled and the token grid shrinks from stage to stage"
-UNREADABLE_CLASSES: dict[str, str] = {
-    "SwinTransformer": _WINDOWED,
-    "SwinTransformerV2": _WINDOWED,
-    "SwinTransformerV2Cr": _WINDOWED,
-    "PoolingVisionTransformer": _POOLED,
-    "MultiScaleVit": _POOLED,
-    "Xcit": "channel attention (cross-covariance): its attention maps relate feature channels, not image patches",
-}
-_READABLE_EXAMPLES = ("vit_small_patch16_224, eva02_small_patch14_224, beit_base_patch16_224, cait_xxs24_224, "
-                      "vit_relpos_small_patch16_224 or naflexvit_base_patch16_gap")
-
-
-def model_family(model: nn.Module | type) -> str | None:
-    """The timm class of :data:`READABLE_CLASSES` that ``model`` (a module or a class) is, or ``None``."""
-    cls = model if isinstance(model, type) else type(model)
-    return next((k.__name__ for k in cls.__mro__ if k.__name__ in READABLE_CLASSES), None)
-
-
-def unreadable_reason(model: nn.Module | type) -> str | None:
-    """Why vision_attn cannot explain a timm model (a module or a class), or ``None`` when it can
-    (a class of :data:`READABLE_CLASSES`, or a class it does not know that looks like a ViT)."""
-    cls = model if isinstance(model, type) else type(model)
-    if model_family(cls) is not None:
-        return None
-    reason = next((UNREADABLE_CLASSES[k.__name__] for k in cls.__mro__ if k.__name__ in UNREADABLE_CLASSES), None)
-    if reason is not None:
-        return reason
-    if isinstance(model, nn.Module):
-        attention = any(hasattr(m, "fused_attn") or "attention" in type(m).__name__.lower()
-                        or "attn" in type(m).__name__.lower() for m in model.modules())
-        looks_like_vit = all(hasattr(model, a) for a in ("patch_embed", "blocks", "num_prefix_tokens"))
-        if not attention:
-            return "a convolutional network (or another model without attention): it has no attention maps"
-        if not looks_like_vit:
-            return ("its attention does not run over one grid of patch tokens with prefix tokens in front "
-                    "(no patch_embed, blocks and num_prefix_tokens), the layout vision_attn reads")
-    return None
-
-
-def refusal(name: str, model: nn.Module | type, reason: str) -> EncoderError:
-    """The one error for a timm model that cannot be explained: the model, why, which methods would
-    apply, and which models to use instead."""
-    cls = model if isinstance(model, type) else type(model)
-    return EncoderError(
-        f"timm model {name!r} is not a Vision Transformer with global attention that vision_attn can explain "
-        f"({cls.__name__}: {reason}). The attention methods (rollout, relevance, attention) need global "
-        "attention over the patch grid; gradient and relevance methods on feature maps (gradcam, lrp) would "
-        "apply to it, and vision_attn runs them on the Vision Transformers it reads "
-        f"({', '.join(READABLE_CLASSES)}), e.g. {_READABLE_EXAMPLES}."
-    )
-
-
-def constructor_arguments(cls: type) -> frozenset[str]:
-    """The keyword arguments a timm model class takes: its constructor's, its bases' where it passes
-    ``**kwargs`` on (DeiT's distilled model), and the fields of a config dataclass it takes
-    (NaFlexVit's ``cfg``)."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object):
-            break
-        if "__init__" not in vars(klass):
-            continue
-        params = inspect.signature(klass.__init__).parameters
-        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        names |= {n for n, p in params.items() if p.kind in keyword and n != "self"}
-        try:
-            hints = typing.get_type_hints(klass.__init__)
-        except (NameError, TypeError):
-            hints = {}
-        for hint in hints.values():
-            for option in (hint, *typing.get_args(hint)):
-                if isinstance(option, type) and dataclasses.is_dataclass(option):
-                    names |= {f.name for f in dataclasses.fields(option)}
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            break
-    return frozenset(names)
-
-
-def _meta_model(name: str) -> nn.Module | None:
-    """timm's model for ``name`` with its own arguments, built on the ``meta`` device (nothing is
-    allocated), or ``None`` when it cannot be built there."""
-    try:
-        with torch.device("meta"):
-            return timm.create_model(name, pretrained=False)
-    except Exception:  # noqa: BLE001 - any failure only means the class stays unknown
-        return None
-
-
-def patch_embedding(model: nn.Module) -> nn.Module:
-    """The module that turns pixels into patch tokens (``patch_embed``; NaFlexVit's ``embeds``)."""
-    embed = getattr(model, "patch_embed", None)
-    return embed if embed is not None else model.embeds
-
-
-def timm_attention_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks whose attention vision_attn reads, first first: every block, or for Cait the
-    class-attention blocks (``blocks_token_only``: the class token attends to itself and every
-    patch; Cait's talking-heads self-attention mixes the heads after the softmax, so its
-    weights are no probabilities)."""
-    if model_family(model) == "Cait":
-        return list(model.blocks_token_only)
-    return list(model.blocks)
-
-
-def _build_timm_model(name: str, pretrained: bool, explicit: dict[str, Any], defaults: dict[str, Any]) -> nn.Module:
-    """timm's model for ``name`` with the ``explicit`` arguments and those of the suite's
-    ``defaults`` (dropout, dynamic image size) that its class takes.
-
-    The model is first built on the ``meta`` device (sized there: nothing is allocated for one
-    beyond the limit), which also tells its class: a class vision_attn cannot read is refused
-    before anything is downloaded.
-    """
-    built: list[nn.Module] = []
-
-    def build_on_meta() -> nn.Module:
-        built.append(timm.create_model(name, pretrained=False, **explicit))
-        return built[-1]
-
-    kwargs = dict(explicit)  # what timm is given (a refusal names those it does not take)
-    try:
-        check_model_bytes(build_on_meta, f"encoder {name}", EncoderError)
-        kwargs = {**explicit, **defaults}
-        if built:
-            reason = unreadable_reason(built[0])
-            if reason is not None:
-                raise refusal(name, built[0], reason)
-            accepted = constructor_arguments(type(built[0]))
-            kwargs = {**explicit, **{k: v for k, v in defaults.items() if k in accepted}}
-            dropped = {k: v for k, v in defaults.items() if k not in accepted and v}
-            if dropped:
-                log.info("timm model %s (%s) takes no %s: built without", name, type(built[0]).__name__,
-                         ", ".join(sorted(dropped)))
-        with hub_offline_when_unreachable() if pretrained else contextlib.nullcontext():
-            return timm.create_model(name, pretrained=pretrained, **kwargs)
-    except TypeError as err:
-        raise _refused_arguments(name, kwargs, err) from err
-    except EncoderError:
-        raise
-    except (AssertionError, ValueError, ZeroDivisionError, OverflowError, MemoryError) as err:
-        raise EncoderError(
-            f"timm model {name!r} cannot be built with {_short_args(kwargs)}: "
-            f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
-        ) from err
-    except (OSError, RuntimeError) as err:
-        if not pretrained:
-            raise EncoderError(
-                f"timm model {name!r} cannot be built with {_short_args(kwargs)}: "
-                f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
-            ) from err
-        raise EncoderError(
-            f"could not get pretrained weights for timm model {name!r} ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}). Offline? Download them once where "
-            "the hub is reachable and pass weights_file=PATH (.safetensors / .pth) with pretrained=false."
-        ) from err
-
-
-def _refused_arguments(name: str, kwargs: dict[str, Any], err: TypeError) -> EncoderError:
-    """The error for arguments timm's class refused: which ones, and what the class takes."""
-    model = _meta_model(name)
-    if model is None:
-        return EncoderError(
-            f"timm model {name!r} is not a Vision Transformer that vision_attn can read: "
-            f"timm.create_model refused the arguments {sorted(kwargs)} ({err}). Use a ViT such as "
-            f"{_READABLE_EXAMPLES} (list them with timm.list_models('vit_*'))."
-        )
-    reason = unreadable_reason(model)
-    if reason is not None:
-        return refusal(name, model, reason)
-    cls = type(model)
-    accepted = constructor_arguments(cls)
-    refused = sorted(k for k in kwargs if k not in accepted) or sorted(kwargs)
-    takes = sorted(a for a in accepted if a not in ("device", "dtype", "cfg"))
-    return EncoderError(
-        f"timm model {name!r} ({cls.__name__}) does not take the arguments {refused} ({err}); "
-        f"{cls.__name__} takes: {', '.join(takes)}"
-    )
-
-
-def _check_readable(name: str, model: nn.Module) -> str:
-    """The family (timm class) of a built model, or the refusal of one vision_attn cannot read."""
-    reason = unreadable_reason(model)
-    if reason is not None:
-        raise refusal(name, model, reason)
-    required = ("blocks", "num_prefix_tokens", "forward_features")
-    missing = [a for a in required if not hasattr(model, a)]
-    if not hasattr(model, "patch_embed") and not hasattr(model, "embeds"):
-        missing.insert(0, "patch_embed")
-    if missing:
-        raise refusal(name, model, f"it is not a Vision Transformer that vision_attn reads (it has no "
-                                   f"{', '.join(missing)})")
-    return model_family(model) or type(model).__name__
 
 
 class ConvStem(nn.Module):
@@ -755,89 +462,14 @@ class ViTEncoder(nn.Module):
 
     def load_state(self, state: dict[str, Tensor], path: str = "weights") -> None:
         """Load a timm state dict already read (see :meth:`load_weights`; ``path`` names it in
-        messages)."""
-        own = self.model.state_dict()
-        for prefix in ("module.", "model.", "encoder.model."):
-            if state and not any(k in own for k in state) and all(k.startswith(prefix) for k in state):
-                state = {k[len(prefix) :]: v for k, v in state.items()}
-        self._check_stem_and_lsa(state, path)
-        filter_fn = getattr(importlib.import_module(type(self.model).__module__), "checkpoint_filter_fn", None)
-        if filter_fn is not None:
-            state = filter_fn(state, self.model)
-        heads = self.classifier_keys()
-        for key in list(state):
-            if key.split(".")[0] not in heads:
-                continue
-            if key not in own:  # the encoder has no classifier (num_classes=0): nothing to warn
-                log.info("weights %s: classifier tensor %s not used by this encoder", path, key)
-                del state[key]
-            elif own[key].shape != state[key].shape:
-                log.warning(
-                    "weights %s: classifier tensor %s has shape %s, the model %s; it is re-initialised",
-                    path, key, tuple(state[key].shape), tuple(own[key].shape),
-                )
-                del state[key]
-        wrong = [f"{k} {tuple(v.shape)} (model {tuple(own[k].shape)})"
-                 for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
-        if wrong:
-            raise EncoderError(
-                f"weights file {path} does not fit timm model {self.name!r}: shapes differ for {len(wrong)} tensors, "
-                f"e.g. {'; '.join(wrong[:3])}. Check that the file was saved from the same architecture and sizes."
-            )
-        bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
-        if bad:
-            log.warning("weights %s: %d tensors hold NaN or infinite values (e.g. %s); predictions will not be "
-                        "meaningful", path, len(bad), bad[0])
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k.split(".")[0] not in heads]
-        lsa_missing = [k for k in missing if k.endswith("." + LSA_TEMPERATURE_KEY)]
-        if lsa_missing:  # a plain ViT's weights in an LSA encoder: the temperatures start at timm's scale
-            log.info("weights %s: no locality self-attention temperatures; %d blocks start at 1/sqrt(d_head)",
-                     path, len(lsa_missing))
-            missing = [k for k in missing if k not in lsa_missing]
-        if missing or unexpected:
-            raise EncoderError(
-                f"weights file {path} does not fit timm model {self.name!r}: "
-                f"missing keys {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-                f"unexpected keys {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}. "
-                "Check that the file was saved from the same architecture and sizes."
-            )
-        log.info("loaded encoder weights from %s", path)
+        messages; :func:`~vision_attn.models.encoder_weights.load_state`)."""
+        load_state(self, state, path)
 
     def _check_stem_and_lsa(self, state: dict[str, Tensor], path: str) -> None:
         """Clear errors for weights of another stem, attention or feed-forward kind than this encoder's."""
-        stem = getattr(self, "stem", "patch")
-        has_linear_patch = any(k.endswith("patch_embed.proj.weight") for k in state)
-        if stem != "patch" and has_linear_patch:
-            raise EncoderError(
-                f"weights file {path} holds timm's linear patch embedding (patch_embed.proj.weight), but this encoder "
-                f"was built with stem={stem!r}, which replaces it. Build it with stem='patch' to use these weights, "
-                f"or give a weights file saved from an encoder with stem={stem!r}."
-            )
-        if stem == "patch" and any(k.startswith("patch_embed.proj.") for k in state) and not has_linear_patch:
-            raise EncoderError(
-                f"weights file {path} holds a replaced patch embedding (patch_embed.proj.* without timm's "
-                "patch_embed.proj.weight): it was saved from an encoder with stem='conv' or 'spt'; build this one "
-                "with the same stem."
-            )
-        if not getattr(self, "lsa", False) and any(k.endswith("." + LSA_TEMPERATURE_KEY) for k in state):
-            raise EncoderError(
-                f"weights file {path} holds locality self-attention temperatures (*.attn.{LSA_TEMPERATURE_KEY}): it "
-                "was saved from an encoder with lsa=True; build this one with lsa=True too."
-            )
-        has_dwconv = any(".mlp.dwconv." in k for k in state)
-        if getattr(self, "local_mlp", False) and not has_dwconv:
-            raise EncoderError(
-                f"weights file {path} has no local feed-forward convolutions (blocks.N.mlp.dwconv.*), but this "
-                "encoder was built with local_mlp=True; build it with local_mlp=False to use these weights."
-            )
-        if not getattr(self, "local_mlp", False) and has_dwconv:
-            raise EncoderError(
-                f"weights file {path} holds local feed-forward convolutions (blocks.N.mlp.dwconv.*): it was saved "
-                "from an encoder with local_mlp=True; build this one with local_mlp=True too."
-            )
+        check_stem_and_lsa(self, state, path)
 
-    # ------------------------------------------------------------------ forward
+
     def grid_for(self, height: int, width: int) -> tuple[int, int]:
         """Patch grid ``(h, w)`` for an input of ``height x width`` pixels."""
         return tuple(int(g) for g in patch_embedding(self.model).dynamic_feat_size((height, width)))
@@ -926,72 +558,9 @@ class ViTEncoder(nn.Module):
         return valid
 
     def _forward_padded(self, x: Tensor, valid: list[tuple[int, int]], grid: tuple[int, int]) -> EncoderOutput:
-        """timm's ``forward_features`` for a padded batch, each image as if it were alone.
-
-        - patch embedding per image, on its own real patches (any stem: a convolutional stem's
-          normalisation and borders then see only the image);
-        - position embedding per image resampled to its own grid (timm's
-          ``resample_abs_pos_embed``, as the dynamic-size forward does for the whole input);
-        - every block runs with a key mask (timm's ``attn_mask``): no token attends to padding.
-        Padded tokens are computed too (they attend to the real ones) but nothing reads them.
-        """
-        from timm.layers import resample_abs_pos_embed
-
-        m = self.model
-        if self.family != "VisionTransformer":
-            raise EncoderError(f"padded batches (images of different sizes) need a timm VisionTransformer; "
-                               f"{self.name!r} is of the timm class {self.family}: give images of one size")
-        if not getattr(m, "dynamic_img_size", False):
-            raise EncoderError("padded batches (images of different sizes) need an encoder built with "
-                               "dynamic_img_size=True")
-        if m.training and not isinstance(m.patch_drop, nn.Identity):
-            raise EncoderError("padded batches (images of different sizes) cannot be trained with timm's patch "
-                               "dropout (patch_drop_rate > 0): set patch_drop_rate to 0 or use a fixed input size")
-        b, (gh, gw), ph, pw = x.shape[0], grid, *self.patch_size
-        cells = None
-        for i, (h, w) in enumerate(valid):
-            emb = m.patch_embed(x[i : i + 1, :, : h * ph, : w * pw])  # (1, h, w, D): NHWC when dynamic
-            if cells is None:
-                cells = emb.new_zeros(b, gh, gw, emb.shape[-1])
-            cells[i, :h, :w] = emb[0]
-        d = cells.shape[-1]
-        n_pos_prefix = 0 if m.no_embed_class else m.num_prefix_tokens
-        pos = cells.new_zeros(b, gh, gw, d)
-        pos_prefix = None
-        for size in set(valid) if m.pos_embed is not None else ():
-            res = resample_abs_pos_embed(m.pos_embed, new_size=size, old_size=m.patch_embed.grid_size,
-                                         num_prefix_tokens=n_pos_prefix)
-            pos_prefix = res[:, :n_pos_prefix]
-            for i in (i for i, v in enumerate(valid) if v == size):
-                pos[i, : size[0], : size[1]] = res[0, n_pos_prefix:].reshape(*size, d)
-        tokens = cells.reshape(b, gh * gw, d)
-        prefix = []
-        if m.cls_token is not None:
-            prefix.append(m.cls_token.expand(b, -1, -1))
-        if getattr(m, "dist_token", None) is not None:  # DeiT's distillation token follows the class token
-            prefix.append(m.dist_token.expand(b, -1, -1))
-        if m.reg_token is not None:
-            prefix.append(m.reg_token.expand(b, -1, -1))
-        pos = pos.reshape(b, gh * gw, d)
-        if m.pos_embed is None:
-            tokens = torch.cat([*prefix, tokens], dim=1) if prefix else tokens
-        elif m.no_embed_class:
-            tokens = tokens + pos
-            tokens = torch.cat([*prefix, tokens], dim=1) if prefix else tokens
-        else:
-            tokens = torch.cat([*prefix, tokens], dim=1) if prefix else tokens
-            tokens = tokens + (torch.cat([pos_prefix.expand(b, -1, -1), pos], dim=1) if n_pos_prefix else pos)
-        tokens = m.norm_pre(m.patch_drop(m.pos_drop(tokens)))
-        patch_mask = torch.zeros(b, gh, gw, dtype=torch.bool, device=x.device)
-        for i, (h, w) in enumerate(valid):
-            patch_mask[i, :h, :w] = True
-        self._set_local_grid(grid, patch_mask)
-        patch_mask = patch_mask.reshape(b, gh * gw)
-        keep = torch.cat([patch_mask.new_ones(b, m.num_prefix_tokens), patch_mask], dim=1)[:, None, None, :]
-        with self._attention_path(x.device, tokens.shape[1]):
-            for blk in m.blocks:
-                tokens = blk(tokens, attn_mask=keep)
-        tokens = m.norm(tokens)
+        """timm's ``forward_features`` for a padded batch, each image as if it were alone
+        (:func:`~vision_attn.models.encoder_padding.padded_forward_features`)."""
+        tokens, patch_mask = padded_forward_features(self, x, valid, grid)
         return EncoderOutput(tokens=tokens, num_prefix_tokens=self.num_prefix_tokens, grid=grid,
                              patch_mask=patch_mask)
 

@@ -111,7 +111,8 @@ def grid(items: list[dict[str, Any]], meta: list[dict[str, Any]], canvas: int) -
             badge = f'<p>CIDEr-D {fmt(m["cider"], 3)}</p>'
         body.append(f'<div class="item" id="item{i}"><h3>{esc(it.get("name", ""))}</h3>{badge}'
                     f'<p class="text">{esc(it.get("text", ""))}</p>')
-        panels = "".join(f'<img src="{esc(compact_data_uri(str(p)))}" alt="overlay">' for p in it.get("panels", []))
+        panels = "".join(f'<img src="{esc(compact_data_uri(str(p)))}" alt="overlay" loading="lazy" decoding="async">'
+                         for p in it.get("panels", []))
         body.append(f'<div class="panels">{panels}</div>')
         if it.get("kind"):
             body.append(_controls(it, i) + f'<canvas id="cv{i}" width="{canvas}" height="{canvas}" '
@@ -144,12 +145,16 @@ def _controls(it: dict[str, Any], i: int) -> str:
     (boxes), the caption's words to hover (words)."""
     kind = it.get("kind")
     if kind == "patches":
-        layers = "".join(f'<option value="{k}"{" selected" if k == it["layers"] - 1 else ""}>{k}</option>'
+        ids = it.get("layer_ids") or list(range(it["layers"]))
+        layers = "".join(f'<option value="{k}"{" selected" if k == it["layers"] - 1 else ""}>{esc(ids[k])}</option>'
                          for k in range(it["layers"]))
-        heads = '<option value="fused">fused (mean)</option>' + "".join(
-            f'<option value="{k}">{k}</option>' for k in range(it["heads"]))
+        fused = it.get("heads_fused")
+        heads = (f'<option value="fused">fused (mean of {esc(it.get("heads_total", it["heads"]))})</option>'
+                 + ("" if fused else "".join(f'<option value="{k}">{k}</option>' for k in range(it["heads"]))))
+        kept = (f' <span class="note">Kept here: {esc(it["reduced"])}, to keep the page small '
+                "(--report.full_attention keeps every layer and head).</span>") if it.get("reduced") else ""
         return (f'<div class="controls">Click a patch to see what it attends to. Layer <select id="layer{i}">'
-                f'{layers}</select> head <select id="head{i}">{heads}</select></div>')
+                f'{layers}</select> head <select id="head{i}">{heads}</select>{kept}</div>')
     if kind == "boxes":
         missed = " Dashed red: objects no detection found." if it.get("missed_boxes") else ""
         return (f'<div class="controls">Click a box to see its query\'s cross-attention: <b id="sel{i}"></b>'

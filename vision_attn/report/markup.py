@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import numbers
 from typing import Any
 
 from vision_attn.blocks import finite
@@ -45,9 +46,11 @@ def esc(value: Any) -> str:
 
 def fmt(value: Any, digits: int = 4) -> str:
     """A metric for display, as escaped text: ``—`` for missing / NaN / COCO's -1 (no ground truth in
-    range); a value that is no number is shown as it is."""
+    range); an integer (a count) as an integer; a value that is no number is shown as it is."""
     if value is None or isinstance(value, bool):
         return "—"
+    if isinstance(value, numbers.Integral):
+        return "—" if value == -1 else str(int(value))
     try:
         v = float(value)
     except (TypeError, ValueError):

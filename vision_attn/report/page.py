@@ -27,9 +27,12 @@ The page keeps a ``data-shown`` attribute on each canvas naming the map on displ
 names, file names, captions, configuration values, CSV column names) is HTML-escaped where it
 enters markup, and the data the script reads is embedded with :func:`script_json`.
 
-Size: large PNG panels are re-encoded as JPEG (:func:`~vision_attn.explain.records.compact_data_uri`)
-and the canvas image is stored at its own resolution (at most ``side``), so a 16-image report stays
-at a few MB.
+Size: a page stays under :data:`~vision_attn.report.budget.MAX_PAGE_BYTES` (10 MB) whatever the
+model and the number of images (:mod:`vision_attn.report.budget`): each explained image gets a
+share of the budget for its pictures (re-encoded as JPEG, smaller when needed) and for the
+patches view's attention rows (every layer and head when they fit; else the layers or heads
+averaged, the last layer, a pooled patch grid; ``full_attention`` keeps them all). Pictures
+are lazy-loaded (``loading="lazy"``): the browser decodes those in view first.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Any
 
 from vision_attn.blocks import ConfusionMatrix, Mistakes, Section
 from vision_attn.outputs import write_text
+from vision_attn.report.budget import fit_items
 from vision_attn.report.curves import read_training_curves
 from vision_attn.report.gallery import grid, item_meta, mistakes_section
 from vision_attn.report.markup import esc, script_json
@@ -78,7 +82,7 @@ def write_report(path: Path, title: str, metrics: dict[str, float], config: dict
                  root: str | Path | None = None, *, task: str | None = None,
                  predictions: list[dict[str, Any]] | None = None, training_curves: dict[str, Any] | None = None,
                  split_size: int | None = None, sections: Sequence[Section] = (), headline: str | None = None,
-                 mistakes: Mistakes | None = None) -> Path:
+                 mistakes: Mistakes | None = None, full_attention: bool = False) -> Path:
     """Write ``report.html`` (sections: see the module docstring).
 
     Args:
@@ -110,6 +114,9 @@ def write_report(path: Path, title: str, metrics: dict[str, float], config: dict
             (:attr:`~vision_attn.tasks.VisionTask.headline_metric`; the first metric when missing).
         mistakes: the mistakes gallery (:meth:`~vision_attn.tasks.VisionTask.mistake_cards`;
             ``None``: none).
+        full_attention: keep every layer and head of the patches views' attention rows (the
+            page then grows with the model and the number of images; default: each image's
+            rows fitted to its share of the page, :func:`~vision_attn.report.budget.fit_items`).
 
     Every text is HTML-escaped where it enters markup, and the data the script reads is
     embedded with :func:`script_json`, so no name, label or word can run script in the page.
@@ -117,6 +124,7 @@ def write_report(path: Path, title: str, metrics: dict[str, float], config: dict
     matrix = _filter_matrix(sections)
     if split_size is None and matrix.counts:
         split_size = sum(int(c) for row in matrix.counts for c in row)
+    items = fit_items(items, full_attention)
     meta = item_meta(items, predictions)
     index = {str(it.get("name")): i for i, it in enumerate(items)}
     images, js_items = grid(items, meta, canvas)

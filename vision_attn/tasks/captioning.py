@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vision_attn.blocks import Mistakes
-from vision_attn.data.caption_objects import GENERIC_NOUNS, NUMBER_WORDS, WINDOW, ObjectVocabulary
-from vision_attn.data.tokenizer import WordTokenizer, normalize_caption
+from vision_attn.data.tokenizer import WordTokenizer
 from vision_attn.distributed import mean_across_processes
 from vision_attn.errors import CheckpointError, ConfigError, DataError
+from vision_attn.explain.captioning import explain_captioning, write_caption_overlays
 from vision_attn.explain.evaluate import DEFAULT_MISTAKES
-from vision_attn.losses.scst import baselines, sample_rewards, scst_loss
-from vision_attn.metrics.caption import (
-    CiderD,
-    caption_metrics,
-    caption_metrics_per_image,
-    image_dependence,
-    java_metrics,
-)
-from vision_attn.metrics.caption_content import content_accuracy
+from vision_attn.metrics.caption import CiderD
 from vision_attn.models.captioner import (
     DEFAULT_DECODER,
     CaptionDecoder,
@@ -46,12 +36,10 @@ from vision_attn.models.captioner import (
     Generation,
     GenerationOptions,
 )
-from vision_attn.models.detr import cell_centres
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
 from vision_attn.tasks import captioning_report
 from vision_attn.tasks.base import (
     VisionTask,
-    gather_objects,
     read_task_meta,
     register_task,
     restore_from_checkpoint,
@@ -62,187 +50,28 @@ from vision_attn.tasks.captioning_config import (
     SCSTConfig,
     check_generation,
 )
+from vision_attn.tasks.captioning_eval import CaptionEvaluation
+from vision_attn.tasks.captioning_losses import (  # noqa: F401 (re-exported: tests and configs name them here)
+    GROUNDING_BACKGROUND_WEIGHT,
+    WORD_ATTENTION_SKIP,
+    _owner_labels,
+    class_regions,
+    concept_targets,
+    concept_vocabulary,
+    grounding_weights,
+    patch_objects,
+    patch_targets,
+    repeat_images,
+    word_attention_loss,
+    word_attention_targets,
+    word_kinds,
+)
+from vision_attn.tasks.captioning_scst import CaptionSelfCritical
 from vision_attn.tasks.optim import Optimization
 
 CAPTIONING_OPTIM = Optimization(lr=5e-4)
 CAPTION_TRAINING = CaptionTraining()
 CAPTION_SCST = SCSTConfig()
-
-GROUNDING_BACKGROUND_WEIGHT = 0.2
-"""Class weight of "background" (no box holds the patch's centre) in the grounding loss: most
-patches of a scene are background, and the objects' patches are what the encoder must learn."""
-
-
-def patch_objects(boxes: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Per patch of a ``grid = (rows, cols)`` token grid, the index of the smallest of ``boxes``
-    (``[N, 4]`` normalised ``x0, y0, x1, y1``) that holds the patch's centre (edges included),
-    else -1: ``[rows * cols]`` int64, row-major like the tokens."""
-    if len(boxes) == 0:
-        return torch.full((grid[0] * grid[1],), -1, dtype=torch.int64, device=boxes.device)
-    cx, cy = cell_centres(grid, device=boxes.device).unbind(-1)
-    cx, cy = cx[:, None], cy[:, None]  # (patches, 1)
-    b = boxes.to(torch.float32)
-    inside = (cx >= b[:, 0]) & (cx <= b[:, 2]) & (cy >= b[:, 1]) & (cy <= b[:, 3])  # (patches, boxes)
-    area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    chosen = torch.where(inside, area, torch.full_like(area, float("inf"))).argmin(1)
-    return torch.where(inside.any(1), chosen, torch.full_like(chosen, -1))
-
-
-def patch_targets(boxes: Tensor, labels: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Per patch of a ``grid = (rows, cols)`` token grid, ``1 + label`` of the smallest of
-    ``boxes`` (``[N, 4]`` normalised ``x0, y0, x1, y1``) that holds the patch's centre
-    (edges included), else 0 (background): ``[rows * cols]`` int64, row-major like the tokens."""
-    return _owner_labels(patch_objects(boxes, grid), labels)
-
-
-def _owner_labels(owner: Tensor, labels: Tensor) -> Tensor:
-    """``1 + labels[owner]`` where a patch has an owner (:func:`patch_objects`), else 0."""
-    if len(labels) == 0:
-        return owner + 1
-    return torch.where(owner >= 0, labels.to(torch.int64)[owner.clamp(min=0)] + 1, torch.zeros_like(owner))
-
-
-def grounding_weights(owners: Tensor, background: float) -> Tensor:
-    """Per-patch weights of the balanced grounding loss, from :func:`patch_objects`' ``[B, N]``
-    owners: background patches ``background``; an object's patches ``m / n`` where ``n`` is its
-    own patch count and ``m`` the mean over the batch's objects — every object weighs the same
-    whatever its size, and the objects together weigh what they weigh unbalanced."""
-    weights = torch.full(owners.shape, float(background), device=owners.device)
-    owned = owners >= 0
-    if not owned.any():
-        return weights
-    # one id per (image, object): patch counts per object by bincount
-    per_image = int(owners.max()) + 1
-    ids = (owners + per_image * torch.arange(owners.shape[0], device=owners.device)[:, None])[owned]
-    counts = torch.bincount(ids)
-    mean = owned.sum() / (counts > 0).sum()
-    weights[owned] = mean / counts[ids].to(weights.dtype)
-    return weights
-
-
-WORD_ATTENTION_SKIP: frozenset[str] = frozenset(
-    {"a", "an", "the", "and", "or", "of", "to", "in", "on", "at", "by", "with", "is", "are", "there", "its", "their",
-     "this", "that", "some", "next", "left", "right", "above", "below", "top", "bottom", "middle", "center"}
-    | set(NUMBER_WORDS) | set(GENERIC_NOUNS))
-"""Words whose prediction the word-attention loss leaves alone even right before a kind word
-(function words, places, counts): they do not describe the object itself."""
-
-
-def word_kinds(vocab: list[str], classes: list[str]) -> Tensor:
-    """Per token id of ``vocab``: the index in ``classes`` of the category the word names on its
-    own (a one-word category name, plural or synonym, as content accuracy reads them,
-    :class:`~vision_attn.data.caption_objects.ObjectVocabulary`), -2 for a word that describes an
-    object without naming it (not in :data:`WORD_ATTENTION_SKIP`), -1 otherwise (special tokens,
-    function words): ``[V]`` int64."""
-    names = ObjectVocabulary([normalize_caption(c) for c in classes])
-    index = {normalize_caption(c): i for i, c in enumerate(classes)}
-    out = torch.full((len(vocab),), -1, dtype=torch.int64)
-    for v, word in enumerate(vocab):
-        if (word.startswith("<") and word.endswith(">")) or not word.strip():
-            continue
-        found = names.match([word], 0)
-        if found is not None and found[1] == 1:
-            out[v] = index[found[0]]
-        elif word.isalpha() and word not in WORD_ATTENTION_SKIP:
-            out[v] = -2
-    return out
-
-
-def word_attention_targets(targets: Tensor, kinds: Tensor, window: int = WINDOW) -> Tensor:
-    """Which category each predicted word's attention should fall on: ``[B, T]`` class index or -1.
-
-    A target word naming a category (``kinds[word] >= 0``, :func:`word_kinds`) gets its own
-    category; the up to ``window - 1`` target words just before it that describe without naming
-    (``kinds == -2``: "small", "red") get the same one — the step that says "red" is where the
-    caption decides which object comes next. Everything else is -1 (not supervised)."""
-    k = kinds.to(targets.device)[targets]  # (B, T)
-    named = torch.where(k >= 0, k, torch.full_like(k, -1))
-    out = named.clone()
-    for back in range(1, window):
-        ahead = torch.full_like(k, -1)
-        ahead[:, :-back] = named[:, back:]
-        # a describing word takes the category of a kind word ``back`` steps later, if only describing words lie between
-        between = torch.ones_like(k, dtype=torch.bool)
-        for j in range(1, back):
-            shifted = torch.zeros_like(between)
-            shifted[:, :-j] = k[:, j:] == -2
-            between &= shifted
-        out = torch.where((k == -2) & (out < 0) & between & (ahead >= 0), ahead, out)
-    return out
-
-
-def class_regions(boxes: Tensor, labels: Tensor, grid: tuple[int, int], num_classes: int) -> Tensor:
-    """Per category, the patches of a ``grid`` that belong to one of its boxes: ``[K, rows * cols]``
-    bool. A patch belongs to a box that holds its centre (:func:`patch_objects`' rule, the
-    smallest box winning), and a box holding no patch centre to the patch under its own centre."""
-    n = grid[0] * grid[1]
-    out = torch.zeros(num_classes, n, dtype=torch.bool, device=boxes.device)
-    if len(boxes) == 0:
-        return out
-    owner = patch_objects(boxes, grid)
-    labels = labels.to(torch.int64)
-    for j in range(len(boxes)):
-        mine = owner == j
-        if not mine.any():
-            cx = float((boxes[j, 0] + boxes[j, 2]) / 2)
-            cy = float((boxes[j, 1] + boxes[j, 3]) / 2)
-            col = min(grid[1] - 1, max(0, int(cx * grid[1])))
-            row = min(grid[0] - 1, max(0, int(cy * grid[0])))
-            mine = torch.zeros_like(mine)
-            mine[row * grid[1] + col] = True
-        out[labels[j]] |= mine
-    return out
-
-
-def word_attention_loss(attention: Tensor, classes: Tensor, regions: Tensor) -> Tensor | None:
-    """Mean of ``-log`` (the attention mass inside the named category's patches) over the
-    supervised steps: ``attention [B, T, N]`` (rows sum to 1), ``classes [B, T]`` from
-    :func:`word_attention_targets`, ``regions [B, K, N]`` from :func:`class_regions`. Steps
-    whose category has no box in the image are skipped; ``None`` when no step is left."""
-    b, t = classes.shape
-    picked = classes.clamp(min=0)
-    mask = torch.gather(regions, 1, picked[:, :, None].expand(b, t, regions.shape[-1]))  # (B, T, N)
-    valid = (classes >= 0) & mask.any(-1)
-    if not valid.any():
-        return None
-    mass = (attention.float() * mask).sum(-1)
-    return -torch.log(mass[valid].clamp(min=1e-6)).mean()
-
-
-def repeat_images(enc: EncoderOutput, times: int) -> EncoderOutput:
-    """``enc`` with every image's tokens repeated ``times`` times in a row (image 0 ``times``
-    times, then image 1, ...), for ``times`` captions per image; ``enc`` itself when 1."""
-    if times == 1:
-        return enc
-    rep = {f.name: getattr(enc, f.name).repeat_interleave(times, dim=0) for f in dataclasses.fields(enc)
-           if isinstance(getattr(enc, f.name), Tensor) and getattr(enc, f.name).shape[:1] == enc.tokens.shape[:1]}
-    return dataclasses.replace(enc, **rep)
-
-def concept_vocabulary(references: list[list[str]], max_share: float) -> list[str]:
-    """The caption words that say what an image shows rather than how a sentence goes: every
-    word (of normalised ``references``, per image a list of captions) that occurs in the
-    references of at least one image and of at most ``max_share`` of the images ("a", "and",
-    "the" occur in nearly all); sorted."""
-    counts: dict[str, int] = {}
-    for refs in references:
-        for word in {w for r in refs for w in r.split()}:
-            counts[word] = counts.get(word, 0) + 1
-    limit = max_share * len(references)
-    return sorted(w for w, n in counts.items() if n <= limit)
-
-
-def concept_targets(references: list[list[str]], words: list[str]) -> Tensor:
-    """Per image and word: the share of the image's references that contain the word
-    (``[images, len(words)]`` float32, in [0, 1]): "zero" said by all five captions of an image
-    is 1, "above" said by one of five is 0.2."""
-    column = {w: k for k, w in enumerate(words)}
-    out = torch.zeros(len(references), len(words))
-    for i, refs in enumerate(references):
-        for r in refs:
-            for k in {column[w] for w in r.split() if w in column}:
-                out[i, k] += 1.0 / len(refs)
-    return out
-
 
 # what ``init_from`` compares between the checkpoint and the configured model (else a clear error)
 DECODER_ARCHITECTURE = ("hidden_dim", "num_layers", "num_heads", "mlp_ratio", "max_length", "embedding_memory",
@@ -256,7 +85,7 @@ log = logging.getLogger(__name__)
 
 
 @register_task
-class CaptioningTask(VisionTask):
+class CaptioningTask(CaptionSelfCritical, CaptionEvaluation, VisionTask):
     """Image captioning on a ViT encoder.
 
     The vocabulary comes from the data (the tokenizer trained on the training captions) when
@@ -604,8 +433,6 @@ class CaptioningTask(VisionTask):
         return [{"caption": " ".join(self.tokenizer.decode_words(row.tolist()))} for row in gen.tokens]
 
     def explain_batch(self, images, pictures, options, truths=None):
-        from vision_attn.explain.captioning import explain_captioning
-
         return explain_captioning(self, images, pictures, options, truths)
 
     def decode(self, tokens: Tensor) -> list[str]:
@@ -708,174 +535,12 @@ class CaptioningTask(VisionTask):
         per_patch = F.cross_entropy(flat_logits, flat_targets, reduction="none")
         return (weights * per_patch).sum() / weights.sum()
 
-    # ------------------------------------------------------------------ self-critical training
-    def _scst_statistics(self) -> tuple[CiderD, list[list[str]]]:
-        """CIDEr-D's document frequencies from the training references, computed on first use and
-        kept (every DDP process reads the whole training split: the same statistics everywhere)."""
-        if self.scst_cider is None:
-            dm = getattr(self.trainer, "datamodule", None)
-            if dm is None or not hasattr(dm, "train_references"):
-                raise DataError("--model.scst needs the training references: train with a CaptioningDataModule "
-                                "(train.py's data section), not bare dataloaders")
-            self.scst_references = dm.train_references()
-            self.scst_cider = CiderD(self.scst_references)
-            log.info("SCST: CIDEr-D document frequencies from %d training images", len(self.scst_references))
-        return self.scst_cider, self.scst_references
-
-    @contextmanager
-    def _eval_mode(self, active: bool = True) -> Iterator[None]:
-        """Every module in eval mode (no dropout, no stochastic depth) inside the block, when
-        ``active``; each module's own mode restored afterwards. Gradients are untouched."""
-        modes = {m: m.training for m in self.modules()}
-        try:
-            if active:
-                self.eval()
-            yield
-        finally:
-            for m, mode in modes.items():
-                m.training = mode
-
-    def _greedy_captions(self, images: Tensor, max_new: int, enc: EncoderOutput | None = None) -> Tensor:
-        """The greedy captions' tokens, decoded as at test time (eval mode, no gradients, no
-        decoding constraint); every module's mode is restored afterwards. ``enc``: the images'
-        encoder output when it was already computed in eval mode (not encoded again)."""
-        with self._eval_mode(), torch.no_grad():
-            enc = self.encoder(images) if enc is None else enc
-            return self.head.generate(enc, self.tokenizer.bos_id, self.tokenizer.eos_id, max_new, 1).tokens
-
-    def _scst_loss(self, images: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The self-critical loss of a batch, with the samples' rewards and baselines ``(B, S)``."""
-        config, tok = self.scst_config, self.tokenizer
-        scorer, references = self._scst_statistics()
-        refs = [references[i] for i in indices.tolist()]
-        s = config.samples
-        max_new = config.max_length or self.decoder_config.max_length - 1
-        enc = self.encode(images)
-        temperature = float(config.temperature)
-        samples = self.head.sample(enc, tok.bos_id, tok.eos_id, s, max_new, temperature=temperature)  # tokens only
-        rewards = sample_rewards(scorer, self.decode(samples.tokens), refs).to(images.device)  # (B, S)
-        greedy = None
-        if config.baseline == "greedy":
-            # the step already runs in eval mode (scst.dropout false): its encoding is the greedy decode's
-            greedy_tokens = self._greedy_captions(images, max_new, None if self.training else enc)
-            greedy = sample_rewards(scorer, self.decode(greedy_tokens), refs)[:, 0].to(images.device)  # (B,)
-        baseline = baselines(rewards, config.baseline, greedy)  # (B, S)
-        logp = self.head.token_logprobs(enc, samples.tokens, tok.bos_id, repeats=s, temperature=temperature)  # (B*S, T)
-        loss = scst_loss(logp, samples.lengths, rewards, baseline)
-        return loss, rewards, baseline
-
-    def _scst_step(self, batch) -> Tensor:
-        """One self-critical step (:mod:`vision_attn.losses.scst`): ``scst.samples`` sampled captions per
-        image, rewarded by CIDEr-D against all of the image's training references, minus the
-        baseline; ``-(reward - baseline) * log p(sample)`` averaged over the samples. Unless
-        ``scst.dropout``, the whole step runs without dropout or stochastic depth, so samples,
-        greedy baseline and log-probabilities all come from the same network."""
-        images, _, indices = batch[:3]
-        with self._eval_mode(not self.scst_config.dropout):
-            loss, rewards, baseline = self._scst_loss(images, indices)
-        self.check_finite(loss, {"scst": loss})
-        n = len(images)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=n, sync_dist=True)
-        self.log("train/reward", rewards.mean(), prog_bar=True, on_step=True, on_epoch=True, batch_size=n,
-                 sync_dist=True)
-        self.log("train/baseline", baseline.mean(), on_step=True, on_epoch=True, batch_size=n, sync_dist=True)
-        return loss
-
-    def _eval_step(self, batch, beam_size: int) -> None:
-        images, tokens, indices = batch[:3]
-        loss = self._loss(images, tokens)
-        self.log(f"{self._stage}/loss", loss, prog_bar=True, on_epoch=True, batch_size=len(images), sync_dist=True)
-        gen = self.generate(images, beam_size=beam_size)
-        for i, text in zip(indices.tolist(), self.decode(gen.tokens), strict=True):
-            self.eval_records.append({"index": i, "caption": text})
-
-    def on_validation_epoch_start(self) -> None:
-        self._stage, self.eval_records = "val", []
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self._eval_step(batch, self.training_config.val_beam_size)
-
-    def on_validation_epoch_end(self) -> None:
-        dataset = self.trainer.val_dataloaders.dataset
-        records = self._unique_records()
-        if self.trainer.sanity_checking or not records:
-            return
-        metrics = self._score(dataset, records)
-        for k, v in metrics.items():
-            self.log(f"val/{k}", v, prog_bar=k in ("bleu4", "cider"))  # the same on every process (gathered records)
-
-    def on_test_epoch_start(self) -> None:
-        self._stage, self.eval_records = "test", []
-
-    def test_step(self, batch, batch_idx: int) -> None:
-        self._eval_step(batch, self.generation.beam_size)
-
-    def on_test_epoch_end(self) -> None:
-        self.eval_records = self._unique_records()
-
-    def _unique_records(self) -> list[dict[str, Any]]:
-        unique = {r["index"]: r for r in gather_objects(self.eval_records)}  # DDP pads with repeats
-        return [unique[i] for i in sorted(unique)]
-
-    @staticmethod
-    def _pairs(dataset, records: list[dict[str, Any]]) -> tuple[dict[int, str], dict[int, list[str]]]:
-        """``({index: caption}, {index: normalised references})`` of the records."""
-        hyps = {r["index"]: r["caption"] for r in records}
-        refs = {r["index"]: [normalize_caption(c) for c in dataset.references[r["index"]]] for r in records}
-        return hyps, refs
-
-    @classmethod
-    def _score(cls, dataset, records: list[dict[str, Any]]) -> dict[str, float]:
-        """Validation's metrics: BLEU / CIDEr-D / ROUGE-L, and content accuracy where the split
-        has instance annotations (so a run's curves show whether the captions name what is there)."""
-        hyps, refs = cls._pairs(dataset, records)
-        return {**caption_metrics(hyps, refs), **cls._content(dataset, hyps)}
-
-    def eval_results(self, dataset) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """``(metrics, predictions)``.
-
-        Metrics: BLEU-1..4, CIDEr-D, ROUGE-L, ``image_dependence`` (two images or more),
-        ``meteor`` / ``spice`` where the COCO toolkit's Java can run (on the main process;
-        else logged), and content accuracy (``content_exact``, ``kinds_exact``,
-        ``content_precision``, ``content_recall``, ``count_acc``, ``content_images``) when
-        the split has instance annotations. Predictions: ``[{"image_id", "caption",
-        "cider"}]`` with the image's CIDEr-D.
-        """
-        if not self.eval_records:
-            raise RuntimeError("no evaluation records: run trainer.test(...) first")
-        hyps, refs = self._pairs(dataset, self.eval_records)
-        metrics, per_image = caption_metrics_per_image(hyps, refs)
-        if len(hyps) >= 2:
-            metrics["image_dependence"] = image_dependence(hyps, refs, true_cider=metrics["cider"])
-        else:
-            log.info("image_dependence not computed: it needs at least two images, the split has %d", len(hyps))
-        metrics.update(self._content(dataset, hyps))
-        if self._trainer is None or self.trainer.is_global_zero:
-            metrics.update(java_metrics(hyps, refs))
-        predictions = [{"image_id": dataset.images[r["index"]]["id"], "caption": r["caption"],
-                        "cider": per_image[r["index"]]["cider"]} for r in self.eval_records]
-        return metrics, predictions
-
-    @staticmethod
-    def _content(dataset, hyps: dict[int, str]) -> dict[str, float]:
-        """Content accuracy of the captions (``{}``, logged, without instance annotations)."""
-        annotated = dataset.annotated_objects() if hasattr(dataset, "annotated_objects") else None
-        if annotated is None:
-            where = getattr(dataset, "instances_file", "the dataset")
-            log.info("content accuracy not computed: no instance annotations (%s)", where)
-            return {}
-        scores = content_accuracy({dataset.images[i]["id"]: text for i, text in hyps.items()}, annotated)
-        if not scores:
-            log.info("content accuracy not computed: no evaluated image is in %s", dataset.instances_file)
-        return scores
-
+    # ------------------------------------------------------------------ explanation
     def explain_eval(self, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
         """Per-word strips, and on the seeded sample of ``options.faithfulness_images`` images the
         localisation of object words (``pointing_<method>``, ``energy_<method>``, original image
         pixels), the deletion / insertion AUC of the words' probabilities and the saved maps
         (:func:`~vision_attn.explain.captioning.write_caption_overlays`)."""
-        from vision_attn.explain.captioning import write_caption_overlays
-
         return write_caption_overlays(self, dataset, options, out_dir, report)
 
     # ------------------------------------------------------------------ report.html

@@ -59,25 +59,25 @@ class CaptionTraining:
             next to the captions: the embedded scenes and COCO do): a linear head on every patch
             token predicts the category of the smallest box holding the patch's centre, or
             background (cross-entropy, background weighted
-            :data:`~vision_attn.tasks.captioning.GROUNDING_BACKGROUND_WEIGHT`). Captions alone
+            :data:`~vision_attn.tasks.captioning_losses.GROUNDING_BACKGROUND_WEIGHT`). Captions alone
             teach a from-scratch encoder the objects' kinds slowly (README "Captioning"); 0 = off.
             Without an instances file the captions alone are used (logged). Generation and the
             explanations do not use the head.
         grounding_balance: weigh every object alike in the grounding loss, whatever its size (its
             patches share one object's weight,
-            :func:`~vision_attn.tasks.captioning.grounding_weights`), instead of every patch
+            :func:`~vision_attn.tasks.captioning_losses.grounding_weights`), instead of every patch
             alike — a small object's kind gets as much of the loss as a large one's.
         grounding_classes: the category names the grounding head predicts (set from the data
             when training starts and saved in checkpoints; leave unset).
         word_attention_weight: weight of an auxiliary loss on the decoder's cross-attention
             (needs ``grounding_weight > 0``, whose boxes it reads): when the next word names a
             category, or describes the object a category word names right after it ("red" in
-            "a red circle", :func:`~vision_attn.tasks.captioning.word_attention_targets`), the
+            "a red circle", :func:`~vision_attn.tasks.captioning_losses.word_attention_targets`), the
             last decoder layer's attention of that step (mean over the heads) should fall on the
             patches of that category's boxes; the loss is ``-log`` of the mass there (attention
             correctness, Liu et al. 2017). 0 = off.
         concept_weight: weight of an auxiliary loss that needs no boxes: the words that say what
-            an image shows (:func:`~vision_attn.tasks.captioning.concept_vocabulary`: caption
+            an image shows (:func:`~vision_attn.tasks.captioning_losses.concept_vocabulary`: caption
             words in at most ``concept_max_share`` of the training images' references) are
             predicted from the patch tokens, multiple-instance style (log-sum-exp over the
             patches, binary cross-entropy against the share of the image's references that use

@@ -35,14 +35,15 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from vision_attn.blocks import Mistakes, Section
+from vision_attn.distributed import unique_records
 from vision_attn.errors import ConfigError, EncoderError
-from vision_attn.explain.evaluate import DEFAULT_MISTAKES
+from vision_attn.explain.evaluate import DEFAULT_MISTAKES, explain_classification, explain_eval_split
 from vision_attn.explain.methods import TOKENS, Token, resolve_target_class
 from vision_attn.metrics.breakdown import classification_breakdown
 from vision_attn.models.classifier import ClassificationHead, ClassifierConfig, HeadKind, TimmHead
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks import classification_report
-from vision_attn.tasks.base import VisionTask, gather_objects, register_task
+from vision_attn.tasks.base import VisionTask, register_task
 from vision_attn.tasks.optim import Optimization
 
 CLASSIFICATION_OPTIM = Optimization()
@@ -291,8 +292,7 @@ class ClassificationTask(VisionTask):
     def on_test_epoch_end(self) -> None:
         # One record per image: gather from every process and drop the duplicates that a
         # distributed sampler pads with, so results do not depend on the process count.
-        unique = {r["index"]: r for r in gather_objects(self.eval_records)}
-        self.eval_records = [unique[i] for i in sorted(unique)]
+        self.eval_records = unique_records(self.eval_records, "index", sort=True)
 
     def _evaluated(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(probs [N, C], labels [N], scores [N], preds [N])`` of the last test run: the top-1
@@ -356,14 +356,10 @@ class ClassificationTask(VisionTask):
 
     def explain_batch(self, images, pictures, options, truths=None):
         """The input (as the model sees it) and one overlay per method (``options.methods``)."""
-        from vision_attn.explain.evaluate import explain_classification
-
         return explain_classification(self, images, pictures, options, truths)
 
     def explain_eval(self, dataset, options, out_dir, report=None) -> dict[str, float]:
         """Overlays of ``options.num_overlays`` images and faithfulness metrics (``eval.py``)."""
-        from vision_attn.explain.evaluate import explain_eval_split
-
         return explain_eval_split(self, dataset, options, out_dir, report)
 
     # ------------------------------------------------------------------ report.html

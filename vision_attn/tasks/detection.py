@@ -14,8 +14,15 @@ from torch import Tensor
 
 from vision_attn.blocks import Mistakes, Section
 from vision_attn.boxes import box_xyxy_to_xywh
+from vision_attn.data.detection import build_detection_transform
+from vision_attn.distributed import unique_records
 from vision_attn.errors import ConfigError
-from vision_attn.explain.detection import error_keywords
+from vision_attn.explain.detection import (
+    detection_explain_metrics,
+    error_keywords,
+    explain_detection,
+    write_detection_overlays,
+)
 from vision_attn.explain.evaluate import DEFAULT_MISTAKES
 from vision_attn.losses.matcher import HungarianMatcher
 from vision_attn.losses.set_criterion import SetCriterion
@@ -270,8 +277,7 @@ class DetectionTask(VisionTask):
         self.eval_pr_curves = None
 
     def on_test_epoch_end(self) -> None:
-        unique = {r["image_id"]: r for r in gather_objects(self.eval_records)}
-        self.eval_records = [unique[i] for i in sorted(unique)]
+        self.eval_records = unique_records(self.eval_records, "image_id", sort=True)
 
     def eval_results(self, dataset) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """``(metrics, predictions)``: COCO mAP, its size ranges and recalls
@@ -341,8 +347,6 @@ class DetectionTask(VisionTask):
         return records
 
     def explain_batch(self, images, pictures, options, truths=None):
-        from vision_attn.explain.detection import explain_detection
-
         return explain_detection(self, images, pictures, options, truths)
 
     def explain_eval(self, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
@@ -354,14 +358,7 @@ class DetectionTask(VisionTask):
         resized to the input size, :meth:`inference_data_config`, as ``predict.py`` sees it): a
         dataset read with the aspect-preserving resize (``--data.resize aspect``) is read that
         way for them, so the maps map back to the pixels by that one geometry."""
-        from vision_attn.explain.detection import (
-            detection_explain_metrics,
-            write_detection_overlays,
-        )
-
         if getattr(dataset, "with_size", False):
-            from vision_attn.data.detection import build_detection_transform
-
             log.info("explanations: images resized to the input size %s (as at inference), not by the "
                      "aspect-preserving evaluation resize", self.inference_data_config()["input_size"][1:])
             dataset = copy.copy(dataset)

@@ -29,8 +29,10 @@ from torch import Tensor
 
 from vision_attn.checkpoint_io import load_state_dict_file
 from vision_attn.errors import DataError, EncoderError
+from vision_attn.models.classifier import ClassifierConfig
 from vision_attn.models.encoder import ViTEncoder, suggest_model_names
 from vision_attn.tasks.base import VisionTask, load_task
+from vision_attn.tasks.classification import ClassificationTask
 
 __all__ = ["TIMM_PREFIX", "ClassNames", "imagenet_class_names", "load_model", "load_timm_model",
            "resolve_class_names"]
@@ -89,11 +91,6 @@ def load_timm_model(
 ) -> VisionTask:
     """A :class:`~vision_attn.tasks.ClassificationTask` around timm model ``name`` with timm's
     own classifier (see :func:`load_model`; ``name`` without the ``timm:`` prefix)."""
-    from vision_attn.tasks.classification import (  # tasks import models
-        ClassificationTask,
-        ClassifierConfig,
-    )
-
     name = name.strip()
     arch, _, tag = name.partition(".")
     if not arch or not timm.is_model(arch):
@@ -121,12 +118,12 @@ def load_timm_model(
         cause = err.__cause__
         if state is not None or not isinstance(cause, (OSError, RuntimeError)):
             raise
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        log.debug("timm:%s: the hub failed: %s", name, cause)
         raise EncoderError(
-            f"could not get the pretrained weights of timm:{name} from the hub ({type(cause).__name__}"
-            f"{': ' + first if first else ''}). Offline? Pass the weights as a local file: --weights_file "
-            "FILE (Python: weights_file=FILE), a timm state dict (.safetensors / .pth)"
-        ) from cause
+            f"could not download the weights of timm:{name} ({type(cause).__name__}). Offline? Pass the "
+            "weights as a local file: --weights_file FILE (Python: weights_file=FILE), a .safetensors / .pth "
+            "timm state dict"
+        ) from None
     if state is not None:
         encoder.load_state(state, str(weights_file))
     names = resolve_class_names(num_classes, class_names)
