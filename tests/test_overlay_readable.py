@@ -97,3 +97,41 @@ def test_long_labels_fit_their_panel():
     lines, scale = fit_text(text, 60, max_lines=3)
     assert len(lines) == 3 and lines[-1].endswith("...")
     assert all(cv2.getTextSize(ln, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)[0][0] <= 60 for ln in lines)
+
+
+def test_explanation_panel_passes_normalize_through_and_draws_on_the_original_picture():
+    import torch
+
+    from vision_attn.explain.evaluate import ExplainOptions, explanation_panel
+
+    strong, weak = torch.zeros(1, 4, 4), torch.zeros(1, 4, 4)
+    strong[0, 0, 0], weak[0, 3, 3] = 2.0, 0.2
+    photo = _tall_photo()
+    display = np.full((224, 224, 3), 128, np.uint8)
+    panels = {mode: explanation_panel(display, {"a": strong, "b": weak}, 0, "cat 0.93", 0.5, picture=photo, pre=PRE,
+                                      normalize=mode) for mode in ("shared", "per_map")}
+    assert not np.array_equal(*panels.values())  # (the colour bars' labels differ: "2" and "max")
+    assert np.array_equal(panels["shared"], explanation_figure(photo, {"a": strong[0], "b": weak[0]}, PRE,
+                                                               "cat 0.93", 0.5, "shared"))
+    assert ExplainOptions().normalize == "shared"
+
+
+def test_explain_command_per_map_overlays_differ_from_shared(tmp_path):
+    from PIL import Image
+
+    from vision_attn.commands.predict import main
+
+    from .test_export import _checkpoint, _tasks
+
+    ckpt = _checkpoint(_tasks()["classification"], tmp_path / "m.ckpt")
+    images = tmp_path / "imgs"
+    images.mkdir()
+    Image.fromarray((np.random.default_rng(0).random((40, 56, 3)) * 255).astype(np.uint8)).save(images / "a.png")
+    drawn = {}
+    for mode in ("shared", "per_map"):
+        out = tmp_path / mode
+        main(["--ckpt_path", str(ckpt), "--images", str(images), "--output_dir", str(out), "--num_workers", "0",
+              "--device", "cpu", "--methods", "rollout", "attention", "--overlay.normalize", mode], explain=True)
+        drawn[mode] = cv2.imread(str(out / "overlays" / "a.png.png"))
+    assert drawn["shared"] is not None and drawn["per_map"] is not None
+    assert not np.array_equal(drawn["shared"], drawn["per_map"])

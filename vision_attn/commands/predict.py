@@ -21,6 +21,7 @@ from vision_attn.commands.policy import split_allow_import
 from vision_attn.errors import VisionAttnError
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.methods import METHODS
+from vision_attn.explain.overlay import NORMALIZE
 from vision_attn.predict import (
     FolderRun,
     ModelSource,
@@ -90,6 +91,9 @@ def build_parser(prog: str, description: str, expected_task: str | None = None,
                         help="token merging (ToMe, Bolya et al. 2023): merge R tokens in every encoder block: "
                              "faster inference, slightly less accurate (0: off)")
     parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity")
+    parser.add_argument("--overlay.normalize", dest="normalize", default="shared", choices=list(NORMALIZE),
+                        help="the overlays' colour scale: shared (default: one scale for every panel of a "
+                             "figure, a weak map stays weak) or per_map (each map scaled to its own maximum)")
     parser.add_argument("--report.full_attention", dest="full_attention", action="store_true",
                         help="report.html keeps every layer and head of the per-patch attention view (the page "
                              "then grows with the model and the number of images, about 7.4 MB per image on "
@@ -150,7 +154,8 @@ def run_cli(argv: list[str] | None, prog: str, description: str, expected_task: 
         devices = int(args.devices) if str(args.devices).isdigit() else args.devices
         run = FolderRun(batch_size=args.batch_size, num_workers=args.num_workers, device=args.device,
                         devices=devices, overwrite=args.overwrite, full_attention=args.full_attention)
-        drawn = ExplainOptions(methods=list(args.methods) if args.methods else None, alpha=args.alpha)
+        drawn = ExplainOptions(methods=list(args.methods) if args.methods else None, alpha=args.alpha,
+                               normalize=args.normalize)
         model = task_options.model
         result = predict_folder(_source(args, expected_task), args.images, args.output_dir, run, drawn,
                                 folder_options(args, type(task_of(model))), explain or not args.no_overlays, model)

@@ -61,7 +61,6 @@ from vision_attn.explain.faithfulness import (
     deletion_insertion_curve,
     end_probabilities,
 )
-from vision_attn.explain.images import enlarge
 from vision_attn.explain.localisation import grid_to_image, load_image_boxes
 from vision_attn.explain.measures import MapWriter, Measures, Perturbation
 from vision_attn.explain.methods import (
@@ -71,7 +70,7 @@ from vision_attn.explain.methods import (
     explain_classifier,
     faithful_methods,
 )
-from vision_attn.explain.overlay import image_grid, overlay_saliency, put_text, save_png
+from vision_attn.explain.overlay import NORMALIZE, Normalize, explanation_figure, save_png
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.sanity import sanity_check
 from vision_attn.outputs import safe_filename
@@ -166,6 +165,8 @@ class ExplainOptions:
         head_fusion: how rollout and raw attention fuse the heads (mean, max, min).
         discard_ratio: rollout's discard ratio.
         alpha: heat-map opacity of the overlays.
+        normalize: overlays: one colour scale for every panel of a figure (shared) or each map
+            scaled to its own maximum (per_map).
         batch_size: images per explanation batch.
         score_threshold: detection: objects drawn need at least this score.
         query_layers: detection: cross-attention of the ``last`` decoder layer, or the
@@ -209,6 +210,7 @@ class ExplainOptions:
     head_fusion: str = "mean"
     discard_ratio: float = 0.0
     alpha: float = 0.5
+    normalize: Literal["shared", "per_map"] = "shared"
     batch_size: int = 32
     score_threshold: float = 0.3
     query_layers: Literal["last", "mean"] = "last"
@@ -235,6 +237,8 @@ class ExplainOptions:
         check_methods(self.methods, "explain.methods")
         if self.token not in TOKENS:
             raise ConfigError(f"explain.token {self.token!r} invalid; choose one of {', '.join(TOKENS)}")
+        if self.normalize not in NORMALIZE:
+            raise ConfigError(f"normalize {self.normalize!r} invalid; choose one of {', '.join(NORMALIZE)}")
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
             raise ConfigError(f"explain.topk must be an integer >= 1, got {self.topk!r}")
         if isinstance(self.mistakes, bool) or not isinstance(self.mistakes, int) or self.mistakes < 0:
@@ -302,20 +306,22 @@ def write_overlays(task, dataset, options: ExplainOptions, out_dir: Path, report
 
 
 def explanation_panel(
-    display: np.ndarray, maps: dict[str, torch.Tensor], index: int, caption: str, alpha: float = 0.5
+    display: np.ndarray, maps: dict[str, torch.Tensor], index: int, caption: str, alpha: float = 0.5,
+    *, picture: np.ndarray | None = None, pre: dict[str, Any] | None = None, normalize: Normalize = "shared",
 ) -> np.ndarray:
-    """One image: the input (with ``caption``) and one overlay per method, side by side.
+    """One image: the input (with ``caption`` above) and one overlay per method, side by side, and
+    a colour bar (:func:`~vision_attn.explain.overlay.explanation_figure`).
 
-    Small inputs are enlarged (nearest neighbour) to at least 160 px first, so the caption
-    fits and the heat map is drawn at a resolution one can look at.
+    Drawn on the original ``picture`` (uint8 RGB, before preprocessing) when given, at its own
+    aspect ratio, each map covering the part the model saw (``pre``: the task's
+    ``inference_data_config()``, the model's crop outlined); without it on ``display`` (the
+    input as the model sees it). ``normalize``: one colour scale for all panels (``shared``) or
+    each map to its own maximum (``per_map``).
     """
-    display = enlarge(display, 160)
-    tiles = [put_text(display, caption)]
-    titles = ["input"]
-    for method, m in maps.items():
-        tiles.append(overlay_saliency(display, m[index], alpha=alpha))
-        titles.append(method)
-    return image_grid(tiles, titles)
+    one = {method: m[index] for method, m in maps.items()}
+    if picture is None:
+        return explanation_figure(display, one, None, caption, alpha, normalize)
+    return explanation_figure(picture, one, pre, caption, alpha, normalize)
 
 
 def _report_item(expl, j: int, display: np.ndarray, caption: str, panel: np.ndarray) -> dict:
@@ -335,16 +341,18 @@ def _report_item(expl, j: int, display: np.ndarray, caption: str, panel: np.ndar
 def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray], options: ExplainOptions,
                            truths: list[str] | None = None) -> list:
     """:meth:`~vision_attn.tasks.VisionTask.explain_batch` of a classifier: per image the
-    record ``{"pred", "score"}``, the panel (the input as the model sees it, captioned
-    ``pred score`` or ``truth -> pred score``, and one overlay per method) and its report
-    item; ``extras["explanation"]`` is the batch's :class:`~vision_attn.explain.methods.Explanation`."""
+    record ``{"pred", "score"}``, the panel (the original picture, the model's crop outlined,
+    captioned ``pred score`` or ``truth -> pred score``, one overlay per method on
+    ``options.normalize``'s colour scale, and a colour bar: :func:`explanation_panel`) and its
+    report item; ``extras["explanation"]`` is the batch's :class:`~vision_attn.explain.methods.Explanation`."""
 
     expl = explain_classifier(task, images, options.methods, head_fusion=options.head_fusion,
                               discard_ratio=options.discard_ratio, target_class=options.target_class,
                               token=options.token)
     records = task.predictions_from_outputs((expl.logits,), [p.shape[:2] for p in pictures], options)
     names = task.class_names or []
-    display_tf = build_display_transform(task.inference_data_config())  # the pixels the model saw
+    pre = task.inference_data_config()
+    display_tf = build_display_transform(pre)  # the pixels the model saw (report.html's patch view)
     out = []
     for j, (picture, record) in enumerate(zip(pictures, records, strict=True)):
         display = display_tf(picture)
@@ -354,7 +362,8 @@ def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray
             caption = f"{caption} | explains {names[explained]}"
         if truths is not None:
             caption = f"{truths[j]} -> {caption}"
-        panel = explanation_panel(display, expl.maps, j, caption, options.alpha)
+        panel = explanation_panel(display, expl.maps, j, caption, options.alpha, picture=picture, pre=pre,
+                                  normalize=options.normalize)
         item = _report_item(expl, j, display, caption, panel) if options.report else None  # report.html only
         out.append(Explained(record, panel, item, {"explanation": expl}))
     return out
