@@ -135,3 +135,57 @@ def test_explain_command_per_map_overlays_differ_from_shared(tmp_path):
         drawn[mode] = cv2.imread(str(out / "overlays" / "a.png.png"))
     assert drawn["shared"] is not None and drawn["per_map"] is not None
     assert not np.array_equal(drawn["shared"], drawn["per_map"])
+
+
+def _warmth(tile: np.ndarray) -> float:
+    """Red less blue of a region (RGB): positive on jet's hot end, negative on its cold end."""
+    mean = tile.reshape(-1, 3).astype(float).mean(0)
+    return float(mean[0] - mean[2])
+
+
+def test_detection_tiles_share_one_scale_unless_per_map():
+    import torch
+
+    from vision_attn.explain.detection import detection_figure
+
+    photo = np.full((64, 64, 3), 128, np.uint8)
+    maps = {"attention": torch.stack([torch.full((4, 4), 1.0), torch.full((4, 4), 0.1)])}  # a strong, a weak map
+    objects = [("query 0", "a 0.90", [0, 0, 8, 8]), ("query 1", "b 0.80", [0, 0, 8, 8])]
+    figs = {mode: detection_figure(photo, objects, maps, normalize=mode) for mode in ("shared", "per_map")}
+    cell, pad, title = 128, 2, 18  # image_grid's cells: the picture, then one tile per object
+
+    def tile(fig, k):
+        x, y = pad + k * (cell + pad), pad + title
+        return fig[y + 40 : y + cell - 10, x + 40 : x + cell - 10]
+
+    assert _warmth(tile(figs["shared"], 1)) > 30 and _warmth(tile(figs["per_map"], 1)) > 30  # the strong map
+    assert _warmth(tile(figs["per_map"], 2)) > 30  # the weak map at its own maximum: saturated
+    assert _warmth(tile(figs["shared"], 2)) < -30  # on the figure's scale: weak
+    for fig in figs.values():  # a colour bar to the right of the tiles
+        assert fig.shape[1] > pad + 3 * (cell + pad)
+        right = fig[:, pad + 3 * (cell + pad) :]
+        assert (np.abs(right.astype(int) - [128, 0, 0]).sum(-1) < 40).any()  # jet's hot end
+    ok, png = cv2.imencode(".png", cv2.cvtColor(figs["shared"], cv2.COLOR_RGB2BGR))
+    assert ok and cv2.imdecode(png, cv2.IMREAD_COLOR).shape == figs["shared"].shape
+
+
+def test_caption_strips_share_one_scale_unless_per_map():
+    import torch
+
+    from vision_attn.explain.captioning import caption_figure
+
+    photo = np.full((32, 32, 3), 128, np.uint8)
+    maps = {"attention": torch.stack([torch.full((4, 4), 1.0), torch.full((4, 4), 0.1)]),
+            "relevance": torch.stack([torch.full((4, 4), 0.5), torch.full((4, 4), 0.5)])}
+    figs = {mode: caption_figure(photo, ["a", "circle"], maps, normalize=mode) for mode in ("shared", "per_map")}
+    band, cell, pad, title = 22, 128, 2, 18  # caption_strip: the caption band, then image_grid's cells
+    strip_h = band + pad + title + cell + pad
+
+    def tile(fig, method, k):
+        x, y = pad + k * (cell + pad), method * strip_h + band + pad + title
+        return fig[y + 20 : y + cell - 20, x + 20 : x + cell - 20]
+
+    assert _warmth(tile(figs["per_map"], 0, 2)) > 30 and _warmth(tile(figs["shared"], 0, 2)) < -30  # the weak word
+    assert _warmth(tile(figs["per_map"], 1, 1)) > 30  # relevance's flat 0.5: saturated on its own scale
+    assert _warmth(tile(figs["shared"], 1, 1)) < _warmth(tile(figs["per_map"], 1, 1)) - 30  # half the figure's top
+    assert figs["shared"].shape[0] >= 2 * strip_h and figs["shared"].shape[1] > pad + 3 * (cell + pad)  # the bar

@@ -382,6 +382,39 @@ def _number(value: float | None) -> str:
     return "–" if value is None else f"{value:.1e}"
 
 
+HEADLESS_SECTION = """
+## Models without a head
+
+A timm model without a classifier loads with `timm:NAME` (and `vision_attn.load_model("timm:NAME",
+weights_file=...)`) as an embedding model: DINOv2 (with or without registers), the SigLIP and CLIP
+image towers, EVA-02 MIM, any model with `num_classes=0`, a weights file without the classifier's
+weights, and a head that is a projection rather than classes (the size timm's pretrained config
+gives the model, not an ImageNet head, no `--class_names`: Perception Encoder, a CLIP tower's
+projection). Its embedding is timm's own `forward_head` on the tokens (the model's pooling,
+`fc_norm` and projection). `predictions.json` records per image `embedding_norm`, `embedding`
+(the vector, rounded to 5 decimals) and, with a target, `similarity`.
+
+What is drawn:
+
+- `rollout` and `attention`: the row of what the pooling reads, the class token's (or the mean of
+  the patch tokens' rows for average pooling); register and other prefix tokens are left out of
+  the patch map, and `tokens` shows the norm of every patch token (the high-norm artifact tokens
+  that registers remove). An attention-pooling head (`map`: SigLIP, Perception Encoder) has no
+  such row, so these methods are skipped with a warning naming them.
+- `relevance`, `gradcam` and `lrp` explain a score of the embedding `e`, the target:
+  - by default its norm `‖e‖`;
+  - `--target_image REF`: the cosine between `e` and the embedding of the image `REF` (which parts
+    make this image similar to `REF`);
+  - `--target_embedding FILE`: the cosine between `e` and a vector saved by the user, a `.npy` or
+    `.txt` file of the embedding's size (a CLIP or SigLIP text embedding, ...). A file that cannot
+    be read, or holds a vector of another size, is one error line naming it (exit status 2).
+
+A method that does not apply to the model is skipped with a warning naming it and why. In Python,
+`model.set_inference_options(EmbeddingOptions(target_image=...))` (or `target_embedding=...`) sets
+the target of `vision_attn.explain_images(model, images, method=...)`.
+"""
+
+
 def render_family_table(table: dict) -> str:
     """``docs/timm_families.md`` from the family table."""
     lines = [
@@ -413,7 +446,7 @@ def render_family_table(table: dict) -> str:
         "(Swin), pooling attention (PiT, MViT), channel attention (XCiT) and convolutional networks.",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines) + HEADLESS_SECTION
 
 
 def test_family_table_is_current_and_the_page_renders_it(folder: str):

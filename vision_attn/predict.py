@@ -76,6 +76,7 @@ from vision_attn.errors import (
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.methods import skip_inapplicable
 from vision_attn.explain.overlay import save_png
+from vision_attn.explain.progress import Progress
 from vision_attn.models.merging import merge_tokens
 from vision_attn.outputs import display_path, safe_filename, write_json
 from vision_attn.report import write_report
@@ -93,16 +94,27 @@ OUTPUTS = ("predictions.json", "skipped.json", "report.html", "overlays")
 """What :func:`predict_folder` writes into its output folder (never over a user's files)."""
 
 
+SCAN_QUIET_S = 3.0  # seconds a folder scan runs before it reports its progress (a quick scan says nothing)
+
+
 def scan_folder(folder: Path) -> tuple[list[Path], list[dict[str, str]]]:
     """The image files under ``folder`` (recursively, sorted) and the entries that are not read.
 
     Entries are classified from ``stat`` alone, never opened (opening a FIFO blocks): FIFOs,
     devices and sockets, and links to nothing with an image extension, come back as
     ``[{"file", "reason"}]`` (``file`` relative to ``folder``); other files are ignored.
+    A scan that takes more than a few seconds (a large or remote folder) reports its progress
+    (:class:`~vision_attn.explain.progress.Progress`): the paths found, then those checked.
     """
-    images: list[Path] = []
-    skipped: list[dict[str, str]] = []
-    for p in sorted(folder.rglob("*")):
+    images, skipped, entries = [], [], []
+    with Progress(f"scanning {folder}", None, "path", log_every=10.0, delay=SCAN_QUIET_S) as found:
+        for p in folder.rglob("*"):
+            entries.append(p)
+            found.update()
+    checking = Progress(f"checking the entries of {folder}", len(entries), "path", log_every=10.0,
+                        delay=SCAN_QUIET_S, start=found.start)
+    for p in sorted(entries):
+        checking.update()
         is_image = p.suffix.lower() in IMAGE_EXTENSIONS
         try:
             mode = p.stat().st_mode
@@ -119,6 +131,7 @@ def scan_folder(folder: Path) -> tuple[list[Path], list[dict[str, str]]]:
             skipped.append({"file": str(p.relative_to(folder)), "reason": reason})
         elif is_image:
             images.append(p)
+    checking.close()
     return images, skipped
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,27 @@ def _list_images(folder: Path) -> list[Path]:
         p for p in folder.rglob("*")
         if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
     )
+
+
+class _ScanReport:
+    """Log lines of a split's folder scan that takes long (a large or remote dataset): the
+    classes listed, the images found and the time left, first after ``quiet`` seconds, then at
+    most every ``every`` seconds; nothing for a quick scan."""
+
+    def __init__(self, split_dir: Path, classes: int, quiet: float = 3.0, every: float = 10.0) -> None:
+        self.split_dir, self.classes, self.quiet, self.every = split_dir, classes, quiet, every
+        self.start = time.monotonic()
+        self.last = self.start - every
+
+    def update(self, done: int, images: int) -> None:
+        now = time.monotonic()
+        if now - self.start < self.quiet or now - self.last < self.every:
+            return
+        self.last = now
+        elapsed = now - self.start
+        left = elapsed * (self.classes - done) / max(1, done)
+        log.info("scanning %s: %d/%d classes, %d images, %.0f s elapsed, about %.0f s left", self.split_dir, done,
+                 self.classes, images, elapsed, left)
 
 
 def stratified_holdout(files: Collection[str], fraction: float, seed: int) -> set[str]:
@@ -205,7 +227,8 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
         refusals = PathRefusals(split_dir, skip=skip_unreadable)
         self.samples: list[tuple[str, int]] = []
         keep = None if files is None else set(files)
-        for cls in present:
+        scan = _ScanReport(split_dir, len(present))
+        for done, cls in enumerate(present, 1):
             files = _list_images(split_dir / cls)
             if not files:
                 raise DataError(
@@ -225,6 +248,7 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
                     refusals.refuse(f"class {cls}", f, why)
                     continue
                 self.samples.append((str(f.relative_to(self.root)), index[cls]))
+            scan.update(done, len(self.samples))
         refusals.report()
 
     def __len__(self) -> int:

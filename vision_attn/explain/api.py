@@ -66,6 +66,14 @@ def grid_to_pixels(grid_maps: Tensor, size: tuple[int, int], model: Any) -> Tens
     return up[..., : size[0], : size[1]]
 
 
+def _check_embedding_target(model, target: Any) -> None:
+    """An embedding model (a head with a ``target_column``) takes no ``target``: its target is its own."""
+    if target is not None and getattr(model.head, "target_column", None) is not None:
+        raise ConfigError("an embedding model explains its embedding's norm, or the cosine with a target set by "
+                          "model.set_inference_options(EmbeddingOptions(target_image=... or target_embedding=...)); "
+                          "leave target=None")
+
+
 def explain_images(
     model,
     images: Tensor | Sequence[Any],
@@ -87,7 +95,10 @@ def explain_images(
         method: a name in :data:`~vision_attn.explain.methods.METHODS` (``rollout``,
             ``relevance``, ``attention``, ``gradcam``, ``tokens``, ``random``, ...).
         target: the class explained: ``None`` (the prediction), a class name or index for every
-            image, or one index per image (a sequence or ``[B]`` tensor).
+            image, or one index per image (a sequence or ``[B]`` tensor). An embedding model
+            (:class:`~vision_attn.tasks.embedding.EmbeddingTask`, a timm model without a
+            classifier) takes ``None``: it explains its embedding's norm, or the cosine with the
+            target of its :class:`~vision_attn.tasks.embedding.EmbeddingOptions`.
         token: ``auto`` (what the head reads) or, for a distilled DeiT, ``cls``, ``dist``,
             ``mean``.
         batch_size: images per forward pass.
@@ -116,6 +127,7 @@ def explain_images(
         usable = [m for m, r in reasons.items() if r is None]
         raise ConfigError(f"method {method!r} does not apply to this model: {reasons[method]}; the methods that "
                           f"apply: {', '.join(usable)}")
+    _check_embedding_target(model, target)
     batch = _as_batch(model, images)
     device = next(model.parameters()).device
     per_image: Tensor | None = None

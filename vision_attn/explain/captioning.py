@@ -56,7 +56,7 @@ accumulated by :mod:`vision_attn.explain.measures`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -77,17 +77,18 @@ from vision_attn.explain.evaluate import overlay_images, select_images, worst_im
 from vision_attn.explain.faithfulness import MODES, blur, order_ends, perturbation_curves
 from vision_attn.explain.images import enlarge
 from vision_attn.explain.localisation import grid_to_image, localisation
-from vision_attn.explain.measures import MapWriter, Measures, Perturbation
-from vision_attn.explain.overlay import image_grid, overlay_saliency, save_png
+from vision_attn.explain.measures import Localisation, MapWriter, Measures, Perturbation, Sanity
+from vision_attn.explain.overlay import Normalize, attach_colour_bar, image_grid, overlay_saliency, save_png, scale_maps
+from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.explain.sanity import StandIn, cascading_randomisation, spearman
 from vision_attn.outputs import safe_filename
 
-__all__ = ["CAPTION_DEFAULTS", "FRAME_WORDS", "RANDOM_DRAWS", "UNGROUNDED_WORDS", "boxes_vocabulary", "caption_strip",
-           "explain_captioning", "grounded_positions", "named_words", "pointing_game", "random_word_maps",
-           "teacher_forced_word_maps", "word_attention_maps", "word_end_probabilities", "word_probability_curves",
-           "write_caption_overlays"]
+__all__ = ["CAPTION_DEFAULTS", "FRAME_WORDS", "RANDOM_DRAWS", "UNGROUNDED_WORDS", "boxes_vocabulary",
+           "caption_figure", "caption_strip", "explain_captioning", "grounded_positions", "named_words",
+           "pointing_game", "random_word_maps", "teacher_forced_word_maps", "word_attention_maps",
+           "word_end_probabilities", "word_probability_curves", "write_caption_overlays"]
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +146,10 @@ def teacher_forced_word_maps(model, images: Tensor, tokens: Sequence[Tensor], me
     return out
 
 
-def caption_strip(rgb: np.ndarray, words: list[str], maps: torch.Tensor, alpha: float = 0.5, cols: int = 8,
-                  title: str | None = None) -> np.ndarray:
-    """The image, then one overlay per word titled with the word; the caption (after ``title``,
-    e.g. the method, when given) written above."""
+def caption_strip(rgb: np.ndarray, words: list[str], maps: torch.Tensor | Sequence[np.ndarray], alpha: float = 0.5,
+                  cols: int = 8, title: str | None = None) -> np.ndarray:
+    """The image, then one overlay per word (``maps``: ``[T, h, w]`` in ``[0, 1]``) titled with
+    the word; the caption (after ``title``, e.g. the method, when given) written above."""
     rgb = enlarge(rgb, 128)  # small images enlarged so the heat maps can be seen
     tiles = [rgb] + [overlay_saliency(rgb, m, alpha=alpha) for m in maps]
     grid = image_grid(tiles, ["image", *words], cols=min(cols, len(tiles)))
@@ -157,6 +158,20 @@ def caption_strip(rgb: np.ndarray, words: list[str], maps: torch.Tensor, alpha: 
     text = f"{title}: {caption}" if title else caption
     cv2.putText(band, text, (4, 16), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1, cv2.LINE_AA)
     return np.concatenate([band, grid], axis=0)
+
+
+def caption_figure(picture: np.ndarray, words: list[str], maps: Mapping[str, Tensor], alpha: float = 0.5,
+                   normalize: Normalize = "shared") -> np.ndarray:
+    """The per-word strips (:func:`caption_strip`) of every method (``maps``: ``[T, h, w]`` each,
+    any scale), stacked, on one colour scale for the figure (``shared``; ``per_map``: each map
+    to its own maximum; :func:`~vision_attn.explain.overlay.scale_maps`), with a colour bar."""
+    methods = list(maps)
+    scaled, peaks = scale_maps([w for m in methods for w in maps[m]], normalize)
+    at = np.cumsum([0] + [len(maps[m]) for m in methods])
+    strips = [caption_strip(picture, words, scaled[at[k] : at[k + 1]], alpha, title=m if len(methods) > 1 else None)
+              for k, m in enumerate(methods)]
+    return attach_colour_bar(np.concatenate(strips, axis=0), peaks[0] if normalize == "shared" and peaks
+                             and peaks[0] > 0 else None)
 
 
 def _is_box(value) -> bool:
@@ -392,8 +407,9 @@ def word_end_probabilities(task, images: Tensor, tokens: Sequence[Tensor], items
 
 def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], options, truths=None) -> list:
     """:meth:`~vision_attn.tasks.VisionTask.explain_batch` of a captioner: per image the record
-    ``{"caption"}``, the per-word strip (:func:`caption_strip`) of each method of
-    :func:`~vision_attn.explain.detection.decoder_methods` (stacked) and its report item (the
+    ``{"caption"}``, the per-word strips of the methods of
+    :func:`~vision_attn.explain.detection.decoder_methods` on ``options.normalize``'s colour scale
+    (:func:`caption_figure`) and its report item (the
     first method's maps); ``extras`` holds the ``words``, their ids ``tokens`` (``[T]``, no
     ``<bos>``) and ``maps`` ``{method: [T, h, w]}`` over the patch grid."""
     with torch.no_grad():
@@ -407,9 +423,7 @@ def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], o
     for j, (picture, words) in enumerate(zip(pictures, captions, strict=True)):
         maps = {m: relevance[j] if m == "relevance" else
                 word_attention_maps(gen.attention[j].cpu(), len(words), grid, options.query_layers) for m in methods}
-        strips = [caption_strip(picture, words, maps[m], options.alpha, title=m if len(methods) > 1 else None)
-                  for m in methods]
-        strip = np.concatenate(strips, axis=0)
+        strip = caption_figure(picture, words, maps, options.alpha, getattr(options, "normalize", "shared"))
         text = " ".join(words) if truths is None else f"{' '.join(words)} (reference: {truths[j]})"
         first = maps[methods[0]]
         item = None if not options.report else {  # report.html's entry: only when a report is written
@@ -534,8 +548,10 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
     todo = sorted(chosen | picked)
     device = next(task.parameters()).device
     methods = list(dict.fromkeys([*decoder_methods(options, CAPTION_DEFAULTS), "random"]))
-    measures = Measures(perturbation=Perturbation(first=methods[0]),
-                        maps=MapWriter(out_dir, "words") if options.save_maps and picked else None)
+    # the items (words) are known only once generated: one report over the images, with their total
+    measures = Measures(Localisation(progress=False), Perturbation(first=methods[0], progress=False),
+                        Sanity(progress=False), MapWriter(out_dir, "words") if options.save_maps and picked else None)
+    progress = Progress("caption overlays and explanation measures", len(todo), "image")
     generator = torch.Generator().manual_seed(options.seed)
     max_pixels = getattr(dataset, "max_pixels", None)
     written = 0
@@ -561,6 +577,8 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
             measures.sanity.update(_sanity(task, images, explained, items, grids, options))
         if options.faithfulness and items:
             measures.perturbation.update(_word_curves(task, images, explained, items, grids, options.steps))
+        progress.update(len(idx))
+    progress.close()
     if written:
         log.info("wrote %d per-word attention strips to %s", written, out_dir / "overlays")
     if measures.maps is not None:

@@ -48,7 +48,7 @@ accumulated by :mod:`vision_attn.explain.measures`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +72,17 @@ from vision_attn.explain.faithfulness import (
 )
 from vision_attn.explain.images import enlarge
 from vision_attn.explain.localisation import grid_to_image
-from vision_attn.explain.measures import MapWriter, Measures, Perturbation
-from vision_attn.explain.overlay import draw_box, image_grid, overlay_saliency, save_png
+from vision_attn.explain.measures import Localisation, MapWriter, Measures, Perturbation, Sanity
+from vision_attn.explain.overlay import (
+    Normalize,
+    attach_colour_bar,
+    draw_box,
+    image_grid,
+    overlay_saliency,
+    save_png,
+    scale_maps,
+)
+from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.rollout import normalize_maps
 from vision_attn.explain.sanity import StandIn, cascading_randomisation, spearman
@@ -85,6 +94,7 @@ __all__ = [
     "StandIn",
     "decoder_methods",
     "detection_explain_metrics",
+    "detection_figure",
     "detection_maps",
     "detection_probabilities",
     "explain_detection",
@@ -142,8 +152,9 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
                       max_objects: int = 6) -> list:
     """:meth:`~vision_attn.tasks.VisionTask.explain_batch` of a detector: per image the record
     ``{"detections": [...]}`` (objects scoring at least ``options.score_threshold``), the panel
-    (the picture with every kept box, then per object, at most ``max_objects``, one tile per
-    method of :func:`decoder_methods` with its map, box, label and score) and its report item
+    (:func:`detection_figure`: the picture with every kept box, then per object, at most
+    ``max_objects``, one tile per method of :func:`decoder_methods` with its map, box, label and
+    score, on ``options.normalize``'s colour scale, and a colour bar) and its report item
     (the first method's maps); ``extras["maps"]`` holds ``{method: [K, h, w]}`` and
     ``extras["detections"]`` the kept ``(query, label, box, score)``."""
     sizes = [tuple(p.shape[:2]) for p in pictures]
@@ -165,16 +176,10 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
         maps = {m: relevance[j] if m == "relevance" else
                 query_attention_maps([a[j : j + 1] for a in out["cross_attn"]], det["queries"][keep].cpu(), enc.grid,
                                      options.query_layers) for m in methods}
-        boxed, tiles, titles, labels = rgb, [], [], []
-        for i, k in enumerate(keep.tolist()):
-            label = f"{names[int(det['labels'][k])]} {float(det['scores'][k]):.2f}"
-            box = (det["boxes"][k] * scale).tolist()
-            boxed = draw_box(boxed, box, label=label)
-            for method in methods:
-                tiles.append(draw_box(overlay_saliency(rgb, maps[method][i], alpha=options.alpha), box, label=label))
-                titles.append(f"query {int(det['queries'][k])}" + (f" {method}" if len(methods) > 1 else ""))
-            labels.append(label)
-        panel = _detection_panel(boxed, tiles, titles, len(methods))
+        objects = [(f"query {int(det['queries'][k])}", f"{names[int(det['labels'][k])]} {float(det['scores'][k]):.2f}",
+                    (det["boxes"][k] * scale).tolist()) for k in keep.tolist()]
+        labels = [label for _, label, _ in objects]
+        panel = detection_figure(rgb, objects, maps, options.alpha, getattr(options, "normalize", "shared"))
         h0, w0 = sizes[j]
         frac = torch.tensor([w0, h0, w0, h0], dtype=torch.float32)
         text = ", ".join(f"query {int(det['queries'][k])}" for k in keep.tolist()) or "no detection above the threshold"
@@ -189,6 +194,36 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
                 for k in keep.tolist()]
         explained.append(Explained(record, panel, item, {"maps": maps, "detections": kept}))
     return explained
+
+
+def detection_figure(rgb: np.ndarray, objects: Sequence[tuple[str, str, Sequence[float]]],
+                     maps: Mapping[str, torch.Tensor | np.ndarray], alpha: float = 0.5,
+                     normalize: Normalize = "shared") -> np.ndarray:
+    """One image's detections and their maps: the picture with every box, then per object one
+    tile per method (its map, box and label), and a colour bar (uint8 RGB).
+
+    Args:
+        rgb: the picture, uint8 RGB ``[H, W, 3]``.
+        objects: per object ``(title, label, box)``: e.g. ``("query 7", "cat 0.91", [x0, y0, x1,
+            y1])``, the box in ``rgb``'s pixels.
+        maps: per method ``[K, h, w]``, one map per object over the patch grid (any scale).
+        alpha: heat-map opacity.
+        normalize: ``shared`` (one colour scale for every tile of the figure: a weak map stays
+            weak) or ``per_map`` (each map to its own maximum;
+            :func:`~vision_attn.explain.overlay.scale_maps`).
+    """
+    methods = list(maps)
+    flat = [maps[m][i] for i in range(len(objects)) for m in methods]
+    scaled, peaks = scale_maps(flat, normalize)
+    boxed, tiles, titles = rgb, [], []
+    for i, (title, label, box) in enumerate(objects):
+        boxed = draw_box(boxed, box, label=label)
+        for k, method in enumerate(methods):
+            tiles.append(draw_box(overlay_saliency(rgb, scaled[i * len(methods) + k], alpha=alpha), box, label=label))
+            titles.append(title + (f" {method}" if len(methods) > 1 else ""))
+    panel = _detection_panel(boxed, tiles, titles, len(methods))
+    top = peaks[0] if normalize == "shared" and peaks and peaks[0] > 0 else None
+    return attach_colour_bar(panel, top)
 
 
 def _detection_panel(boxed: np.ndarray, tiles: list[np.ndarray], titles: list[str], n_methods: int,
@@ -229,6 +264,7 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, report=None,
     scored = hasattr(dataset, "scoring_target")
     device = next(task.parameters()).device
     written = 0
+    progress = Progress("detection overlays", len(chosen), "image")
     for start in range(0, len(chosen), options.batch_size):
         idx = chosen[start : start + options.batch_size]
         images = torch.stack([dataset[i][0] for i in idx]).to(device)
@@ -255,6 +291,8 @@ def write_detection_overlays(task, dataset, options, out_dir: Path, report=None,
                     item.update({"missed": [], "false": []})
                 report.items.append(item)
             written += 1
+        progress.update(len(idx))
+    progress.close()
     log.info("wrote %d detection overlays to %s", written, out_dir / "overlays")
     return written
 
@@ -413,7 +451,10 @@ def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects
     if not picked:
         return {}
     methods = list(dict.fromkeys([*decoder_methods(options), "random"]))
-    measures = Measures(perturbation=Perturbation(first=methods[0]),
+    # the items (detections) are known only once detected: one report over the images, with their total
+    progress = Progress("explanation measures: detections", len(picked), "image")
+    measures = Measures(localisation=Localisation(progress=False),
+                        perturbation=Perturbation(first=methods[0], progress=False), sanity=Sanity(progress=False),
                         maps=MapWriter(out_dir, "detections") if options.save_maps else None)
     measured = capped = 0
     for start in range(0, len(picked), options.batch_size):
@@ -427,6 +468,8 @@ def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects
             measures.perturbation.update(_detection_curves(task, batch, maps, options.steps))
         if options.sanity and batch.count:
             measures.sanity.update(_detection_sanity(task, batch, maps, options, seed))
+        progress.update(len(batch.idx))
+    progress.close()
     if capped:
         log.info("explanation measures: %d detections above the threshold beyond the best %d per image were left out",
                  capped, max_objects)

@@ -62,7 +62,7 @@ from vision_attn.explain.faithfulness import (
     end_probabilities,
 )
 from vision_attn.explain.localisation import grid_to_image, load_image_boxes
-from vision_attn.explain.measures import MapWriter, Measures, Perturbation
+from vision_attn.explain.measures import Localisation, MapWriter, Measures, Perturbation, Sanity
 from vision_attn.explain.methods import (
     TOKENS,
     Token,
@@ -71,6 +71,7 @@ from vision_attn.explain.methods import (
     faithful_methods,
 )
 from vision_attn.explain.overlay import NORMALIZE, Normalize, explanation_figure, save_png
+from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.sanity import sanity_check
 from vision_attn.outputs import safe_filename
@@ -287,6 +288,7 @@ def write_overlays(task, dataset, options: ExplainOptions, out_dir: Path, report
     chosen = overlay_images(dataset, options, worst_images(task, dataset, options))
     device = next(task.parameters()).device
     written = 0
+    progress = Progress("explanation overlays", len(chosen), "image")
     for start in range(0, len(chosen), options.batch_size):
         idx = chosen[start : start + options.batch_size]
         names = [str(dataset.relative_file(i)) for i in idx]
@@ -300,6 +302,8 @@ def write_overlays(task, dataset, options: ExplainOptions, out_dir: Path, report
             written += 1
             if report is not None and e.report_item is not None:
                 report.items.append({"name": name, **e.report_item})
+        progress.update(len(idx))
+    progress.close()
     if written:
         log.info("wrote %d overlays to %s", written, out_dir / "overlays")
     return written
@@ -423,7 +427,8 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
     if chosen:
         written = 0
         sample = set(select_images(len(dataset), options.num_overlays, options.overlay_selection, options.seed))
-        sample_curves = Perturbation()  # the report's mean deletion curves: the seeded sample's
+        sample_curves = Perturbation(progress=False)  # the report's mean deletion curves: the seeded sample's
+        progress = Progress("explanation overlays", len(chosen), "image")
         for images, labels, idx in _batches(dataset, chosen, options.batch_size):
             rels = [dataset.samples[i][0] for i in idx.tolist()]  # dataset indices (ImageFolderDataset returns them)
             pictures = [read_image(dataset.root / rel) for rel in rels]
@@ -440,6 +445,8 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
                 # the mean deletion curves describe the seeded sample, not the added mistakes
                 sample_curves.update(_sample_curves(task, images.to(device), explained[0].extras["explanation"],
                                                     options.steps, in_sample))
+            progress.update(len(idx))
+        progress.close()
         if report is not None and sample_curves.count:
             report.curves = sample_curves.curves("deletion")
         log.info("wrote %d overlays to %s", written, out_dir / "overlays")
@@ -469,7 +476,7 @@ def _faithfulness_metrics(task, dataset, picked: list[int], options: ExplainOpti
     asked = faithful_methods(options.methods)
     methods = list(dict.fromkeys([*asked, "random"]))
     # the first method asked for that has faithfulness numbers is *the* method
-    measure = Perturbation(first=asked[0] if asked else None)
+    measure = Perturbation(first=asked[0] if asked else None, total=len(picked))
     for images, _, _ in _batches(dataset, picked, options.batch_size):
         images = images.to(device)
         expl = explain_classifier(task, images, methods, head_fusion=options.head_fusion,
@@ -513,7 +520,10 @@ def _localisation_and_sanity(task, dataset, picked: list[int], options: ExplainO
     methods = list(dict.fromkeys([*options.methods, "random"]))
     boxes = load_image_boxes(box_file) if box_file is not None else None
     gen = torch.Generator().manual_seed(options.seed)
-    measures = Measures(maps=MapWriter(out_dir, "images") if options.save_maps else None)
+    # one report when both run: the sanity check's (the longer work; the two advance together)
+    measures = Measures(localisation=Localisation(total=len(picked), progress=False if options.sanity else None),
+                        sanity=Sanity(total=len(picked)),
+                        maps=MapWriter(out_dir, "images") if options.save_maps else None)
     kwargs = {"head_fusion": options.head_fusion, "discard_ratio": options.discard_ratio, "token": options.token}
     for images, labels, idx in _batches(dataset, picked, options.batch_size):
         images, labels = images.to(device), labels.to(device)

@@ -22,12 +22,14 @@ updates, in the order they first appear (the ``random`` baseline is a method lik
 Progress: :class:`Localisation`, :class:`Perturbation` and :class:`Sanity` report what they
 measure as items come in (:class:`~vision_attn.explain.progress.Progress`: a bar on a terminal,
 a log line every 30 s otherwise, nothing when quiet); given the ``total`` of items expected,
-with the time left. The report starts with the first update and ends with ``compute()``.
+with the time left. The clock starts when the measure is created (the work of the first items
+counts), the report shows with the first update and ends with ``compute()``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,13 +52,17 @@ class _Reported:
     """What the measures share: a progress report of the items added (see the module docstring)."""
 
     what = "explanation measures"
-    total: int | None = None
-    progress_enabled: bool | None = None
+    unit = "item"
     _progress: Progress | None = None
+
+    def __init__(self, total: int | None = None, progress: bool | None = None) -> None:
+        self.total, self.progress_enabled = total, progress
+        self._began = time.monotonic()
 
     def _advance(self, n: int) -> None:
         if self._progress is None:
-            self._progress = Progress(self.what, self.total, "item", enabled=self.progress_enabled)
+            self._progress = Progress(self.what, self.total, self.unit, enabled=self.progress_enabled,
+                                      start=self._began)
         self._progress.update(n)
 
     def _done(self) -> None:
@@ -91,7 +97,8 @@ class Localisation(_Reported):
     what = "explanation measures: localisation"
 
     def __init__(self, tolerance: float = 1.0, total: int | None = None, progress: bool | None = None) -> None:
-        self.tolerance, self.total, self.progress_enabled = tolerance, total, progress
+        super().__init__(total, progress)
+        self.tolerance = tolerance
         self.reset()
 
     def reset(self) -> None:
@@ -145,7 +152,8 @@ class Perturbation(_Reported):
     what = "explanation measures: deletion / insertion curves"
 
     def __init__(self, first: str | None = None, total: int | None = None, progress: bool | None = None) -> None:
-        self.first, self.total, self.progress_enabled = first, total, progress
+        super().__init__(total, progress)
+        self.first = first
         self.reset()
 
     def reset(self) -> None:
@@ -203,7 +211,7 @@ class Sanity(_Reported):
     what = "explanation measures: sanity check"
 
     def __init__(self, total: int | None = None, progress: bool | None = None) -> None:
-        self.total, self.progress_enabled = total, progress
+        super().__init__(total, progress)
         self.reset()
 
     def reset(self) -> None:

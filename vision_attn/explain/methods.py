@@ -476,6 +476,15 @@ def _fill_gradients(inputs: MethodInputs, logits: Tensor, needs: frozenset[str])
         inputs.block_input_grad = grads[-1]
 
 
+def _default_target(task, logits: Tensor) -> Tensor:
+    """``[B]`` the output explained when none is asked: the head's ``target_column`` where it has one
+    (an embedding model's score), else each image's predicted class."""
+    column = getattr(getattr(task, "head", None), "target_column", None)
+    if isinstance(column, int) and not isinstance(column, bool):
+        return torch.full((logits.shape[0],), column, dtype=torch.long, device=logits.device)
+    return logits.detach().argmax(dim=1)
+
+
 def explain_classifier(
     task,
     images: Tensor,
@@ -498,7 +507,8 @@ def explain_classifier(
         images: ``[B, 3, H, W]`` model inputs.
         methods: names in :data:`METHODS` (``rollout``, ``relevance``, ``attention``,
             ``gradcam``, ``tokens``, ``random``, and any registered later).
-        target: ``[B]`` classes to explain (default: the predicted ones).
+        target: ``[B]`` classes to explain (default: the predicted ones; for a head with a
+            ``target_column``, an embedding model's, that column: the score it explains).
         head_fusion: head fusion of ``rollout`` and ``attention``.
         discard_ratio: ``rollout``'s discard ratio.
         start_layer: first block used by ``rollout`` and ``relevance``.
@@ -527,7 +537,7 @@ def explain_classifier(
         index = resolve_target_class(target_class, getattr(task, "class_names", None), logits.shape[1])
         target = torch.full((logits.shape[0],), index, dtype=torch.long, device=logits.device)
     if target is None:
-        target = logits.detach().argmax(dim=1)
+        target = _default_target(task, logits)
     p = out.num_prefix_tokens
     if token_index is None:
         token_index = _explained_row(task, p, token, out, bool(needs & _ROW_NEEDS))

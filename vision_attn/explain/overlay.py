@@ -27,8 +27,8 @@ import torch
 from vision_attn.explain.localisation import eval_geometry, grid_to_image
 from vision_attn.outputs import safe_filename, write_png
 
-__all__ = ["NORMALIZE", "colour_bar", "crop_box", "draw_box", "explanation_figure", "fit_text", "image_grid",
-           "overlay_saliency", "put_text", "save_png", "scale_maps"]
+__all__ = ["NORMALIZE", "attach_colour_bar", "colour_bar", "crop_box", "draw_box", "explanation_figure", "fit_text",
+           "image_grid", "overlay_saliency", "put_text", "save_png", "scale_maps"]
 
 Normalize = Literal["shared", "per_map"]
 NORMALIZE: tuple[str, ...] = ("shared", "per_map")
@@ -256,6 +256,19 @@ def colour_bar(height: int, top: float | None = None, colormap: int = cv2.COLORM
     out[:, :width] = bar
     cv2.putText(out, label, (width + 3, 10), _FONT, 0.35, (0, 0, 0), 1, cv2.LINE_AA)
     cv2.putText(out, "0", (width + 3, height - 3), _FONT, 0.35, (0, 0, 0), 1, cv2.LINE_AA)
+    return out
+
+
+def attach_colour_bar(figure: np.ndarray, top: float | None = None, colormap: int = cv2.COLORMAP_JET,
+                      pad: int = 4) -> np.ndarray:
+    """``figure`` (uint8 RGB) with a :func:`colour_bar` on its right, as tall as the figure less
+    ``pad`` at the top and bottom, on white (``top``: the value the bar's top stands for)."""
+    fig = _as_uint8_rgb(figure)
+    h = fig.shape[0]
+    bar = colour_bar(max(24, h - 2 * pad), top, colormap)
+    out = np.full((max(h, bar.shape[0] + 2 * pad), fig.shape[1] + bar.shape[1] + 2 * pad, 3), 255, np.uint8)
+    out[:h, : fig.shape[1]] = fig
+    out[pad : pad + bar.shape[0], fig.shape[1] + pad : fig.shape[1] + pad + bar.shape[1]] = bar
     return out
 
 

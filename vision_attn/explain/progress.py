@@ -4,7 +4,8 @@
 progress bar; otherwise (a log file, a pipe, a notebook's captured output) it writes a log line
 at most every ``log_every`` seconds (``explanation measures: 64/256 images, 1:02 elapsed, about
 3:05 left``), so a long run never looks hung. Nothing at all when the ``vision_attn`` logger is
-quieter than ``INFO`` (``quiet``), or with ``enabled=False``.
+quieter than ``INFO`` (``quiet``), or with ``enabled=False``. With ``delay``, nothing is shown
+before the work has taken that long (a folder scan that ends in a second says nothing).
 """
 
 from __future__ import annotations
@@ -37,19 +38,26 @@ class Progress:
         enabled: ``None``: when the ``vision_attn`` logger shows ``INFO``; ``False``: nothing.
         stream: where the bar goes (default: ``sys.stderr``); a bar only when it is a terminal.
         log_every: seconds between log lines when there is no bar.
+        delay: seconds of work before anything is shown (the bar, or the first log line).
+        start: when the work began (``time.monotonic()``; default: now), for work that began
+            before its first unit could be counted.
     """
 
     def __init__(self, desc: str, total: int | None = None, unit: str = "item", enabled: bool | None = None,
-                 stream: TextIO | None = None, log_every: float = 30.0) -> None:
-        self.desc, self.total, self.unit, self.log_every = desc, total, unit, log_every
+                 stream: TextIO | None = None, log_every: float = 30.0, delay: float = 0.0,
+                 start: float | None = None) -> None:
+        self.desc, self.total, self.unit, self.log_every, self.delay = desc, total, unit, log_every, delay
         self.n = 0
-        self.start = self._last_log = time.monotonic()
+        self.start = time.monotonic() if start is None else start
+        self._last_log = self.start
         quiet = not logging.getLogger("vision_attn").isEnabledFor(logging.INFO)
         self.enabled = (not quiet) if enabled is None else enabled
         stream = stream if stream is not None else sys.stderr
         self.bar: Any = None
         if self.enabled and getattr(stream, "isatty", lambda: False)():
-            self.bar = tqdm(total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True, leave=False)
+            self.bar = tqdm(total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True, leave=False,
+                            delay=delay)
+            self.bar.start_t -= time.monotonic() - self.start  # tqdm's clock: the work's start
 
     def set_description(self, desc: str) -> None:
         """Say what is being done now (the next log line and the bar show it)."""
@@ -62,8 +70,9 @@ class Progress:
         self.n += n
         if self.bar is not None:
             self.bar.update(n)
-        elif self.enabled and (time.monotonic() - self._last_log >= self.log_every
-                               or (self.total is not None and self.n >= self.total)):
+        elif self.enabled and time.monotonic() - self.start >= self.delay and (
+                time.monotonic() - self._last_log >= self.log_every
+                or (self.total is not None and self.n >= self.total)):
             self._last_log = time.monotonic()
             log.info("%s", self.line())
 

@@ -2,7 +2,7 @@
 task name to its class (:func:`register_task`). Each task's constructor takes its settings in
 named groups (dataclasses), re-exported here with the tasks, as are their inference options
 (:attr:`VisionTask.inference_options`: ``ClassificationOptions``, ``DetectionOptions``,
-``GenerationOptions``)."""
+``GenerationOptions``, ``EmbeddingOptions``)."""
 
 from vision_attn.models.captioner import DecoderConfig, GenerationOptions
 from vision_attn.models.classifier import ClassifierConfig
@@ -12,9 +12,11 @@ from vision_attn.tasks.captioning import CaptioningTask
 from vision_attn.tasks.captioning_config import CaptionTraining, SCSTConfig
 from vision_attn.tasks.classification import ClassificationOptions, ClassificationTask, MixConfig
 from vision_attn.tasks.detection import DetectionOptions, DetectionTask, SetLossConfig
+from vision_attn.tasks.embedding import EmbeddingOptions, EmbeddingTask
 from vision_attn.tasks.optim import Optimization
 
 __all__ = ["TASKS", "CaptionTraining", "CaptioningTask", "ClassificationOptions", "ClassificationTask",
-           "ClassifierConfig", "DETRConfig", "DecoderConfig", "DetectionOptions", "DetectionTask", "Explained",
+           "ClassifierConfig", "DETRConfig", "DecoderConfig", "DetectionOptions", "DetectionTask", "EmbeddingOptions",
+           "EmbeddingTask", "Explained",
            "GenerationOptions", "MixConfig", "Optimization", "SCSTConfig", "SetLossConfig", "VisionTask", "load_task",
            "register_task"]

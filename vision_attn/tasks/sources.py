@@ -12,6 +12,12 @@ everything downstream (predictions, explanations, the report, export) runs on it
   timm data config (evaluated exactly as ``timm.data.create_transform``). Class names are
   ImageNet's human-readable descriptions (``timm.data.ImageNetInfo``) for ImageNet-sized heads,
   or ``class_names``.
+- ``timm:NAME`` of a model without a classifier (DINOv2, SigLIP and CLIP image towers, EVA-02 MIM,
+  any ``num_classes=0`` model, a weights file without the classifier's weights) or with a
+  projection instead of classes (Perception Encoder, a CLIP tower's projection: a head of the size
+  timm's pretrained config gives, not an ImageNet head, and no ``class_names``): an
+  :class:`~vision_attn.tasks.embedding.EmbeddingTask`, whose predictions are embeddings and whose
+  explanations explain the embedding's norm or a cosine with a target.
 - anything else: a checkpoint written by this suite (:func:`~vision_attn.tasks.base.load_task`),
   with its own weights, class names and stored preprocessing.
 """
@@ -33,6 +39,7 @@ from vision_attn.models.classifier import ClassifierConfig
 from vision_attn.models.encoder import ViTEncoder, suggest_model_names
 from vision_attn.tasks.base import VisionTask, load_task
 from vision_attn.tasks.classification import ClassificationTask
+from vision_attn.tasks.embedding import EmbeddingTask
 
 __all__ = ["TIMM_PREFIX", "ClassNames", "imagenet_class_names", "load_model", "load_timm_model",
            "resolve_class_names"]
@@ -53,7 +60,8 @@ def load_model(
     allow_import: tuple[str, ...] = (),
     map_location: str = "cpu",
 ) -> VisionTask:
-    """A model ready to predict and explain (eval mode), from a timm name or a checkpoint.
+    """A model ready to predict and explain (eval mode), from a timm name or a checkpoint: a
+    timm model without a classifier loads as an :class:`~vision_attn.tasks.embedding.EmbeddingTask`.
 
     Args:
         source: ``timm:NAME`` (a timm ViT-family name, optionally with its pretrained tag) or
@@ -90,7 +98,8 @@ def load_timm_model(
     map_location: str = "cpu",
 ) -> VisionTask:
     """A :class:`~vision_attn.tasks.ClassificationTask` around timm model ``name`` with timm's
-    own classifier (see :func:`load_model`; ``name`` without the ``timm:`` prefix)."""
+    own classifier, or an :class:`~vision_attn.tasks.embedding.EmbeddingTask` for a model without
+    one (see :func:`load_model`; ``name`` without the ``timm:`` prefix)."""
     name = name.strip()
     arch, _, tag = name.partition(".")
     if not arch or not timm.is_model(arch):
@@ -103,15 +112,10 @@ def load_timm_model(
     state: dict[str, Tensor] | None = None
     if weights_file is not None:
         state = load_state_dict_file(weights_file)
-        num_classes = _classifier_size(state, pretrained_cfg, weights_file)
+        num_classes = _classifier_size(state, pretrained_cfg)
     else:
         num_classes = int(getattr(pretrained_cfg, "num_classes", 0) or 0)
-        if num_classes < 1:
-            raise EncoderError(
-                f"timm model {name!r} has no pretrained classifier (a feature backbone); vision_attn explains "
-                "classifiers: pick a tag fine-tuned on a label set (timm.list_pretrained('"
-                f"{arch}.*')) or pass a weights file with a classifier (--weights_file)"
-            )
+    embedding = num_classes < 1 or _is_projection(num_classes, class_names, pretrained_cfg)
     try:
         encoder = ViTEncoder(name, pretrained=state is None, num_classes=num_classes, timm_kwargs=_skip_init(arch))
     except EncoderError as err:
@@ -126,6 +130,13 @@ def load_timm_model(
         ) from None
     if state is not None:
         encoder.load_state(state, str(weights_file))
+    if embedding and class_names is not None:
+        raise EncoderError(f"class names were given, but timm model {name!r} has no classifier (an embedding "
+                           "model): drop --class_names (class_names=)")
+    if embedding:
+        log.info("timm model %s: no classifier, an embedding of %d values; preprocessing %s", name,
+                 num_classes or encoder.embed_dim, encoder.data_config)
+        return EmbeddingTask(encoder).eval().to(map_location)
     names = resolve_class_names(num_classes, class_names)
     task = ClassificationTask(encoder, num_classes=num_classes, class_names=names, head=ClassifierConfig(kind="timm"))
     log.info("timm model %s: %d classes, preprocessing %s", name, num_classes, encoder.data_config)
@@ -143,19 +154,24 @@ def _skip_init(arch: str) -> dict[str, str]:
     return {"weight_init": "skip"} if takes_skip and vit_class else {}
 
 
-def _classifier_size(state: dict[str, Tensor], pretrained_cfg, weights_file: str | Path) -> int:
-    """The number of classes of the classifier in a timm state dict."""
+def _is_projection(num_classes: int, class_names: ClassNames | None, pretrained_cfg) -> bool:
+    """Whether a head of ``num_classes`` outputs is a projection, not classes: no class names
+    given, not an ImageNet head, and the size timm's pretrained config gives the model (a CLIP
+    tower's or Perception Encoder's projection; a head fine-tuned to other classes has another)."""
+    pretrained = int(getattr(pretrained_cfg, "num_classes", 0) or 0)
+    return class_names is None and num_classes == pretrained and imagenet_class_names(num_classes) is None
+
+
+def _classifier_size(state: dict[str, Tensor], pretrained_cfg) -> int:
+    """The number of outputs of the classifier (or projection) in a timm state dict; 0 when it
+    holds none (a feature backbone)."""
     classifier = getattr(pretrained_cfg, "classifier", None) or "head"
     head = classifier if isinstance(classifier, str) else classifier[0]
     for prefix in _STATE_PREFIXES:
         weight = state.get(f"{prefix}{head}.weight")
         if weight is not None and weight.dim() == 2:
             return int(weight.shape[0])
-    raise EncoderError(
-        f"weights file {weights_file} holds no classifier ({head}.weight): it is a feature backbone (or "
-        "not a timm state dict of this model); vision_attn explains classifiers, so save the model with "
-        "its classification head"
-    )
+    return 0
 
 
 def imagenet_class_names(num_classes: int) -> list[str] | None:
