@@ -40,13 +40,14 @@ test: $(DEV)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: $(DEV)
-	$(PY) -m benchmarks.suite --json benchmarks/results/latest.json
-	$(PY) -m benchmarks.streaming --json benchmarks/results/streaming.json
-	$(PY) -m benchmarks.merging --repeats 5 --json benchmarks/results/merging.json
-	$(PY) -m benchmarks.predict_loop --json benchmarks/results/predict_loop.json
-	$(PY) -m benchmarks.gpu --json benchmarks/results/gpu.json
-	if ls $(DEMO_DIR)/*/*/checkpoints/last.ckpt >/dev/null 2>&1; then $(PY) -m benchmarks.explanations --demo_dir $(DEMO_DIR) --json benchmarks/results/explanations.json; else echo "no $(DEMO_DIR)/*/<task>/checkpoints/last.ckpt: run make demo for the explanations table"; fi
-	ckpt=$$(ls -t $(DEMO_DIR)/*/captioning/checkpoints/last.ckpt 2>/dev/null | head -1); if [ -n "$$ckpt" ]; then $(PY) -m benchmarks.caption_grounding "$$ckpt" --json benchmarks/results/caption_grounding.json; fi
+	$(PY) -m benchmarks.suite --json docs/results/performance_suite.json
+	$(PY) -m benchmarks.streaming --json docs/results/performance_streaming.json
+	$(PY) -m benchmarks.merging --repeats 5 --json docs/results/performance_merging.json
+	$(PY) -m benchmarks.predict_loop --json docs/results/performance_predict_loop.json
+	$(PY) -m benchmarks.gpu --json docs/results/performance_gpu.json
+	$(PY) -m benchmarks.startup --repeats 5 --json docs/results/performance_startup.json
+	if ls $(DEMO_DIR)/*/*/checkpoints/last.ckpt >/dev/null 2>&1; then $(PY) -m benchmarks.explanations --demo_dir $(DEMO_DIR) --json docs/results/explanations.json; else echo "no $(DEMO_DIR)/*/<task>/checkpoints/last.ckpt: run make demo for the explanations table"; fi
+	ckpt=$$(ls -t $(DEMO_DIR)/*/captioning/checkpoints/last.ckpt 2>/dev/null | head -1); if [ -n "$$ckpt" ]; then $(PY) -m benchmarks.caption_grounding "$$ckpt" --json docs/results/captioning_grounding.json; fi
 
 # the documentation site: the generated pages written again (command line, configuration keys, API,
 # results), then built into site/ offline; a broken link or reference, or a docstring warning, fails it

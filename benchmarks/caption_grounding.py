@@ -2,7 +2,7 @@
 naming objects, on the training and on the validation split.
 
     python -m benchmarks.caption_grounding CKPT [--root ROOT] [--images 400]
-        [--json benchmarks/results/caption_grounding.json]
+        [--json docs/results/captioning_grounding.json]
 
 For each split, every image's first reference caption is fed to the decoder (teacher forcing)
 and each position whose next word names an object — a category name, or a colour the
@@ -15,6 +15,8 @@ Which failure a model has shows in the two splits side by side: kinds near chanc
 tell the kinds apart; high on training and low on validation mean it memorised the images.
 ``--root`` defaults to the embedded scenes of 2000 training images: the first 2000 of
 ``configs/captioning/shapes.yaml``'s 5500 (the scenes are drawn in order) and the same validation scenes.
+``--json`` writes a row per split as a results file of the documentation's captioning page
+(:mod:`benchmarks.results_json`).
 """
 
 from __future__ import annotations
@@ -23,15 +25,21 @@ import argparse
 import logging
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import machine, write_result
+from benchmarks.common import command_line, finite, machine
+from benchmarks.results_json import write_results
 from vision_attn.data.captioning import caption_collate
 from vision_attn.data.loading import Batching
 
 log = logging.getLogger("benchmarks.caption_grounding")
+
+COLUMNS = ["split", "images", {"name": "kind", "format": ".3f"}, {"name": "colour", "format": ".3f"},
+           {"name": "all words", "format": ".3f"}, "kind words", "colour words"]
+"""The columns of the results file (``docs/results/captioning_grounding.json``)."""
 
 
 def object_word_ids(dataset, tokenizer) -> dict[str, set[int]]:
@@ -79,12 +87,30 @@ def split_accuracy(task, dataset, images: int, batch_size: int = 50) -> dict[str
     return row
 
 
-def main(argv: list[str] | None = None) -> dict:
+def write_json(path: str | Path, rows: dict[str, dict[str, float | int]], ckpt: str | Path, command: str) -> Path:
+    """The ``{split: row}`` of :func:`split_accuracy` as a results file (:data:`COLUMNS`; a group
+    with no word is an empty cell); ``command``: the command line that reproduces it."""
+    table = [[split, r["images"], finite(r["kind"]), finite(r["colour"]), finite(r["all"]), r["kind_words"],
+              r["colour_words"]] for split, r in rows.items()]
+    return write_results(
+        path, page="captioning", title="Are the object words read from the image? Teacher-forced accuracy",
+        command=command, columns=COLUMNS, rows=table,
+        description="Each image's first reference caption fed to the decoder (teacher forcing); a position whose "
+                    "next word names an object (kind: a category name; colour: a colour of the split's objects) "
+                    "counts as right when the decoder's most likely next word is that word; all words: every "
+                    "word of the caption. Kinds near chance on both splits: the encoder does not tell the kinds "
+                    "apart; high on training and low on validation: the images were memorised.",
+        notes=[f"Checkpoint `{ckpt}`."])
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ckpt", help="a captioning checkpoint written by train.py")
     parser.add_argument("--root", default=None, help="COCO-captions root with instances files (default: embedded)")
     parser.add_argument("--images", type=int, default=400, help="images per split")
-    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--json", default=None, help="also write the rows here as a results file "
+                                                     "(make bench: docs/results/captioning_grounding.json)")
     args = parser.parse_args(argv)
     from vision_attn.data import CaptioningDataModule
     from vision_attn.tasks.base import load_task
@@ -101,9 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {split} | {r['images']} | {r['kind']:.3f} | {r['colour']:.3f} | {r['all']:.3f} |")
     result = {"machine": machine(), "ckpt": str(args.ckpt), "rows": rows}
     if args.json:
-        write_result(args.json, result)
+        write_json(args.json, rows, args.ckpt, command_line("benchmarks.caption_grounding", argv))
     return result
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

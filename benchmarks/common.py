@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
+import shlex
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -41,3 +43,20 @@ def write_result(path: str | Path | None, result: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(result, indent=2))
+
+
+def command_line(module: str, argv: Sequence[str]) -> str:
+    """The command that reproduces a run of ``python -m MODULE`` with the arguments ``argv``
+    (quoted for a POSIX shell): the ``command`` of its results file."""
+    return " ".join(["python", "-m", module, *(shlex.quote(str(a)) for a in argv)])
+
+
+def finite(value: float | int | None, digits: int | None = None) -> float | None:
+    """``value`` as a plain float (rounded to ``digits`` when given), ``None`` when it is missing
+    or not finite: the cell of a results table (which holds no NaN or infinity)."""
+    if value is None:
+        return None
+    value = float(value)
+    if not math.isfinite(value):
+        return None
+    return round(value, digits) if digits is not None else value

@@ -2,7 +2,7 @@
 
     python -m benchmarks.explanations [--classification CKPT] [--detection CKPT]
         [--captioning CKPT] [--images 200] [--seed 0]
-        [--json benchmarks/results/explanations.json]
+        [--json docs/results/explanations.json]
 
 Trains nothing. Each checkpoint given (default: the newest
 ``runs/demo/*/<task>/checkpoints/last.ckpt`` of each task, when there is one) is evaluated by
@@ -20,7 +20,9 @@ method (the ``random`` baseline included):
   the fully randomised model (closest to 0 is best: the map depends on the model).
 
 A metric the evaluation did not return shows as ``—``. Under each task, the ``best`` row names
-the best method of each column (``random`` included, ties joined with ``/``).
+the best method of each column (``random`` included, ties joined with ``/``). ``--json`` writes
+the rows (without the ``best`` rows) as a results file of the documentation's explanations page
+(:mod:`benchmarks.results_json`; a missing metric is an empty cell).
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import machine, write_result
+from benchmarks.common import command_line, finite, machine
+from benchmarks.results_json import write_results
 
 log = logging.getLogger("benchmarks.explanations")
 
@@ -48,6 +52,10 @@ COLUMNS = {  # column -> (metric key prefix, better)
 COUNTS = ("explain_images", "explain_classes", "explain_words", "explain_detections")
 """Metrics that count what the numbers were measured on (printed under the table when present)."""
 ARROWS = {"higher": "↑", "lower": "↓", "closer to 0": "→0"}
+JSON_COLUMNS = {"pointing": "pointing", "energy": "energy", "deletion": "deletion AUC", "insertion": "insertion AUC",
+                "sanity": "sanity (Spearman)"}
+"""The name of each column of :data:`COLUMNS` in the results file (``docs/results/explanations.json``;
+the documentation's methods table reads ``deletion AUC``)."""
 
 
 def task_methods(task: str) -> list[str]:
@@ -173,7 +181,34 @@ def run(checkpoints: dict[str, str | Path], images: int = 200, seed: int = 0,
             "machine": machine(), "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def write_json(path: str | Path, result: dict, command: str) -> Path:
+    """:func:`run`'s ``result`` as a results file: a row per task and method, the columns task,
+    method and :data:`JSON_COLUMNS`; ``command``: the command line that reproduces it."""
+    columns = ["task", "method", *({"name": JSON_COLUMNS[c], "format": ".3f"} for c in COLUMNS)]
+    rows = [[task, method, *(finite(values[c]) for c in COLUMNS)]
+            for task, entry in result["tasks"].items() for method, values in entry["methods"].items()]
+    notes = []
+    for task, entry in result["tasks"].items():
+        counts = ", ".join(f"{v} {k.removeprefix('explain_')}" for k, v in entry["counts"].items())
+        best = "; ".join(f"{JSON_COLUMNS[c]} {' / '.join(entry['best'][c])}" for c in COLUMNS if entry["best"][c])
+        notes.append(f"{task}: `{entry['checkpoint']}`; {counts or 'no counts reported'}; {entry['seconds']:.0f} s. "
+                     f"Best: {best or 'none measured'}.")
+    better = ", ".join(f"{JSON_COLUMNS[c]} {b}" for c, (_, b) in COLUMNS.items())
+    return write_results(
+        path, page="explanations", title="Explanation methods on the make demo models, per task", command=command,
+        columns=columns, rows=rows,
+        description=f"Every explanation method of each task, measured by `eval.py` with the sanity check on, "
+                    f"{result['images']} sampled validation images per task (seed {result['seed']}). Pointing: "
+                    "the map's maximum within the box of the labelled class, the matched detection or the named "
+                    "object; energy: the map's mass inside those boxes; deletion and insertion AUCs of the class "
+                    "probability, the detection's score or the word's probability; sanity: Spearman correlation "
+                    "of the maps with those of the randomised model. Better: "
+                    f"{better}. An empty cell: the task has no such measure.",
+        notes=[*notes, f"{result['seconds']:.0f} s in all, {result['machine']['threads']} torch threads."])
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for task in TASKS:
         p.add_argument(f"--{task}", metavar="CKPT", default=None,
@@ -181,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--demo_dir", default="runs/demo", help="where `make demo` writes its runs")
     p.add_argument("--images", type=int, default=200, help="images per task for the explanation numbers")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="benchmarks/results/explanations.json")
+    p.add_argument("--json", default=None, help="write the table here as a results file "
+                                                "(make bench: docs/results/explanations.json)")
     p.add_argument("--score_threshold", type=float, default=None,
                    help="detection: explain detections scoring at least this (default: eval's 0.3)")
     p.add_argument("--work_dir", default=None, help="keep the evaluations' outputs here (default: temporary)")
@@ -208,9 +244,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{task}: {entry['checkpoint']}; {counts or 'no counts reported'}; {entry['seconds']} s")
     m = result["machine"]
     print(f"{m['cpu']}, {m['threads']} threads, torch {m['torch']}, CUDA: {m['cuda']}; {result['seconds']} s")
-    write_result(a.json, result)
+    if a.json:
+        write_json(a.json, result, command_line("benchmarks.explanations", argv))
     return result
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

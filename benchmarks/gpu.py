@@ -1,6 +1,7 @@
 """GPU section: a ViT-B/16 training step, images/s and model FLOPs utilisation (MFU).
 
-    python -m benchmarks.gpu [--model vit_base_patch16_224] [--batch 256] [--steps 20] [--json OUT.json]
+    python -m benchmarks.gpu [--model vit_base_patch16_224] [--batch 256] [--steps 20]
+                             [--json docs/results/performance_gpu.json]
 
 One training step (forward, cross-entropy on random labels, backward, fused AdamW step) of a
 randomly initialised timm model on random images, in three set-ups, each timed over
@@ -21,23 +22,32 @@ input gradient (the images need none); layer norms, softmax, GELU and the optimi
 counted, as is usual for MFU. The count equals ``torch.utils.flop_counter.FlopCounterMode``'s
 (tested on a tiny ViT).
 
-Without a CUDA device it says so plainly, writes ``{"gpu": null, "reason": ...}`` to ``--json``
-and exits 0. Goal: >= 40 % MFU for the bf16 + SDPA + compile step.
+``--json`` writes a row per set-up as a results file of the documentation's performance page
+(:mod:`benchmarks.results_json`). Without a CUDA device it says so plainly, measures nothing,
+writes no file (an existing one is left as it is) and exits 0. Goal: >= 40 % MFU for the
+bf16 + SDPA + compile step.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from benchmarks.common import machine, write_result
+from benchmarks.common import command_line, finite, machine
+from benchmarks.results_json import write_results
 
 MFU_GOAL = 0.40
+COLUMNS = ["set-up", "batch", {"name": "images/s", "format": ".0f"}, {"name": "step ms", "format": ".1f"},
+           {"name": "model TFLOP/s", "format": ".1f"}, {"name": "peak TFLOP/s", "format": ".0f"},
+           {"name": "MFU %", "format": ".1f"}, {"name": "peak memory GiB", "format": ".1f"}]
+"""The columns of the results file (``docs/results/performance_gpu.json``)."""
 
 PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
     # (substring of torch.cuda.get_device_name, dense peak FLOP/s per precision); first match wins
@@ -192,21 +202,59 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def write_json(path: str | Path, result: dict[str, Any], command: str) -> Path:
+    """A measured :func:`run` ``result`` as a results file, a row per set-up (:data:`COLUMNS`; a
+    set-up that ran out of memory has empty cells and a note); ``command``: the command line that
+    reproduces it.
+
+    Raises:
+        ValueError: ``result`` measured nothing (no GPU).
+    """
+    if result.get("gpu") is None:
+        raise ValueError(f"no GPU measurement to write: {result.get('reason', 'no GPU')}")
+    rows, notes = [], []
+    for r in result["rows"]:
+        if "error" in r:
+            rows.append([r["setup"], r["batch"], None, None, None, None, None, None])
+            notes.append(f"{r['setup']}: {r['error'].split(':')[0]}.")
+            continue
+        mfu = None if r["mfu"] is None else 100 * r["mfu"]
+        rows.append([r["setup"], r["batch"], finite(r["images_per_s"], 1), finite(1000 * r["step_s"], 2),
+                     finite(r["tflops"], 2), finite(r["peak_tflops"]), finite(mfu, 2),
+                     finite(r["max_memory_gib"], 2)])
+    met = {True: "met", False: "not met", None: "unknown (no peak FLOP/s known for this device)"}[result["met"]]
+    notes.insert(0, f"Goal: bf16 + SDPA + compile ≥ {100 * MFU_GOAL:.0f} % MFU: {met}.")
+    return write_results(
+        path, page="performance", title=f"Training step on a GPU, {result['model']}", command=command,
+        columns=COLUMNS, rows=rows,
+        description=f"One training step (forward, cross-entropy, backward, fused AdamW) of {result['model']} with "
+                    f"random weights on random images, batch {result['batch']}, on {result['gpu']}; seconds per "
+                    f"step over {result['steps']} CUDA-synchronised steps after {result['warmup']} warm-up steps "
+                    "(`torch.compile` compiles during the warm-up). Model TFLOP/s: the forward's and backward's "
+                    "matmul FLOPs counted analytically; MFU: that over the device's dense peak for the step's "
+                    "precision (empty for a device without a known peak); fp32 without TF32.",
+        notes=notes)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="vit_base_patch16_224")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
-    p.add_argument("--json", default="benchmarks/results/gpu.json")
+    p.add_argument("--json", default=None, help="write the table here as a results file when a GPU ran it "
+                                                "(make bench: docs/results/performance_gpu.json)")
     a = p.parse_args(argv)
     result = run(a.model, a.batch, a.steps, a.warmup, tuple(a.setups))
     if result["gpu"] is None:
-        print(f"GPU benchmark: {result['reason']}; nothing measured.")
-    else:
-        print(format_table(result))
-    write_result(a.json, result)
+        kept = f"; {a.json} not written" if a.json else ""
+        print(f"GPU benchmark: {result['reason']}; nothing measured{kept}.")
+        return result
+    print(format_table(result))
+    if a.json:
+        write_json(a.json, result, command_line("benchmarks.gpu", argv))
     return result
 
 

@@ -1,7 +1,8 @@
 """The folder command's predict loop against a plain timm loop, and overlays against predictions only.
 
     python -m benchmarks.predict_loop [--images 256] [--model vit_small_patch16_224] [--repeats 3]
-                                      [--num_workers 2] [--threads N] [--json OUT.json]
+                                      [--num_workers 2] [--threads N]
+                                      [--json docs/results/performance_predict_loop.json]
 
 A randomly initialised timm model (``--model``, timing does not depend on the weights) is saved
 to a local ``.safetensors`` file (no hub), and ``--images`` JPEGs of 320 x 420 px (width x
@@ -28,6 +29,8 @@ subprocesses inherit the environment (``OMP_NUM_THREADS``); ``--threads`` sets t
 torch threads and, when given, the subprocesses' ``OMP_NUM_THREADS``; ``--python`` runs both
 subprocesses with another interpreter (a runtime-only install: the test extras bring
 matplotlib, which torchmetrics, and so Lightning, imports at start-up when it is present).
+``--json`` writes the table as a results file of the documentation's performance page
+(:mod:`benchmarks.results_json`: columns pair, ratio, goal, met, detail).
 """
 
 from __future__ import annotations
@@ -43,15 +46,19 @@ import tempfile
 import textwrap
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from benchmarks.common import interleaved_medians, machine, write_result
+from benchmarks.common import command_line, finite, interleaved_medians, machine
+from benchmarks.results_json import write_results
 
 GOALS = {"predictions_only": 0.9, "overlays": 1.5, "whole_process": 0.85}
 """The goals: images/s ratio >= 0.9; overlays time ratio <= 1.5; whole process plain / ours >= 0.85."""
+COLUMNS = ["pair", {"name": "ratio", "format": ".3f"}, "goal", "met", "detail"]
+"""The columns of the results file (those of ``docs/results/performance_predict_loop.json``)."""
 
 PLAIN_SCRIPT = textwrap.dedent('''\
     """A plain timm prediction script: PIL decode, timm's eval transform, batches, inference_mode."""
@@ -229,7 +236,23 @@ def run(images: int = 256, model: str = "vit_small_patch16_224", repeats: int = 
             "rows": rows, "machine": machine(), "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def write_json(path: str | Path, result: dict, command: str) -> Path:
+    """:func:`run`'s ``result`` as a results file (:data:`COLUMNS`); ``command``: the command line
+    that reproduces it."""
+    rows = [[r["pair"], finite(r["ratio"]), r["goal"], bool(r["met"]), r["detail"]] for r in result["rows"]]
+    return write_results(
+        path, page="performance", title="The folder command's predict loop against a plain timm loop",
+        command=command, columns=COLUMNS, rows=rows,
+        description=f"{result['model']} with random weights saved as a local `.safetensors`, {result['images']} "
+                    f"JPEGs of 320 x 420 px, batch {result['batch']}, {result['num_workers']} DataLoader workers, "
+                    f"{result['machine']['threads']} torch threads; medians of {result['repeats']} interleaved "
+                    "repeats. Every pair checks that both sides predict the same top-1 score to 1e-4 (detail "
+                    "column), and a pair whose sides differ does not meet its goal.",
+        notes=[f"{result['seconds']:.0f} s in all."])
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=256)
     p.add_argument("--model", default="vit_small_patch16_224")
@@ -243,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="interpreter of the whole-process pair, both sides (default: this one); e.g. the .venv of "
                         "`make install`, which lacks the test extras "
                         "(matplotlib, which torchmetrics imports when present)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the table here as a results file "
+                                                "(make bench: docs/results/performance_predict_loop.json)")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     for name in ("lightning", "lightning.pytorch", "lightning.pytorch.utilities.rank_zero", "vision_attn"):
@@ -259,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in res["rows"]:
         print(f"| {r['pair']} | {r['ratio']:.3f} | {r['goal']} | {'yes' if r['met'] else 'no'} | {r['detail']} |")
     print(f"{res['seconds']} s")
-    write_result(a.json, res)
+    if a.json:
+        write_json(a.json, res, command_line("benchmarks.predict_loop", argv))
     return res
 
 

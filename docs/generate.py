@@ -701,10 +701,16 @@ PAGE_PRODUCERS = {
                       "checkpoints")],
     "performance": [("make bench", "every side-by-side pair: encoder against timm, attention capture, rollout, "
                      "KV cache, COCO evaluation, training step against a plain loop, data pipeline"),
-                    ("python -m benchmarks.streaming", "streaming against stored rollout"),
-                    ("python -m benchmarks.merging", "token merging: speed and agreement"),
-                    ("python -m benchmarks.predict_loop", "the folder commands against a plain timm loop"),
-                    ("python -m benchmarks.gpu", "a ViT-B/16 training step on a GPU: images/s and MFU")],
+                    ("python -m benchmarks.streaming --json docs/results/performance_streaming.json",
+                     "streaming against stored rollout"),
+                    ("python -m benchmarks.merging --repeats 5 --json docs/results/performance_merging.json",
+                     "token merging: speed and agreement"),
+                    ("python -m benchmarks.predict_loop --json docs/results/performance_predict_loop.json",
+                     "the folder commands against a plain timm loop"),
+                    ("python -m benchmarks.gpu --json docs/results/performance_gpu.json",
+                     "a ViT-B/16 training step on a GPU: images/s and MFU"),
+                    ("python -m benchmarks.startup --json docs/results/performance_startup.json",
+                     "the command line's start-up: --help of the listing and the subcommands")],
 }
 
 

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from benchmarks.explain_overhead import run
+from benchmarks.results_json import column_name, validate
 from vision_attn.data.loading import Batching
 from vision_attn.models.captioner import DecoderConfig
+
+PAIR_COLUMNS = ["pair", "ratio", "goal", "met", "detail"]
+"""The columns of the performance tables of pairs (suite, predict loop)."""
+
+
+def results_file(path: Path, columns: list[str]) -> dict:
+    """The content of the results file a benchmark wrote at ``path``, checked: it follows the
+    schema of the documentation's results pages and has ``columns``."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert validate(data) == []
+    assert [column_name(c) for c in data["columns"]] == columns
+    return data
 
 
 def test_explain_overhead_runs_tiny():
@@ -22,22 +38,24 @@ def test_caption_kv_cache_runs_tiny():
     assert r["same_tokens"] and r["speedup"] > 0 and set(r["median_s"]) == {"cached", "uncached"}
 
 
-def test_benchmark_suite_runs_tiny_and_reports_every_pair():
-    from benchmarks.suite import format_table, run_all
+def test_benchmark_suite_runs_tiny_and_reports_every_pair(tmp_path):
+    from benchmarks.suite import format_table, run_all, write_json
 
     result = run_all(quick=True)
     pairs = [r["pair"] for r in result["rows"]]
     assert len(pairs) == 12 and len(set(pairs)) == 12
     assert all(r["ratio"] > 0 and isinstance(r["met"], bool) for r in result["rows"])
     assert format_table(result).count("\n") == 13
+    command = "python -m benchmarks.suite --json docs/results/performance_suite.json"
+    data = results_file(write_json(tmp_path / "suite.json", result, command), PAIR_COLUMNS)
+    assert data["page"] == "performance" and data["command"] == command
+    assert [row[0] for row in data["rows"]] == pairs and all(isinstance(row[3], bool) for row in data["rows"])
 
 
 def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     """``python -m benchmarks.explanations`` on a classifier, a detector and a captioner trained
     here for one or two epochs: one table with a row per task and method, the metrics of
-    eval.py, ``—`` where a task has none, the best method per column, and the JSON."""
-    import json
-
+    eval.py, ``—`` where a task has none, the best method per column, and the results file."""
     from benchmarks.explanations import COLUMNS, main, task_methods
     from vision_attn.commands.train import train_main
 
@@ -82,7 +100,11 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     assert table[0] == "| task | method | pointing ↑ | energy ↑ | deletion ↓ | insertion ↑ | sanity →0 |"
     assert len(table) == 2 + (6 + 1) + 2 * (3 + 1)  # header, rule, methods and a best row per task
     assert table[2].startswith("| classification | rollout | ") and table[-1].startswith("| captioning | **best** |")
-    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    data = results_file(out, ["task", "method", "pointing", "energy", "deletion AUC", "insertion AUC",
+                              "sanity (Spearman)"])
+    assert data["page"] == "explanations" and data["command"].startswith("python -m benchmarks.explanations --")
+    assert [row[:2] for row in data["rows"]] == [[task, method] for task, entry in result["tasks"].items()
+                                                 for method in entry["methods"]]
     assert list(result["tasks"]) == ["classification", "detection", "captioning"]
     assert task_methods("classification") == ["rollout", "relevance", "attention", "gradcam", "lrp", "random"]
     assert task_methods("detection") == task_methods("captioning") == ["attention", "relevance", "random"]
@@ -146,8 +168,8 @@ def test_recipes_reads_runs_and_prints_tables(tmp_path):
     assert "+25.0 pts" in gain
 
 
-def test_token_merging_benchmark_rows():
-    from benchmarks.merging import run
+def test_token_merging_benchmark_rows(tmp_path):
+    from benchmarks.merging import run, write_json
 
     res = run("vit_tiny_patch16_224", 2, 1)
     rows = {row["r"]: row for row in res["rows"]}
@@ -155,11 +177,31 @@ def test_token_merging_benchmark_rows():
     assert rows[0]["top1_agreement"] == 1.0 and rows[0]["rollout_spearman_min"] == pytest.approx(1.0)
     assert rows[16]["tokens_last_block"] < rows[8]["tokens_last_block"] < rows[4]["tokens_last_block"]
     assert all(row["images_per_s"] > 0 for row in rows.values())
+    data = results_file(write_json(tmp_path / "merging.json", res, "python -m benchmarks.merging"),
+                        ["r", "images/s", "speed-up", "top-1 agreement", "rollout Spearman, median",
+                         "rollout Spearman, min", "tokens after the last block"])
+    assert [row[0] for row in data["rows"]] == [0, 4, 8, 16] and data["page"] == "performance"
 
 
-def test_gpu_benchmark_without_a_gpu_says_so_and_writes_null(tmp_path, monkeypatch, capsys):
-    import json
+def test_streaming_benchmark_writes_a_results_file_tiny(tmp_path, monkeypatch):
+    """benchmarks.streaming on a tiny encoder, one repeat: a row per configuration, the streaming
+    maps equal to the stored ones."""
+    from benchmarks import streaming
 
+    monkeypatch.setattr(streaming, "CONFIGS", {"tiny": ("vit_tiny_patch16_224", {
+        "img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2})})
+    out = tmp_path / "streaming.json"
+    argv = ["--repeats", "1", "--device", "cpu", "--json", str(out)]
+    streaming.main(argv)
+    data = results_file(out, ["configuration", "L", "T", "max diff", "peak MB, stored", "peak MB, streaming",
+                              "extra MB, stored", "extra MB, streaming", "extra / stored attention", "time ratio",
+                              "goal", "met"])
+    assert data["command"] == "python -m benchmarks.streaming " + " ".join(argv)
+    (row,) = data["rows"]
+    assert row[0].startswith("tiny: ") and row[1:3] == [2, 17] and row[3] < 1e-5 and isinstance(row[-1], bool)
+
+
+def test_gpu_benchmark_without_a_gpu_says_so_and_writes_nothing(tmp_path, monkeypatch, capsys):
     import torch
 
     from benchmarks.gpu import main
@@ -168,9 +210,31 @@ def test_gpu_benchmark_without_a_gpu_says_so_and_writes_null(tmp_path, monkeypat
     out = tmp_path / "gpu.json"
     result = main(["--json", str(out)])  # returns: no SystemExit, status 0 as a command
     printed = capsys.readouterr().out
-    assert "no CUDA GPU found" in printed and "nothing measured" in printed
-    saved = json.loads(out.read_text())
-    assert saved["gpu"] is None and "no CUDA GPU found" in saved["reason"] and result["gpu"] is None
+    assert "no CUDA GPU found" in printed and "nothing measured" in printed and f"{out} not written" in printed
+    assert result["gpu"] is None and "no CUDA GPU found" in result["reason"] and not out.exists()
+
+
+def test_gpu_benchmark_results_file_of_a_measurement(tmp_path):
+    """The results file of a GPU run (a measurement written by hand here): a row per set-up, MFU
+    in per cent, empty cells for a device without a known peak and for a set-up out of memory."""
+    from benchmarks.gpu import write_json
+
+    rows = [{"setup": "bf16 + SDPA + compile", "batch": 256, "step_s": 0.5, "images_per_s": 512.0, "tflops": 400.0,
+             "peak_tflops": 989.0, "mfu": 400 / 989, "max_memory_gib": 30.0},
+            {"setup": "bf16 + SDPA, eager", "batch": 256, "step_s": 0.8, "images_per_s": 320.0, "tflops": 250.0,
+             "peak_tflops": None, "mfu": None, "max_memory_gib": 40.0},
+            {"setup": "fp32 eager", "batch": 256, "error": "out of memory at batch 256: CUDA out of memory"}]
+    result = {"gpu": "NVIDIA H100 80GB HBM3", "model": "vit_base_patch16_224", "batch": 256, "steps": 20,
+              "warmup": 5, "rows": rows, "met": True}
+    data = results_file(write_json(tmp_path / "gpu.json", result, "python -m benchmarks.gpu"),
+                        ["set-up", "batch", "images/s", "step ms", "model TFLOP/s", "peak TFLOP/s", "MFU %",
+                         "peak memory GiB"])
+    assert data["rows"][0] == ["bf16 + SDPA + compile", 256, 512.0, 500.0, 400.0, 989.0, 40.44, 30.0]
+    assert data["rows"][1][5:7] == [None, None] and data["rows"][2][2:] == [None] * 6
+    assert data["notes"] == ["Goal: bf16 + SDPA + compile ≥ 40 % MFU: met.", "fp32 eager: out of memory at batch 256."]
+    with pytest.raises(ValueError, match="no GPU"):
+        write_json(tmp_path / "none.json", {"gpu": None, "reason": "no GPU"}, "python -m benchmarks.gpu")
+    assert not (tmp_path / "none.json").exists()
 
 
 def test_gpu_benchmark_flop_count_equals_torch_flop_counter():
@@ -205,7 +269,7 @@ def test_gpu_benchmark_flop_count_equals_torch_flop_counter():
 def test_predict_loop_benchmark_rows_tiny(tmp_path):
     """benchmarks.predict_loop on 4 images and a ViT-Ti, one repeat: the three rows, each side
     predicting the same (the folder command's records and the plain timm loop's / script's)."""
-    from benchmarks.predict_loop import GOALS, run
+    from benchmarks.predict_loop import GOALS, run, write_json
 
     res = run(images=4, model="vit_tiny_patch16_224", repeats=1, batch=2, num_workers=0, work_dir=tmp_path)
     rows = res["rows"]
@@ -215,6 +279,9 @@ def test_predict_loop_benchmark_rows_tiny(tmp_path):
     assert all("same predictions: True" in r["detail"] for r in rows)
     assert rows[0]["met"] == (rows[0]["ratio"] >= GOALS["predictions_only"])
     assert list(tmp_path.iterdir()) == []  # the temporary images, weights and outputs are removed
+    data = results_file(write_json(tmp_path / "predict_loop.json", res, "python -m benchmarks.predict_loop"),
+                        PAIR_COLUMNS)
+    assert [row[0] for row in data["rows"]] == [r["pair"] for r in rows] and data["page"] == "performance"
 
 
 def test_caption_grounding_counts_object_words_against_oracle_and_constant_decoders(tmp_path):
@@ -223,7 +290,7 @@ def test_caption_grounding_counts_object_words_against_oracle_and_constant_decod
     kind words and 0 on colours; the numbers count only the words naming the split's objects."""
     import torch
 
-    from benchmarks.caption_grounding import object_word_ids, split_accuracy
+    from benchmarks.caption_grounding import object_word_ids, split_accuracy, write_json
     from vision_attn import create_encoder
     from vision_attn.data.captioning import CaptioningDataModule
     from vision_attn.data.synthetic import SceneSetConfig
@@ -264,14 +331,19 @@ def test_caption_grounding_counts_object_words_against_oracle_and_constant_decod
     assert constant["kind_words"] == len(words) == perfect["kind_words"]
     assert constant["kind"] == pytest.approx(words.count("circle") / len(words))
     assert constant["colour"] == 0.0
+    no_colour = {**constant, "colour": float("nan"), "colour_words": 0}  # a split without colour words
+    command = "python -m benchmarks.caption_grounding last.ckpt --json docs/results/captioning_grounding.json"
+    data = results_file(write_json(tmp_path / "grounding.json", {"train": perfect, "val": no_colour}, "last.ckpt",
+                                   command),
+                        ["split", "images", "kind", "colour", "all words", "kind words", "colour words"])
+    assert data["page"] == "captioning" and data["command"] == command
+    assert data["rows"][0][:5] == ["train", 6, 1.0, 1.0, 1.0] and data["rows"][1][3] is None
 
 
 def test_holdout_scores_predictions_files_against_references(tmp_path):
     """``benchmarks.holdout`` scores eval.py's files with the standard scorers: pycocotools map_50 is
     1 for the true boxes and falls for shifted ones; captions equal to a reference score far
     above captions of another image."""
-    import json
-
     from benchmarks.holdout import digit_root, score_captioning, score_detection
 
     root = digit_root("detection", tmp_path, 64, 4, 6)
@@ -305,9 +377,6 @@ def test_caption_ceiling_rows_against_direct_cider_d(tmp_path):
     reference averaged over which one is used, the per-image best of them (which a prediction
     equal to each image's best reference reaches exactly, and no reference exceeds), and the
     held-out reference against the others."""
-    import json
-    from pathlib import Path
-
     import numpy as np
 
     from benchmarks.caption_ceiling import prediction_row, read_predictions, reference_rows
@@ -353,3 +422,14 @@ def test_caption_ceiling_rows_against_direct_cider_d(tmp_path):
                                                   "held-out reference": 10.0})
     assert prediction_row({i: r[0] for i, r in same.items()}, same) == pytest.approx({"all references": 10.0,
                                                                                     "held-out": 10.0})
+
+
+def test_startup_benchmark_writes_a_results_file(tmp_path, monkeypatch):
+    from benchmarks import startup
+
+    monkeypatch.setattr(startup, "COMMANDS", startup.COMMANDS[:2])  # the interpreter and the listing
+    out = tmp_path / "startup.json"
+    startup.main(["--repeats", "2", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert not validate(data) and [r[0] for r in data["rows"]] == ["python -c pass", "vision-attn --help"]
+    assert all(0 < r[2] <= r[1] <= r[3] for r in data["rows"])
