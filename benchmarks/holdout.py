@@ -34,7 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, write_result
+from benchmarks.common import command_line, finite, machine, write_result
+from benchmarks.results_json import write_results
+from vision_attn.data.strokes import StrokeSceneConfig, ensure_stroke_scenes
+from vision_attn.data.synthetic import DigitSceneConfig, ensure_digit_scenes_coco
 
 log = logging.getLogger("benchmarks.holdout")
 
@@ -47,16 +50,21 @@ DEFAULTS = {
 
 
 def digit_root(task: str, work: Path, img_size: int, train_images: int, val_images: int,
-               captions_only: bool = False) -> Path:
-    """The task's digit scenes (written once under ``work/data``); ``captions_only``: a copy
-    without the instance files (as a captions-only dataset is: no box grounding)."""
-    from vision_attn.data.synthetic import DigitSceneConfig, ensure_digit_scenes_coco
-
+               captions_only: bool = False, scenes: str = "digits") -> Path:
+    """The task's digit scenes (written once under ``work/data``): font ``digits``
+    (:func:`~vision_attn.data.synthetic.ensure_digit_scenes_coco`) or hand-drawn ``strokes``
+    (:func:`~vision_attn.data.strokes.ensure_stroke_scenes`); ``captions_only``: a copy without the
+    instance files (as a captions-only dataset is: no box grounding)."""
     d = DEFAULTS[task]
-    config = DigitSceneConfig(image_size=img_size, num_train=train_images, num_val=val_images,
-                              min_objects=d["min_objects"], max_objects=d["max_objects"], min_size=d["min_size"],
-                              max_size=d["max_size"], seed=d["seed"])
-    root = ensure_digit_scenes_coco(config, cache_dir=work / "data")
+    if scenes == "strokes":
+        root = ensure_stroke_scenes(StrokeSceneConfig(image_size=img_size, num_train=train_images, num_val=val_images,
+                                                      min_objects=d["min_objects"], max_objects=d["max_objects"],
+                                                      seed=d["seed"]), cache_dir=work / "data")
+    else:
+        config = DigitSceneConfig(image_size=img_size, num_train=train_images, num_val=val_images,
+                                  min_objects=d["min_objects"], max_objects=d["max_objects"], min_size=d["min_size"],
+                                  max_size=d["max_size"], seed=d["seed"])
+        root = ensure_digit_scenes_coco(config, cache_dir=work / "data")
     if not captions_only:
         return root
     copy = root.with_name(root.name + "-captions-only")
@@ -108,7 +116,8 @@ def score_captioning(predictions: Path, annotations: Path) -> dict[str, float]:
 
 
 def run(task: str, args, work: Path) -> dict:
-    root = digit_root(task, work, args.img_size, args.train_images, args.val_images, args.captions_only)
+    root = digit_root(task, work, args.img_size, args.train_images, args.val_images, args.captions_only,
+                      args.scenes)
     run_dir = work / "runs" / f"{task}-{args.name}"
     train_cmd = [sys.executable, str(REPO / "train.py"), "--config", f"configs/{task}/small.yaml",
                  "--data.root", str(root), "--trainer.max_epochs", str(args.epochs),
@@ -139,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val_images", type=int, default=300)
     parser.add_argument("--captions_only", action="store_true",
                         help="captioning: hide the instance files (no grounding, no content accuracy)")
+    parser.add_argument("--scenes", choices=["digits", "strokes"], default="digits",
+                        help="font digits (the embedded scenes) or hand-drawn stroke digits (vision-attn data strokes)")
     parser.add_argument("--name", default="small", help="the run's folder name under WORK/runs")
+    parser.add_argument("--results", default=None,
+                        help="also write the run as a results file of the documentation (docs/results/...json)")
     parser.add_argument("--work", default=None, help="data and runs (default: benchmarks/results/holdout-work)")
     parser.add_argument("--json", default=None)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -153,7 +166,26 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"] = machine()
     sys.stdout.write(json.dumps({k: result[k] for k in ("task", "train_seconds", "eval_seconds", "scores")}) + "\n")
     write_result(args.json, result)
+    if args.results:
+        write_holdout_results(args.results, result, args, command_line("benchmarks.holdout", argv))
     return 0
+
+
+CAPTION_COLUMNS = ("bleu4", "cider", "objects_exact", "relations_exact", "hallucination_rate")
+DETECTION_COLUMNS = ("map", "map_50")
+
+
+def write_holdout_results(path: str, result: dict, args, command: str) -> None:
+    """One row: the data, the run's length and times, and the task's scores."""
+    keys = CAPTION_COLUMNS if result["task"] == "captioning" else DETECTION_COLUMNS
+    scores = {**result["metrics"], **result["scores"]}
+    data = f"{args.scenes}, {args.img_size} px, {args.train_images} / {args.val_images} images" + (
+        ", captions only" if args.captions_only else "")
+    row = [result["name"], data, args.epochs, result["train_seconds"], result["eval_seconds"],
+           *(finite(scores.get(k), 4) for k in keys)]
+    write_results(path, page=result["task"], title=f"small.yaml on data it was not tuned on ({result['task']})",
+                  command=command, columns=["run", "data", "epochs", "train s", "eval s", *keys], rows=[row],
+                  notes=[f"train.py overrides: {' '.join(result['overrides']) or 'none'}"])
 
 
 if __name__ == "__main__":

@@ -372,6 +372,30 @@ def test_holdout_scores_predictions_files_against_references(tmp_path):
     assert right["bleu4"] > 0.9 and right["cider"] > wrong["cider"] + 1.0 and wrong["bleu4"] < right["bleu4"]
 
 
+def test_holdout_stroke_scenes_captions_only_and_its_results_row(tmp_path):
+    """``--scenes strokes`` writes the stroke scenes; ``--captions_only`` hides their instances; a run
+    becomes one validated results row with the content scores."""
+    from types import SimpleNamespace
+
+    from benchmarks.holdout import digit_root, write_holdout_results
+    from benchmarks.results_json import validate
+
+    root = digit_root("captioning", tmp_path, 64, 3, 2, captions_only=True, scenes="strokes")
+    assert (root / "annotations" / "captions_val.json").is_file()
+    assert not list((root / "annotations").glob("instances_*.json"))
+    caps = json.loads((root / "annotations" / "captions_val.json").read_text())["annotations"]
+    assert "handwritten" in " ".join(c["caption"] for c in caps) or "written" in " ".join(c["caption"] for c in caps)
+    args = SimpleNamespace(scenes="strokes", img_size=64, train_images=3, val_images=2, captions_only=True, epochs=1)
+    result = {"task": "captioning", "name": "tiny", "train_seconds": 1.0, "eval_seconds": 2.0, "overrides": [],
+              "scores": {"bleu4": 0.5, "cider": 1.0}, "metrics": {"objects_exact": 0.25, "relations_exact": 0.2,
+                                                                  "hallucination_rate": 0.4}}
+    out = tmp_path / "r.json"
+    write_holdout_results(str(out), result, args, "python -m benchmarks.holdout captioning --scenes strokes")
+    data = json.loads(out.read_text())
+    assert not validate(data) and data["page"] == "captioning"
+    assert data["rows"][0][-3:] == [0.25, 0.2, 0.4] and "captions only" in data["rows"][0][1]
+
+
 def test_caption_ceiling_rows_against_direct_cider_d(tmp_path):
     """The reference rows equal CIDEr-D computed by hand from the same references: the verbatim
     reference averaged over which one is used, the per-image best of them (which a prediction
