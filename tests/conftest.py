@@ -26,6 +26,19 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 
 
+def save_timm_weights(name: str, folder: Path, seed: int = 0) -> Path:
+    """``folder/<name>.safetensors``: a timm model made and saved by plain timm code (random
+    weights, its default head), as a user saves weights for ``--weights_file``."""
+    import safetensors.torch
+    import timm
+
+    torch.manual_seed(seed)
+    model = timm.create_model(name, pretrained=False)
+    path = folder / f"{name}.safetensors"
+    safetensors.torch.save_file(model.state_dict(), str(path))
+    return path
+
+
 def write_exif_rotated_jpeg(root: Path) -> Path:
     """``root/val/a.jpg`` (and an empty ``root/annotations/``): 40x20 stored pixels with a white
     square at x 28..36, y 2..10, and EXIF orientation 6 (rotate 90 degrees clockwise to display)."""

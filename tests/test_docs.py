@@ -72,30 +72,30 @@ def _prose_files() -> list[Path]:
     return files
 
 
-def test_no_words_about_how_the_project_was_developed():
+def _development_words(files: list[Path], patterns: dict[str, str]) -> list[str]:
+    """``file:line: what: match`` of every match of ``patterns`` in ``files``."""
     found = []
-    for path in _prose_files():
-        text = path.read_text(encoding="utf-8", errors="replace")
-        for pattern, what in PROCESS_WORDS.items():
+    for file in files:
+        text = file.read_text(encoding="utf-8", errors="replace")
+        for pattern, what in patterns.items():
             for match in re.finditer(pattern, text, re.IGNORECASE):
                 line = text.count("\n", 0, match.start()) + 1
-                found.append(f"{path.relative_to(REPO)}:{line}: {what}: {match.group(0)!r}")
+                found.append(f"{file.relative_to(REPO)}:{line}: {what}: {match.group(0)!r}")
+    return found
+
+
+def test_no_words_about_how_the_project_was_developed():
+    found = _development_words(_prose_files(), PROCESS_WORDS)
     assert not found, "the pages speak of the software, not of its development:\n" + "\n".join(found[:40])
 
 
 def test_no_words_about_how_the_project_was_developed_in_the_code():
-    found = []
+    files = []
     for name in CODE:
         path = REPO / name
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".py", ".md", ".yaml"))
-        for file in files:
-            if file == Path(__file__) or "__pycache__" in file.parts:
-                continue
-            text = file.read_text(encoding="utf-8", errors="replace")
-            for pattern, what in CODE_PROCESS_WORDS.items():
-                for match in re.finditer(pattern, text, re.IGNORECASE):
-                    line = text.count("\n", 0, match.start()) + 1
-                    found.append(f"{file.relative_to(REPO)}:{line}: {what}: {match.group(0)!r}")
+        files += [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".py", ".md", ".yaml"))
+    files = [f for f in files if f != Path(__file__) and "__pycache__" not in f.parts]
+    found = _development_words(files, CODE_PROCESS_WORDS)
     assert not found, "the code speaks of the software, not of its development:\n" + "\n".join(found[:40])
 
 

@@ -16,6 +16,7 @@ from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.predict import FolderRun, predict_folder
 from vision_attn.tasks.detection import DetectionOptions
 
+from .conftest import save_timm_weights
 from .test_export import _checkpoint, _tasks
 
 QUIET = FolderRun(progress=False)
@@ -177,15 +178,7 @@ def test_images_may_be_a_file_a_folder_or_a_glob(folder, tmp_path):
 @pytest.fixture(scope="module")
 def timm_weights(tmp_path_factory):
     """A timm ViT made and saved by plain timm code (random weights, ImageNet-1k head)."""
-    import safetensors.torch
-    import timm
-    import torch
-
-    torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False)
-    path = tmp_path_factory.mktemp("timm") / "vit.safetensors"
-    safetensors.torch.save_file(model.state_dict(), str(path))
-    return path
+    return save_timm_weights("vit_tiny_patch16_224", tmp_path_factory.mktemp("timm"))
 
 
 def test_predict_any_timm_vit_by_name_contract(timm_weights, folder, tmp_path):

@@ -27,6 +27,8 @@ from vision_attn.report.budget import MAX_PAGE_BYTES, fit_attention, fit_items
 from vision_attn.report.folder import record_line
 from vision_attn.report.markup import fmt
 
+from .conftest import save_timm_weights
+
 VIT_B = {"layers": 12, "heads": 12, "grid": [14, 14]}
 
 
@@ -93,15 +95,7 @@ def test_counts_are_integers_and_records_read_as_lines():
 @pytest.fixture(scope="module")
 def vit_b_weights(tmp_path_factory):
     """A timm ViT-B/16 made and saved by plain timm code (random weights, ImageNet-1k head)."""
-    import safetensors.torch
-    import timm
-    import torch
-
-    torch.manual_seed(0)
-    model = timm.create_model("vit_base_patch16_224", pretrained=False)
-    path = tmp_path_factory.mktemp("vitb") / "vit_b.safetensors"
-    safetensors.torch.save_file(model.state_dict(), str(path))
-    return path
+    return save_timm_weights("vit_base_patch16_224", tmp_path_factory.mktemp("vitb"))
 
 
 def _images(folder, n: int):
