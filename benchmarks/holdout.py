@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="small", help="the run's folder name under WORK/runs")
     parser.add_argument("--results", default=None,
                         help="also write the run as a results file of the documentation (docs/results/...json)")
+    parser.add_argument("--glance", action="store_true",
+                        help="with --results: this run is the README's 'results at a glance' row of the task")
     parser.add_argument("--work", default=None, help="data and runs (default: benchmarks/results/holdout-work)")
     parser.add_argument("--json", default=None)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -176,16 +178,30 @@ DETECTION_COLUMNS = ("map", "map_50")
 
 
 def write_holdout_results(path: str, result: dict, args, command: str) -> None:
-    """One row: the data, the run's length and times, and the task's scores."""
+    """One row per run: the data, the run's length and times, the task's scores and the
+    ``train.py`` overrides. Rows of other runs already in ``path`` (same columns) are kept, a
+    row of the same run name is replaced: several runs (an ablation) make one table."""
     keys = CAPTION_COLUMNS if result["task"] == "captioning" else DETECTION_COLUMNS
     scores = {**result["metrics"], **result["scores"]}
     data = f"{args.scenes}, {args.img_size} px, {args.train_images} / {args.val_images} images" + (
         ", captions only" if args.captions_only else "")
     row = [result["name"], data, args.epochs, result["train_seconds"], result["eval_seconds"],
-           *(finite(scores.get(k), 4) for k in keys)]
+           *(finite(scores.get(k), 4) for k in keys), " ".join(result["overrides"]) or "none"]
+    columns = ["run", "data", "epochs", "train s", "eval s", *keys, "train.py overrides"]
+    rows, glance = [row], []
+    target = Path(path)
+    if target.is_file():
+        old = json.loads(target.read_text(encoding="utf-8"))
+        if old.get("columns") == columns:
+            rows = [r for r in old.get("rows", []) if r[0] != result["name"]] + rows
+            glance = old.get("glance", [])
+    if getattr(args, "glance", False):  # this run is the README's "results at a glance" row of the task
+        shown = ", ".join(f"{k} {scores[k]:.3f}" for k in keys if isinstance(scores.get(k), (int, float)))
+        glance = [{"task": f"{result['task']} (held out)", "data": data, "metric": shown,
+                   "time": f"{result['train_seconds']:.0f} s training"}]
     write_results(path, page=result["task"], title=f"small.yaml on data it was not tuned on ({result['task']})",
-                  command=command, columns=["run", "data", "epochs", "train s", "eval s", *keys], rows=[row],
-                  notes=[f"train.py overrides: {' '.join(result['overrides']) or 'none'}"])
+                  command=command, columns=columns, rows=rows, glance=glance,
+                  notes=["each row: the same command with --name RUN and its train.py overrides after --"])
 
 
 if __name__ == "__main__":

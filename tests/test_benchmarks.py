@@ -393,7 +393,22 @@ def test_holdout_stroke_scenes_captions_only_and_its_results_row(tmp_path):
     write_holdout_results(str(out), result, args, "python -m benchmarks.holdout captioning --scenes strokes")
     data = json.loads(out.read_text())
     assert not validate(data) and data["page"] == "captioning"
-    assert data["rows"][0][-3:] == [0.25, 0.2, 0.4] and "captions only" in data["rows"][0][1]
+    assert data["rows"][0][-4:] == [0.25, 0.2, 0.4, "none"] and "captions only" in data["rows"][0][1]
+    # a second run joins the table; the same run name again replaces its row
+    other = {**result, "name": "cnn", "overrides": ["--model.encoder.init_args.stem", "cnn"]}
+    write_holdout_results(str(out), other, args, "python -m benchmarks.holdout captioning --scenes strokes")
+    write_holdout_results(str(out), {**result, "eval_seconds": 3.0}, args, "python -m benchmarks.holdout captioning")
+    rows = json.loads(out.read_text())["rows"]
+    assert [r[0] for r in rows] == ["cnn", "tiny"] and rows[1][4] == 3.0
+    assert rows[0][-1] == "--model.encoder.init_args.stem cnn"
+    # --glance: the run becomes the README's summary row, and stays when other rows join
+    args.glance = True
+    write_holdout_results(str(out), result, args, "python -m benchmarks.holdout captioning")
+    args.glance = False
+    write_holdout_results(str(out), other, args, "python -m benchmarks.holdout captioning")
+    data = json.loads(out.read_text())
+    assert not validate(data) and len(data["glance"]) == 1
+    assert "objects_exact 0.250" in data["glance"][0]["metric"] and data["glance"][0]["time"] == "1 s training"
 
 
 def test_caption_ceiling_rows_against_direct_cider_d(tmp_path):

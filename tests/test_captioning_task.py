@@ -25,7 +25,7 @@ from vision_attn.errors import CheckpointError, ConfigError
 from vision_attn.metrics.caption import caption_metrics
 from vision_attn.models.captioner import DecoderConfig, GenerationOptions
 from vision_attn.tasks import CaptioningTask
-from vision_attn.tasks.captioning import CaptionTraining, SCSTConfig
+from vision_attn.tasks.captioning import CaptionTraining, SCSTConfig, concept_targets, concept_vocabulary
 from vision_attn.tasks.optim import Optimization
 
 from .conftest import REPO
@@ -593,3 +593,55 @@ def test_memory_extras_train_survive_checkpoints_and_are_explained(tmp_path, swi
     assert torch.equal(a.tokens, b.tokens)
     maps = caption_relevance(loaded, images, [t[:3] for t in b.tokens])
     assert [m.shape for m in maps] == [(3, 4, 4)] * 3 and all(torch.isfinite(m).all() for m in maps)
+
+
+def test_idf_token_weights_by_hand():
+    from vision_attn.tasks.captioning import idf_token_weights
+
+    vocab = ["<pad>", "<bos>", "<eos>", "<unk>", "a", "two", "zero", "seven", "never"]
+    refs = [["a two", "a zero"], ["a seven"], ["a two"], ["a seven a seven"]]
+    # document frequency over the 4 images: a 4, two 2, zero 1, seven 2
+    idf = {"a": 0.0, "two": math.log(2), "zero": math.log(4), "seven": math.log(2)}
+    counts = {"a": 6, "two": 2, "zero": 1, "seven": 3}
+    mean = sum(idf[w] * n for w, n in counts.items()) / sum(counts.values())
+    w = idf_token_weights(refs, vocab, {2, 3}, 1.0)
+    assert w[4].item() == pytest.approx(0.0)  # in every image's references: no weight at full strength
+    assert w[5].item() == pytest.approx(math.log(2) / mean) and w[6].item() == pytest.approx(math.log(4) / mean)
+    assert w[2].item() == 1.0 and w[3].item() == 1.0 and w[8].item() == 1.0  # special ids, unused words
+    # the average target word keeps weight 1
+    assert sum(w[vocab.index(t)].item() * n for t, n in counts.items()) / sum(counts.values()) == pytest.approx(1.0)
+    half = idf_token_weights(refs, vocab, {2, 3}, 0.5)
+    assert half[4].item() == pytest.approx(0.5) and half[6].item() == pytest.approx(0.5 + 0.5 * w[6].item())
+    assert torch.equal(idf_token_weights(refs, vocab, {2, 3}, 0.0), torch.ones(len(vocab)))
+
+
+def test_idf_weight_is_checked():
+    with pytest.raises(ConfigError, match="idf_weight"):
+        CaptionTraining(idf_weight=1.5)
+
+
+def test_concept_loss_on_the_embedding_tokens_teaches_the_stem_only():
+    """``concept_tokens='embedding'``: the concept head reads the tokens entering the first
+    block, so its loss reaches the stem and not the blocks (``output``: both); a wrong value
+    is refused."""
+    refs = [["a red circle"], ["a blue square"]]
+    grads = {}
+    for where in ("embedding", "output"):
+        task = _task(training=CaptionTraining(concept_weight=1.0, concept_tokens=where))
+        task._build(["<pad>", "<bos>", "<eos>", "<unk>", "a", "red", "blue", "circle", "square"])
+        words = concept_vocabulary(refs, 0.5)
+        task.concept_head = task._concept_head(words)
+        task.concept_table = concept_targets(refs, words)
+        assert task.encoder.keep_embedding is (where == "embedding")
+        task.encoder.keep_embedding = True  # the output variant ignores it
+        loss = task._concept_loss(task.encode(torch.randn(2, 3, 32, 32)), torch.tensor([0, 1]))
+        loss.backward()
+        grads[where] = {name: p.grad is not None and bool(p.grad.abs().sum() > 0)
+                        for name, p in task.encoder.named_parameters()}
+    stem = [n for n in grads["embedding"] if "patch_embed" in n]
+    blocks = [n for n in grads["embedding"] if ".blocks." in n]
+    assert stem and blocks
+    assert all(grads["embedding"][n] for n in stem) and not any(grads["embedding"][n] for n in blocks)
+    assert all(grads["output"][n] for n in stem) and any(grads["output"][n] for n in blocks)
+    with pytest.raises(ConfigError, match="concept_tokens"):
+        CaptionTraining(concept_tokens="stem")

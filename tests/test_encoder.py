@@ -222,6 +222,60 @@ def test_conv_stem_channels_set_the_widths_and_rebuild(caplog):
         create_encoder("vit_tiny_patch16_224", stem="conv", stem_channels=0, **base)
 
 
+def test_conv_stem_instance_norm_normalises_each_channel_and_rebuilds():
+    """``stem_norm='instance'``: every GroupNorm of the stem has one group per channel (so a
+    channel's mean and scale over each image are removed), the same parameters as ``layer``,
+    other outputs, and a checkpoint's arguments rebuild it; a wrong name is refused."""
+    base = {**TINY_VIT, "patch_size": 4}
+    layer = create_encoder("vit_tiny_patch16_224", stem="conv", **base)
+    inst = create_encoder("vit_tiny_patch16_224", stem="conv", stem_norm="instance", **base)
+    norms = [m for m in inst.model.patch_embed.proj.layers if isinstance(m, torch.nn.GroupNorm)]
+    assert norms and all(m.num_groups == m.num_channels for m in norms)
+    assert all(m.num_groups == 1 for m in layer.model.patch_embed.proj.layers if isinstance(m, torch.nn.GroupNorm))
+    inst.load_state_dict(layer.state_dict())  # same parameters: a layer-stem file loads
+    x = torch.randn(2, 3, 32, 32)
+    inst.eval(), layer.eval()
+    assert not torch.allclose(inst(x).tokens, layer(x).tokens, atol=1e-4)
+    # a channel's statistics after the first norm: zero mean, unit variance per image and channel
+    stem = inst.model.patch_embed.proj.layers
+    y = stem[1](stem[0](x))
+    assert torch.allclose(y.mean((2, 3)), stem[1].bias.expand(2, -1), atol=1e-5)
+    args = inst.architecture_config()["init_args"]
+    assert args["stem_norm"] == "instance"
+    rebuilt = ViTEncoder(**ViTEncoder.checked_architecture_args(args))
+    rebuilt.load_state_dict(inst.state_dict())
+    rebuilt.eval()
+    assert torch.equal(rebuilt(x).tokens, inst(x).tokens)
+    with pytest.raises(ValueError, match="stem_norm must be one of layer, instance"):
+        create_encoder("vit_tiny_patch16_224", stem="conv", stem_norm="batch", **base)
+
+
+def test_cnn_stem_pools_to_the_patch_grid_and_rebuilds():
+    """``stem='cnn'``: stride-1 3x3 convolutions, each stage max-pooled, a 3x3 conv at the
+    token grid and the 1x1 projection; the same token grid as the linear patch embedding (at
+    other image sizes too), rebuilt from a checkpoint's arguments; its weights are not
+    ``conv``'s (a clear error, not a silent partial load)."""
+    base = {**TINY_VIT, "patch_size": 8}  # embed 32: 3 stages
+    enc = create_encoder("vit_tiny_patch16_224", stem="cnn", stem_channels=8, stem_norm="instance", **base)
+    layers = list(enc.model.patch_embed.proj.layers)
+    convs = [m for m in layers if isinstance(m, torch.nn.Conv2d)]
+    assert [c.stride[0] for c in convs] == [1, 1, 1, 1, 1]
+    assert [c.out_channels for c in convs] == [8, 16, 32, 32, 32]
+    assert sum(isinstance(m, torch.nn.MaxPool2d) for m in layers) == 3
+    enc.eval()
+    for size in (32, 48):
+        out = enc(torch.randn(1, 3, size, size))
+        assert out.grid == (size // 8, size // 8)
+    rebuilt = ViTEncoder(**ViTEncoder.checked_architecture_args(enc.architecture_config()["init_args"]))
+    rebuilt.load_state_dict(enc.state_dict())
+    rebuilt.eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(rebuilt(x).tokens, enc(x).tokens)
+    conv = create_encoder("vit_tiny_patch16_224", stem="conv", stem_channels=8, **base)
+    with pytest.raises(RuntimeError):
+        conv.load_state_dict(enc.state_dict())
+
+
 def test_checkpoint_arguments_keep_the_architecture_and_drop_weight_sources():
     """What a checkpoint stores rebuilds the same encoder through the checkpoint check; where
     weights come from (hub, file, timm's pretrained config) is never taken from it."""

@@ -47,6 +47,7 @@ from vision_attn.errors import CheckpointError, EncoderError
 from vision_attn.models.encoder_padding import padded_forward_features
 from vision_attn.models.encoder_weights import check_stem_and_lsa, load_state
 from vision_attn.models.smalldata import (
+    ConvStem,
     ShiftedPatchTokenizer,
     apply_local_mlp,
     apply_locality_self_attention,
@@ -148,45 +149,6 @@ class EncoderOutput:
 PREPROCESS_KEYS = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")
 
 
-class ConvStem(nn.Module):
-    """Convolutional patch embedding ("Early convolutions help transformers see better",
-    Xiao et al. 2021): a 3x3 conv, then ``log2(patch)`` stride-2 3x3 convs, then a 1x1 conv to
-    ``embed_dim``. Same token grid as a ``patch x patch`` linear embedding, but it gives small
-    from-scratch ViTs the locality they lack, so they train in far fewer steps. Batch-norm
-    free (GroupNorm), so results do not depend on the per-process batch.
-
-    ``channels`` is the width of the first (full-resolution) conv; it doubles at every stride-2
-    conv up to ``embed_dim``. Default: ``embed_dim / patch_size`` (at least 8), so the width
-    reaches ``embed_dim`` at the last conv. A wider start (``channels = embed_dim``) costs
-    about as much compute again as a depth-4 dim-64 ViT at 32 px and was worth about 2 points of
-    top-1 on small grey glyph sets (README, "From-scratch recipes").
-    """
-
-    def __init__(self, patch_size: int, embed_dim: int, in_chans: int = 3, channels: int | None = None) -> None:
-        super().__init__()
-        if patch_size < 2 or patch_size & (patch_size - 1):
-            raise EncoderError(f"stem='conv' needs a power-of-two patch_size >= 2, got {patch_size}")
-        if channels is not None and not 1 <= int(channels) <= 4096:
-            raise EncoderError(f"stem_channels must lie in 1..4096 (or be unset), got {channels}")
-        n_down = patch_size.bit_length() - 1
-        if channels is None:
-            widths = [max(8, embed_dim >> (n_down - i)) for i in range(n_down + 1)]
-        else:
-            widths = [min(max(embed_dim, int(channels)), int(channels) << i) for i in range(n_down + 1)]
-        layers: list[nn.Module] = [nn.Conv2d(in_chans, widths[0], 3, 1, 1), nn.GroupNorm(1, widths[0]), nn.GELU()]
-        for c_in, c_out in zip(widths[:-1], widths[1:], strict=True):
-            layers += [nn.Conv2d(c_in, c_out, 3, 2, 1), nn.GroupNorm(1, c_out), nn.GELU()]
-        layers.append(nn.Conv2d(widths[-1], embed_dim, 1))
-        self.layers = nn.Sequential(*layers)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.device.type == "cpu":
-            # oneDNN's channels-last convolutions: the stem's training step (batch 16, 64 px,
-            # 2 threads) 27 vs 33 ms; the same values up to rounding (README "Performance")
-            x = x.contiguous(memory_format=torch.channels_last)
-        return self.layers(x)  # (B, D, H/p, W/p)
-
-
 class ViTEncoder(nn.Module):
     """A timm Vision Transformer returning tokens, prefix count and patch grid.
 
@@ -216,12 +178,13 @@ class ViTEncoder(nn.Module):
         timm_kwargs: further keyword arguments for ``timm.create_model``: JSON scalars or lists of
             them (``{"qk_norm": true, "reg_tokens": 4}``). Arguments that make timm read files
             or download (:data:`TIMM_SOURCE_KWARGS`) are refused: use ``weights_file``.
-        stem: how pixels become tokens (all three give the same ``p x p`` token grid):
+        stem: how pixels become tokens (all four give the same ``p x p`` token grid):
             ``patch`` (timm's linear patch embedding: what pretrained timm weights need),
-            ``conv`` (:class:`ConvStem`, Xiao et al. 2021) or ``spt`` (shifted patch
-            tokenization, :class:`~vision_attn.models.smalldata.ShiftedPatchTokenizer`, Lee et
-            al. 2021), both for small models trained from scratch (``stem_channels``: the conv
-            stem's first width, see :class:`ConvStem`). ``conv`` and ``spt`` replace
+            ``conv`` (strided convolutions, :class:`~vision_attn.models.smalldata.ConvStem`, Xiao
+            et al. 2021), ``cnn`` (a small CNN: convolutions and max pooling, the same class) or
+            ``spt`` (shifted patch tokenization,
+            :class:`~vision_attn.models.smalldata.ShiftedPatchTokenizer`, Lee et al. 2021), all for
+            small models trained from scratch. ``conv``, ``cnn`` and ``spt`` replace
             timm's ``patch_embed.proj``: with ``pretrained=True`` that projection's weights are
             dropped (a warning says so), and a ``weights_file`` must come from an encoder with
             the same stem (a plain timm file is refused with a clear error).
@@ -233,9 +196,12 @@ class ViTEncoder(nn.Module):
             per block and no attention of a token to itself), for small models trained from
             scratch. Pretrained and ``weights_file`` weights load into it (a file without the
             temperatures starts them at timm's ``1 / sqrt(d_head)``).
-        stem_channels: width of the first conv of ``stem='conv'`` (doubling per stride-2 conv up
-            to ``embed_dim``); ``None``: ``embed_dim / patch_size`` (at least 8). Ignored, with
-            a warning, for the other stems.
+        stem_channels: width of the first conv of ``stem='conv'`` or ``'cnn'`` (doubling per
+            stage up to ``embed_dim``); ``None``: ``embed_dim / patch_size`` (at least 8). Ignored,
+            with a warning, for the other stems.
+        stem_norm: the normalisation inside ``stem='conv'`` or ``'cnn'``: ``layer`` (default) or
+            ``instance`` (per channel and image; for pictures whose colours vary more between
+            images than the objects differ).
         local_mlp: a depthwise 3x3 convolution over the patch grid inside every block's
             feed-forward (:class:`~vision_attn.models.smalldata.LocalMlp`; LocalViT, CeiT,
             PVTv2), for small models trained from scratch: each block mixes a token with its
@@ -259,11 +225,12 @@ class ViTEncoder(nn.Module):
         drop_path_rate: float = 0.0,
         dynamic_img_size: bool = True,
         timm_kwargs: dict[str, JSONValue] | None = None,
-        stem: Literal["patch", "conv", "spt"] = "patch",
+        stem: Literal["patch", "conv", "cnn", "spt"] = "patch",
         preprocess: PreprocessOverrides | None = None,
         lsa: bool = False,
         stem_channels: int | None = None,
         local_mlp: bool = False,
+        stem_norm: Literal["layer", "instance"] = "layer",
     ) -> None:
         super().__init__()
         # The constructor arguments, minus where the weights came from: enough to rebuild the
@@ -273,22 +240,15 @@ class ViTEncoder(nn.Module):
             "depth": depth, "num_heads": num_heads, "mlp_ratio": mlp_ratio, "num_classes": num_classes,
             "drop_rate": drop_rate, "drop_path_rate": drop_path_rate, "dynamic_img_size": dynamic_img_size,
             "timm_kwargs": dict(timm_kwargs or {}), "stem": stem, "preprocess": dict(preprocess or {}),
-            "lsa": bool(lsa), "stem_channels": stem_channels,
-            "local_mlp": bool(local_mlp),
+            "lsa": bool(lsa), "stem_channels": stem_channels, "stem_norm": stem_norm, "local_mlp": bool(local_mlp),
         }
         if pretrained and weights_file:
             raise EncoderError("Give either pretrained=True (timm hub) or weights_file=PATH, not both.")
         kwargs: dict[str, Any] = checked_timm_kwargs(timm_kwargs)
         if preprocess is not None:
             check_value(preprocess, PreprocessOverrides, "preprocess", "ViTEncoder", EncoderError)
-        sizes = {
-            "img_size": img_size,
-            "patch_size": patch_size,
-            "embed_dim": embed_dim,
-            "depth": depth,
-            "num_heads": num_heads,
-            "mlp_ratio": mlp_ratio,
-        }
+        sizes = {"img_size": img_size, "patch_size": patch_size, "embed_dim": embed_dim, "depth": depth,
+                 "num_heads": num_heads, "mlp_ratio": mlp_ratio}
         kwargs.update({k: v for k, v in sizes.items() if v is not None})
         kwargs.update(num_classes=num_classes)
         defaults = {"drop_rate": drop_rate, "drop_path_rate": drop_path_rate, "dynamic_img_size": dynamic_img_size}
@@ -299,7 +259,8 @@ class ViTEncoder(nn.Module):
                      error=EncoderError)
         model = _build_timm_model(name, pretrained, kwargs, defaults)
         self.family: str = _check_readable(name, model)
-        self._replace_parts(model, name, pretrained, stem, stem_channels, lsa, local_mlp)
+        self._replace_parts(model, name, pretrained, stem, {"channels": stem_channels, "norm": stem_norm}, lsa,
+                           local_mlp)
         self.local_mlp = bool(local_mlp)
         self.model = model
         self.name = name
@@ -324,7 +285,7 @@ class ViTEncoder(nn.Module):
         # forward then fills ``EncoderOutput.pixel_tokens``.
         self.keep_pixels: bool = False
 
-    def _replace_parts(self, model: nn.Module, name: str, pretrained: bool, stem: str, stem_channels: int | None,
+    def _replace_parts(self, model: nn.Module, name: str, pretrained: bool, stem: str, stem_options: dict[str, Any],
                        lsa: bool, local_mlp: bool) -> None:
         """The small-data options: another stem, locality self-attention, local feed-forward
         (they change timm's ``VisionTransformer``, and only that class)."""
@@ -334,20 +295,20 @@ class ViTEncoder(nn.Module):
                 f"VisionTransformer, and {name!r} is of the timm class {self.family}; build it with stem='patch', "
                 "lsa=False and local_mlp=False"
             )
-        stems = {"conv": ConvStem, "spt": ShiftedPatchTokenizer}
-        if stem_channels is not None and stem != "conv":
+        stems = {"conv": ConvStem, "cnn": ConvStem, "spt": ShiftedPatchTokenizer}
+        if stem_options["channels"] is not None and stem not in ("conv", "cnn"):
             # a config's stem switched on the command line (stem: patch on top of small.yaml) keeps working
             log.warning("stem_channels=%s sets the width of stem='conv' and is ignored with stem=%r",
-                        stem_channels, stem)
+                        stem_options["channels"], stem)
         if stem in stems:
             if pretrained:
                 log.warning("stem=%r replaces the pretrained linear patch embedding of %s by a freshly "
                             "initialised one (stem='patch' keeps it)", stem, name)
             in_chans = model.patch_embed.proj.in_channels
-            extra = {"channels": stem_channels} if stem == "conv" else {}
+            extra = {**stem_options, "pool": stem == "cnn"} if stem in ("conv", "cnn") else {}
             model.patch_embed.proj = stems[stem](model.patch_embed.patch_size[0], model.embed_dim, in_chans, **extra)
         elif stem != "patch":
-            raise EncoderError(f"stem must be 'patch', 'conv' or 'spt', got {stem!r}")
+            raise EncoderError(f"stem must be 'patch', 'conv', 'cnn' or 'spt', got {stem!r}")
         if lsa:
             apply_locality_self_attention(model)
         if local_mlp:

@@ -59,6 +59,7 @@ from vision_attn.tasks.captioning_losses import (  # noqa: F401 (re-exported: te
     concept_targets,
     concept_vocabulary,
     grounding_weights,
+    idf_token_weights,
     patch_objects,
     patch_targets,
     repeat_images,
@@ -134,7 +135,7 @@ class CaptioningTask(CaptionSelfCritical, CaptionEvaluation, VisionTask):
         **{k: f"training.{k}" for k in (
             "label_smoothing", "word_dropout", "freeze_encoder", "val_beam_size", "init_from", "grounding_weight",
             "grounding_balance", "grounding_classes", "word_attention_weight", "concept_weight",
-            "concept_max_share", "concept_words")},
+            "concept_max_share", "concept_words", "concept_tokens", "idf_weight")},
         "scst": "scst.enabled",
         **{f"scst_{k}": f"scst.{k}" for k in ("samples", "baseline", "max_length", "temperature", "dropout")},
     }
@@ -171,6 +172,7 @@ class CaptioningTask(CaptionSelfCritical, CaptionEvaluation, VisionTask):
         self.word_kinds: Tensor | None = None  # [V]: the category each word names (word_attention_weight)
         self.concept_head: torch.nn.Linear | None = None
         self.concept_table: Tensor | None = None  # [training images, concepts]: the targets, by dataset index
+        self.token_weights: Tensor | None = None  # [vocabulary]: idf_weight's target-word weights (training only)
         self.class_names = None
         self.tokenizer: WordTokenizer | None = None
         chosen = {f.name: getattr(generate, f.name) for f in dataclasses.fields(generate)}
@@ -247,7 +249,8 @@ class CaptioningTask(CaptionSelfCritical, CaptionEvaluation, VisionTask):
         self.tokenizer = WordTokenizer.restore(vocab)
         self.head = CaptionDecoder(len(self.tokenizer), self.encoder.embed_dim, config, self.tokenizer.pad_id,
                                    pixel_dim=self._pixel_dim() if config.pixel_memory else None)
-        self.encoder.keep_embedding = config.embedding_memory  # the decoder reads what the encoder then returns
+        # the decoder (embedding_memory) or the concept head (concept_tokens) reads what the encoder then returns
+        self.encoder.keep_embedding = config.embedding_memory or self.training_config.concept_tokens == "embedding"
         self.encoder.keep_pixels = config.pixel_memory
         classes = self.training_config.grounding_classes
         self.grounding_head = self._grounding_head(classes) if classes else None
@@ -361,6 +364,10 @@ class CaptioningTask(CaptionSelfCritical, CaptionEvaluation, VisionTask):
                 if self.concept_head is None and words:  # started from a model trained without concepts
                     self._store_training(concept_words=words)
                     self.concept_head = self._concept_head(words).to(self.device)
+        if stage == "fit" and self.training_config.idf_weight > 0 and hasattr(dm, "train_references"):
+            tok = self.tokenizer
+            self.token_weights = idf_token_weights(dm.train_references(), tok.vocab, {tok.eos_id, tok.unk_id},
+                                                   self.training_config.idf_weight)
 
     def configure_datamodule(self, datamodule) -> None:
         """Make the data use this model's preprocessing and tokenizer (token ids must mean what they meant in
@@ -456,9 +463,12 @@ class CaptioningTask(CaptionSelfCritical, CaptionEvaluation, VisionTask):
         if attention is not None:
             attention.append(weights[-1].float().mean(dim=1))
         targets = tokens[:, 1:].reshape(-1)
-        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets,
-                                ignore_index=self.tokenizer.pad_id,
-                                label_smoothing=self.training_config.label_smoothing, reduction="sum")
+        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets,
+                                    ignore_index=self.tokenizer.pad_id,
+                                    label_smoothing=self.training_config.label_smoothing, reduction="none")
+        if self.training and self.token_weights is not None:
+            per_token = per_token * self.token_weights.to(per_token.device)[targets]
+        total = per_token.sum()
         count = (targets != self.tokenizer.pad_id).sum().float()
         if across_processes:
             count = mean_across_processes(count)
@@ -510,8 +520,10 @@ class CaptioningTask(CaptionSelfCritical, CaptionEvaluation, VisionTask):
 
     def _concept_loss(self, enc: EncoderOutput, indices: Tensor) -> Tensor:
         """Binary cross-entropy of the concept head's image scores (log-sum-exp over the patches
-        minus log(patches)) against :attr:`concept_table`'s rows of the batch's images."""
-        patches = enc.tokens[:, enc.num_prefix_tokens:]
+        of ``concept_tokens``, minus log(patches)) against :attr:`concept_table`'s rows of the
+        batch's images."""
+        tokens = enc.embedding_tokens if self.training_config.concept_tokens == "embedding" else enc.tokens
+        patches = tokens[:, enc.num_prefix_tokens:]
         logits = self.concept_head(patches).float()  # (B, N, K)
         scores = torch.logsumexp(logits, dim=1) - math.log(logits.shape[1])  # (B, K)
         targets = self.concept_table[indices.cpu()].to(scores.device)

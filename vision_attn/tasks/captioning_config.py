@@ -86,6 +86,16 @@ class CaptionTraining:
             a word for it to count as a concept.
         concept_words: the words the concept head predicts (set from the training captions when
             training starts and saved in checkpoints; leave unset).
+        concept_tokens: which patch tokens the concept head reads: ``output`` (the encoder's
+            last block) or ``embedding`` (the tokens entering its first block: the stem's, so
+            the loss teaches the stem directly what the objects are; with a convolutional stem
+            that is learned in far fewer steps than through the blocks, and the decoder sees it
+            through the residual stream, or directly with ``decoder.embedding_memory``).
+        idf_weight: how much the caption cross-entropy weights each target word by its inverse
+            document frequency over the training images' references
+            (:func:`~vision_attn.tasks.captioning_losses.idf_token_weights`): 0 = every word alike,
+            1 = in proportion to its idf, so the words that tell images apart (the objects) count
+            more than the template words every caption shares. In [0, 1].
     """
 
     label_smoothing: float = 0.1
@@ -100,6 +110,8 @@ class CaptionTraining:
     concept_weight: float = 0.0
     concept_max_share: float = 0.5
     concept_words: list[str] | None = None
+    concept_tokens: Literal["output", "embedding"] = "output"
+    idf_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.word_dropout < 1.0:
@@ -110,6 +122,11 @@ class CaptionTraining:
             raise ConfigError("--model.training.word_attention_weight needs the instance boxes that grounding "
                               "reads: set --model.training.grounding_weight > 0 too (e.g. 0.3), or "
                               "word_attention_weight 0")
+        if self.concept_tokens not in ("output", "embedding"):
+            raise ConfigError("--model.training.concept_tokens must be output or embedding, "
+                              f"got {self.concept_tokens!r}")
+        if not 0.0 <= self.idf_weight <= 1.0:
+            raise ConfigError(f"--model.training.idf_weight must be in [0, 1] (0 = off), got {self.idf_weight}")
         if not 0.0 < self.concept_max_share <= 1.0:
             raise ConfigError(f"--model.training.concept_max_share must be in (0, 1], got {self.concept_max_share}")
 

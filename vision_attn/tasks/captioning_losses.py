@@ -6,6 +6,7 @@ category, which words name or describe a category, which caption words are conce
 - word attention (``training.word_attention_weight``): :func:`word_kinds`,
   :func:`word_attention_targets`, :func:`class_regions` and :func:`word_attention_loss`;
 - concepts (``training.concept_weight``): :func:`concept_vocabulary` and :func:`concept_targets`;
+- content words weighted in the cross-entropy (``training.idf_weight``): :func:`idf_token_weights`;
 - :func:`repeat_images`: the encoder output repeated for several captions per image.
 """
 
@@ -22,8 +23,8 @@ from vision_attn.models.detr import cell_centres
 from vision_attn.models.encoder import EncoderOutput
 
 __all__ = ["GROUNDING_BACKGROUND_WEIGHT", "WORD_ATTENTION_SKIP", "class_regions", "concept_targets",
-           "concept_vocabulary", "grounding_weights", "patch_objects", "patch_targets", "repeat_images",
-           "word_attention_loss", "word_attention_targets", "word_kinds"]
+           "concept_vocabulary", "grounding_weights", "idf_token_weights", "patch_objects", "patch_targets",
+           "repeat_images", "word_attention_loss", "word_attention_targets", "word_kinds"]
 
 GROUNDING_BACKGROUND_WEIGHT = 0.2
 """Class weight of "background" (no box holds the patch's centre) in the grounding loss: most
@@ -200,3 +201,34 @@ def concept_targets(references: list[list[str]], words: list[str]) -> Tensor:
             for k in {column[w] for w in r.split() if w in column}:
                 out[i, k] += 1.0 / len(refs)
     return out
+
+
+def idf_token_weights(references: list[list[str]], vocab: list[str], special: set[int], strength: float) -> Tensor:
+    """Per token id of ``vocab``, the weight of that target word in the caption cross-entropy:
+    ``(1 - strength) + strength * idf(w) / mean_idf``, where ``idf(w) = log(images / images whose
+    references use w)`` over the training ``references`` (per image a list of normalised
+    captions) and ``mean_idf`` is the mean idf over every word of every reference, so the
+    average target keeps weight 1. Words every image's references use ("the", "a") fall to
+    ``1 - strength``; the words that tell images apart (the objects) rise. The ``special`` ids
+    (``<eos>`` and the like: every caption has to end) and words the references never use keep
+    weight 1. ``[len(vocab)]`` float32."""
+    index = {w: i for i, w in enumerate(vocab)}
+    images = max(len(references), 1)
+    df = torch.zeros(len(vocab))
+    counts = torch.zeros(len(vocab))
+    for refs in references:
+        for r in refs:
+            for w in r.split():
+                if w in index:
+                    counts[index[w]] += 1
+        for w in {w for r in refs for w in r.split() if w in index}:
+            df[index[w]] += 1
+    idf = torch.where(df > 0, torch.log(images / df.clamp(min=1)), torch.zeros_like(df))
+    mean_idf = float((idf * counts).sum() / counts.sum().clamp(min=1))
+    weights = torch.ones(len(vocab))
+    if mean_idf > 0:
+        used = df > 0
+        weights[used] = (1.0 - strength) + strength * idf[used] / mean_idf
+    for i in special:
+        weights[i] = 1.0
+    return weights
