@@ -110,7 +110,7 @@ def test_spt_stem_keeps_the_linear_stems_token_grid(size):
     assert isinstance(spt.model.patch_embed.proj, ShiftedPatchTokenizer) and spt.stem == "spt"
     with pytest.raises(ValueError, match="patch_size >= 2"):
         ShiftedPatchTokenizer(patch_size=1, embed_dim=8)
-    with pytest.raises(ValueError, match="'patch', 'conv' or 'spt'"):
+    with pytest.raises(ValueError, match="'patch', 'conv', 'cnn' or 'spt'"):
         _encoder(stem="shifted")
 
 
