@@ -259,7 +259,7 @@ def test_weights_files_of_spt_and_lsa_encoders_load_and_mismatches_are_clear(tmp
         assert torch.equal(loaded(x).tokens, src(x).tokens)
     with pytest.raises(EncoderError, match="lsa=True"):
         _encoder(stem="spt", weights_file=str(path))
-    with pytest.raises(EncoderError, match="stem='conv' or 'spt'"):
+    with pytest.raises(EncoderError, match="stem='conv', 'cnn' or 'spt'"):
         _encoder(lsa=True, weights_file=str(path))
 
     plain = tmp_path / "plain.safetensors"

@@ -87,7 +87,7 @@ def check_stem_and_lsa(encoder: Any, state: dict[str, Tensor], path: str) -> Non
     if stem == "patch" and any(k.startswith("patch_embed.proj.") for k in state) and not has_linear_patch:
         raise EncoderError(
             f"weights file {path} holds a replaced patch embedding (patch_embed.proj.* without timm's "
-            "patch_embed.proj.weight): it was saved from an encoder with stem='conv' or 'spt'; build this one "
+            "patch_embed.proj.weight): it was saved from an encoder with stem='conv', 'cnn' or 'spt'; build this one "
             "with the same stem."
         )
     if not getattr(encoder, "lsa", False) and any(k.endswith("." + LSA_TEMPERATURE_KEY) for k in state):
