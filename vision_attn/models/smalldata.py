@@ -122,7 +122,8 @@ class ConvStem(nn.Module):
         if norm not in STEM_NORMS:
             raise EncoderError(f"stem_norm must be one of {', '.join(STEM_NORMS)}, got {norm!r}")
         if patch_size < 2 or patch_size & (patch_size - 1):
-            raise EncoderError(f"stem='conv' needs a power-of-two patch_size >= 2, got {patch_size}")
+            raise EncoderError(f"stem={'cnn' if pool else 'conv'!r} needs a power-of-two patch_size >= 2, "
+                               f"got {patch_size}")
         if channels is not None and not 1 <= int(channels) <= 4096:
             raise EncoderError(f"stem_channels must lie in 1..4096 (or be unset), got {channels}")
         n_down = patch_size.bit_length() - 1
