@@ -262,7 +262,7 @@ def test_without_boxes_the_grounded_words_are_measured_and_saved(captioner, tmp_
     from vision_attn.explain.captioning import UNGROUNDED_WORDS, grounded_positions
 
     task, val, words = captioner
-    monkeypatch.setattr(explain_captioning, "_split_boxes", lambda dataset: None)
+    monkeypatch.setattr(explain_captioning, "_split_boxes", lambda dataset, masks=None: None)
     metrics = write_caption_overlays(task, val, _options(save_maps=True), tmp_path)
     assert not any(k.startswith(("pointing", "energy")) for k in metrics)
     expected = [[w[t] for t in grounded_positions(w)] for w in words.values()]
@@ -271,3 +271,42 @@ def test_without_boxes_the_grounded_words_are_measured_and_saved(captioner, tmp_
     index = json.loads((tmp_path / "maps" / "index.json").read_text())
     assert [e["word"] for e in index] == [w for ws in expected for w in ws]
     assert any(w in UNGROUNDED_WORDS for ws in words.values() for w in ws)  # there was something to leave out
+
+
+def test_masks_of_the_named_objects_score_each_word(captioner, tmp_path, monkeypatch):
+    """With masks in the instances file (here each box's rectangle), every measured word's maps
+    are scored against the masks of the objects it names: the numbers equal a recomputation from
+    the saved maps."""
+    import vision_attn.explain.captioning as explain_captioning
+    from vision_attn.data.masks import image_mask
+    from vision_attn.explain.captioning import named_words
+    from vision_attn.explain.segmentation import SegmentationScores
+
+    task, val, _ = captioner
+    plain = explain_captioning._split_boxes
+    sizes = {im["id"]: (im["height"], im["width"]) for im in val.images}
+
+    def with_masks(dataset, masks=None):
+        boxes = plain(dataset)
+        if masks is not None:
+            for image_id, objects in boxes.items():
+                h, w = sizes[image_id]
+                masks[image_id] = [(box, image_mask([[box[0], box[1], box[2], box[1], box[2], box[3], box[0], box[3]]],
+                                                    h, w)) for _, box in objects]
+        return boxes
+
+    monkeypatch.setattr(explain_captioning, "_split_boxes", with_masks)
+    metrics = write_caption_overlays(task, val, _options(save_maps=True, faithfulness=False), tmp_path)
+    boxes = plain(val)
+    reference = SegmentationScores()
+    for entry in json.loads((tmp_path / "maps" / "index.json").read_text()):
+        own = named_words([entry["word"]], boxes[entry["file"]])[0][1]
+        h, w = sizes[entry["file"]]
+        masks = [image_mask([[b[0], b[1], b[2], b[1], b[2], b[3], b[0], b[3]]], h, w).decode() for b in own]
+        reference.update({m: np.load(tmp_path / "maps" / m / f"{entry['index']:05d}.npy")
+                          for m in ("relevance", "attention")}, masks)
+    expected = reference.compute()
+    assert expected and reference.count == metrics["pointing_words"]
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+    assert {"miou_random", "pixel_acc_random", "map_mask_random"} <= set(metrics)

@@ -156,9 +156,10 @@ def test_load_image_boxes_reads_xywh_and_names_bad_entries(tmp_path):
 
 
 # ---------------------------------------------------------------------------- eval integration
-def _non_square_folder(root):
+def _non_square_folder(root, masks: bool = False):
     """``root/val/{a,b}/*.png``: dark non-square images (30 x 60 and 61 x 23) with one bright
-    rectangle inside the part the centre crop keeps, and its box in ``root/boxes.json``."""
+    rectangle inside the part the centre crop keeps, and its box in ``root/boxes.json`` (with
+    ``masks``: its pixels as a COCO polygon too)."""
     import cv2
 
     # (H, W) -> a box (x0, y0, x1, y1) inside the kept part (see test_known_patch_lands...)
@@ -175,6 +176,8 @@ def _non_square_folder(root):
                 images.append({"id": k, "file_name": rel, "width": w, "height": h})
                 anns.append({"id": k, "image_id": k, "category_id": 1 + (cls == "b"),
                              "bbox": [x0, y0, x1 - x0, y1 - y0]})
+                if masks:  # the rectangle's pixels [x0, x1) x [y0, y1)
+                    anns[-1]["segmentation"] = [[x0, y0, x1, y0, x1, y1, x0, y1]]
                 k += 1
     cats = [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}]
     (root / "boxes.json").write_text(json.dumps({"images": images, "annotations": anns, "categories": cats}))
@@ -284,3 +287,40 @@ def test_eval_main_writes_localisation_sanity_and_maps(shapes_root, tmp_path):
     assert all(e["label"] == preds[e["index"]]["label"] for e in index)
     for m in methods:
         assert np.load(out / "maps" / m / f"{index[0]['index']:05d}.npy").shape == (32, 32)
+
+
+def test_eval_split_scores_maps_against_masks_as_chefer_does(tmp_path):
+    """With masks in the annotation file, the classification evaluation adds pixel accuracy,
+    mIoU and mAP per method: a map that follows the bright object scores near 1, the random
+    baseline near chance, and a method that ignores the object in between."""
+    from vision_attn import create_encoder
+    from vision_attn.data.classification import ImageFolderDataset
+    from vision_attn.data.transforms import build_eval_transform
+    from vision_attn.explain.evaluate import ExplainOptions, explain_eval_split
+    from vision_attn.explain.methods import METHODS, register_method
+    from vision_attn.tasks import ClassificationTask
+
+    from .conftest import TINY_VIT
+
+    box_file, _ = _non_square_folder(tmp_path / "data", masks=True)
+
+    @register_method("brightness", description="test: the mean brightness of each patch of the input")
+    def _bright(x):
+        return F.avg_pool2d(x.images.mean(dim=1, keepdim=True), 8)[:, 0]
+
+    try:
+        torch.manual_seed(0)
+        encoder = create_encoder("vit_tiny_patch16_224", **TINY_VIT,
+                                 preprocess={"crop_pct": 0.8, "crop_mode": "center"})
+        task = ClassificationTask(encoder, class_names=["a", "b"]).eval()
+        ds = ImageFolderDataset(tmp_path / "data", "val", ["a", "b"], build_eval_transform(task.data_config))
+        options = ExplainOptions(methods=["brightness"], num_overlays=0, faithfulness=False, faithfulness_images=8,
+                                 batch_size=4, report=False, annotations=str(box_file))
+        metrics = explain_eval_split(task, ds, options, tmp_path / "out")
+    finally:
+        METHODS.pop("brightness")
+    assert {"pixel_acc_brightness", "miou_brightness", "map_mask_brightness", "miou_random"} <= set(metrics)
+    assert metrics["miou_brightness"] > 0.6 and metrics["map_mask_brightness"] > 0.8
+    assert metrics["pixel_acc_brightness"] > 0.8
+    assert metrics["miou_random"] < metrics["miou_brightness"] - 0.2
+    assert metrics["map_mask_random"] < metrics["map_mask_brightness"] - 0.2

@@ -75,6 +75,7 @@ from vision_attn.data.coco import (
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
 from vision_attn.data.layout import SPLIT_LAYOUT_LEGACY, SplitLayout
 from vision_attn.data.loading import BATCHING_LEGACY, Batching, SkipUnreadable, SplitDataModule, relative_file
+from vision_attn.data.masks import ImageMask, image_mask
 from vision_attn.data.synthetic import SceneSetConfig, embedded_data_warning, ensure_shapes_coco
 from vision_attn.data.transforms import (
     DETR_EVAL_SIZE,
@@ -231,7 +232,10 @@ class CocoDetection(SkipUnreadable, Dataset):
         label_of = {cid: i for i, cid in enumerate(self.category_ids)}
         by_image: dict[int, list[tuple[list[float], int]]] = {im["id"]: [] for im in self.images}
         scored: dict[int, list[tuple[list[float], int, int, float]]] = {im["id"]: [] for im in self.images}
+        # each scored object's segmentation (None without one), kept for evaluation datasets only
+        self._segmentations: dict[int, list[Any]] = {im["id"]: [] for im in self.images}
         sizes = {im["id"]: (im.get("height"), im.get("width")) for im in self.images}
+        self._sizes = sizes
         dropped: Counter = Counter()
         example: dict[str, Any] = {}
         for a in annotations:
@@ -244,6 +248,7 @@ class CocoDetection(SkipUnreadable, Dataset):
             label, crowd = label_of[a["category_id"]], int(bool(a.get("iscrowd", 0)))
             area = float(a["area"]) if _is_number(a.get("area")) and math.isfinite(a["area"]) else w * h
             scored[a["image_id"]].append(([x, y, x + w, y + h], label, crowd, area))
+            self._segmentations[a["image_id"]].append(a.get("segmentation") if self.scored_targets else None)
             if crowd:
                 continue
             ih, iw = sizes[a["image_id"]]
@@ -300,6 +305,15 @@ class CocoDetection(SkipUnreadable, Dataset):
                 "labels": torch.tensor([a[1] for a in anns], dtype=torch.int64),
                 "iscrowd": torch.tensor([a[2] for a in anns], dtype=torch.int64),
                 "area": torch.tensor([a[3] for a in anns], dtype=torch.float32)}
+
+    def scoring_masks(self, image_id: int) -> list[ImageMask | None]:
+        """The pixel mask of each object of :meth:`scoring_target` (same order), decoded when
+        asked for (:class:`~vision_attn.data.masks.ImageMask`); ``None`` for an object without a
+        ``segmentation``, or in an image without a whole-number ``height`` and ``width``."""
+        height, width = self._sizes[image_id]
+        where = f"{self.ann_file}: image id {image_id}"
+        return [image_mask(seg, height, width, where) if seg is not None else None
+                for seg in self._segmentations[image_id]]
 
     def _load(self, index: int):
         im = self.images[index]

@@ -69,6 +69,7 @@ from torch import Tensor
 from vision_attn.data.caption_objects import ObjectVocabulary
 from vision_attn.data.detection import is_coco_id, load_coco_annotations
 from vision_attn.data.imageio import read_image
+from vision_attn.data.masks import ImageMask, image_mask
 from vision_attn.data.tokenizer import normalize_caption
 from vision_attn.errors import DataError
 from vision_attn.explain.decoder_relevance import caption_relevance
@@ -212,16 +213,21 @@ def grounded_positions(words: list[str]) -> list[int]:
     return kept or list(range(len(words)))
 
 
-def _split_boxes(dataset) -> dict[int, NamedBoxes] | None:
+def _split_boxes(dataset, masks: dict[int, list[tuple[list[float], ImageMask]]] | None = None
+                 ) -> dict[int, NamedBoxes] | None:
     """``{image id: [(words naming the box, [x0, y0, x1, y1] original pixels)]}`` from the
-    split's instances file, if any."""
+    split's instances file, if any; given a ``masks`` dict, it is filled with ``{image id:
+    [(box, mask)]}`` for the objects that have a ``segmentation`` (and an image with a whole-number
+    ``height`` and ``width``)."""
     path = dataset.root / "annotations" / f"instances_{dataset.split}.json"
     if not path.is_file():
         return None
     data = load_coco_annotations(path)
     names = {c.get("id"): normalize_caption(str(c.get("name", ""))) for c in data.get("categories") or []
              if isinstance(c, dict) and is_coco_id(c.get("id"))}
-    images = {im.get("id") for im in data.get("images") or [] if isinstance(im, dict) and is_coco_id(im.get("id"))}
+    sizes = {im.get("id"): (im.get("height"), im.get("width")) for im in data.get("images") or []
+             if isinstance(im, dict) and is_coco_id(im.get("id"))}
+    images = set(sizes)
     out: dict[int, NamedBoxes] = {}
     for a in data.get("annotations") or []:
         # localisation only reads well-formed boxes (the data reader counts the others)
@@ -235,6 +241,10 @@ def _split_boxes(dataset) -> dict[int, NamedBoxes] | None:
         colour = a.get("colour", a.get("color"))  # as content accuracy reads it
         words = {names[a["category_id"]]} | ({normalize_caption(colour)} if isinstance(colour, str) else set())
         out.setdefault(a["image_id"], []).append((words, [x, y, x + bw, y + bh]))
+        if masks is not None and a.get("segmentation") is not None:
+            mask = image_mask(a["segmentation"], *sizes[a["image_id"]], f"{path}: annotation id {a.get('id')}")
+            if mask is not None:
+                masks.setdefault(a["image_id"], []).append(([x, y, x + bw, y + bh], mask))
     return out
 
 
@@ -436,12 +446,15 @@ def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], o
 
 def _caption_items(task, images: Tensor, explained: list, rows: list[tuple[int, int, int, np.ndarray]],
                    boxes: dict[int, NamedBoxes] | None, methods: list[str], generator: torch.Generator,
-                   measures: Measures, vocab: ObjectVocabulary | None = None
+                   measures: Measures, vocab: ObjectVocabulary | None = None,
+                   masks: dict[int, list[tuple[list[float], ImageMask]]] | None = None
                    ) -> tuple[list[tuple[int, int]], dict[str, list[Tensor]]]:
     """The explained words of the batch's measured images, their localisation and saved maps.
 
     ``rows``: ``(batch position j, split index i, image id, original picture)`` per image to
-    measure; ``vocab``: how words name boxes (:func:`named_words`). Returns the words as
+    measure; ``vocab``: how words name boxes (:func:`named_words`); ``masks``: the objects' masks
+    by image (:func:`_split_boxes`), which score a word's maps against the masks of the objects it
+    names. Returns the words as
     ``(batch position, word position)`` and per method their maps over the patch grid (one
     ``[K, h, w]`` per image, in the order of the words)."""
     pre = task.inference_data_config()
@@ -463,10 +476,15 @@ def _caption_items(task, images: Tensor, explained: list, rows: list[tuple[int, 
         image_maps = {m: grid_to_image(g, size, pre) for m, g in maps.items()}  # (K, H, W) each
         more = (grid_to_image(draws[1:].flatten(0, 1), size, pre).reshape(RANDOM_DRAWS - 1, len(positions), *size)
                 if boxes is not None else None)
+        decoded = [(box, mask.decode()) for box, mask in (masks or {}).get(image_id, [])]
+        if any(pixels.shape != tuple(size) for _, pixels in decoded):
+            raise DataError(f"image id {image_id}: the masks of the instances file are not {size[1]}x{size[0]} "
+                            "pixels, the image's; its 'height' and 'width' must be the image's")
         for k, (t, own) in enumerate(named):
             if more is not None:  # random: the mean over its draws
                 measures.localisation.update({m: np.concatenate([image_maps[m][k][None], more[:, k]])
-                                              if m == "random" else image_maps[m][k] for m in methods}, own)
+                                              if m == "random" else image_maps[m][k] for m in methods}, own,
+                                             [pixels for box, pixels in decoded if box in own])
             if measures.maps is not None:
                 n = measures.maps.count
                 measures.maps.update({m: image_maps[m][k] for m in methods},
@@ -540,7 +558,8 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
     of up to ``options.faithfulness_images`` images, saving their maps with
     ``options.save_maps`` (see the module docstring)."""
     chosen = set(overlay_images(dataset, options, worst_images(task, dataset, options)))
-    boxes = _split_boxes(dataset)
+    masks: dict[int, list[tuple[list[float], ImageMask]]] = {}
+    boxes = _split_boxes(dataset, masks)
     vocab = _split_vocabulary(dataset, boxes) if boxes is not None else None
     measured = boxes is not None or options.faithfulness or options.save_maps or options.sanity
     picked = (set(select_images(len(dataset), options.faithfulness_images, options.faithfulness_selection,
@@ -572,7 +591,8 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
                     report.items.append({"name": f"image id {image_id}", **e.report_item})
             if i in picked:
                 rows.append((j, i, image_id, pictures[j]))
-        items, grids = _caption_items(task, images, explained, rows, boxes, methods, generator, measures, vocab)
+        items, grids = _caption_items(task, images, explained, rows, boxes, methods, generator, measures, vocab,
+                                      masks)
         if options.sanity and items:
             measures.sanity.update(_sanity(task, images, explained, items, grids, options))
         if options.faithfulness and items:

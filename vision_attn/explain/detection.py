@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vision_attn.errors import DataError
 from vision_attn.explain.decoder_relevance import detection_relevance
 from vision_attn.explain.detection_errors import (  # noqa: F401 (re-exported)
     detection_errors,
@@ -377,7 +378,8 @@ def _detect(task, dataset, idx: list[int], score_threshold: float, max_objects: 
 def _localise_detections(task, dataset, batch: _Detected, maps: dict[str, list[torch.Tensor]],
                          measures: Measures) -> None:
     """Match each kept detection to a ground-truth box and update the localisation (matched
-    detections only) and the saved maps with its maps in original image pixels."""
+    detections only; against the matched object's mask too when the data has masks) and the
+    saved maps with its maps in original image pixels."""
     pre = task.inference_data_config()
     names = task.class_names or []
     for j, i in enumerate(batch.idx):
@@ -385,6 +387,7 @@ def _localise_detections(task, dataset, batch: _Detected, maps: dict[str, list[t
         truth = dataset.scoring_target(image_id)
         det, keep, labels = batch.dets[j], batch.keeps[j], batch.labels[j]
         match = match_detections(det["boxes"][keep], labels, truth["boxes"], truth["labels"], truth["iscrowd"])
+        masks = dataset.scoring_masks(image_id) if hasattr(dataset, "scoring_masks") else []
         for k, g in enumerate(match):
             own = truth["boxes"][g].tolist() if g >= 0 else None
             if own is None and measures.maps is None:
@@ -398,7 +401,12 @@ def _localise_detections(task, dataset, batch: _Detected, maps: dict[str, list[t
                     "category_id": int(task.category_ids[c]) if task.category_ids else c,
                     "score": float(det["scores"][keep[k]]), "box": [float(v) for v in det["boxes"][keep[k]].tolist()],
                     "truth": own}, f"{i:05d}_{k}")
-            measures.localisation.update(image_maps, [own] if own is not None else [])
+            mask = masks[g] if own is not None and g < len(masks) and masks[g] is not None else None
+            pixels = [mask.decode()] if mask is not None else []
+            if pixels and pixels[0].shape != tuple(batch.sizes[j]):
+                raise DataError(f"{mask.where}: 'height' x 'width' {mask.height}x{mask.width} is not the image's "
+                                f"{batch.sizes[j][0]}x{batch.sizes[j][1]}; its masks cannot be scored")
+            measures.localisation.update(image_maps, [own] if own is not None else [], pixels)
 
 
 def _detection_curves(task, batch: _Detected, maps: dict[str, list[torch.Tensor]],

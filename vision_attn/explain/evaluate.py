@@ -61,7 +61,7 @@ from vision_attn.explain.faithfulness import (
     deletion_insertion_curve,
     end_probabilities,
 )
-from vision_attn.explain.localisation import grid_to_image, load_image_boxes
+from vision_attn.explain.localisation import grid_to_image, load_image_objects
 from vision_attn.explain.measures import Localisation, MapWriter, Measures, Perturbation, Sanity
 from vision_attn.explain.methods import (
     TOKENS,
@@ -513,12 +513,13 @@ def _limits(dataset) -> dict:
 
 def _localisation_and_sanity(task, dataset, picked: list[int], options: ExplainOptions, out_dir: Path,
                              box_file: Path | None) -> dict[str, float]:
-    """Pointing / energy (with ``box_file``), saved maps (``options.save_maps``) and sanity
+    """Pointing / energy (with ``box_file``; with its objects' masks also pixel accuracy, mIoU and
+    mAP: :mod:`vision_attn.explain.segmentation`), saved maps (``options.save_maps``) and sanity
     correlations (``options.sanity``) of every method and ``random``, over the ``picked``
     images, each map explaining the image's labelled class."""
     device = next(task.parameters()).device
     methods = list(dict.fromkeys([*options.methods, "random"]))
-    boxes = load_image_boxes(box_file) if box_file is not None else None
+    boxes = load_image_objects(box_file) if box_file is not None else None
     gen = torch.Generator().manual_seed(options.seed)
     # one report when both run: the sanity check's (the longer work; the two advance together)
     measures = Measures(localisation=Localisation(total=len(picked), progress=False if options.sanity else None),
@@ -566,4 +567,9 @@ def _localise_images(task, dataset, idx: list[int], labels: torch.Tensor, grid_m
         label = names[int(labels[j])] if int(labels[j]) < len(names) else str(int(labels[j]))
         if measures.maps is not None:
             measures.maps.update(maps, {"index": i, "file": rel, "label": label}, f"{i:05d}")
-        measures.localisation.update(maps, [box for name, box in (boxes or {}).get(rel, []) if name == label])
+        objects = [(box, mask) for name, box, mask in (boxes or {}).get(rel, []) if name == label]
+        masks = [mask.decode() for _, mask in objects if mask is not None]
+        if any(m.shape != tuple(size) for m in masks):
+            raise DataError(f"annotation file: the masks of {rel} are {masks[0].shape[1]}x{masks[0].shape[0]} "
+                            f"pixels, the image {size[1]}x{size[0]}; its 'height' and 'width' must be the image's")
+        measures.localisation.update(maps, [box for box, _ in objects], masks)

@@ -22,7 +22,9 @@ Scores of one map against the boxes of the explained object (``[x0, y0, x1, y1]`
 
 :func:`localisation` returns both; it serves every head (the caller chooses the boxes: a
 classifier's labelled class, a detection's matched ground truth, a caption word's object).
-:func:`load_image_boxes` reads the boxes from a COCO instances file keyed by ``file_name``.
+:func:`load_image_boxes` reads the boxes from a COCO instances file keyed by ``file_name``;
+:func:`load_image_objects` the boxes with the objects' masks (scored by
+:mod:`vision_attn.explain.segmentation`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import numpy as np
 import torch
 
 from vision_attn.data.coco import annotation_problem, category_names, load_coco_annotations, validate_image_entry
+from vision_attn.data.imageio import DEFAULT_MAX_PIXELS
+from vision_attn.data.masks import ImageMask, image_mask
 from vision_attn.data.transforms import CROP_MODES, LEGACY_CROP_MODE
 from vision_attn.errors import DataError
 
@@ -46,7 +50,9 @@ __all__ = [
     "eval_geometry",
     "grid_to_image",
     "energy_share",
+    "ImageMask",
     "load_image_boxes",
+    "load_image_objects",
     "localisation",
     "pointing_hit",
 ]
@@ -236,16 +242,29 @@ def load_image_boxes(path: str | Path) -> dict[str, list[tuple[str, Box]]]:
     Raises:
         DataError: an unreadable or malformed file (the message names the file and entry).
     """
+    return {f: [(name, box) for name, box, _ in objects] for f, objects in load_image_objects(path).items()}
+
+
+def load_image_objects(path: str | Path) -> dict[str, list[tuple[str, Box, ImageMask | None]]]:
+    """The objects of a COCO instances file per image: ``{file_name: [(category name, box,
+    mask)]}`` as :func:`load_image_boxes` reads them, with each object's mask
+    (:class:`ImageMask`, decoded when asked for) when it has a ``segmentation``, else ``None``.
+
+    Raises:
+        DataError: an unreadable or malformed file (the message names the file and entry).
+    """
     path = Path(path).expanduser()
     data = load_coco_annotations(path)
     names = category_names(data.get("categories"), path,
                            f"annotation file {path} has no categories; the boxes need category names",
                            invalid="needs an integer 'id' and a 'name'")
     files: dict[int, str] = {}
+    sizes: dict[int, tuple[int, int]] = {}
     for im in data["images"]:
         validate_image_entry(im, path)
         files[im["id"]] = Path(im["file_name"]).as_posix()
-    out: dict[str, list[tuple[str, Box]]] = {f: [] for f in files.values()}
+        sizes[im["id"]] = (im.get("height"), im.get("width"))
+    out: dict[str, list[tuple[str, Box, ImageMask | None]]] = {f: [] for f in files.values()}
     for a in data["annotations"]:
         reason, box = annotation_problem(a, files, names)
         if reason in ("not an object", "unknown image id"):
@@ -257,5 +276,12 @@ def load_image_boxes(path: str | Path) -> dict[str, list[tuple[str, Box]]]:
             raise DataError(f"{path}: annotation id {a.get('id')} has bbox {str(a.get('bbox'))[:80]}; expected "
                             "[x, y, width, height] in pixels, finite, width and height >= 0")
         x, y, w, h = box
-        out[files[a["image_id"]]].append((names[a["category_id"]], (x, y, x + w, y + h)))
+        mask = None
+        if a.get("segmentation") is not None:
+            mask = image_mask(a["segmentation"], *sizes[a["image_id"]], f"{path}: annotation id {a.get('id')}")
+            if mask is None:
+                raise DataError(f"{path}: annotation id {a.get('id')} has a 'segmentation' but its image has no "
+                                f"whole-number 'height' and 'width' (at most {DEFAULT_MAX_PIXELS} pixels); add them "
+                                "to the image entry")
+        out[files[a["image_id"]]].append((names[a["category_id"]], (x, y, x + w, y + h), mask))
     return out

@@ -7,7 +7,9 @@ randomised model). The measures here accumulate those items, average them and na
 of ``metrics.json``, the same way for every head:
 
 - :class:`Localisation`: ``pointing_<method>`` and ``energy_<method>`` of maps in original image
-  pixels against their item's boxes (:func:`~vision_attn.explain.localisation.localisation`);
+  pixels against their item's boxes (:func:`~vision_attn.explain.localisation.localisation`),
+  and, given the objects' masks, ``pixel_acc_<method>``, ``miou_<method>`` and
+  ``map_mask_<method>`` (:mod:`vision_attn.explain.segmentation`);
 - :class:`Perturbation`: ``deletion_auc_<method>`` / ``insertion_auc_<method>`` from the
   deletion / insertion curves (:mod:`vision_attn.explain.faithfulness`), ``deletion_auc`` /
   ``insertion_auc`` of the head's first method, and the mean curves (``report.html``);
@@ -41,6 +43,7 @@ from torch import Tensor
 from vision_attn.explain.faithfulness import MODES, auc
 from vision_attn.explain.localisation import localisation
 from vision_attn.explain.progress import Progress
+from vision_attn.explain.segmentation import SegmentationScores
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
 __all__ = ["Localisation", "MapWriter", "Measures", "Perturbation", "Sanity"]
@@ -105,16 +108,23 @@ class Localisation(_Reported):
         self.hits: dict[str, float] = {}
         self.energy: dict[str, float] = {}
         self.count = 0  # the items scored
+        self.segmentation = SegmentationScores()
 
-    def update(self, maps: Mapping[str, np.ndarray], boxes: Sequence[Sequence[float]]) -> bool:
+    def update(self, maps: Mapping[str, np.ndarray], boxes: Sequence[Sequence[float]],
+               masks: Sequence[np.ndarray] | None = None) -> bool:
         """Score one item; ``False`` (nothing added) when it has no box.
 
         Args:
             maps: per method the item's map in original image pixels, float ``[H, W]``, or
                 ``[D, H, W]`` for ``D`` draws whose mean counts.
             boxes: the boxes of the item's object, ``[x0, y0, x1, y1]`` pixels.
+            masks: the pixel masks of the item's object (bool ``[H, W]``, the map's size), when
+                the data has them: ``pixel_acc_<method>``, ``miou_<method>`` and
+                ``map_mask_<method>`` too (:mod:`vision_attn.explain.segmentation`).
         """
         self._advance(1)
+        if masks:
+            self.segmentation.update(maps, masks)
         if len(boxes) == 0:
             return False
         for method, image_map in maps.items():
@@ -136,7 +146,7 @@ class Localisation(_Reported):
         for method in self.hits:
             out[f"pointing_{method}"] = self.hits[method] / self.count
             out[f"energy_{method}"] = self.energy[method] / self.count
-        return out
+        return {**out, **self.segmentation.compute()}
 
 
 class Perturbation(_Reported):

@@ -1,0 +1,76 @@
+"""Object masks of COCO instances files: a ``segmentation`` (polygons, uncompressed or compressed
+RLE) decoded into the pixels of its image, through pycocotools, when it is needed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vision_attn.data.imageio import DEFAULT_MAX_PIXELS
+from vision_attn.errors import DataError
+
+__all__ = ["ImageMask", "decode_segmentation", "image_mask"]
+
+
+def decode_segmentation(segmentation: Any, height: int, width: int, where: str = "annotation") -> np.ndarray:
+    """``bool [height, width]``: the mask of a COCO ``segmentation`` (a list of polygons
+    ``[[x0, y0, x1, y1, ...], ...]``, an uncompressed RLE ``{"size", "counts": [...]}`` or a
+    compressed one ``{"size", "counts": "..."}``).
+
+    Raises:
+        DataError: a malformed segmentation, or an RLE of another size than the image's (naming ``where``).
+    """
+    from pycocotools import mask as coco_mask
+
+    try:
+        if isinstance(segmentation, list):
+            if not segmentation or not all(isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0
+                                           and all(isinstance(v, (int, float)) and np.isfinite(v) for v in p)
+                                           for p in segmentation):
+                raise ValueError("polygons must be lists of at least three finite x, y pairs")
+            rle = coco_mask.merge(coco_mask.frPyObjects(segmentation, height, width))
+        elif isinstance(segmentation, dict) and "counts" in segmentation and "size" in segmentation:
+            size = segmentation["size"]
+            if not (isinstance(size, list) and len(size) == 2 and [int(v) for v in size] == [height, width]):
+                raise ValueError(f"its size {size!r} is not the image's [{height}, {width}]")
+            counts = segmentation["counts"]
+            if isinstance(counts, list):
+                if not all(isinstance(c, int) and c >= 0 for c in counts) or sum(counts) != height * width:
+                    raise ValueError("uncompressed RLE counts must be non-negative integers summing to height x width")
+                rle = coco_mask.frPyObjects(segmentation, height, width)
+            elif isinstance(counts, str):
+                rle = {"size": [height, width], "counts": counts.encode("ascii")}
+            else:
+                raise ValueError("RLE counts must be a list of integers or a string")
+        else:
+            raise ValueError("expected polygons or an RLE {'size', 'counts'}")
+        return np.asarray(coco_mask.decode(rle), dtype=bool).reshape(height, width)
+    except (ValueError, TypeError, UnicodeEncodeError, OverflowError) as err:
+        raise DataError(f"{where}: cannot read its 'segmentation' ({err}); give COCO polygons or RLE") from None
+
+
+@dataclass(frozen=True)
+class ImageMask:
+    """An object's COCO ``segmentation`` in an image of ``height x width`` pixels, decoded by
+    :meth:`decode` (:func:`decode_segmentation`; ``where`` names it in errors)."""
+
+    segmentation: Any
+    height: int
+    width: int
+    where: str = "annotation"
+
+    def decode(self) -> np.ndarray:
+        """``bool [height, width]``."""
+        return decode_segmentation(self.segmentation, self.height, self.width, self.where)
+
+
+def image_mask(segmentation: Any, height: Any, width: Any, where: str = "annotation") -> ImageMask | None:
+    """The :class:`ImageMask` of ``segmentation`` in an image of the declared ``height`` and
+    ``width``; ``None`` when they are not whole numbers of at least 1 whose product stays within
+    :data:`~vision_attn.data.imageio.DEFAULT_MAX_PIXELS` (no mask of unknown or huge size is decoded)."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1 and float(v).is_integer()
+               for v in (height, width)) or height * width > DEFAULT_MAX_PIXELS:
+        return None
+    return ImageMask(segmentation, int(height), int(width), where)
