@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks.explain_overhead import run
@@ -472,3 +473,39 @@ def test_startup_benchmark_writes_a_results_file(tmp_path, monkeypatch):
     data = json.loads(out.read_text())
     assert not validate(data) and [r[0] for r in data["rows"]] == ["python -c pass", "vision-attn --help"]
     assert all(0 < r[2] <= r[1] <= r[3] for r in data["rows"])
+
+
+def test_classification_holdout_data_and_its_results_rows(tmp_path):
+    import cv2
+
+    from benchmarks.classification_holdout import last_val_top1, sklearn_digits, stroke_digits, write_row
+
+    root = stroke_digits(tmp_path, train_images=20, val_images=10)
+    assert sorted(p.name for p in (root / "train").iterdir()) == [str(d) for d in range(10)]
+    assert len(list((root / "val").rglob("*.png"))) == 10
+    img = cv2.imread(str(next((root / "train" / "3").glob("*.png"))))
+    assert img.shape == (32, 32, 3) and img.std() > 5  # a picture, not a blank
+    assert stroke_digits(tmp_path, train_images=20, val_images=10) == root  # written once
+    from vision_attn.explain.localisation import load_image_objects
+
+    objects = load_image_objects(root / "annotations" / "instances_val.json")
+    assert len(objects) == 10 and all(len(v) == 1 for v in objects.values())
+    name, (x0, y0, x1, y1), mask = objects["val/3/00003.png"][0]
+    pixels = mask.decode()
+    assert name == "3" and 4 < pixels.sum() < 32 * 32 / 2
+    ys, xs = np.nonzero(pixels)
+    assert (x0, y0, x1, y1) == (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1)
+    digits = sklearn_digits(tmp_path, train_images=1000)
+    assert len(list((digits / "train").rglob("*.png"))) == 1000 and len(list((digits / "val").rglob("*.png"))) == 797
+    run = tmp_path / "run"
+    (run / "csv" / "version_0").mkdir(parents=True)
+    (run / "csv" / "version_0" / "metrics.csv").write_text(
+        "epoch,train/loss,val/acc_top1\n0,1.0,\n0,,0.5\n1,0.5,\n1,,0.75\n1,0.4,\n")
+    assert last_val_top1(run) == 0.75  # the last validation, not a training row
+    results = tmp_path / "table.json"
+    for name, acc in (("a", 0.5), ("b", 0.9), ("a", 0.6)):
+        write_row(str(results), {"name": name, "data": "strokes", "epochs": 30, "train_seconds": 10.0,
+                                 "overrides": ["--x", "1"] if name == "b" else [], "acc_top1": acc}, "cmd")
+    table = json.loads(results.read_text())
+    validate(table)
+    assert [(r[0], r[4], r[5]) for r in table["rows"]] == [("b", 0.9, "--x 1"), ("a", 0.6, "none")]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from vision_attn.errors import RunExistsError, VisionAttnError
+from vision_attn.errors import ConfigError, RunExistsError, VisionAttnError
 from vision_attn.explain.progress import Progress
 from vision_attn.outputs import atomic_output
 from vision_attn.tasks.base import load_task
@@ -103,6 +103,8 @@ def export_onnx(ckpt_path: str | Path, output: str | Path, opset: int = 18, over
 
 def _export_onnx(ckpt_path, output: Path, opset: int, allow_import: tuple[str, ...], onnx, steps: Progress) -> Path:
     task = load_task(ckpt_path, allow_import=allow_import).eval()
+    if task.no_inference:
+        raise ConfigError(f"checkpoint {ckpt_path}: no ONNX model, {task.no_inference} --format safetensors")
     steps.set_description(f"ONNX export: tracing the {task.task_name} model")
     steps.update()
     _, h, w = task.data_config["input_size"]

@@ -562,6 +562,8 @@ def predict_folder(
     check_accelerator(accelerator, run.devices, flag="--device")
     model = load_source(source) if model is None else model
     task = task_of(model)
+    if task.no_inference:
+        raise ConfigError(f"{display_path(source.path)}: {task.no_inference}")
     if isinstance(model, OnnxPredictor):  # ONNX holds no attention maps
         overlays, accelerator = False, "cpu"
     if options is not None:

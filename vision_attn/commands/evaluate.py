@@ -79,6 +79,8 @@ class EvalCLI(_VisionAttnCLI):
         meta, checkpoint = read_task_meta(ckpt, allowed)
         self._read = (ckpt, meta, checkpoint)
         self.task_classes = [TASKS[meta["task"]]]  # its inference options are this command's
+        if self.task_classes[0].no_inference:
+            raise ConfigError(f"checkpoint {ckpt}: {self.task_classes[0].no_inference}")
         front = ["--model", json.dumps(meta["model"])]
         has_data = "data" in _config_class_paths(rest) or any(a == "--data" or a.startswith("--data=") for a in rest)
         if not has_data:

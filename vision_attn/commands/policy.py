@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from vision_attn.commands.callbacks import RunCheckpoint
-from vision_attn.data import CaptioningDataModule, DetectionDataModule, ImageFolderDataModule
+from vision_attn.data import CaptioningDataModule, DetectionDataModule, ImageFolderDataModule, ImagesDataModule
 from vision_attn.data.synthetic import DigitSceneConfig, SceneSetConfig, ShapesConfig
 from vision_attn.distributed import BlockFSDPStrategy
 from vision_attn.errors import ConfigError
@@ -95,7 +95,7 @@ def _suite_classes() -> list[type]:
     sharding strategy."""
     tasks = [cls for cls in TASKS.values() if cls.__module__.split(".")[0] == "vision_attn"]
     options = [cls.inference_options for cls in tasks if cls.inference_options is not None]  # the tasks' own
-    return [*tasks, ViTEncoder, ImageFolderDataModule, DetectionDataModule, CaptioningDataModule,
+    return [*tasks, ViTEncoder, ImageFolderDataModule, DetectionDataModule, CaptioningDataModule, ImagesDataModule,
             ShapesConfig, SceneSetConfig, DigitSceneConfig, Optimization, ExplainOptions, *options,
             RunCheckpoint, BlockFSDPStrategy]
 

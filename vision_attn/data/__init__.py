@@ -10,6 +10,7 @@ from vision_attn.data.classification import (
 )
 from vision_attn.data.detection import CocoDetection, DetectionDataModule, DetectionTransform
 from vision_attn.data.imageio import ImageReadError, read_image
+from vision_attn.data.images import ImagesDataModule, UnlabeledImages
 from vision_attn.data.layout import FolderLayout, SplitLayout
 from vision_attn.data.loading import Batching
 from vision_attn.data.synthetic import (
@@ -34,8 +35,10 @@ __all__ = [
     "ImageFolderDataModule",
     "ImageFolderDataset",
     "ImageReadError",
+    "ImagesDataModule",
     "SceneSetConfig",
     "SplitLayout",
+    "UnlabeledImages",
     "ShapesConfig",
     "WordTokenizer",
     "ensure_shapes_classification",

@@ -1,5 +1,6 @@
 """Loading a timm state dict into a :class:`~vision_attn.models.encoder.ViTEncoder`: wrapper
-prefixes stripped, timm's checkpoint filter (position embeddings resampled), a classifier of
+prefixes stripped (a vision_attn checkpoint of any task gives its encoder's weights), timm's
+checkpoint filter (position embeddings resampled), a classifier of
 another size dropped, and a clear error for weights of another architecture, stem, attention or
 feed-forward kind than the encoder's."""
 
@@ -15,7 +16,10 @@ from torch import Tensor
 from vision_attn.errors import EncoderError
 from vision_attn.models.smalldata import LSA_TEMPERATURE_KEY
 
-__all__ = ["check_stem_and_lsa", "load_state"]
+__all__ = ["TASK_ENCODER_PREFIX", "check_stem_and_lsa", "load_state"]
+
+TASK_ENCODER_PREFIX = "encoder.model."
+"""How a vision_attn task's checkpoint names its encoder's timm weights."""
 
 # the encoder's messages keep the encoder's logger name, wherever the code that logs them lives
 log = logging.getLogger("vision_attn.models.encoder")
@@ -26,6 +30,14 @@ def load_state(encoder: Any, state: dict[str, Tensor], path: str = "weights") ->
     :class:`~vision_attn.models.encoder.ViTEncoder`; see its ``load_weights``; ``path`` names the
     weights in messages)."""
     own = encoder.model.state_dict()
+    task_keys = [k for k in state if k.startswith(TASK_ENCODER_PREFIX)]
+    if task_keys and not any(k in own for k in state):
+        # a vision_attn checkpoint of any task (pretraining, classification, ...): its encoder's weights
+        left = len(state) - len(task_keys)
+        if left:
+            log.info("weights %s: a vision_attn checkpoint; its encoder's %d tensors are read, the other %d "
+                     "(the task's head) are not", path, len(task_keys), left)
+        state = {k[len(TASK_ENCODER_PREFIX):]: state[k] for k in task_keys}
     for prefix in ("module.", "model.", "encoder.model."):
         if state and not any(k in own for k in state) and all(k.startswith(prefix) for k in state):
             state = {k[len(prefix) :]: v for k, v in state.items()}

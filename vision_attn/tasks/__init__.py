@@ -2,7 +2,8 @@
 task name to its class (:func:`register_task`). Each task's constructor takes its settings in
 named groups (dataclasses), re-exported here with the tasks, as are their inference options
 (:attr:`VisionTask.inference_options`: ``ClassificationOptions``, ``DetectionOptions``,
-``GenerationOptions``, ``EmbeddingOptions``)."""
+``GenerationOptions``, ``EmbeddingOptions``). :class:`PretrainTask` pretrains an encoder on
+unlabelled images (masked image modelling)."""
 
 from vision_attn.models.captioner import DecoderConfig, GenerationOptions
 from vision_attn.models.classifier import ClassifierConfig
@@ -14,9 +15,11 @@ from vision_attn.tasks.classification import ClassificationOptions, Classificati
 from vision_attn.tasks.detection import DetectionOptions, DetectionTask, SetLossConfig
 from vision_attn.tasks.embedding import EmbeddingOptions, EmbeddingTask
 from vision_attn.tasks.optim import Optimization
+from vision_attn.tasks.pretrain import MaskingConfig, PixelDecoderConfig, PretrainTask
 
 __all__ = ["TASKS", "CaptionTraining", "CaptioningTask", "ClassificationOptions", "ClassificationTask",
            "ClassifierConfig", "DETRConfig", "DecoderConfig", "DetectionOptions", "DetectionTask", "EmbeddingOptions",
            "EmbeddingTask", "Explained",
-           "GenerationOptions", "MixConfig", "Optimization", "SCSTConfig", "SetLossConfig", "VisionTask", "load_task",
+           "GenerationOptions", "MaskingConfig", "MixConfig", "Optimization", "PixelDecoderConfig",
+           "PretrainTask", "SCSTConfig", "SetLossConfig", "VisionTask", "load_task",
            "register_task"]

@@ -126,6 +126,9 @@ class VisionTask(TaskReportHooks, L.LightningModule):
     # ``--explain.topk``).
     inference_options: type | None = None
     inference_group: str | None = None
+    # Why the task's checkpoints cannot be evaluated, predict or explain (e.g. a pretrained encoder
+    # meant for another task), or None: ``eval.py`` and the folder commands stop with it at once.
+    no_inference: str | None = None
     # constructor arguments that say where a run's weights came from (a file to read), never
     # taken from a checkpoint: dropped with a warning when a checkpoint holds them ("group.field"
     # for one inside an argument group)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from vision_attn.checkpoint_io import CheckpointError
-from vision_attn.data import CaptioningDataModule, DetectionDataModule, ImageFolderDataModule
+from vision_attn.data import CaptioningDataModule, DetectionDataModule, ImageFolderDataModule, ImagesDataModule
 from vision_attn.schema import constructor_hints
 
 __all__ = ["CHECKPOINT_KEY", "check_state_shapes", "checked_data_settings", "grouped_arguments", "one_line",
@@ -139,7 +139,7 @@ def grouped_arguments(cls: type, init_args: dict[str, Any]) -> dict[str, Any]:
 
 def _data_modules() -> dict[str, type]:
     """The suite's data modules by every class path that names them."""
-    classes = (ImageFolderDataModule, DetectionDataModule, CaptioningDataModule)
+    classes = (ImageFolderDataModule, DetectionDataModule, CaptioningDataModule, ImagesDataModule)
     return {path: c for c in classes for path in (f"vision_attn.data.{c.__name__}", f"{c.__module__}.{c.__name__}")}
 
 
