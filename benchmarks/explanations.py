@@ -1,7 +1,7 @@
 """One table of the explanation numbers of the three demo checkpoints (``make bench``).
 
     python -m benchmarks.explanations [--classification CKPT] [--detection CKPT]
-        [--captioning CKPT] [--images 200] [--seed 0]
+        [--captioning CKPT] [--images 200] [--seed 0] [--classification_data ROOT ...]
         [--json docs/results/explanations.json]
 
 Trains nothing. Each checkpoint given (default: the newest
@@ -14,12 +14,21 @@ method (the ``random`` baseline included):
 - ``pointing``: ``pointing_<method>``, share of explained items whose map maximum lies in a
   ground-truth box of the explained object (higher is better);
 - ``energy``: ``energy_<method>``, share of the map's mass in those boxes (higher is better);
+- ``miou``: ``miou_<method>``, the map thresholded at its mean against the object's mask
+  (Chefer et al. 2021; when the annotations have masks; higher is better);
 - ``deletion``: ``deletion_auc_<method>`` (lower is better);
 - ``insertion``: ``insertion_auc_<method>`` (higher is better);
+- ``road``: ``road_<method>``, ROAD's (least - most relevant first) / 2 with the removed patches
+  imputed (classification; higher is better);
+- ``saco``: ``saco_<method>``, SaCo's salience-ordered effect coefficient (classification; higher
+  is better);
 - ``sanity``: ``sanity_<method>``, Spearman correlation between the maps of the trained and of
   the fully randomised model (closest to 0 is best: the map depends on the model).
 
-A metric the evaluation did not return shows as ``—``. Under each task, the ``best`` row names
+A metric the evaluation did not return shows as ``—``. Under the table, per task, the rank
+agreement of the measures: Kendall's tau between the rankings of the methods by each pair of
+measures (:func:`rank_agreement`; a measure that ranks like the others is telling the same story).
+Under each task, the ``best`` row names
 the best method of each column (``random`` included, ties joined with ``/``). ``--json`` writes
 the rows (without the ``best`` rows) as a results file of the documentation's explanations page
 (:mod:`benchmarks.results_json`; a missing metric is an empty cell).
@@ -45,15 +54,20 @@ TASKS = ("classification", "detection", "captioning")
 COLUMNS = {  # column -> (metric key prefix, better)
     "pointing": ("pointing", "higher"),
     "energy": ("energy", "higher"),
+    "miou": ("miou", "higher"),
     "deletion": ("deletion_auc", "lower"),
     "insertion": ("insertion_auc", "higher"),
+    "road": ("road", "higher"),
+    "saco": ("saco", "higher"),
     "sanity": ("sanity", "closer to 0"),
 }
+AGREEMENT = ("pointing", "energy", "miou", "deletion", "insertion", "road", "saco")
+"""The columns whose rankings of the methods are compared (:func:`rank_agreement`)."""
 COUNTS = ("explain_images", "explain_classes", "explain_words", "explain_detections")
 """Metrics that count what the numbers were measured on (printed under the table when present)."""
 ARROWS = {"higher": "↑", "lower": "↓", "closer to 0": "→0"}
-JSON_COLUMNS = {"pointing": "pointing", "energy": "energy", "deletion": "deletion AUC", "insertion": "insertion AUC",
-                "sanity": "sanity (Spearman)"}
+JSON_COLUMNS = {"pointing": "pointing", "energy": "energy", "miou": "mIoU", "deletion": "deletion AUC",
+                "insertion": "insertion AUC", "road": "ROAD", "saco": "SaCo", "sanity": "sanity (Spearman)"}
 """The name of each column of :data:`COLUMNS` in the results file (``docs/results/explanations.json``;
 the documentation's methods table reads ``deletion AUC``)."""
 
@@ -78,11 +92,14 @@ def newest_checkpoint(demo_dir: str | Path, task: str) -> Path | None:
 
 
 def evaluate(task: str, ckpt: str | Path, images: int, seed: int, out_dir: Path,
-             score_threshold: float | None = None) -> dict[str, float]:
-    """``eval_main`` on ``ckpt`` with every method of ``task`` and the sanity check; its metrics.
+             score_threshold: float | None = None, data_root: str | Path | None = None) -> dict[str, float]:
+    """``eval_main`` on ``ckpt`` with every method of ``task``, the sanity check and (classification)
+    ROAD; its metrics.
 
     ``score_threshold``: detection: the detections explained score at least this much
-    (default: eval's ``--explain.score_threshold``).
+    (default: eval's ``--explain.score_threshold``). ``data_root``: evaluate on this root's
+    validation split instead of the checkpoint's data (a classification root's boxes and masks:
+    ``ROOT/annotations/instances_val.json`` when it exists).
 
     Raises:
         CheckpointError: ``ckpt`` is not a vision_attn checkpoint of ``task``.
@@ -98,7 +115,12 @@ def evaluate(task: str, ckpt: str | Path, images: int, seed: int, out_dir: Path,
     # an option of the detector's own (DetectionOptions): the other tasks' evaluations do not take it
     given = score_threshold is not None and task == "detection"
     threshold = ["--explain.score_threshold", str(score_threshold)] if given else []
-    return eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(out_dir), *threshold,
+    data = [] if data_root is None else ["--data.root", str(data_root)]
+    instances = Path(data_root or "") / "annotations" / "instances_val.json"
+    if data_root is not None and task == "classification" and instances.is_file():
+        data += ["--explain.annotations", str(instances)]
+    road = ["--explain.road", "true"] if task == "classification" else []
+    return eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(out_dir), *threshold, *data, *road,
                       "--seed_everything", str(seed),
                       "--explain.methods", f"[{', '.join(methods)}]",
                       "--explain.sanity", "true",
@@ -117,6 +139,28 @@ def task_rows(task: str, metrics: dict[str, float]) -> dict[str, dict[str, float
             value = metrics.get(f"{prefix}_{m}")
             rows[m][col] = None if value is None else float(value)
     return rows
+
+
+def rank_agreement(rows: dict[str, dict[str, float | None]]) -> dict[str, dict[str, float | None]]:
+    """Kendall's tau-b between the rankings of the methods (``random`` included) by each pair of
+    :data:`AGREEMENT` columns, every column oriented so that larger is better: ``{a: {b: tau}}``
+    for ``a`` before ``b``; ``None`` where fewer than three methods have both values or a column
+    ranks them all equal."""
+    from scipy.stats import kendalltau
+
+    sign = {"higher": 1.0, "lower": -1.0}
+    out: dict[str, dict[str, float | None]] = {}
+    for i, a in enumerate(AGREEMENT):
+        for b in AGREEMENT[i + 1:]:
+            both = [m for m, v in rows.items() if v.get(a) is not None and v.get(b) is not None]
+            tau = None
+            if len(both) >= 3:
+                x = [sign[COLUMNS[a][1]] * rows[m][a] for m in both]
+                y = [sign[COLUMNS[b][1]] * rows[m][b] for m in both]
+                found = float(kendalltau(x, y).statistic)
+                tau = None if found != found else found  # nan: a column with every method tied
+            out.setdefault(a, {})[b] = tau
+    return out
 
 
 def best_methods(rows: dict[str, dict[str, float | None]], digits: int = 3) -> dict[str, list[str]]:
@@ -148,7 +192,8 @@ def format_table(result: dict) -> str:
 
 
 def run(checkpoints: dict[str, str | Path], images: int = 200, seed: int = 0,
-        work_dir: str | Path | None = None, score_threshold: float | None = None) -> dict:
+        work_dir: str | Path | None = None, score_threshold: float | None = None,
+        data_roots: dict[str, str | Path] | None = None) -> dict:
     """Evaluate each ``{task: checkpoint}``; the result :func:`format_table` prints.
 
     Args:
@@ -157,6 +202,7 @@ def run(checkpoints: dict[str, str | Path], images: int = 200, seed: int = 0,
         seed: of the image sample, the random baseline and the randomised models.
         work_dir: where the evaluations write (``<work_dir>/<task>``); default a temporary folder.
         score_threshold: detection: explain detections scoring at least this (default: eval's).
+        data_roots: per task, a data root to evaluate on instead of the checkpoint's data.
     """
     t0 = time.perf_counter()
     tasks = {}
@@ -166,13 +212,15 @@ def run(checkpoints: dict[str, str | Path], images: int = 200, seed: int = 0,
             if task not in checkpoints:
                 continue
             t1 = time.perf_counter()
-            metrics = evaluate(task, checkpoints[task], images, seed, base / task, score_threshold)
+            metrics = evaluate(task, checkpoints[task], images, seed, base / task, score_threshold,
+                               (data_roots or {}).get(task))
             rows = task_rows(task, metrics)
             tasks[task] = {
                 "checkpoint": str(checkpoints[task]),
                 "counts": {k: int(v) for k, v in metrics.items() if k in COUNTS},
                 "methods": rows,
                 "best": best_methods(rows),
+                "agreement": rank_agreement(rows),
                 "metrics": {k: float(v) for k, v in metrics.items()},
                 "seconds": round(time.perf_counter() - t1, 1),
             }
@@ -181,9 +229,19 @@ def run(checkpoints: dict[str, str | Path], images: int = 200, seed: int = 0,
             "machine": machine(), "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def write_json(path: str | Path, result: dict, command: str) -> Path:
+def format_agreement(agreement: dict[str, dict[str, float | None]]) -> str:
+    """The pairs of :func:`rank_agreement` on one line (``pointing–energy 0.87, ...``)."""
+    return ", ".join(f"{JSON_COLUMNS[a]}–{JSON_COLUMNS[b]} {'—' if t is None else f'{t:.2f}'}"
+                     for a, inner in agreement.items() for b, t in inner.items())
+
+
+DEMO_TITLE = "Explanation methods on the make demo models, per task"
+
+
+def write_json(path: str | Path, result: dict, command: str, title: str = DEMO_TITLE) -> Path:
     """:func:`run`'s ``result`` as a results file: a row per task and method, the columns task,
-    method and :data:`JSON_COLUMNS`; ``command``: the command line that reproduces it."""
+    method and :data:`JSON_COLUMNS`, and per task a note with the rank agreement of the measures;
+    ``command``: the command line that reproduces it."""
     columns = ["task", "method", *({"name": JSON_COLUMNS[c], "format": ".3f"} for c in COLUMNS)]
     rows = [[task, method, *(finite(values[c]) for c in COLUMNS)]
             for task, entry in result["tasks"].items() for method, values in entry["methods"].items()]
@@ -192,16 +250,20 @@ def write_json(path: str | Path, result: dict, command: str) -> Path:
         counts = ", ".join(f"{v} {k.removeprefix('explain_')}" for k, v in entry["counts"].items())
         best = "; ".join(f"{JSON_COLUMNS[c]} {' / '.join(entry['best'][c])}" for c in COLUMNS if entry["best"][c])
         notes.append(f"{task}: `{entry['checkpoint']}`; {counts or 'no counts reported'}; {entry['seconds']:.0f} s. "
-                     f"Best: {best or 'none measured'}.")
+                     f"Best: {best or 'none measured'}. Rank agreement of the measures over the methods "
+                     f"(Kendall's tau): {format_agreement(entry['agreement'])}.")
     better = ", ".join(f"{JSON_COLUMNS[c]} {b}" for c, (_, b) in COLUMNS.items())
     return write_results(
-        path, page="explanations", title="Explanation methods on the make demo models, per task", command=command,
+        path, page="explanations", title=title, command=command,
         columns=columns, rows=rows,
         description=f"Every explanation method of each task, measured by `eval.py` with the sanity check on, "
                     f"{result['images']} sampled validation images per task (seed {result['seed']}). Pointing: "
                     "the map's maximum within the box of the labelled class, the matched detection or the named "
-                    "object; energy: the map's mass inside those boxes; deletion and insertion AUCs of the class "
-                    "probability, the detection's score or the word's probability; sanity: Spearman correlation "
+                    "object; energy: the map's mass inside those boxes; mIoU: the map thresholded at its mean against "
+                    "the object's mask (Chefer et al. 2021); deletion and insertion AUCs of the class "
+                    "probability, the detection's score or the word's probability; ROAD: (least - most relevant "
+                    "first) / 2 with the removed patches imputed (Rong et al. 2022); SaCo: the salience-ordered "
+                    "effect coefficient (Wu et al. 2024); sanity: Spearman correlation "
                     "of the maps with those of the randomised model. Better: "
                     f"{better}. An empty cell: the task has no such measure.",
         notes=[*notes, f"{result['seconds']:.0f} s in all, {result['machine']['threads']} torch threads."])
@@ -221,6 +283,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--score_threshold", type=float, default=None,
                    help="detection: explain detections scoring at least this (default: eval's 0.3)")
     p.add_argument("--work_dir", default=None, help="keep the evaluations' outputs here (default: temporary)")
+    for task in TASKS:
+        p.add_argument(f"--{task}_data", metavar="ROOT", default=None,
+                       help=f"evaluate the {task} checkpoint on this root's validation split (default: its own data)")
+    p.add_argument("--title", default=DEMO_TITLE, help="the results file's title")
     a = p.parse_args(argv)
     given = {t: getattr(a, t) for t in TASKS if getattr(a, t)}
     checkpoints = given or {t: c for t in TASKS if (c := newest_checkpoint(a.demo_dir, t)) is not None}
@@ -234,7 +300,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from vision_attn.errors import VisionAttnError
 
     try:
-        result = run(checkpoints, a.images, a.seed, a.work_dir, a.score_threshold)
+        roots = {t: r for t in TASKS if (r := getattr(a, f"{t}_data"))}
+        result = run(checkpoints, a.images, a.seed, a.work_dir, a.score_threshold, roots)
     except VisionAttnError as err:  # a wrong or unreadable checkpoint, data not found: one clear line
         p.exit(2, f"{p.prog}: error: {err}\n")
     print(format_table(result))
@@ -242,10 +309,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for task, entry in result["tasks"].items():
         counts = ", ".join(f"{v} {k.removeprefix('explain_')}" for k, v in entry["counts"].items())
         print(f"{task}: {entry['checkpoint']}; {counts or 'no counts reported'}; {entry['seconds']} s")
+        print(f"  rank agreement (Kendall's tau): {format_agreement(entry['agreement'])}")
     m = result["machine"]
     print(f"{m['cpu']}, {m['threads']} threads, torch {m['torch']}, CUDA: {m['cuda']}; {result['seconds']} s")
     if a.json:
-        write_json(a.json, result, command_line("benchmarks.explanations", argv))
+        write_json(a.json, result, command_line("benchmarks.explanations", argv), a.title)
     return result
 
 

@@ -98,11 +98,12 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     result = main([*args, "--images", "2", "--score_threshold", "0", "--json", str(out),
                    "--work_dir", str(tmp_path / "eval")])
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
-    assert table[0] == "| task | method | pointing ↑ | energy ↑ | deletion ↓ | insertion ↑ | sanity →0 |"
+    assert table[0] == ("| task | method | pointing ↑ | energy ↑ | miou ↑ | deletion ↓ | insertion ↑ | road ↑ | saco ↑ "
+                        "| sanity →0 |")
     assert len(table) == 2 + (6 + 1) + 2 * (3 + 1)  # header, rule, methods and a best row per task
     assert table[2].startswith("| classification | rollout | ") and table[-1].startswith("| captioning | **best** |")
-    data = results_file(out, ["task", "method", "pointing", "energy", "deletion AUC", "insertion AUC",
-                              "sanity (Spearman)"])
+    data = results_file(out, ["task", "method", "pointing", "energy", "mIoU", "deletion AUC", "insertion AUC", "ROAD",
+                              "SaCo", "sanity (Spearman)"])
     assert data["page"] == "explanations" and data["command"].startswith("python -m benchmarks.explanations --")
     assert [row[:2] for row in data["rows"]] == [[task, method] for task, entry in result["tasks"].items()
                                                  for method in entry["methods"]]
@@ -115,8 +116,15 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
             for col, (prefix, _) in COLUMNS.items():  # exactly what eval returned, None where it has no key
                 assert values[col] == entry["metrics"].get(f"{prefix}_{method}")
     cls = result["tasks"]["classification"]
-    # the embedded shapes data has boxes: every column is measured for the classifier
-    assert all(v is not None for values in cls["methods"].values() for v in values.values())
+    # the embedded shapes data has boxes, not masks: every column but mIoU is measured for the classifier
+    assert all(v is not None for values in cls["methods"].values() for c, v in values.items() if c != "miou")
+    assert all(values["miou"] is None for values in cls["methods"].values())
+    # the decoder heads have no ROAD or SaCo
+    assert all(v["road"] is None and v["saco"] is None for v in result["tasks"]["detection"]["methods"].values())
+    # the rank agreement of each pair of measures, from the rows
+    from benchmarks.explanations import rank_agreement
+    assert cls["agreement"] == rank_agreement(cls["methods"]) and cls["agreement"]["pointing"]["energy"] is not None
+    assert "Kendall's tau" in " ".join(data["notes"])
     assert cls["methods"]["random"]["sanity"] == pytest.approx(1.0)  # the baseline ignores the model
     pointing = {m: round(v["pointing"], 3) for m, v in cls["methods"].items()}
     assert cls["best"]["pointing"] == [m for m, v in pointing.items() if v == max(pointing.values())]
@@ -133,14 +141,34 @@ def test_explanations_best_per_column_as_printed_and_dashes_for_missing_metrics(
                "deletion_auc_attention": 0.2, "deletion_auc_relevance": 0.1, "deletion_auc_random": 0.3,
                "sanity_attention": 0.7, "sanity_relevance": -0.2, "sanity_random": 1.0, "bleu4": 0.3}
     rows = task_rows("detection", metrics)
-    assert rows["relevance"] == {"pointing": 0.9, "energy": None, "deletion": 0.1, "insertion": None, "sanity": -0.2}
+    assert rows["relevance"] == {"pointing": 0.9, "energy": None, "miou": None, "deletion": 0.1, "insertion": None,
+                                 "road": None, "saco": None, "sanity": -0.2}
     best = best_methods(rows)
     # a tie as printed (3 decimals) names both; deletion: lowest; sanity: closest to 0; no value: none
-    assert best == {"pointing": ["relevance", "random"], "energy": [], "deletion": ["relevance"], "insertion": [],
-                    "sanity": ["relevance"]}
+    assert best == {"pointing": ["relevance", "random"], "energy": [], "miou": [], "deletion": ["relevance"],
+                    "insertion": [], "road": [], "saco": [], "sanity": ["relevance"]}
     table = format_table({"tasks": {"detection": {"methods": rows, "best": best}}}).splitlines()
-    assert table[3] == "| detection | relevance | 0.900 | — | 0.100 | — | -0.200 |"
-    assert table[-1] == "| detection | **best** | relevance / random | — | relevance | — | relevance |"
+    assert table[3] == "| detection | relevance | 0.900 | — | — | 0.100 | — | — | — | -0.200 |"
+    assert table[-1] == "| detection | **best** | relevance / random | — | — | relevance | — | — | — | relevance |"
+
+
+def test_rank_agreement_orients_each_measure_and_counts_pairs_by_hand():
+    from benchmarks.explanations import AGREEMENT, rank_agreement
+
+    rows = {  # four methods; deletion is lower-is-better, so its order agrees with pointing's
+        "a": {"pointing": 0.9, "energy": 0.5, "deletion": 0.1, "road": 0.30},
+        "b": {"pointing": 0.7, "energy": 0.6, "deletion": 0.2, "road": 0.20},
+        "c": {"pointing": 0.5, "energy": 0.4, "deletion": 0.3, "road": 0.25},
+        "random": {"pointing": 0.1, "energy": 0.1, "deletion": 0.4, "road": 0.00},
+    }
+    tau = rank_agreement(rows)
+    assert list(tau) == list(AGREEMENT[:-1])
+    assert tau["pointing"]["deletion"] == pytest.approx(1.0)  # the same order once deletion is turned round
+    # pointing a > b > c > random, energy b > a > c > random: 5 concordant, 1 discordant pair of 6
+    assert tau["pointing"]["energy"] == pytest.approx((5 - 1) / 6)
+    # road a > c > b > random against pointing: one discordant pair (b, c)
+    assert tau["pointing"]["road"] == pytest.approx((5 - 1) / 6)
+    assert tau["pointing"]["miou"] is None  # no values: no agreement
 
 
 def test_recipes_reads_runs_and_prints_tables(tmp_path):

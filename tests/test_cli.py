@@ -77,7 +77,9 @@ def test_eval_writes_contract_outputs(trained_run, shapes_root, tmp_path):
     assert page.count('"kind": "patches"') == 3 and '<svg id="deletion"' in page
     counts = {"explain_images", "explain_classes"}  # how many images / classes the sample covered
     assert all(isinstance(v, float) for v in saved.values())
-    assert all(0.0 <= v <= 1.0 + 1e-6 for k, v in saved.items() if k not in counts)
+    assert all(0.0 <= v <= 1.0 + 1e-6 for k, v in saved.items() if k not in counts and not k.startswith("saco_"))
+    assert {"saco_relevance", "saco_random"} <= set(saved)
+    assert all(-1.0 <= v <= 1.0 for k, v in saved.items() if k.startswith("saco_"))  # a coefficient
     assert 1.0 <= saved["explain_images"] <= 8.0 and 1.0 <= saved["explain_classes"] <= 5.0
     preds = json.loads((out / "predictions.json").read_text())
     assert len(preds) == 25

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vision_attn.explain.faithfulness import auc, deletion_insertion_curve
@@ -71,7 +72,14 @@ def test_eval_faithfulness_covers_every_class_and_reports_it(shapes_root, tmp_pa
                              report=False)
     metrics = explain_eval_split(task, ds, options, tmp_path)
     assert metrics["explain_images"] == 5.0 and metrics["explain_classes"] == 5.0
-    assert {"deletion_auc", "insertion_auc", "deletion_auc_random"} <= set(metrics)
+    assert {"deletion_auc", "insertion_auc", "deletion_auc_random", "saco_attention", "saco_random"} <= set(metrics)
+    assert not any(k.startswith("road") for k in metrics)  # ROAD when asked
+    options.road = True
+    with_road = explain_eval_split(task, ds, options, tmp_path)
+    assert {f"{k}_{m}" for k in ("road", "road_morf", "road_lerf") for m in ("attention", "random")} <= set(with_road)
+    for m in ("attention", "random"):  # ROAD's combined score is its two orders' half difference
+        assert with_road[f"road_{m}"] == pytest.approx((with_road[f"road_lerf_{m}"] - with_road[f"road_morf_{m}"]) / 2)
+        assert -1 <= with_road[f"saco_{m}"] <= 1 and with_road[f"saco_{m}"] == metrics[f"saco_{m}"]
 
 
 def test_shared_curve_ends_give_the_same_curves_with_fewer_model_calls():

@@ -181,6 +181,8 @@ PINNED_CLASSIFICATION = {
     "insertion_auc_rollout": 0.22224307485989162, "pointing_attention": 0.14285714285714285,
     "pointing_random": 0.2857142857142857, "pointing_relevance": 0.8571428571428571,
     "pointing_rollout": 0.42857142857142855, "pointing_tokens": 0.5714285714285714,
+    "saco_attention": 0.3612175554119186, "saco_random": -0.12093920493625834, "saco_relevance": 0.6180911054689459,
+    "saco_rollout": 0.1223565613911476,
     "sanity_attention": 0.04201680672268906, "sanity_random": 1.0, "sanity_relevance": 0.0345014119072425,
     "sanity_rollout": 0.1331932773109244, "sanity_tokens": 0.028151260504201674,
 }

@@ -145,6 +145,7 @@ def test_a_classification_evaluation_reports_every_measure_with_its_total(inform
     shown = _shown(reports)
     assert shown == {"explanation overlays": (2, 2),
                      "explanation measures: deletion / insertion curves": (5, 5),
+                     "explanation measures: ROAD and SaCo": (5, 5),
                      "explanation measures: sanity check": (5, 5)}, shown  # localisation: the sanity's report
     assert all(r["total"] == 5 for r in reports() if r["desc"].startswith("explanation measures"))
 

@@ -541,8 +541,7 @@ def predict_folder(
             (timm weights and class names, allowed imports, the task expected, token merging).
         images: an image file, a folder (searched recursively) or a glob (:func:`resolve_images`).
         output_dir: where ``predictions.json``, ``overlays/``, ``skipped.json`` and ``report.html`` go.
-        run: batches, processes, device, overwriting, progress (:class:`FolderRun`; default: its
-            defaults).
+        run: batches, processes, device, overwriting, progress (:class:`FolderRun`).
         explain: the explanation methods drawn side by side and the overlays' opacity
             (:class:`~vision_attn.explain.evaluate.ExplainOptions`; default: each head's methods);
             a method that does not apply to the model is skipped with a warning.
@@ -550,8 +549,7 @@ def predict_folder(
             declares (:attr:`~vision_attn.tasks.VisionTask.inference_options`; ``None``: the task's
             defaults), handed to it by :meth:`~vision_attn.tasks.VisionTask.set_inference_options`.
         overlays: draw the explanations (``False``: predictions only; no explanation code runs).
-        model: the model ``source`` describes, already loaded (:func:`load_source`; ``None``: loaded
-            here).
+        model: the model ``source`` describes, already loaded (:func:`load_source`), or ``None``.
     """
     run = run or FolderRun()
     source = source if isinstance(source, ModelSource) else ModelSource(source)

@@ -117,8 +117,8 @@ class ImagesDataModule(SplitDataModule):
 
     class_names = None  # no labels: the pretraining head does not depend on the data
 
-    def __init__(self, root: str, layout: FolderLayout = FOLDER_LAYOUT, batching: Batching = FOLDER_BATCHING,
-                 augment: ImageAugment = SMALL_AUGMENT) -> None:
+    def __init__(self, root: str | None = None, layout: FolderLayout = FOLDER_LAYOUT,
+                 batching: Batching = FOLDER_BATCHING, augment: ImageAugment = SMALL_AUGMENT) -> None:
         super().__init__()
         self._init_batching(batching)
         if root is None:

@@ -61,8 +61,12 @@ class ImageMask:
     width: int
     where: str = "annotation"
 
-    def decode(self) -> np.ndarray:
-        """``bool [height, width]``."""
+    def decode(self, size: tuple[int, int] | None = None) -> np.ndarray:
+        """``bool [height, width]``; given the image's ``size`` (``(H, W)``), a mask declared
+        for another size is a :class:`~vision_attn.errors.DataError` naming :attr:`where`."""
+        if size is not None and (self.height, self.width) != tuple(size):
+            raise DataError(f"{self.where}: 'height' x 'width' {self.height}x{self.width} is not the image's "
+                            f"{size[0]}x{size[1]}; its masks cannot be scored (give the image's size)")
         return decode_segmentation(self.segmentation, self.height, self.width, self.where)
 
 

@@ -67,11 +67,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vision_attn.data.caption_objects import ObjectVocabulary
-from vision_attn.data.detection import is_coco_id, load_coco_annotations
 from vision_attn.data.imageio import read_image
-from vision_attn.data.masks import ImageMask, image_mask
 from vision_attn.data.tokenizer import normalize_caption
 from vision_attn.errors import DataError
+from vision_attn.explain.caption_boxes import BoxMasks, NamedBoxes, _split_boxes
 from vision_attn.explain.decoder_relevance import caption_relevance
 from vision_attn.explain.detection import decoder_methods
 from vision_attn.explain.evaluate import overlay_images, select_images, worst_images
@@ -104,7 +103,6 @@ RANDOM_DRAWS = 16
 steadier estimate of the chance level than one draw); the first is also its faithfulness map."""
 
 Box = Sequence[float]
-NamedBoxes = list[tuple[set[str], list[float]]]
 
 
 def word_attention_maps(attention: torch.Tensor, num_words: int, grid: tuple[int, int],
@@ -175,11 +173,6 @@ def caption_figure(picture: np.ndarray, words: list[str], maps: Mapping[str, Ten
                              and peaks[0] > 0 else None)
 
 
-def _is_box(value) -> bool:
-    return (isinstance(value, list) and len(value) == 4
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
-
-
 UNGROUNDED_WORDS = frozenset({
     # articles, determiners, pronouns
     "a", "an", "the", "this", "that", "these", "those", "it", "its", "they", "them", "their", "he", "his", "him",
@@ -211,41 +204,6 @@ def grounded_positions(words: list[str]) -> list[int]:
     framed = {t + k for t in range(len(low)) if frame(t) for k in ((0, 1) if low[t + 1] == "up" else (0,))}
     kept = [t for t, w in enumerate(low) if w not in UNGROUNDED_WORDS and t not in framed]
     return kept or list(range(len(words)))
-
-
-def _split_boxes(dataset, masks: dict[int, list[tuple[list[float], ImageMask]]] | None = None
-                 ) -> dict[int, NamedBoxes] | None:
-    """``{image id: [(words naming the box, [x0, y0, x1, y1] original pixels)]}`` from the
-    split's instances file, if any; given a ``masks`` dict, it is filled with ``{image id:
-    [(box, mask)]}`` for the objects that have a ``segmentation`` (and an image with a whole-number
-    ``height`` and ``width``)."""
-    path = dataset.root / "annotations" / f"instances_{dataset.split}.json"
-    if not path.is_file():
-        return None
-    data = load_coco_annotations(path)
-    names = {c.get("id"): normalize_caption(str(c.get("name", ""))) for c in data.get("categories") or []
-             if isinstance(c, dict) and is_coco_id(c.get("id"))}
-    sizes = {im.get("id"): (im.get("height"), im.get("width")) for im in data.get("images") or []
-             if isinstance(im, dict) and is_coco_id(im.get("id"))}
-    images = set(sizes)
-    out: dict[int, NamedBoxes] = {}
-    for a in data.get("annotations") or []:
-        # localisation only reads well-formed boxes (the data reader counts the others)
-        if not isinstance(a, dict) or not _is_box(a.get("bbox")) or min(a["bbox"][2:]) < 0:
-            continue
-        if not (is_coco_id(a.get("image_id")) and is_coco_id(a.get("category_id"))):
-            continue
-        if a.get("image_id") not in images or a.get("category_id") not in names:
-            continue
-        x, y, bw, bh = (float(v) for v in a["bbox"])
-        colour = a.get("colour", a.get("color"))  # as content accuracy reads it
-        words = {names[a["category_id"]]} | ({normalize_caption(colour)} if isinstance(colour, str) else set())
-        out.setdefault(a["image_id"], []).append((words, [x, y, x + bw, y + bh]))
-        if masks is not None and a.get("segmentation") is not None:
-            mask = image_mask(a["segmentation"], *sizes[a["image_id"]], f"{path}: annotation id {a.get('id')}")
-            if mask is not None:
-                masks.setdefault(a["image_id"], []).append(([x, y, x + bw, y + bh], mask))
-    return out
 
 
 def boxes_vocabulary(boxes: Iterable[NamedBoxes]) -> ObjectVocabulary:
@@ -447,7 +405,7 @@ def explain_captioning(task, images: torch.Tensor, pictures: list[np.ndarray], o
 def _caption_items(task, images: Tensor, explained: list, rows: list[tuple[int, int, int, np.ndarray]],
                    boxes: dict[int, NamedBoxes] | None, methods: list[str], generator: torch.Generator,
                    measures: Measures, vocab: ObjectVocabulary | None = None,
-                   masks: dict[int, list[tuple[list[float], ImageMask]]] | None = None
+                   masks: BoxMasks | None = None
                    ) -> tuple[list[tuple[int, int]], dict[str, list[Tensor]]]:
     """The explained words of the batch's measured images, their localisation and saved maps.
 
@@ -476,10 +434,7 @@ def _caption_items(task, images: Tensor, explained: list, rows: list[tuple[int, 
         image_maps = {m: grid_to_image(g, size, pre) for m, g in maps.items()}  # (K, H, W) each
         more = (grid_to_image(draws[1:].flatten(0, 1), size, pre).reshape(RANDOM_DRAWS - 1, len(positions), *size)
                 if boxes is not None else None)
-        decoded = [(box, mask.decode()) for box, mask in (masks or {}).get(image_id, [])]
-        if any(pixels.shape != tuple(size) for _, pixels in decoded):
-            raise DataError(f"image id {image_id}: the masks of the instances file are not {size[1]}x{size[0]} "
-                            "pixels, the image's; its 'height' and 'width' must be the image's")
+        decoded = [(box, mask.decode(size)) for box, mask in (masks or {}).get(image_id, [])]
         for k, (t, own) in enumerate(named):
             if more is not None:  # random: the mean over its draws
                 measures.localisation.update({m: np.concatenate([image_maps[m][k][None], more[:, k]])
@@ -558,7 +513,7 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
     of up to ``options.faithfulness_images`` images, saving their maps with
     ``options.save_maps`` (see the module docstring)."""
     chosen = set(overlay_images(dataset, options, worst_images(task, dataset, options)))
-    masks: dict[int, list[tuple[list[float], ImageMask]]] = {}
+    masks: BoxMasks = {}
     boxes = _split_boxes(dataset, masks)
     vocab = _split_vocabulary(dataset, boxes) if boxes is not None else None
     measured = boxes is not None or options.faithfulness or options.save_maps or options.sanity
@@ -591,8 +546,7 @@ def write_caption_overlays(task, dataset, options, out_dir: Path, report=None) -
                     report.items.append({"name": f"image id {image_id}", **e.report_item})
             if i in picked:
                 rows.append((j, i, image_id, pictures[j]))
-        items, grids = _caption_items(task, images, explained, rows, boxes, methods, generator, measures, vocab,
-                                      masks)
+        items, grids = _caption_items(task, images, explained, rows, boxes, methods, generator, measures, vocab, masks)
         if options.sanity and items:
             measures.sanity.update(_sanity(task, images, explained, items, grids, options))
         if options.faithfulness and items:

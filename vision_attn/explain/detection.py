@@ -55,7 +55,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vision_attn.errors import DataError
 from vision_attn.explain.decoder_relevance import detection_relevance
 from vision_attn.explain.detection_errors import (  # noqa: F401 (re-exported)
     detection_errors,
@@ -402,10 +401,7 @@ def _localise_detections(task, dataset, batch: _Detected, maps: dict[str, list[t
                     "score": float(det["scores"][keep[k]]), "box": [float(v) for v in det["boxes"][keep[k]].tolist()],
                     "truth": own}, f"{i:05d}_{k}")
             mask = masks[g] if own is not None and g < len(masks) and masks[g] is not None else None
-            pixels = [mask.decode()] if mask is not None else []
-            if pixels and pixels[0].shape != tuple(batch.sizes[j]):
-                raise DataError(f"{mask.where}: 'height' x 'width' {mask.height}x{mask.width} is not the image's "
-                                f"{batch.sizes[j][0]}x{batch.sizes[j][1]}; its masks cannot be scored")
+            pixels = [mask.decode(batch.sizes[j])] if mask is not None else []
             measures.localisation.update(image_maps, [own] if own is not None else [], pixels)
 
 

@@ -62,7 +62,7 @@ from vision_attn.explain.faithfulness import (
     end_probabilities,
 )
 from vision_attn.explain.localisation import grid_to_image, load_image_objects
-from vision_attn.explain.measures import Localisation, MapWriter, Measures, Perturbation, Sanity
+from vision_attn.explain.measures import ItemScores, Localisation, MapWriter, Measures, Perturbation, Sanity
 from vision_attn.explain.methods import (
     TOKENS,
     Token,
@@ -73,6 +73,7 @@ from vision_attn.explain.methods import (
 from vision_attn.explain.overlay import NORMALIZE, Normalize, explanation_figure, save_png
 from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
+from vision_attn.explain.road import classifier_scores
 from vision_attn.explain.sanity import sanity_check
 from vision_attn.outputs import safe_filename
 
@@ -156,7 +157,13 @@ class ExplainOptions:
             random sample spread over the split that the faithfulness numbers use, so every
             class shows up in a class-sorted folder), ``spread`` (evenly spaced) or ``first``
             (the first N; see :func:`select_images`).
-        faithfulness: compute deletion / insertion AUC for each method and a random baseline.
+        faithfulness: compute deletion / insertion AUC for each method and a random baseline,
+            and (classification) SaCo's faithfulness coefficient ``saco_<method>``
+            (:func:`~vision_attn.explain.road.saco`).
+        road: classification: also ROAD (remove and debias: the removed patches imputed from
+            their neighbours, most and least relevant first; ``road_<method>``,
+            ``road_morf_<method>``, ``road_lerf_<method>``; :mod:`vision_attn.explain.road`).
+            A sparse solve per perturbed image: cheap at small image sizes, slow at 224 px.
         faithfulness_images: at most this many images for the faithfulness numbers (and the
             pointing game of captioning).
         faithfulness_selection: which images: ``sample`` (default; a seeded random sample
@@ -204,6 +211,7 @@ class ExplainOptions:
     mistakes: int = DEFAULT_MISTAKES
     overlay_selection: Selection = "sample"
     faithfulness: bool = True
+    road: bool = False
     faithfulness_images: int = 256
     faithfulness_selection: Selection = "sample"
     seed: int = 0
@@ -373,6 +381,11 @@ def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray
     return out
 
 
+@torch.no_grad()
+def _probabilities(task, x: torch.Tensor) -> torch.Tensor:
+    return task(x).float().softmax(-1)
+
+
 def _class_curves(task, images: torch.Tensor, maps: dict[str, torch.Tensor], target: torch.Tensor, steps: int,
                   modes: Sequence[str] = MODES) -> dict[str, dict[str, torch.Tensor]]:
     """``{method: {mode: [B, steps + 1]}}``: the probability of each image's ``target`` class as
@@ -380,8 +393,7 @@ def _class_curves(task, images: torch.Tensor, maps: dict[str, torch.Tensor], tar
     points, the same for every map, are computed once)."""
 
     def proba(x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return task(x).float().softmax(-1)
+        return _probabilities(task, x)
 
     target = target.to(images.device)
     rows = torch.arange(images.shape[0], device=images.device)
@@ -470,13 +482,15 @@ def explain_eval_split(task, dataset, options: ExplainOptions, out_dir: Path, re
 
 
 def _faithfulness_metrics(task, dataset, picked: list[int], options: ExplainOptions) -> dict[str, float]:
-    """Mean deletion / insertion AUC of every method and ``random`` over the ``picked`` images."""
+    """Mean deletion / insertion AUC, SaCo and (``options.road``) ROAD of every method and
+    ``random`` over the ``picked`` images."""
     device = next(task.parameters()).device
     gen = torch.Generator().manual_seed(0)
     asked = faithful_methods(options.methods)
     methods = list(dict.fromkeys([*asked, "random"]))
     # the first method asked for that has faithfulness numbers is *the* method
     measure = Perturbation(first=asked[0] if asked else None, total=len(picked))
+    scores = ItemScores(total=len(picked))
     for images, _, _ in _batches(dataset, picked, options.batch_size):
         images = images.to(device)
         expl = explain_classifier(task, images, methods, head_fusion=options.head_fusion,
@@ -484,7 +498,9 @@ def _faithfulness_metrics(task, dataset, picked: list[int], options: ExplainOpti
                                   target_class=options.target_class, token=options.token)
         maps = {m: expl.maps[m] for m in faithful_methods(expl.maps)}
         measure.update(_class_curves(task, images, maps, expl.target, options.steps))
-    return measure.compute()
+        scores.update(classifier_scores(lambda x: _probabilities(task, x), images, maps, expl.target, options.road,
+                                        options.seed))
+    return {**measure.compute(), **scores.compute()}
 
 
 def _annotation_file(dataset, options: ExplainOptions) -> Path | None:
@@ -568,8 +584,5 @@ def _localise_images(task, dataset, idx: list[int], labels: torch.Tensor, grid_m
         if measures.maps is not None:
             measures.maps.update(maps, {"index": i, "file": rel, "label": label}, f"{i:05d}")
         objects = [(box, mask) for name, box, mask in (boxes or {}).get(rel, []) if name == label]
-        masks = [mask.decode() for _, mask in objects if mask is not None]
-        if any(m.shape != tuple(size) for m in masks):
-            raise DataError(f"annotation file: the masks of {rel} are {masks[0].shape[1]}x{masks[0].shape[0]} "
-                            f"pixels, the image {size[1]}x{size[0]}; its 'height' and 'width' must be the image's")
+        masks = [mask.decode(size) for _, mask in objects if mask is not None]
         measures.localisation.update(maps, [box for box, _ in objects], masks)

@@ -13,6 +13,9 @@ of ``metrics.json``, the same way for every head:
 - :class:`Perturbation`: ``deletion_auc_<method>`` / ``insertion_auc_<method>`` from the
   deletion / insertion curves (:mod:`vision_attn.explain.faithfulness`), ``deletion_auc`` /
   ``insertion_auc`` of the head's first method, and the mean curves (``report.html``);
+- :class:`ItemScores`: per-item scores averaged, ``<name>_<method>`` (ROAD's ``road_<method>``,
+  ``road_morf_<method>``, ``road_lerf_<method>`` and SaCo's ``saco_<method>``,
+  :mod:`vision_attn.explain.road`);
 - :class:`Sanity`: ``sanity_<method>``, the mean Spearman correlation with the maps of the fully
   randomised model (:mod:`vision_attn.explain.sanity`), and ``OUT/sanity.json``;
 - :class:`MapWriter`: the maps as ``OUT/maps/<method>/<name>.npy`` and ``OUT/maps/index.json``.
@@ -46,7 +49,7 @@ from vision_attn.explain.progress import Progress
 from vision_attn.explain.segmentation import SegmentationScores
 from vision_attn.outputs import safe_filename, write_json, write_npy
 
-__all__ = ["Localisation", "MapWriter", "Measures", "Perturbation", "Sanity"]
+__all__ = ["ItemScores", "Localisation", "MapWriter", "Measures", "Perturbation", "Sanity"]
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +208,43 @@ class Perturbation(_Reported):
         if not self.count:
             return {}
         return {method: (total / self.count).tolist() for (method, m), total in self.curve_sums.items() if m == mode}
+
+
+class ItemScores(_Reported):
+    """Per-item scores of each method averaged over the items: ``<name>_<method>`` for
+    ``update({method: {name: [R]}})`` (ROAD's ``road`` / ``road_morf`` / ``road_lerf`` and SaCo's
+    ``saco``, :mod:`vision_attn.explain.road`).
+
+    Args:
+        what: what the progress report calls the work.
+        total: the items expected (``None``: unknown).
+        progress: report progress (``None``: unless quiet).
+    """
+
+    def __init__(self, what: str = "explanation measures: ROAD and SaCo", total: int | None = None,
+                 progress: bool | None = None) -> None:
+        super().__init__(total, progress)
+        self.what = what
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.count = 0
+
+    def update(self, scores: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """Add ``R`` items: ``scores[method][name]`` is ``[R]``; the same ``R`` items everywhere."""
+        rows = _rows(scores)
+        for method, named in scores.items():
+            for name, values in named.items():
+                key = f"{name}_{method}"
+                self.sums[key] = self.sums.get(key, 0.0) + float(values.double().sum())
+        self.count += rows
+        self._advance(rows)
+
+    def compute(self) -> dict[str, float]:
+        """``<name>_<method>``: the means over the items."""
+        self._done()
+        return {key: total / self.count for key, total in self.sums.items()} if self.count else {}
 
 
 class Sanity(_Reported):

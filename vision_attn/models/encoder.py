@@ -159,8 +159,10 @@ class ViTEncoder(nn.Module):
         pretrained: load timm's pretrained weights from the hub (needs network access or a
             populated hub cache).
         weights_file: load weights from a local ``.safetensors`` / ``.pth`` / ``.pt`` / ``.bin``
-            file instead (read without executing pickled code). Position embeddings are
-            resampled to ``img_size`` and a classifier head of another size is dropped.
+            file instead, or from a vision_attn checkpoint (``.ckpt``: its encoder, e.g. of
+            ``configs/pretrain/mae.yaml`` or of another task; read without executing pickled
+            code). Position embeddings are resampled to ``img_size`` and a classifier head of
+            another size is dropped.
         img_size: training image size (the position-embedding grid); other sizes still work.
         patch_size: patch side in pixels.
         embed_dim: token width ``D``.
