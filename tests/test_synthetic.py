@@ -110,6 +110,25 @@ def test_coco_layout_is_valid_for_pycocotools_style_readers(tmp_path):
             assert all(n in c for n in names)
 
 
+@pytest.mark.parametrize("kind", SHAPES)
+def test_the_outline_is_the_drawn_shape(kind):
+    """``object_polygon`` (the instances files' ``segmentation``) is the shape: every mask pixel
+    is coloured by it, and the mask covers the clearly coloured pixels but for an edge of about a
+    pixel (pycocotools rasterises a polygon's border pixels conservatively)."""
+    from vision_attn.data.masks import decode_segmentation
+    from vision_attn.data.scenes import object_polygon
+
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        scene = random_scene(rng, 64, 64, 1, kinds=(kind,))
+        img = render_scene(scene, rng, noise=0, clutter=0).astype(int)
+        diff = np.abs(img - np.array(scene.background)).sum(-1)
+        drawn = diff > 60
+        mask = decode_segmentation([object_polygon(scene.objects[0])], 64, 64)
+        assert (diff[mask] > 0).all(), (kind, seed)
+        assert (drawn & mask).sum() / (drawn | mask).sum() > 0.78, (kind, seed)
+
+
 def test_classification_data_writes_the_boxes_of_every_image(tmp_path):
     """ROOT/annotations/instances_<split>.json: one box per image of its class's shape, file_name
     relative to ROOT (as predictions.json names images), loadable by the localisation reader."""
@@ -117,7 +136,7 @@ def test_classification_data_writes_the_boxes_of_every_image(tmp_path):
 
     cfg = ShapesConfig(image_size=32, num_train=10, num_val=5, num_test=0, seed=1, noise=0, clutter=0)
     root = ensure_shapes_classification(cfg, tmp_path)
-    assert "-v2-" in root.name  # a v1 cache (no boxes) is not reused
+    assert "-v3-" in root.name  # a v1 cache (no boxes) or v2 (no outlines) is not reused
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["annotations"] == {"train": "annotations/instances_train.json",
                                        "val": "annotations/instances_val.json"}

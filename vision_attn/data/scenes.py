@@ -138,6 +138,17 @@ def _polygon(kind: str, cx: float, cy: float, size: float, angle: float) -> np.n
     return (np.array(pts) @ rot.T) * r + np.array([cx, cy])
 
 
+def object_polygon(obj: SceneObject, circle_vertices: int = 32) -> list[float]:
+    """The shape's outline as a COCO polygon ``[x1, y1, x2, y2, ...]`` in pixels of the rendered
+    image (a circle as a regular polygon of ``circle_vertices``); the whole shape, also where a
+    later object covers it."""
+    poly = _polygon(obj.kind, obj.center[0], obj.center[1], obj.size, obj.angle)
+    if poly is None:
+        a = np.arange(circle_vertices) * (2 * math.pi / circle_vertices)
+        poly = np.stack([np.cos(a), np.sin(a)], 1) * (obj.size / 2.0) + np.array(obj.center)
+    return [round(float(v), 2) for v in poly.reshape(-1)]
+
+
 def _object_box(obj: SceneObject, width: int, height: int) -> tuple[float, float, float, float]:
     poly = _polygon(obj.kind, obj.center[0], obj.center[1], obj.size, obj.angle)
     if poly is None:

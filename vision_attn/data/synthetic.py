@@ -26,7 +26,7 @@ import cv2
 import numpy as np
 
 from vision_attn.data.glyphs import DIGIT_WORDS, GLYPHS, describe_digits, render_digit_scene, render_glyph
-from vision_attn.data.scenes import COLOURS, SHAPES, Scene, SceneObject, random_scene, render_scene
+from vision_attn.data.scenes import COLOURS, SHAPES, Scene, SceneObject, object_polygon, random_scene, render_scene
 
 __all__ = [
     "COLOURS",
@@ -54,9 +54,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _FORMAT_VERSION = 1
-# Per family: shapes 2 adds the boxes (ROOT/annotations/instances_<split>.json); glyphs stay 1.
-_FAMILY_VERSIONS = {"shapes": 2}
-_COCO_FORMAT_VERSION = 2  # 2: captions list objects left to right
+# Per family: shapes 2 adds the boxes (ROOT/annotations/instances_<split>.json), 3 their outlines; glyphs stay 1.
+_FAMILY_VERSIONS = {"shapes": 3}
+_COCO_FORMAT_VERSION = 3  # 2: captions list objects left to right; 3: each object's outline ("segmentation")
 
 
 @dataclass
@@ -176,7 +176,7 @@ def _ensure_imagefolder(
                     x, y, w, h = (round(v, 2) for v in obj.box_xywh)
                     boxes.append({"id": ann_id, "image_id": image_id, "category_id": classes.index(obj.kind) + 1,
                                   "bbox": [x, y, w, h], "area": round(w * h, 2), "iscrowd": 0,
-                                  "colour": obj.colour})
+                                  "colour": obj.colour, "segmentation": [object_polygon(obj)]})
                     ann_id += 1
                 image_id += 1
             if images:
@@ -312,7 +312,8 @@ def ensure_shapes_coco(config: SceneSetConfig | None = None, cache_dir: str | Pa
 
         ROOT/{train,val}/<image id>.png
         ROOT/annotations/instances_{train,val}.json   boxes (xywh pixels), categories = shape kinds,
-                                                      plus each object's "colour" (an extra key)
+                                                      each object's outline ("segmentation", a COCO
+                                                      polygon) and "colour" (an extra key)
         ROOT/annotations/captions_{train,val}.json    several descriptions per image
 
     Category ids are 1..5 in the order of :data:`SHAPES`; image and annotation ids are unique
@@ -329,7 +330,8 @@ def ensure_shapes_coco(config: SceneSetConfig | None = None, cache_dir: str | Pa
         side = config.image_size
         scene = random_scene(rng, side, side, n, config.min_size, config.max_size, max_overlap=config.max_overlap)
         img = render_scene(scene, rng, noise=config.noise, clutter=config.clutter)
-        objects = [(cat_id[o.kind], o.box_xywh, {"colour": o.colour}) for o in scene.objects]
+        objects = [(cat_id[o.kind], o.box_xywh, {"colour": o.colour, "segmentation": [object_polygon(o)]})
+                   for o in scene.objects]
         return img, objects, scene.describe(rng, config.captions_per_image)
 
     def build(tmp: Path) -> None:
