@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 # make demo installs the package and its runtime dependencies only; make test adds the test
 # extras (pytest, ONNX, the notebook kernel, the caption toolkit, the browser driver) in one go.
 # The editable install leaves the package's own modules uncompiled, and with
-# PYTHONDONTWRITEBYTECODE set (as on this project's machines) every process would compile them
+# PYTHONDONTWRITEBYTECODE set (as in many containers) every process would compile them
 # again: compileall writes the .pyc files once (about 0.4 s off each command's start-up).
 STAMP   = $(VENV)/.installed
 DEV     = $(VENV)/.installed-dev

@@ -52,7 +52,7 @@ ABLATION: dict[str, list[str]] = {
     "recipe (small.yaml)": [],
     "stem linear (patch)": ["--model.encoder.init_args.stem", "patch"],
     "stem SPT": ["--model.encoder.init_args.stem", "spt"],
-    "conv stem from 16 channels (the earlier recipe)": ["--model.encoder.init_args.stem_channels", "16"],
+    "conv stem from 16 channels (a narrower stem)": ["--model.encoder.init_args.stem_channels", "16"],
     "+ LSA": ["--model.encoder.init_args.lsa", "true"],
     "pooling cls": ["--model.init_args.head.pooling", "cls"],
     "pooling mean": ["--model.init_args.head.pooling", "mean"],

@@ -30,6 +30,9 @@ PROCESS_WORDS = {
     r"calibrat": "a timing-script reading (calibrate)",
     r"reference[ -]minutes?": "reference minutes",
     r"\.\./shared\b": "the development machine's shared folder",
+    r"\b(earlier|previous|former)\s+(recipes?|small\.yaml|stem)\b|\bearlier run the same day\b": "an earlier state",
+    r"\bnot kept\b|\bkept and not\b": "a narrative of what was tried",
+    r"\bthis project's machines?\b": "the development machines",
 }
 
 CODE = ("vision_attn", "tests", "benchmarks", "train.py", "eval.py", "Makefile", "pyproject.toml")
@@ -37,7 +40,8 @@ CODE = ("vision_attn", "tests", "benchmarks", "train.py", "eval.py", "Makefile",
 (``round()``, helper functions)."""
 
 CODE_PROCESS_WORDS = {
-    pattern: what for pattern, what in PROCESS_WORDS.items() if what not in ("a round (of work)", "a helper")
+    pattern: what for pattern, what in PROCESS_WORDS.items()
+    if what not in ("a round (of work)", "a helper", "a narrative of what was tried")
 }
 
 README_MAX_LINES = 200

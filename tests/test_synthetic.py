@@ -215,8 +215,8 @@ def test_digit_scenes_captions_name_the_annotated_digits(tmp_path):
 
 
 def test_more_training_scenes_keep_the_first_ones_and_the_validation_scenes(tmp_path):
-    """configs/captioning/shapes.yaml draws 5500 training scenes where earlier recipes drew 2000, and
-    the README compares their validation numbers: a larger num_train must only append training
+    """configs/captioning/shapes.yaml draws 5500 training scenes where a smaller set draws 2000, and
+    the results compare their validation numbers: a larger num_train must only append training
     scenes (the first ones unchanged) and leave the validation scenes and their captions as they were."""
     from vision_attn.data.synthetic import SceneSetConfig, ensure_shapes_coco
 
