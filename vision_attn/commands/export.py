@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m vision_attn.expor
                         help="folder to write into (model.onnx, encoder.safetensors or model.safetensors)")
     parser.add_argument("--output_file", dest="output", default=None,
                         help="the exact file to write instead (its suffix chooses the format)")
-    parser.add_argument("--format", choices=["onnx", "safetensors"], default="safetensors")
+    parser.add_argument("--format", choices=["onnx", "safetensors"], default="safetensors",
+                        help="safetensors: the weights (--part); onnx: the whole model, images in, predictions out")
     parser.add_argument("--part", choices=["encoder", "model"], default="encoder", help="safetensors: which weights")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing file")
     parser.add_argument("--allow_import", action="append", default=[], metavar="PREFIX",

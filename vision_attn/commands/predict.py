@@ -79,7 +79,7 @@ def build_parser(prog: str, description: str, expected_task: str | None = None,
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the outputs of an earlier run (predictions.json, skipped.json, report.html, "
                              "overlays/) in --output_dir")
-    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--batch_size", type=int, default=16, help="images per forward pass")
     parser.add_argument("--num_workers", type=int, default=2, help="DataLoader processes decoding the images")
     if not explain:
         parser.add_argument("--no_overlays", action="store_true", help="predictions only")
