@@ -44,6 +44,7 @@ default_cfgs = generate_default_cfgs({
     "headless_tiny_reg4_dinov2.test": _pretrained(),
     "headless_tiny_clip.test": _pretrained(),
     "headless_tiny_clip_proj.test": _pretrained(16),
+    "headless_tiny_siglip.test": _pretrained(),
 })
 
 
@@ -68,6 +69,13 @@ def headless_tiny_clip_proj(pretrained: bool = False, **kwargs):
     return _create_vision_transformer("headless_tiny_clip_proj", pretrained=pretrained, **dict(args, **kwargs))
 
 
+@register_model
+def headless_tiny_siglip(pretrained: bool = False, **kwargs):
+    """SigLIP-like image tower: no class token, attention pooling ('map'), no head."""
+    args = dict(TINY, patch_size=8, class_token=False, global_pool="map", num_classes=0)
+    return _create_vision_transformer("headless_tiny_siglip", pretrained=pretrained, **dict(args, **kwargs))
+
+
 NAMES = ["headless_tiny_reg4_dinov2", "headless_tiny_clip"]
 
 
@@ -76,7 +84,7 @@ def saved(tmp_path_factory) -> dict[str, tuple[nn.Module, Path]]:
     """Each model made by plain timm with every parameter drawn at random, saved with safetensors."""
     root = tmp_path_factory.mktemp("headless")
     out = {}
-    for name in [*NAMES, "headless_tiny_clip_proj"]:
+    for name in [*NAMES, "headless_tiny_clip_proj", "headless_tiny_siglip"]:
         torch.manual_seed(0)
         model = timm.create_model(name, pretrained=False).eval()
         with torch.no_grad():
@@ -97,7 +105,7 @@ def images(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("name", [*NAMES, "headless_tiny_clip_proj"])
+@pytest.mark.parametrize("name", [*NAMES, "headless_tiny_clip_proj", "headless_tiny_siglip"])
 def test_the_embedding_is_timms_own(saved, name):
     model, file = saved[name]
     task = vision_attn.load_model(f"timm:{name}", weights_file=file)
@@ -190,3 +198,38 @@ def test_class_names_for_a_model_without_a_classifier_are_refused(saved):
     name = "headless_tiny_clip"
     with pytest.raises(vision_attn.errors.EncoderError, match="has no classifier"):
         vision_attn.load_model(f"timm:{name}", weights_file=saved[name][1], class_names=["a", "b"])
+
+
+def test_an_attention_pooled_tower_is_explained_through_its_pools_attention(saved, images, tmp_path, caplog):
+    """SigLIP-like: no class token, attention pooling. The attention methods follow the pool's
+    attention over the tokens; AttnLRP has no rule for the pool and is skipped with a warning."""
+    from vision_attn.models.classifier import attention_pool_weights
+
+    name = "headless_tiny_siglip"
+    model, file = saved[name]
+    task = vision_attn.load_model(f"timm:{name}", weights_file=file)
+    assert [m for m, r in applicable_methods(task, METHODS).items() if r] == ["lrp"]
+    x = torch.randn(2, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        weights = attention_pool_weights(model, model.forward_features(x))
+    from vision_attn.explain.methods import explain_classifier
+
+    raw = explain_classifier(task.eval(), x, ("attention",)).maps["attention"]  # the last block's rows, pool-mixed
+    last = [m for m in model.modules() if type(m).__name__ == "Attention"][-1]
+    captured = {}
+    hook = last.register_forward_hook(lambda mod, args, out: captured.setdefault("x", args[0]))
+    with torch.no_grad():
+        model.forward_features(x)
+    hook.remove()
+    b, t, c = captured["x"].shape
+    qkv = last.qkv(captured["x"]).reshape(b, t, 3, last.num_heads, c // last.num_heads).permute(2, 0, 3, 1, 4)
+    attn = ((qkv[0] * last.scale) @ qkv[1].transpose(-2, -1)).softmax(-1).mean(1)  # (B, T, T)
+    expected = torch.einsum("bt,btk->bk", weights, attn).reshape(2, SIZE // 8, SIZE // 8)
+    expected = expected / expected.flatten(1).amax(1).view(2, 1, 1)
+    torch.testing.assert_close(raw, expected, atol=1e-5, rtol=0)
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING"):
+        main(["--model", f"timm:{name}", "--weights_file", str(file), "--images", str(images), "--output_dir",
+              str(out), "--methods", *METHODS, "--num_workers", "0", "--device", "cpu", "--batch_size", "2"])
+    assert sorted(p.name for p in (out / "overlays").glob("*.png")) == ["0.png.png", "1.png.png", "2.png.png"]
+    assert any("'lrp' does not apply" in r.getMessage() for r in caplog.records)

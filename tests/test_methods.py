@@ -303,24 +303,24 @@ def test_grid_maps_reach_pixels_through_the_padded_patch_grid():
     assert stretched[8, 2].item() == pytest.approx(1 / 12, abs=1e-6)
 
 
-def test_an_attention_pooling_head_runs_the_methods_that_apply_and_names_the_others():
-    # timm's attention pooling ('map'): no row of the encoder's attention describes what the head
-    # reads. The methods that read no row run; the others are named with the reason.
+def test_an_attention_pooling_head_is_explained_through_its_pools_attention():
+    # timm's attention pooling ('map'): the row the methods follow is the pool's attention over the
+    # tokens (per image), so every method runs but AttnLRP, which has no rule for the pool.
     from vision_attn.explain.api import explain_images
     from vision_attn.explain.methods import applicable_methods
+    from vision_attn.models.classifier import attention_pool_weights
 
     torch.manual_seed(0)
     encoder = create_encoder("vit_tiny_patch16_224", **TINY_VIT, num_classes=3, global_pool="map")
     task = ClassificationTask(encoder, num_classes=3, head=ClassifierConfig(kind="timm")).eval()
     images = torch.randn(2, 3, 32, 32)
     reasons = applicable_methods(task)
-    assert [m for m, r in reasons.items() if r is None] == ["gradcam", "tokens", "random"]
-    expl = explain_classifier(task, images, ("gradcam", "tokens", "random"))
-    assert sorted(expl.maps) == ["gradcam", "random", "tokens"]
+    assert [m for m, r in reasons.items() if r is not None] == ["lrp"]
+    expl = explain_classifier(task, images, ("rollout", "attention", "relevance", "gradcam"))
+    with torch.no_grad():
+        weights = attention_pool_weights(encoder.model, encoder(images).tokens)
+    torch.testing.assert_close(expl.token_index, weights)  # the pool's attention is the explained row
     assert all(m.shape == (2, 4, 4) and torch.isfinite(m).all() for m in expl.maps.values())
-    with pytest.raises(ValueError, match="pooling 'map'"):
-        explain_classifier(task, images, ("rollout",))
-    with pytest.raises(ConfigError, match=r"method 'relevance' does not apply to this model: the head pools the "
-                                          r"tokens with 'map'.*the methods that apply: gradcam, tokens, random"):
-        explain_images(task, images, method="relevance")
-    assert explain_images(task, images, method="gradcam").shape == (2, 32, 32)
+    with pytest.raises(ConfigError, match=r"method 'lrp' does not apply to this model.*AttentionPoolLatent"):
+        explain_images(task, images, method="lrp")
+    assert explain_images(task, images, method="relevance").shape == (2, 32, 32)

@@ -285,8 +285,7 @@ def test_every_applicable_method_runs_and_the_attention_map_is_the_recomputed_ro
     task = Classifier(built.encoder).eval()
     methods = [name for name, reason in m["applicable"].items() if reason is None]
     assert "random" in methods and "gradcam" in methods and "tokens" in methods
-    pooling = case.options.get("global_pool", built.reference.global_pool)
-    assert ("rollout" in methods) == (pooling != "map")
+    assert "rollout" in methods and "attention" in methods  # attention pooling: its weights are the row
     expl = explain_classifier(task, built.images, methods)
     for name in methods:
         maps = expl.maps[name]
@@ -295,8 +294,11 @@ def test_every_applicable_method_runs_and_the_attention_map_is_the_recomputed_ro
     torch.testing.assert_close(expl.logits, built.reference(built.images), atol=ATOL, rtol=0)
     if "attention" in methods:  # the last block's head-mean row of what the head reads, over the patches
         last, p = m["expected"][-1].mean(dim=1), m["prefix"]  # (B, Tq, T)
-        rows = slice(p, None) if expl.token_index == "patches" else list(_rows(expl.token_index))
-        ref = last[:, rows].mean(dim=1)[:, p:].reshape(2, 4, 4)
+        if isinstance(expl.token_index, torch.Tensor):  # a pooling's weights per image: the rows' mixture
+            ref = torch.einsum("bt,btk->bk", expl.token_index.to(last), last)[:, p:].reshape(2, 4, 4)
+        else:
+            rows = slice(p, None) if expl.token_index == "patches" else list(_rows(expl.token_index))
+            ref = last[:, rows].mean(dim=1)[:, p:].reshape(2, 4, 4)
         torch.testing.assert_close(expl.maps["attention"], ref / ref.flatten(1).amax(1).view(2, 1, 1), atol=ATOL,
                                    rtol=0)
     if "lrp" in methods:  # AttnLRP conserves: the input's relevance plus what was kept is the logit
@@ -313,14 +315,13 @@ def test_methods_that_do_not_apply_are_named_with_the_reason_and_skipped(folder:
     task = Classifier(pooled.encoder)
     reasons = applicable_methods(task)
     assert list(reasons) == list(METHODS)
-    assert {m for m, r in reasons.items() if r} == {"rollout", "relevance", "attention", "lrp"}
-    assert "attention pooling" in reasons["rollout"] and "AttentionPoolLatent" in reasons["lrp"]
+    assert {m for m, r in reasons.items() if r} == {"lrp"}  # no AttnLRP rule for the attention pooling
+    assert "AttentionPoolLatent" in reasons["lrp"]
     with caplog.at_level("WARNING", logger="vision_attn.explain.methods"):
         kept = skip_inapplicable(task, ["rollout", "gradcam", "lrp", "tokens"], what="timm:vit_small_patch16_224")
-    assert kept == ["gradcam", "tokens"]
+    assert kept == ["rollout", "gradcam", "tokens"]
     warned = [r.getMessage() for r in caplog.records]
-    assert any("'rollout' does not apply to timm:vit_small_patch16_224" in w for w in warned)
-    assert any("'lrp' does not apply" in w for w in warned)
+    assert len(warned) == 1 and "'lrp' does not apply to timm:vit_small_patch16_224" in warned[0]
     # the encoder alone: nothing is read by a head, the attention methods apply
     assert applicable_methods(pooled.encoder, ["rollout", "attention"]) == {"rollout": None, "attention": None}
 
@@ -463,3 +464,30 @@ def test_family_table_is_current_and_the_page_renders_it(folder: str):
     for row in committed["models"]:
         assert all(v is None or v <= committed["tolerance"] for v in row["max_abs_diff"].values()), row
     assert PAGE.read_text(encoding="utf-8") == render_family_table(committed), f"{PAGE} is not what {TABLE} renders"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.options == {"global_pool": "map"}
+                                  or c.name == "vit_pe_core_tiny_patch16_384"], ids=lambda c: c.id)
+def test_the_attention_pooling_weights_are_the_pools_own_attention(case: Case, folder: str):
+    """The weights explanations follow for an attention-pooling model are its pool's attention:
+    with them (and the pool's own values, projection and MLP) the pooled feature is timm's."""
+    from vision_attn.models.classifier import attention_pool_attention, attention_pool_weights
+
+    model = _built(case, folder).encoder.model.eval()
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tokens = model.forward_features(images)
+        attn, offset = attention_pool_attention(model, tokens)
+        pool = model.attn_pool
+        x = tokens[:, offset:]
+        if pool.pos_embed is not None:
+            x = x + pool.pos_embed.unsqueeze(0)
+        b, n, c = x.shape
+        v = pool.kv(x).reshape(b, n, 2, pool.num_heads, pool.head_dim).permute(2, 0, 3, 1, 4)[1]
+        out = pool.proj((attn @ v).transpose(1, 2).reshape(b, pool.latent_len, c))
+        out = out + pool.mlp(pool.norm(out)) if pool.mlp is not None else out
+        out = out[:, 0] if pool.pool == "token" else out.mean(1) if pool.pool == "avg" else out
+        torch.testing.assert_close(out, model.pool(tokens), atol=ATOL, rtol=0)
+        weights = attention_pool_weights(model, tokens)
+    assert weights.shape == tokens.shape[:2] and torch.allclose(weights.sum(1), torch.ones(2), atol=1e-6)
+    assert (weights[:, :offset] == 0).all() and (weights >= 0).all()

@@ -70,6 +70,7 @@ from vision_attn.explain.targets import (
     _SEQ_POOLING,
     TOKENS,
     Token,
+    _attention_pooled,
     explained_token,
     resolve_target_class,
     resolve_token,
@@ -327,7 +328,7 @@ def _row_reason(encoder, head) -> str | None:
     if head is None:
         return None
     pooling = getattr(head, "pooling", None) or getattr(head, "global_pool", None) or "auto"
-    if pooling in _SEQ_POOLING:
+    if pooling in _SEQ_POOLING or _attention_pooled(head):
         return None  # the row is the image's own pooling weights
     try:
         explained_token(head, getattr(encoder, "num_prefix_tokens", 1))

@@ -27,6 +27,12 @@ _MEAN_POOLING = ("mean", "avg")
 _SEQ_POOLING = ("seq",)  # ClassificationHead's sequence pooling (CCT)
 
 
+def _attention_pooled(head) -> bool:
+    """A timm head with attention pooling (``map``) that gives its weights (``token_weights``)."""
+    pooling = getattr(head, "pooling", None) or getattr(head, "global_pool", None)
+    return pooling == "map" and callable(getattr(head, "token_weights", None))
+
+
 def explained_token(head, num_prefix_tokens: int, out=None) -> TokenIndex:
     """The row that explains what ``head`` reads: ``0`` (the class token) for ``cls`` pooling,
     ``(0, 1)`` (the mean of the class and distillation rows) for a distilled head
@@ -38,7 +44,10 @@ def explained_token(head, num_prefix_tokens: int, out=None) -> TokenIndex:
     ``sum_i w_i x_i`` with weights ``w`` that depend on the image: its row is the ``[B, T]``
     tensor ``head.token_weights(out)`` (detached; 0 on the prefix tokens), the weighted mixture
     of the patch tokens' rows, so ``out`` (the batch's
-    :class:`~vision_attn.models.EncoderOutput`) is needed.
+    :class:`~vision_attn.models.EncoderOutput`) is needed. timm's attention pooling (``map``:
+    SigLIP, Perception Encoder) reads the tokens with its latent queries' attention: its row is
+    that attention, ``head.token_weights(out)``
+    (:func:`~vision_attn.models.classifier.attention_pool_weights`), the same way.
 
     Raises:
         ValueError: a pooling no row describes (e.g. attention pooling), or ``seq`` pooling
@@ -51,10 +60,10 @@ def explained_token(head, num_prefix_tokens: int, out=None) -> TokenIndex:
         return (0, 1) if getattr(head, "distilled", False) and num_prefix_tokens >= 2 else 0
     if pooling in _MEAN_POOLING:
         return "patches"
-    if pooling in _SEQ_POOLING:
+    if pooling in _SEQ_POOLING or _attention_pooled(head):
         if out is None:
-            raise ValueError("a sequence-pooling head's row depends on the image (its pooling weights): pass the "
-                             "encoder output, explained_token(head, num_prefix_tokens, out)")
+            raise ValueError("a sequence- or attention-pooling head's row depends on the image (its pooling weights): "
+                             "pass the encoder output, explained_token(head, num_prefix_tokens, out)")
         return head.token_weights(out).detach()
     raise ValueError(
         f"cannot explain a head with pooling {pooling!r}: the explanations follow a class token ('cls') or the "

@@ -118,6 +118,42 @@ class ClassificationHead(nn.Module):
         return self.fc(self.dropout(self.pool(out)))
 
 
+def attention_pool_attention(model: nn.Module, tokens: Tensor) -> tuple[Tensor, int]:
+    """The attention of a timm model's attention pooling (``global_pool='map'``: SigLIP, Perception
+    Encoder), recomputed from its weights as timm's ``AttentionPoolLatent`` computes it:
+    ``([B, heads, latents, N], offset)``, the softmax of its latent queries against the ``N``
+    tokens it reads, which are ``tokens[:, offset:]`` (the prefix tokens left out where the model
+    pools the patch tokens only).
+
+    Raises:
+        ValueError: the model has no attention pooling.
+    """
+    pool = getattr(model, "attn_pool", None)
+    if pool is None or not hasattr(pool, "latent"):
+        raise ValueError(f"{type(model).__name__} has no attention pooling (attn_pool)")
+    offset = 0 if getattr(model, "pool_include_prefix", True) else int(getattr(model, "num_prefix_tokens", 0))
+    x = tokens[:, offset:]
+    b, n, c = x.shape
+    if getattr(pool, "pos_embed", None) is not None:
+        x = x + pool.pos_embed.unsqueeze(0).to(x.dtype)
+    heads, dim = pool.num_heads, pool.head_dim
+    q = pool.q(pool.latent.expand(b, -1, -1)).reshape(b, pool.latent_len, heads, dim).transpose(1, 2)
+    k = pool.kv(x).reshape(b, n, 2, heads, dim).permute(2, 0, 3, 1, 4)[0]
+    q, k = pool.q_norm(q), pool.k_norm(k)
+    return ((q * pool.scale) @ k.transpose(-2, -1)).softmax(dim=-1), offset
+
+
+def attention_pool_weights(model: nn.Module, tokens: Tensor) -> Tensor:
+    """``[B, T]``: what the attention pooling of ``model`` reads of each of the ``T`` ``tokens``,
+    its attention (:func:`attention_pool_attention`) averaged over the heads and over the latent
+    queries it keeps (the first alone where it pools with ``token``); 0 for tokens it does not read."""
+    attn, offset = attention_pool_attention(model, tokens)
+    kept = attn[:, :, :1] if getattr(model.attn_pool, "pool", "token") == "token" else attn
+    weights = tokens.new_zeros(tokens.shape[:2])
+    weights[:, offset:] = kept.mean(dim=(1, 2)).to(weights.dtype)
+    return weights
+
+
 class TimmHead(nn.Module):
     """Logits ``[B, C]`` from encoder tokens through the timm model's own ``forward_head``.
 
@@ -128,8 +164,8 @@ class TimmHead(nn.Module):
     Attributes:
         pooling: timm's ``global_pool``: ``token`` (the class token; a distilled DeiT averages
             the class and distillation heads), ``avg`` (the mean of the patch tokens, prefix and
-            register tokens left out), or ``map`` (attention pooling: predicts, but no token
-            row explains it).
+            register tokens left out), or ``map`` (attention pooling: explanations follow its
+            attention weights, :meth:`token_weights`).
         distilled: a distilled DeiT: the logits are the mean of the class-token head and the
             distillation-token head (prefix tokens 0 and 1).
         num_classes: ``C``.
@@ -161,6 +197,11 @@ class TimmHead(nn.Module):
     def global_pool(self) -> str:
         """timm's name of :attr:`pooling`."""
         return self.pooling
+
+    def token_weights(self, out: EncoderOutput) -> Tensor:
+        """``[B, T]``: an attention-pooling (``map``) head's weights over the tokens, the row its
+        explanations follow (:func:`attention_pool_weights`)."""
+        return attention_pool_weights(self._timm_model, out.tokens)
 
     def forward(self, out: EncoderOutput) -> Tensor:
         return self._timm_model.forward_head(out.tokens)  # (B, C)

@@ -41,6 +41,7 @@ from vision_attn.errors import ConfigError, EncoderError, VisionAttnError
 from vision_attn.explain.evaluate import explanation_panel
 from vision_attn.explain.methods import explain_classifier
 from vision_attn.explain.records import Explained, Report, png_data_uri
+from vision_attn.models.classifier import attention_pool_weights
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
 from vision_attn.tasks.base import VisionTask, register_task
 from vision_attn.tasks.optim import DEFAULT_OPTIM, Optimization
@@ -143,6 +144,11 @@ class EmbeddingHead(nn.Module):
     def global_pool(self) -> str:
         """timm's name of :attr:`pooling`."""
         return self.pooling
+
+    def token_weights(self, out: EncoderOutput) -> Tensor:
+        """``[B, T]``: an attention-pooling (``map``) model's weights over the tokens, the row its
+        explanations follow (:func:`~vision_attn.models.classifier.attention_pool_weights`)."""
+        return attention_pool_weights(self._timm_model, out.tokens)
 
     def embed(self, out: EncoderOutput) -> Tensor:
         """``[B, E]``: timm's ``forward_head`` (its pooling, ``fc_norm``, projection if any)."""
