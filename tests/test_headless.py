@@ -138,6 +138,8 @@ def test_predict_writes_embeddings_and_an_overlay_with_every_method(saved, image
         assert record["embedding_norm"] == pytest.approx(float(np.linalg.norm(record["embedding"])), abs=1e-3)
     overlays = sorted(p.name for p in (out / "overlays").glob("*.png"))
     assert overlays == ["0.png.png", "1.png.png", "2.png.png"]
+    page = (out / "report.html").read_text()  # every patch's attention row, per layer and head
+    assert page.count('"kind": "patches"') == 3 and '"heads": 2' in page and '"layers": 2' in page
     # the panel holds the input and one overlay per method: wider than the input alone by the methods
     width = Image.open(out / "overlays" / "0.png.png").size[0]
     single = tmp_path / "one"

@@ -415,8 +415,8 @@ def test_report_items_are_built_only_for_the_report_s_images(classifier_ckpt, ma
     import vision_attn.explain.evaluate as evaluate
 
     calls = []
-    real = evaluate._report_item
-    monkeypatch.setattr(evaluate, "_report_item", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = evaluate.attention_report_item
+    monkeypatch.setattr(evaluate, "attention_report_item", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = tmp_path / "out"
     predict_folder(classifier_ckpt, many_images, out, FolderRun(batch_size=4, progress=False, report_images=2),
                    _methods("rollout"))

@@ -77,7 +77,8 @@ from vision_attn.explain.road import classifier_scores
 from vision_attn.explain.sanity import sanity_check
 from vision_attn.outputs import safe_filename
 
-__all__ = ["DEFAULT_MISTAKES", "ExplainOptions", "Selection", "explain_eval_split", "explanation_panel",
+__all__ = ["DEFAULT_MISTAKES", "ExplainOptions", "Selection", "attention_report_item", "explain_eval_split",
+           "explanation_panel",
            "overlay_images", "select_images", "worst_images", "write_overlays"]
 
 log = logging.getLogger(__name__)
@@ -336,7 +337,7 @@ def explanation_panel(
     return explanation_figure(picture, one, pre, caption, alpha, normalize)
 
 
-def _report_item(expl, j: int, display: np.ndarray, caption: str, panel: np.ndarray) -> dict:
+def attention_report_item(expl, j: int, display: np.ndarray, caption: str, panel: np.ndarray) -> dict:
     """Image ``j`` of an explained batch for report.html: every patch's attention row, per layer and head."""
 
     item = {"text": caption, "image": Report.display_image(display), "panels": [png_data_uri(panel)]}
@@ -376,7 +377,7 @@ def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray
             caption = f"{truths[j]} -> {caption}"
         panel = explanation_panel(display, expl.maps, j, caption, options.alpha, picture=picture, pre=pre,
                                   normalize=options.normalize)
-        item = _report_item(expl, j, display, caption, panel) if options.report else None  # report.html only
+        item = attention_report_item(expl, j, display, caption, panel) if options.report else None  # report.html only
         out.append(Explained(record, panel, item, {"explanation": expl}))
     return out
 

@@ -38,9 +38,9 @@ from torch import Tensor, nn
 from vision_attn.data.imageio import read_image
 from vision_attn.data.transforms import build_display_transform, build_eval_transform
 from vision_attn.errors import ConfigError, EncoderError, VisionAttnError
-from vision_attn.explain.evaluate import explanation_panel
+from vision_attn.explain.evaluate import attention_report_item, explanation_panel
 from vision_attn.explain.methods import explain_classifier
-from vision_attn.explain.records import Explained, Report, png_data_uri
+from vision_attn.explain.records import Explained
 from vision_attn.models.classifier import attention_pool_weights
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
 from vision_attn.tasks.base import VisionTask, register_task
@@ -283,8 +283,7 @@ class EmbeddingTask(VisionTask):
             panel = explanation_panel(display_tf(picture), expl.maps, j, caption, options.alpha, picture=picture,
                                       pre=pre, normalize=options.normalize)
             item = None
-            if getattr(options, "report", False):
-                item = {"text": caption, "image": Report.display_image(display_tf(picture)),
-                        "panels": [png_data_uri(panel)]}
+            if getattr(options, "report", False):  # report.html: every patch's attention row, per layer and head
+                item = attention_report_item(expl, j, display_tf(picture), caption, panel)
             out.append(Explained(record, panel, item, {"explanation": expl}))
         return out
