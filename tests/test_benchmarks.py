@@ -536,3 +536,23 @@ def test_classification_holdout_data_and_its_results_rows(tmp_path):
     table = json.loads(results.read_text())
     validate(table)
     assert [(r[0], r[4], r[5]) for r in table["rows"]] == [("b", 0.9, "--x 1"), ("a", 0.6, "none")]
+
+
+def test_timm_predict_table_runs_the_folder_command_and_records_refusals(tmp_path, capsys):
+    """benchmarks.timm_predict on a small headless tower (registered by tests/test_headless.py) and a
+    model the suite refuses (PiT's pooling attention): a row each, the command's exit status, the
+    methods drawn, the refusal's one line."""
+    from benchmarks.timm_predict import main
+
+    from . import test_headless  # noqa: F401  (registers the small timm models)
+
+    out = tmp_path / "timm_predict.json"
+    rows = main(["headless_tiny_siglip", "pit_ti_224", "--json", str(out)])
+    ok, refused = rows
+    assert ok["status"] == 0 and ok["class"] == "VisionTransformer" and ok["head"] == "embedding"
+    assert ok["methods"] == ["rollout", "relevance", "attention", "gradcam", "tokens", "random"]  # no lrp: the pool
+    assert "embedding_norm" in ok["note"]
+    assert refused["status"] == 2 and refused["class"] == "PoolingVisionTransformer" and refused["methods"] == []
+    assert "pit_ti_224" in refused["note"] and "pooling" in refused["note"]
+    data = results_file(out, ["model", "timm class", "explained as", "exit status", "methods drawn", "seconds", "note"])
+    assert [row[0] for row in data["rows"]] == ["headless_tiny_siglip", "pit_ti_224"]
