@@ -159,10 +159,15 @@ def test_teacher_forced_maps_equal_the_generation_maps(captioner, beam_size):
         task.beam_size = 1
     tokens = [e.extras["tokens"] for e in explained]
     assert sum(len(t) for t in tokens) > 0
-    maps = teacher_forced_word_maps(task, images, tokens, ["attention", "relevance"])
+    from vision_attn.explain.captioning import CAPTION_RULE
+
+    maps = teacher_forced_word_maps(task, images, tokens, ["attention", "relevance"], rule=CAPTION_RULE)
     for b, e in enumerate(explained):
         for m in ("attention", "relevance"):
             torch.testing.assert_close(maps[m][b], e.extras["maps"][m].float(), rtol=1e-5, atol=1e-5)
+    full = teacher_forced_word_maps(task, images, tokens, ["relevance"], rule="full")["relevance"]
+    same = all(torch.allclose(a, b) for a, b in zip(full, maps["relevance"], strict=True))
+    assert CAPTION_RULE != "full" and not same
 
 
 def test_sanity_correlations(captioner, tmp_path):
@@ -182,8 +187,11 @@ def test_sanity_correlations(captioner, tmp_path):
     images = torch.stack([val[i][0] for i in range(len(val))])
     explained = task.explain_batch(images, [np.zeros((32, 32, 3), np.uint8)] * len(val), options)
     *_, (step, encoder) = cascading_randomisation(task.encoder, seed=options.seed)
+    from vision_attn.explain.captioning import CAPTION_RULE
+
     randomised = teacher_forced_word_maps(StandIn(encoder, task.head, tokenizer=task.tokenizer), images,
-                                          [e.extras["tokens"] for e in explained], ["attention", "relevance"])
+                                          [e.extras["tokens"] for e in explained], ["attention", "relevance"],
+                                          rule=CAPTION_RULE)
     for m in ("attention", "relevance"):
         rhos = []
         for b, e in enumerate(explained):
@@ -193,23 +201,23 @@ def test_sanity_correlations(captioner, tmp_path):
         assert metrics[f"sanity_{m}"] < 0.99  # the maps depend on the weights
 
 
-PINNED = {
-    "sanity_relevance": 0.05848416289592761, "sanity_attention": 0.003619909502262452, "sanity_random": 1.0,
-    "pointing_relevance": 0.23076923076923078, "energy_relevance": 0.18966798960609077,
-    "pointing_attention": 0.23076923076923078, "energy_attention": 0.17141144660939345,
+PINNED = {  # the default relevance rule of the caption head (CAPTION_RULE, "decoder")
+    "sanity_relevance": -0.11895013168997444, "sanity_attention": 0.003619909502262452, "sanity_random": 1.0,
+    "pointing_relevance": 0.15384615384615385, "energy_relevance": 0.1722763162081441,
+    "pointing_attention": 0.23076923076923078, "energy_attention": 0.17141144710302514,
     "pointing_random": 0.13942307692307693, "energy_random": 0.1808644229840219, "pointing_acc": 0.23076923076923078,
     "pointing_acc_random": 0.13942307692307693, "pointing_words": 26.0,
-    "deletion_auc_relevance": 0.028498169894401845, "insertion_auc_relevance": 0.03071500647526521,
-    "deletion_auc_attention": 0.028466310638647813, "insertion_auc_attention": 0.030648766801907465,
-    "deletion_auc_random": 0.028749425250750322, "insertion_auc_random": 0.03059676117621935,
-    "deletion_auc": 0.028498169894401845, "insertion_auc": 0.03071500647526521, "explain_words": 26.0,
+    "deletion_auc_relevance": 0.028298219236043785, "insertion_auc_relevance": 0.03071497667294282,
+    "deletion_auc_attention": 0.028466310638647813, "insertion_auc_attention": 0.03064876450942113,
+    "deletion_auc_random": 0.028749425823871907, "insertion_auc_random": 0.030596761749340937,
+    "deletion_auc": 0.028298219236043785, "insertion_auc": 0.03071497667294282, "explain_words": 26.0,
     "explain_images": 4.0,
 }
 PINNED_OUTPUTS = {
-    "sanity": {"relevance/block0": 0.291289592760181, "relevance/all": 0.05848416289592761,
+    "sanity": {"relevance/block0": 0.9823529411764707, "relevance/all": -0.11895013168997444,
                "attention/block0": 0.9792986425339367, "attention/all": 0.003619909502262452, "random/block0": 1.0,
                "random/all": 1.0},
-    "maps": {"attention": 20654.92845067382, "random": 13235.859479511157, "relevance": 15684.736188597977},
+    "maps": {"attention": 20654.92862200737, "random": 13235.859479511157, "relevance": 16244.541163735092},
 }
 
 

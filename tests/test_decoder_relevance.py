@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from vision_attn import create_encoder
 from vision_attn.data.tokenizer import SPECIAL_TOKENS
+from vision_attn.errors import ConfigError
 from vision_attn.explain.captioning import word_attention_maps
 from vision_attn.explain.capture import attention_modules, capture_attention
 from vision_attn.explain.decoder_relevance import caption_relevance, detection_relevance
@@ -73,12 +74,14 @@ def _bar(r: torch.Tensor) -> torch.Tensor:
 
 
 def _reference_map(attn: list[torch.Tensor], grads: list[torch.Tensor], depth: int, layers: int, item: int,
-                   prefix: int, grid: tuple[int, int]) -> torch.Tensor:
+                   prefix: int, grid: tuple[int, int], rule: str = "full") -> torch.Tensor:
     """Attention/gradients of one image in execution order: ``depth`` encoder blocks, then per
-    decoder layer its self- and cross-attention."""
+    decoder layer its self- and cross-attention. ``rule``: ``full`` (the paper), ``decoder``
+    (the encoder's relevance left out: ``R̄^ii = I``), ``decoder_last`` (that, and only the last
+    layer's cross-attention term)."""
     t = attn[0].shape[-1]
     r_ii = torch.eye(t, dtype=torch.float64)
-    for k in range(depth):  # eq. 6 on the image
+    for k in range(depth if rule == "full" else 0):  # eq. 6 on the image
         r_ii = r_ii + _fuse(attn[k][0], grads[k][0]) @ r_ii
     q = attn[depth][0].shape[-1]
     r_qq = torch.eye(q, dtype=torch.float64)
@@ -87,6 +90,8 @@ def _reference_map(attn: list[torch.Tensor], grads: list[torch.Tensor], depth: i
         s, c = depth + 2 * layer, depth + 2 * layer + 1
         a_qq = _fuse(attn[s][0], grads[s][0])
         r_qq, r_qi = r_qq + a_qq @ r_qq, r_qi + a_qq @ r_qi  # eqs. 6, 7
+        if rule == "decoder_last" and layer < layers - 1:
+            continue
         a_qi = _fuse(attn[c][0], grads[c][0])  # [Q, N]: the memory is the patch tokens
         r_qi = r_qi + _bar(r_qq).T @ a_qi @ _bar(r_ii)[prefix:]  # eq. 10
     row = r_qi[item, prefix:].float().reshape(grid)
@@ -94,7 +99,7 @@ def _reference_map(attn: list[torch.Tensor], grads: list[torch.Tensor], depth: i
 
 
 def _reference_detection(task: DetectionTask, image: torch.Tensor, query: int, label: int | None,
-                         score: str = "logit") -> torch.Tensor:
+                         score: str = "logit", rule: str = "full") -> torch.Tensor:
     with torch.enable_grad(), capture_attention(task, keep_grad=True) as attn:
         enc = task.encoder(image[None])
         logits = task.head(enc)["pred_logits"][0, query]
@@ -104,10 +109,11 @@ def _reference_detection(task: DetectionTask, image: torch.Tensor, query: int, l
         logits = logits.sigmoid() if task.head.focal else logits.softmax(-1)
     grads = torch.autograd.grad(logits[label], list(attn))
     return _reference_map(list(attn), list(grads), len(attention_modules(task.encoder)), len(task.head.layers), query,
-                          enc.num_prefix_tokens, enc.grid)
+                          enc.num_prefix_tokens, enc.grid, rule)
 
 
-def _reference_word(task: CaptioningTask, image: torch.Tensor, words: list[int], t: int) -> torch.Tensor:
+def _reference_word(task: CaptioningTask, image: torch.Tensor, words: list[int], t: int,
+                    rule: str = "full") -> torch.Tensor:
     """Word ``t``'s map, decoding only ``<bos> w_0 .. w_{t-1}`` (nothing after the word)."""
     inp = torch.tensor([[task.tokenizer.bos_id, *words[:t]]])
     with torch.enable_grad(), capture_attention(task, keep_grad=True) as attn:
@@ -116,7 +122,7 @@ def _reference_word(task: CaptioningTask, image: torch.Tensor, words: list[int],
     logp = F.log_softmax(logits[0, t].float(), dim=-1)[words[t]]
     grads = torch.autograd.grad(logp, list(attn))
     return _reference_map(list(attn), list(grads), len(attention_modules(task.encoder)), len(task.head.layers), t,
-                          enc.num_prefix_tokens, enc.grid)
+                          enc.num_prefix_tokens, enc.grid, rule)
 
 
 # ---------------------------------------------------------------------------- (a) batched == reference
@@ -136,6 +142,30 @@ def test_detection_matches_the_papers_equations(kw, score):
         for k, q in enumerate(qs.tolist()):
             torch.testing.assert_close(default[b][k], _reference_detection(task, images[b], q, None, score),
                                        atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rule", ["decoder", "decoder_last"])
+def test_the_decoder_rules_match_the_equations_without_the_encoders_part(rule):
+    """``decoder``: eq. 10 with ``R̄^ii = I`` (each memory token its own patch); ``decoder_last``:
+    that, with the cross-attention term of the last layer only. Both heads, against the slow
+    reference; and each differs from the full rule (the encoder part and the layers matter)."""
+    det, cap, images = _detector(), _captioner(), _images(2)
+    queries, labels = [torch.tensor([2, 0]), torch.tensor([1])], [torch.tensor([1, 0]), torch.tensor([0])]
+    maps = detection_relevance(det, images, queries, labels, rule=rule)
+    full = detection_relevance(det, images, queries, labels)
+    for b, (qs, ls) in enumerate(zip(queries, labels, strict=True)):
+        for k, (q, c) in enumerate(zip(qs.tolist(), ls.tolist(), strict=True)):
+            torch.testing.assert_close(maps[b][k], _reference_detection(det, images[b], q, c, rule=rule), atol=1e-5,
+                                       rtol=0)
+    assert not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(maps, full, strict=True))
+    tokens = [torch.tensor([4, 5, 6]), torch.tensor([6, 2])]
+    words = caption_relevance(cap, images, tokens, rule=rule)
+    for b, seq in enumerate(tokens):
+        for t in range(len(seq)):
+            torch.testing.assert_close(words[b][t], _reference_word(cap, images[b], seq.tolist(), t, rule), atol=1e-5,
+                                       rtol=0)
+    with pytest.raises(ConfigError, match="decoder relevance rule 'encoder' invalid"):
+        caption_relevance(cap, images, tokens, rule="encoder")
 
 
 def test_caption_matches_the_papers_equations():

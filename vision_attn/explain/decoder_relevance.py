@@ -73,6 +73,8 @@ from vision_attn.explain.capture import AttentionCaptureError, attention_modules
 from vision_attn.explain.rollout import normalize_maps, square_rows
 
 __all__ = [
+    "RELEVANCE_RULES",
+    "RelevanceRule",
     "caption_relevance",
     "cross_attention_rule",
     "detection_relevance",
@@ -83,6 +85,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DetectionScore = Literal["logit", "probability"]
+
+
+RelevanceRule = Literal["full", "decoder", "decoder_last"]
+RELEVANCE_RULES: tuple[str, ...] = ("full", "decoder", "decoder_last")
+"""How far the relevance of a detection or word is carried: ``full`` (the rules above, through the
+decoder and the encoder's self-attention, ``R̄^ii`` of eq. 10), ``decoder`` (the gradient-weighted
+cross-attention of every decoder layer carried through the decoder's self-attention; each memory
+token stands for its own patch, ``R̄^ii = I``: the encoder's mixing, which spreads the map over
+the tokens the patch talked to, is left out) or ``decoder_last`` (that, of the last decoder
+layer's cross-attention only). Measured in ``docs/results/explanations.md``."""
 
 
 # ---------------------------------------------------------------------------- the rules, batched
@@ -179,26 +191,37 @@ def _expect(records: dict[str, list[Tensor]], counts: dict[str, int]) -> None:
 
 
 def _relevance_rows(records: dict[str, list[Tensor]], grads: dict[str, list[Tensor]], num_prefix_tokens: int,
-                    items: Tensor, memory_to_patches: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                    items: Tensor, memory_to_patches: Callable[[Tensor], Tensor] | None = None,
+                    rule: RelevanceRule = "full") -> Tensor:
     """Rows of ``R^qi`` (``[B, T]``, row ``items[b]`` of row ``b``) after the encoder and decoder.
 
     ``memory_to_patches`` maps a cross-attention ``[B, Q, M]`` over memory tokens that are not
-    the patch tokens themselves (the DETR pyramid's) to ``[B, Q, N]`` over the patches."""
+    the patch tokens themselves (the DETR pyramid's) to ``[B, Q, N]`` over the patches; ``rule``:
+    see :data:`RELEVANCE_RULES`."""
+    if rule not in RELEVANCE_RULES:
+        raise ConfigError(f"decoder relevance rule {rule!r} invalid; choose one of {', '.join(RELEVANCE_RULES)}")
     enc_a, enc_g = records["encoder"], grads["encoder"]
     b, t = enc_a[0].shape[0], enc_a[0].shape[-1]
     device = enc_a[0].device
-    # R = I + R̂ kept as R̂ (see normalize_residual): R += Ā R  <=>  R̂ += Ā + Ā R̂
-    hat_ii = torch.zeros(b, t, t, device=device)
-    for a, g in zip(enc_a, enc_g, strict=True):
-        cam = square_rows(fuse_gradient_attention(a, g))  # (B, T, T): class attention's other rows zero
-        hat_ii = hat_ii + cam + cam @ hat_ii  # eq. 6
-    bar_ii_rows = normalize_residual(hat_ii)[:, num_prefix_tokens:]  # (B, N, T): the memory's rows
+    if rule == "full":
+        # R = I + R̂ kept as R̂ (see normalize_residual): R += Ā R  <=>  R̂ += Ā + Ā R̂
+        hat_ii = torch.zeros(b, t, t, device=device)
+        for a, g in zip(enc_a, enc_g, strict=True):
+            cam = square_rows(fuse_gradient_attention(a, g))  # (B, T, T): class attention's other rows zero
+            hat_ii = hat_ii + cam + cam @ hat_ii  # eq. 6
+        bar_ii_rows = normalize_residual(hat_ii)[:, num_prefix_tokens:]  # (B, N, T): the memory's rows
+    else:  # each memory token stands for its own patch
+        bar_ii_rows = torch.eye(t, device=device)[num_prefix_tokens:].expand(b, -1, -1)
     q = records["self"][0].shape[-1]
     hat_qq = torch.zeros(b, q, q, device=device)
     r_qi = torch.zeros(b, q, t, device=device)
-    for a_s, g_s, a_c, g_c in zip(records["self"], grads["self"], records["cross"], grads["cross"], strict=True):
+    last = len(records["cross"]) - 1
+    for k, (a_s, g_s, a_c, g_c) in enumerate(zip(records["self"], grads["self"], records["cross"], grads["cross"],
+                                                  strict=True)):
         cam = fuse_gradient_attention(a_s, g_s)  # (B, Q, Q)
         hat_qq, r_qi = hat_qq + cam + cam @ hat_qq, r_qi + cam @ r_qi  # eqs. 6, 7
+        if rule == "decoder_last" and k < last:
+            continue
         cam_qi = fuse_gradient_attention(a_c, g_c)
         if memory_to_patches is not None:
             cam_qi = memory_to_patches(cam_qi)
@@ -248,12 +271,13 @@ def _check_head(task: nn.Module, what: str) -> None:
 
 # ---------------------------------------------------------------------------- detection
 def _item_maps(target: Tensor, records: dict, num_prefix_tokens: int, rows: Tensor,
-               grid: tuple[int, int], memory_to_patches: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+               grid: tuple[int, int], memory_to_patches: Callable[[Tensor], Tensor] | None = None,
+               rule: RelevanceRule = "full") -> Tensor:
     """The explained rows' patch maps: gradients of the summed ``target`` scores w.r.t. the
     recorded attentions, propagated by the rules (:func:`_relevance_rows`)."""
     grads = _gradients(target, records)
     relevance = _relevance_rows({k: [a.detach() for a in v] for k, v in records.items()}, grads,
-                                num_prefix_tokens, rows, memory_to_patches)
+                                num_prefix_tokens, rows, memory_to_patches, rule)
     return _to_maps(relevance, grid, num_prefix_tokens)
 
 
@@ -264,6 +288,7 @@ def detection_relevance(
     labels: Sequence[Tensor] | None = None,
     score: DetectionScore = "logit",
     max_rows: int = 64,
+    rule: RelevanceRule = "full",
 ) -> list[Tensor]:
     """Relevance maps of detections over the patch grid, one ``[K_b, h, w]`` tensor per image.
 
@@ -279,6 +304,7 @@ def detection_relevance(
             ``probability`` (softmax without renormalisation over real classes — the
             detection's score — or the focal head's sigmoid).
         max_rows: most (image, detection) rows per forward/backward pass.
+        rule: which relevance (:data:`RELEVANCE_RULES`).
 
     Returns:
         Per image ``[K_b, h, w]`` float32 maps on the CPU, each scaled to maximum 1.
@@ -326,7 +352,7 @@ def detection_relevance(
             if score == "probability":
                 per_query = per_query.sigmoid() if focal else per_query.softmax(-1)
             target = per_query.gather(1, c_idx[:, None]).sum()
-            maps.append(_item_maps(target, records, enc.num_prefix_tokens, q_idx, grid, to_patches))
+            maps.append(_item_maps(target, records, enc.num_prefix_tokens, q_idx, grid, to_patches, rule))
     flat = torch.cat(maps) if maps else torch.zeros(0, *grid)
     return _split(flat, counts, grid)
 
@@ -337,6 +363,7 @@ def caption_relevance(
     images: Tensor,
     tokens: Sequence[Tensor] | Tensor,
     max_rows: int = 64,
+    rule: RelevanceRule = "full",
 ) -> list[Tensor]:
     """Relevance maps of generated words over the patch grid, one ``[T_b, h, w]`` per image.
 
@@ -351,6 +378,7 @@ def caption_relevance(
             pass the words only (``Generation.tokens[b][:len(words)]``; add the ``<eos>`` to
             explain it too). A ``[B, T]`` tensor is read as ``B`` rows of ``T`` words.
         max_rows: most (image, word) rows per forward/backward pass.
+        rule: which relevance (:data:`RELEVANCE_RULES`).
 
     Returns:
         Per image ``[T_b, h, w]`` float32 maps on the CPU, each scaled to maximum 1.
@@ -393,6 +421,6 @@ def caption_relevance(
             r = torch.arange(len(t_idx), device=logits.device)
             logp = F.log_softmax(logits[r, t_idx].float(), dim=-1)  # (R, V)
             target = logp.gather(1, tgt[r, t_idx][:, None]).sum()
-            maps.append(_item_maps(target, records, enc.num_prefix_tokens, t_idx, grid))
+            maps.append(_item_maps(target, records, enc.num_prefix_tokens, t_idx, grid, rule=rule))
     flat = torch.cat(maps) if maps else torch.zeros(0, *grid)
     return _split(flat, counts, grid)

@@ -91,6 +91,7 @@ from vision_attn.outputs import safe_filename
 __all__ = [
     "DECODER_METHODS",
     "DETECTION_DEFAULTS",
+    "DETECTION_RULE",
     "StandIn",
     "decoder_methods",
     "detection_explain_metrics",
@@ -140,6 +141,17 @@ the map shows where the box is, not the image evidence); relevance passes (0.40)
 head's are :data:`~vision_attn.explain.captioning.CAPTION_DEFAULTS`."""
 
 
+DETECTION_RULE = "full"
+"""The detection head's relevance rule (:data:`~vision_attn.explain.decoder_relevance.RELEVANCE_RULES`)
+unless ``--explain.decoder_rule`` says otherwise; the captioning head's is
+:data:`~vision_attn.explain.captioning.CAPTION_RULE`. Measured in docs/results/explanations.md."""
+
+
+def relevance_rule(options, default: str = DETECTION_RULE) -> str:
+    """``options.decoder_rule``, or the head's ``default`` when it is not set."""
+    return getattr(options, "decoder_rule", None) or default
+
+
 def decoder_methods(options, defaults: Sequence[str] = DETECTION_DEFAULTS) -> list[str]:
     """The decoder-head methods among ``options.methods`` in their order (``attention`` when none
     is); the head's ``defaults`` when the methods were not given."""
@@ -167,7 +179,8 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
     keeps = [(d["scores"] >= options.score_threshold).nonzero().flatten()[:max_objects] for d in dets]
     methods = decoder_methods(options)
     relevance = (detection_relevance(task, images, [d["queries"][k] for d, k in zip(dets, keeps, strict=True)],
-                                     [d["labels"][k] for d, k in zip(dets, keeps, strict=True)])
+                                     [d["labels"][k] for d, k in zip(dets, keeps, strict=True)],
+                                     rule=relevance_rule(options))
                  if "relevance" in methods else None)
     explained = []
     for j, (picture, det, record, keep) in enumerate(zip(pictures, dets, records, keeps, strict=True)):
@@ -315,7 +328,8 @@ def detection_probabilities(model) -> tuple[Callable[[torch.Tensor], torch.Tenso
 
 
 def detection_maps(model, images: torch.Tensor, queries: list[torch.Tensor], labels: list[torch.Tensor],
-                   methods: list[str], query_layers: str = "last", seed: int = 0) -> dict[str, list[torch.Tensor]]:
+                   methods: list[str], query_layers: str = "last", seed: int = 0,
+                   rule: str = DETECTION_RULE) -> dict[str, list[torch.Tensor]]:
     """``{method: per image [K_b, h, w]}`` maps (CPU, float32) of the given detections.
 
     Args:
@@ -327,6 +341,7 @@ def detection_maps(model, images: torch.Tensor, queries: list[torch.Tensor], lab
         methods: among :data:`DECODER_METHODS` and ``random``.
         query_layers: of ``attention`` (see :func:`query_attention_maps`).
         seed: of ``random`` (the same seed gives the same noise whatever the model).
+        rule: of ``relevance`` (:data:`~vision_attn.explain.decoder_relevance.RELEVANCE_RULES`).
     """
     grid = model.encoder.grid_for(*images.shape[-2:])
     out: dict[str, list[torch.Tensor]] = {}
@@ -336,7 +351,7 @@ def detection_maps(model, images: torch.Tensor, queries: list[torch.Tensor], lab
         out["attention"] = [query_attention_maps([a[j : j + 1] for a in attn], q.cpu(), grid, query_layers).cpu()
                             if len(q) else torch.zeros(0, *grid) for j, q in enumerate(queries)]
     if "relevance" in methods:
-        out["relevance"] = [m.cpu() for m in detection_relevance(model, images, queries, labels)]
+        out["relevance"] = [m.cpu() for m in detection_relevance(model, images, queries, labels, rule=rule)]
     if "random" in methods:
         gen = torch.Generator().manual_seed(seed)
         out["random"] = [torch.rand(len(q), *grid, generator=gen) for q in queries]
@@ -433,7 +448,7 @@ def _detection_sanity(task, batch: _Detected, maps: dict[str, list[torch.Tensor]
     out: dict[str, dict[str, torch.Tensor]] = {m: {} for m in methods}
     for step, encoder in cascading_randomisation(task.encoder, seed=options.seed):
         randomised = detection_maps(StandIn(encoder, task.head), batch.images, batch.queries, batch.labels, methods,
-                                    options.query_layers, seed)
+                                    options.query_layers, seed, relevance_rule(options))
         for m in methods:
             out[m][step] = spearman(trained[m], torch.cat(randomised[m]).flatten(1))
     return out
@@ -466,7 +481,8 @@ def detection_explain_metrics(task, dataset, options, out_dir: Path, max_objects
                         max_objects)
         measured, capped = measured + batch.count, capped + batch.capped
         seed = options.seed + start
-        maps = detection_maps(task, batch.images, batch.queries, batch.labels, methods, options.query_layers, seed)
+        maps = detection_maps(task, batch.images, batch.queries, batch.labels, methods, options.query_layers, seed,
+                              relevance_rule(options))
         _localise_detections(task, dataset, batch, maps, measures)
         if options.faithfulness and batch.count:
             measures.perturbation.update(_detection_curves(task, batch, maps, options.steps))

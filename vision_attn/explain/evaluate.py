@@ -180,6 +180,9 @@ class ExplainOptions:
         score_threshold: detection: objects drawn need at least this score.
         query_layers: detection: cross-attention of the ``last`` decoder layer, or the
             ``mean`` over all layers (heads are averaged in both).
+        decoder_rule: detection and captioning: how ``relevance`` is carried through the model
+            (:data:`~vision_attn.explain.decoder_relevance.RELEVANCE_RULES`: ``full``, ``decoder``,
+            ``decoder_last``); unset: each head's measured default.
         report: also write ``report.html`` (self-contained, interactive) with the overlays.
         target_class: classification: explain this class (a class name, or an index) instead
             of the prediction; the faithfulness numbers then follow its probability.
@@ -224,6 +227,7 @@ class ExplainOptions:
     batch_size: int = 32
     score_threshold: float = 0.3
     query_layers: Literal["last", "mean"] = "last"
+    decoder_rule: Literal["full", "decoder", "decoder_last"] | None = None
     report: bool = True
     target_class: str | None = None
     token: Token = "auto"
