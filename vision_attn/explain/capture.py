@@ -225,6 +225,14 @@ def streaming_relevance(model: nn.Module, start_layer: int = 0,
 
     Equal to :func:`~vision_attn.explain.rollout.gradient_relevance` on
     ``capture_attention(keep_grad=True)`` (to float rounding); token merges are followed.
+
+    Args:
+        model: a timm ViT or a :class:`~vision_attn.ViTEncoder`.
+        start_layer: the first block whose attention counts.
+        names: follow only these attention modules (their qualified names); default: all.
+
+    Yields:
+        The :class:`RelevanceStream`, whose ``maps(...)`` runs the backward and returns the maps.
     """
     stream = RelevanceStream(start_layer)
     with _follow(model, stream, stream.record, names):
@@ -285,6 +293,12 @@ def extract_attention(model: nn.Module, *inputs, names: list[str] | None = None)
     The pass stops right after the last attention module's softmax — the model's output is
     not computed (what timm's ``AttentionExtract`` returns, at the same cost). For maps *and*
     outputs use :func:`capture_attention`. Runs without gradients.
+
+    Args:
+        model: a timm ViT, a :class:`~vision_attn.ViTEncoder` or any module with capturable
+            attention (:func:`attention_modules`).
+        *inputs: what ``model`` is called with (e.g. an image batch ``[B, 3, H, W]``).
+        names: capture only these attention modules (their qualified names); default: all.
 
     Returns:
         One ``[B, heads, Tq, Tk]`` tensor per attention call, first block first.

@@ -33,7 +33,14 @@ def blur(images: Tensor, kernel: int = 11, sigma: float = 5.0) -> Tensor:
 
 
 def auc(curve: Tensor) -> Tensor:
-    """Area under ``[B, S+1]`` curves sampled evenly on ``[0, 1]`` (trapezoid rule)."""
+    """Area under curves sampled evenly on ``[0, 1]`` (trapezoid rule).
+
+    Args:
+        curve: ``[B, S+1]`` values at ``0, 1/S, ..., 1``.
+
+    Returns:
+        ``[B]`` areas.
+    """
     return torch.trapezoid(curve, dx=1.0 / (curve.shape[-1] - 1), dim=-1)
 
 

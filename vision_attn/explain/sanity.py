@@ -56,6 +56,13 @@ def spearman(a: Tensor, b: Tensor) -> Tensor:
     The Pearson correlation of the ranks (ties: average ranks), as ``scipy.stats.spearmanr``.
     A map without any variation has no ranks to correlate: the pair scores 1 when both maps
     are constant (the method gives the same map, whatever the model) and 0 otherwise.
+
+    Args:
+        a: ``[B, ...]`` maps.
+        b: ``[B, ...]`` maps of the same shape.
+
+    Raises:
+        ValueError: maps of different shapes.
     """
     if a.shape != b.shape:
         raise ValueError(f"maps of different shapes: {tuple(a.shape)} and {tuple(b.shape)}")

@@ -540,8 +540,19 @@ def create_encoder(
 ) -> ViTEncoder:
     """Build a :class:`ViTEncoder` from a timm name and keyword arguments.
 
-    Keyword arguments that :class:`ViTEncoder` names (``img_size``, ``depth``, ...) are passed
-    as such; any other goes to ``timm.create_model``.
+    Args:
+        name: the timm model name (``vit_small_patch16_224``, ``deit_tiny_distilled_patch16_224``, ...).
+        pretrained: load timm's pretrained weights from the hub (network access or a populated cache).
+        weights_file: load the weights from this local file instead (safetensors, a PyTorch state
+            dict read without executing pickled code, or a vision_attn checkpoint's encoder).
+        **timm_kwargs: arguments that :class:`ViTEncoder` names (``img_size``, ``depth``, ...) are
+            passed as such; any other goes to ``timm.create_model``.
+
+    Returns:
+        The encoder, in training mode.
+
+    Raises:
+        EncoderError: an unknown name, a model the suite cannot explain, weights that do not fit.
     """
     named = set(inspect.signature(ViTEncoder.__init__).parameters) - {"self", "timm_kwargs"}
     direct = {k: v for k, v in timm_kwargs.items() if k in named}

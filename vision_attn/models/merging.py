@@ -416,7 +416,14 @@ def _keep_keys(module: nn.Module, _inputs, keys: Tensor) -> None:
 
 
 def unmerge_tokens(model: nn.Module) -> nn.Module:
-    """Undo :func:`merge_tokens`: timm's blocks back, hooks removed; returns ``model``."""
+    """Undo :func:`merge_tokens`: timm's blocks back, hooks removed.
+
+    Args:
+        model: a timm ViT or a :class:`~vision_attn.ViTEncoder` (unmerged models are returned as they are).
+
+    Returns:
+        ``model`` itself.
+    """
     vit = _vit(model)
     if getattr(vit, "_merge_state", None) is None:
         return model
@@ -433,7 +440,15 @@ def unmerge_tokens(model: nn.Module) -> nn.Module:
 @contextmanager
 def token_merging(model: nn.Module, r: int) -> Iterator[nn.Module]:
     """Context manager: ``model`` merges ``r`` tokens per block inside, and is restored on exit
-    (to its earlier ``r`` if it was already merged, else unmerged), even after an exception."""
+    (to its earlier ``r`` if it was already merged, else unmerged), even after an exception.
+
+    Args:
+        model: a timm ViT or a :class:`~vision_attn.ViTEncoder`.
+        r: tokens merged per block (ToMe, Bolya et al. 2023).
+
+    Yields:
+        ``model``, merging.
+    """
     before = merge_state(model)
     old_r = before.r if before is not None else None
     merge_tokens(model, r)
