@@ -203,6 +203,11 @@ def ensure_shapes_classification(config: ShapesConfig | None = None, cache_dir: 
     ``predictions.json`` names it; categories 1..5 in the order of :data:`SHAPES`), named in
     ``manifest.json`` under ``"annotations"`` (``eval.py`` finds them there for the
     localisation metrics). Returns ``ROOT``.
+
+    Args:
+        config: the data's settings (default: :class:`ShapesConfig`'s).
+        cache_dir: where generated data is kept (default: ``$VISION_ATTN_DATA``, else
+            ``~/.cache/vision_attn``).
     """
     config = config or ShapesConfig()
 
@@ -318,6 +323,11 @@ def ensure_shapes_coco(config: SceneSetConfig | None = None, cache_dir: str | Pa
 
     Category ids are 1..5 in the order of :data:`SHAPES`; image and annotation ids are unique
     across splits.
+
+    Args:
+        config: the scenes' settings (default: :class:`SceneSetConfig`'s).
+        cache_dir: where generated data is kept (default: ``$VISION_ATTN_DATA``, else
+            ``~/.cache/vision_attn``).
     """
     config = config or SceneSetConfig()
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()

@@ -61,7 +61,11 @@ _NORMALIZER = caption_normalizer()
 
 
 def normalize_caption(text: str) -> str:
-    """Lower-case ``text``, drop punctuation, collapse whitespace (``"A red, circle."`` -> ``"a red circle"``)."""
+    """Lower-case ``text``, drop punctuation, collapse whitespace (``"A red, circle."`` -> ``"a red circle"``).
+
+    Args:
+        text: a caption.
+    """
     return " ".join(_NORMALIZER.normalize_str(text).split())
 
 

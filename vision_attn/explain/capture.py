@@ -59,7 +59,12 @@ class AttentionCaptureError(RuntimeError):
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every attention module that :func:`capture_attention` can record."""
+    """``(name, module)`` of every attention module that :func:`capture_attention` can record (a
+    module with a ``fused_attn`` flag and an ``attn_drop`` sub-module), in module order.
+
+    Args:
+        model: any module (a timm ViT, a :class:`~vision_attn.ViTEncoder`, a task).
+    """
     found = []
     for name, module in model.named_modules():
         if hasattr(module, "fused_attn") and isinstance(getattr(module, "attn_drop", None), nn.Module):

@@ -230,7 +230,13 @@ def energy_share(image_map: np.ndarray, boxes: Sequence[Sequence[float]]) -> flo
 def localisation(image_map: np.ndarray, boxes: Sequence[Sequence[float]], tolerance: float = 1.0
                  ) -> tuple[bool, float]:
     """``(pointing hit, energy share)`` of one map in original image pixels against the boxes
-    (``[x0, y0, x1, y1]``) of the object it explains."""
+    of the object it explains.
+
+    Args:
+        image_map: ``[H, W]`` map in the original image's pixels.
+        boxes: ``[x0, y0, x1, y1]`` boxes of the object, in the same pixels.
+        tolerance: pixels the map's maximum may lie outside a box and still count as a hit.
+    """
     return pointing_hit(image_map, boxes, tolerance), energy_share(image_map, boxes)
 
 
@@ -238,6 +244,9 @@ def load_image_boxes(path: str | Path) -> dict[str, list[tuple[str, Box]]]:
     """Boxes of a COCO instances file per image: ``{file_name: [(category name, (x0, y0, x1,
     y1))]}``, ``file_name`` as written (with ``/``; for classification data: the image's path
     relative to the data root, as ``predictions.json`` names it).
+
+    Args:
+        path: the instances file.
 
     Raises:
         DataError: an unreadable or malformed file (the message names the file and entry).

@@ -569,8 +569,15 @@ def faithfulness(task, images: Tensor, explanation: Explanation, steps: int = 16
     """Per-image deletion and insertion AUC of every map in ``explanation`` that explains a
     class (not the ``tokens`` diagnostic: :func:`faithful_methods`).
 
-    Returns ``{method: {"deletion_auc": [B], "insertion_auc": [B]}}`` for the class in
-    ``explanation.target``.
+    Args:
+        task: the classifier explained (``images -> logits``).
+        images: ``[B, 3, H, W]`` model inputs.
+        explanation: what :func:`explain_classifier` returned for ``images``.
+        steps: points of each curve after the first.
+
+    Returns:
+        ``{method: {"deletion_auc": [B], "insertion_auc": [B]}}`` for the class in
+        ``explanation.target``.
     """
 
     def proba(x: Tensor) -> Tensor:

@@ -120,7 +120,17 @@ def _line_height(scale: float) -> int:
 def put_text(image: np.ndarray, text: str, origin: tuple[int, int] | None = None,
              scale: float | None = None) -> np.ndarray:
     """Write ``text`` on a copy of ``image`` (white on a dark band, readable on any picture),
-    shrunk and wrapped to fit the image's width (:func:`fit_text`)."""
+    shrunk and wrapped to fit the image's width (:func:`fit_text`).
+
+    Args:
+        image: ``[H, W, 3]`` RGB picture (``uint8``, or floats in ``[0, 1]``).
+        text: what to write.
+        origin: ``(x, y)`` of the band's top-left corner (default: the top of the image).
+        scale: OpenCV font scale (default: from the image's width).
+
+    Returns:
+        The written copy, ``uint8``.
+    """
     img = _as_uint8_rgb(image).copy()
     h, w = img.shape[:2]
     scale = scale if scale is not None else max(0.35, min(1.0, w / 400))

@@ -372,7 +372,20 @@ def last_layer_attention(
     ``token_index="patches"``, the mean of the patch tokens' attention rows; with ``[B, T]`` row
     weights, their mixture of the rows). With ``merges`` (a token-merged model) the rows and
     columns of merged tokens are mapped back to the original patches: a merged token's share is
-    split evenly over the patches it holds, so the scores keep their sum."""
+    split evenly over the patches it holds, so the scores keep their sum.
+
+    Args:
+        attentions: every block's ``[B, heads, T, T]`` attention (the last one is read).
+        grid: the patch grid ``(h, w)``.
+        num_prefix_tokens: tokens before the patches (class, distillation, registers).
+        head_fusion: how the heads are fused: ``mean``, ``max`` or ``min``.
+        token_index: the row explained (a prefix token's index, a tuple of them, ``"patches"``,
+            or ``[B, T]`` row weights).
+        merges: a token-merged model's merge record, or ``None``.
+
+    Returns:
+        ``[B, h, w]`` maps.
+    """
     _check(attentions, token_index, num_prefix_tokens, merges)
     fused = square_rows(fuse_heads(attentions[-1].float(), head_fusion), identity=True)  # (B, T, T)
     if merges is not None:
