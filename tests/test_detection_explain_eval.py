@@ -235,14 +235,20 @@ def test_explanation_numbers_are_pinned(tmp_path, tiny_encoder, monkeypatch):
     queue = list(dets)
     monkeypatch.setattr(task, "detect", lambda outputs, sizes: [queue.pop(0) for _ in range(len(sizes))])
     options = ExplainOptions(methods=["attention", "relevance"], faithfulness_images=5, steps=3, save_maps=True,
-                             sanity=True, batch_size=2, score_threshold=0.3)
+                             sanity=True, batch_size=2, score_threshold=0.3, decoder_rule="full")
     metrics = detection_explain_metrics(task, ds, options, tmp_path / "out", max_objects=2)
-    assert_pinned(metrics, PINNED)
+    assert_pinned(metrics, PINNED)  # the paper's rule (the pins were taken with it)
     outputs = explanation_outputs(tmp_path / "out")
     kept = [(i, k) for i, d in enumerate(dets) for k in range(min(2, len(d["queries"])))]
     assert [(e["index"], e["detection"]) for e in outputs["index"]] == kept
     assert_pinned(outputs["sanity"], PINNED_OUTPUTS["sanity"])
     assert outputs["maps"] == pytest.approx(PINNED_OUTPUTS["maps"], rel=1e-5)
+    # the head's default rule (DETECTION_RULE, the decoder's part alone) draws other relevance maps
+    queue[:] = list(dets)
+    options.decoder_rule, options.save_maps, options.sanity = None, False, False
+    default = detection_explain_metrics(task, ds, options, tmp_path / "default", max_objects=2)
+    assert default["energy_attention"] == pytest.approx(metrics["energy_attention"])
+    assert default["energy_relevance"] != pytest.approx(metrics["energy_relevance"])
 
 
 # --- eval.py on a trained checkpoint ----------------------------------------------------------------------
