@@ -179,9 +179,9 @@ def test_an_inapplicable_method_is_skipped_with_a_warning(shapes_root, images, t
     ckpt = _pooled_classifier(shapes_root, tmp_path / "pooled.ckpt")
     with caplog.at_level("WARNING", logger="vision_attn.explain.methods"):
         result = predict_folder(ckpt, images, tmp_path / "pred", FolderRun(progress=False),
-                                ExplainOptions(methods=["rollout", "gradcam"]))
+                                ExplainOptions(methods=["lrp", "gradcam"]))
     assert len(result["predictions"]) == 2 and len(list((tmp_path / "pred" / "overlays").glob("*.png"))) == 2
-    assert any("'rollout' does not apply to" in r.getMessage() and "attention pooling" in r.getMessage()
+    assert any("'lrp' does not apply to" in r.getMessage() and "AttentionPoolLatent" in r.getMessage()
                for r in caplog.records)
 
     received: list[ClassificationOptions] = []
@@ -191,11 +191,11 @@ def test_an_inapplicable_method_is_skipped_with_a_warning(shapes_root, images, t
     caplog.clear()
     with caplog.at_level("WARNING", logger="vision_attn.explain.methods"):
         metrics = eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "eval"),
-                             "--explain.methods", "[rollout, gradcam]", "--explain.num_overlays", "1",
+                             "--explain.methods", "[lrp, gradcam]", "--explain.num_overlays", "1",
                              "--explain.mistakes", "0", "--explain.faithfulness_images", "2", "--explain.steps", "2",
                              "--explain.report", "false", "--explain.topk", "2", "--explain.token", "cls"])
-    assert "deletion_auc_gradcam" in metrics and not any("rollout" in k for k in metrics)
-    assert any("'rollout' does not apply to checkpoint" in r.getMessage() for r in caplog.records)
+    assert "deletion_auc_gradcam" in metrics and not any("lrp" in k for k in metrics)
+    assert any("'lrp' does not apply to checkpoint" in r.getMessage() for r in caplog.records)
     assert received == [ClassificationOptions(topk=2, token="cls")]  # --explain.topk reached the task's options
 
 
