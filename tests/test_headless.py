@@ -235,3 +235,27 @@ def test_an_attention_pooled_tower_is_explained_through_its_pools_attention(save
               str(out), "--methods", *METHODS, "--num_workers", "0", "--device", "cpu", "--batch_size", "2"])
     assert sorted(p.name for p in (out / "overlays").glob("*.png")) == ["0.png.png", "1.png.png", "2.png.png"]
     assert any("'lrp' does not apply" in r.getMessage() for r in caplog.records)
+
+
+def test_the_registers_share_of_the_class_tokens_attention_is_shown_apart(saved, images, tmp_path):
+    """Register tokens are left out of the patch maps; the overlay's caption says how much of the
+    explained row's last-block attention they take, equal to a recomputation from the captured
+    attention. A model without registers has no such note."""
+    from vision_attn.explain.capture import capture_attention
+    from vision_attn.explain.evaluate import ExplainOptions
+
+    name = "headless_tiny_reg4_dinov2"
+    _, file = saved[name]
+    task = vision_attn.load_model(f"timm:{name}", weights_file=file).eval()
+    x = torch.randn(2, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(3))
+    options = ExplainOptions(methods=["rollout"], report=True)
+    explained = task.explain_batch(x, [np.zeros((SIZE, SIZE, 3), np.uint8)] * 2, options)
+    with torch.no_grad(), capture_attention(task.encoder) as attn:
+        task.encoder(x)
+    last = attn[-1].mean(1)  # (B, T, T): 1 class token, 4 registers, then the patches
+    shares = last[:, 0, 1:5].sum(1)
+    for e, share in zip(explained, shares, strict=True):
+        assert e.report_item["text"].endswith(f"| registers {float(share):.0%}")
+    clip = vision_attn.load_model("timm:headless_tiny_clip", weights_file=saved["headless_tiny_clip"][1]).eval()
+    (item,) = clip.explain_batch(x[:1], [np.zeros((SIZE, SIZE, 3), np.uint8)], options)
+    assert "registers" not in item.report_item["text"]

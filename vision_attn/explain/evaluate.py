@@ -75,6 +75,7 @@ from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.road import classifier_scores
 from vision_attn.explain.sanity import sanity_check
+from vision_attn.explain.targets import register_shares
 from vision_attn.outputs import safe_filename
 
 __all__ = ["DEFAULT_MISTAKES", "ExplainOptions", "Selection", "attention_report_item", "explain_eval_split",
@@ -370,6 +371,7 @@ def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray
     names = task.class_names or []
     pre = task.inference_data_config()
     display_tf = build_display_transform(pre)  # the pixels the model saw (report.html's patch view)
+    registers = register_shares(task.encoder, expl)
     out = []
     for j, (picture, record) in enumerate(zip(pictures, records, strict=True)):
         display = display_tf(picture)
@@ -379,6 +381,8 @@ def explain_classification(task, images: torch.Tensor, pictures: list[np.ndarray
             caption = f"{caption} | explains {names[explained]}"
         if truths is not None:
             caption = f"{truths[j]} -> {caption}"
+        if registers is not None:  # the attention the patch maps do not show
+            caption = f"{caption} | registers {float(registers[j]):.0%}"
         panel = explanation_panel(display, expl.maps, j, caption, options.alpha, picture=picture, pre=pre,
                                   normalize=options.normalize)
         item = attention_report_item(expl, j, display, caption, panel) if options.report else None  # report.html only

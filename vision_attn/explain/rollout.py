@@ -63,6 +63,7 @@ __all__ = [
     "gradient_relevance",
     "last_layer_attention",
     "normalize_maps",
+    "prefix_attention",
     "relevance_layer",
     "rollout_layer",
     "rollout_scores",
@@ -219,6 +220,23 @@ def _initial_row(b: int, t: int, device: torch.device, token_index: TokenIndex, 
         rows = list(token_index) if isinstance(token_index, tuple) else [token_index]
         row[:, 0, rows] = 1.0 / len(rows)  # the mean of these rows (the chain is linear)
     return row
+
+
+def prefix_attention(attentions: Sequence[Tensor], num_prefix_tokens: int, token_index: TokenIndex = 0,
+                     head_fusion: HeadFusion = "mean") -> Tensor:
+    """``[B, P]``: how much of the explained row's last-block attention (heads fused) goes to each
+    of the ``P`` prefix tokens (class, distillation, register tokens), which the patch maps leave out.
+
+    Args:
+        attentions: every block's ``[B, heads, T, T]`` attention (the last one is read; one token
+            count throughout, i.e. no token merging).
+        num_prefix_tokens: ``P``.
+        token_index: the row explained (as :func:`last_layer_attention` takes it).
+        head_fusion: ``mean``, ``max`` or ``min``.
+    """
+    fused = square_rows(fuse_heads(attentions[-1].float(), head_fusion), identity=True)  # (B, T, T)
+    row = _initial_row(fused.shape[0], fused.shape[-1], fused.device, token_index, num_prefix_tokens) @ fused
+    return row[:, 0, :num_prefix_tokens]
 
 
 def _row_through(ops: Sequence[Tensor | TokenMap], row: Tensor) -> Tensor:

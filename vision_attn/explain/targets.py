@@ -12,12 +12,13 @@ import difflib
 from collections.abc import Sequence
 from typing import Literal
 
+import torch
 from torch import nn
 
 from vision_attn.errors import ConfigError
-from vision_attn.explain.rollout import TokenIndex
+from vision_attn.explain.rollout import TokenIndex, prefix_attention
 
-__all__ = ["TOKENS", "Token", "explained_token", "resolve_target_class", "resolve_token"]
+__all__ = ["TOKENS", "Token", "explained_token", "register_shares", "resolve_target_class", "resolve_token"]
 
 Token = Literal["auto", "cls", "dist", "mean"]
 TOKENS: tuple[str, ...] = ("auto", "cls", "dist", "mean")
@@ -130,3 +131,14 @@ def resolve_target_class(target_class: str | int, class_names: Sequence[str] | N
     if isinstance(target_class, bool) or not isinstance(target_class, int) or not 0 <= target_class < num_classes:
         raise ConfigError(f"target_class {target_class!r} is not a class index 0..{num_classes - 1} of this model")
     return target_class
+
+
+def register_shares(encoder, expl) -> torch.Tensor | None:
+    """``[B]``: the share of the explained row's last-block attention that the encoder's register
+    tokens take (Darcet et al. 2023: registers absorb the attention a ViT would otherwise spend on
+    high-norm background patches), or ``None`` for a model without registers or when no attention
+    was captured (:func:`~vision_attn.explain.rollout.prefix_attention`)."""
+    registers = int(getattr(getattr(encoder, "model", encoder), "num_reg_tokens", 0) or 0)
+    if not registers or not expl.attentions or len({a.shape[-1] for a in expl.attentions}) > 1:
+        return None
+    return prefix_attention(expl.attentions, expl.num_prefix_tokens, expl.token_index)[:, -registers:].sum(1)

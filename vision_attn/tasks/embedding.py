@@ -41,6 +41,7 @@ from vision_attn.errors import ConfigError, EncoderError, VisionAttnError
 from vision_attn.explain.evaluate import attention_report_item, explanation_panel
 from vision_attn.explain.methods import explain_classifier
 from vision_attn.explain.records import Explained
+from vision_attn.explain.targets import register_shares
 from vision_attn.models.classifier import attention_pool_weights
 from vision_attn.models.encoder import EncoderOutput, ViTEncoder
 from vision_attn.tasks.base import VisionTask, register_task
@@ -275,11 +276,14 @@ class EmbeddingTask(VisionTask):
         records = self.predictions_from_outputs((embeddings,), [p.shape[:2] for p in pictures], options)
         pre = self.inference_data_config()
         display_tf = build_display_transform(pre)
+        registers = register_shares(self.encoder, expl)
         out = []
         for j, (picture, record) in enumerate(zip(pictures, records, strict=True)):
             caption = self._caption(record)
             if truths is not None:
                 caption = f"{truths[j]} -> {caption}"
+            if registers is not None:  # the attention the patch maps do not show
+                caption = f"{caption} | registers {float(registers[j]):.0%}"
             panel = explanation_panel(display_tf(picture), expl.maps, j, caption, options.alpha, picture=picture,
                                       pre=pre, normalize=options.normalize)
             item = None
