@@ -259,3 +259,33 @@ def test_the_registers_share_of_the_class_tokens_attention_is_shown_apart(saved,
     clip = vision_attn.load_model("timm:headless_tiny_clip", weights_file=saved["headless_tiny_clip"][1]).eval()
     (item,) = clip.explain_batch(x[:1], [np.zeros((SIZE, SIZE, 3), np.uint8)], options)
     assert "registers" not in item.report_item["text"]
+
+
+def test_one_heads_map_of_the_class_token(saved, images, tmp_path, capsys):
+    """``head<K>``: head K's attention alone (the per-head maps drawn of a class token), from the
+    Python API and ``predict --head_fusion``; a head the model does not have is one clear error."""
+    from vision_attn.errors import ConfigError
+    from vision_attn.explain.capture import capture_attention
+    from vision_attn.explain.methods import explain_classifier
+
+    name = "headless_tiny_clip"
+    _, file = saved[name]
+    task = vision_attn.load_model(f"timm:{name}", weights_file=file).eval()
+    x = torch.randn(2, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), capture_attention(task.encoder) as attn:
+        task.encoder(x)
+    for k in range(2):
+        got = explain_classifier(task, x, ("attention",), head_fusion=f"head{k}").maps["attention"]
+        ref = attn[-1][:, k, 0, 1:].reshape(2, SIZE // 8, SIZE // 8)  # the class token's row, head k
+        torch.testing.assert_close(got, ref / ref.flatten(1).amax(1).view(2, 1, 1), atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError, match=r"has 2 heads \(head0 \.\. head1\)"):
+        explain_classifier(task, x, ("attention",), head_fusion="head2")
+    out = tmp_path / "out"
+    main(["--model", f"timm:{name}", "--weights_file", str(file), "--images", str(images / "0.png"),
+          "--output_dir", str(out), "--methods", "attention", "rollout", "--head_fusion", "head1",
+          "--num_workers", "0", "--device", "cpu"])
+    assert (out / "overlays" / "0.png.png").is_file()
+    with pytest.raises(SystemExit) as stop:
+        main(["--model", f"timm:{name}", "--weights_file", str(file), "--images", str(images / "0.png"),
+              "--output_dir", str(tmp_path / "bad"), "--head_fusion", "heads", "--device", "cpu"])
+    assert stop.value.code == 2 and "head_fusion must be" in capsys.readouterr().err

@@ -90,6 +90,9 @@ def build_parser(prog: str, description: str, expected_task: str | None = None,
     parser.add_argument("--merge_r", type=int, default=0, metavar="R",
                         help="token merging (ToMe, Bolya et al. 2023): merge R tokens in every encoder block: "
                              "faster inference, slightly less accurate (0: off)")
+    parser.add_argument("--head_fusion", default="mean", metavar="FUSION",
+                        help="how rollout and raw attention fuse the heads: mean, max, min, or head<K> for head K "
+                             "alone (head0, head1, ...)")
     parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity")
     parser.add_argument("--overlay.normalize", dest="normalize", default="shared", choices=list(NORMALIZE),
                         help="the overlays' colour scale: shared (default: one scale for every panel of a "
@@ -155,7 +158,7 @@ def run_cli(argv: list[str] | None, prog: str, description: str, expected_task: 
         run = FolderRun(batch_size=args.batch_size, num_workers=args.num_workers, device=args.device,
                         devices=devices, overwrite=args.overwrite, full_attention=args.full_attention)
         drawn = ExplainOptions(methods=list(args.methods) if args.methods else None, alpha=args.alpha,
-                               normalize=args.normalize)
+                               normalize=args.normalize, head_fusion=args.head_fusion)
         model = task_options.model
         result = predict_folder(_source(args, expected_task), args.images, args.output_dir, run, drawn,
                                 folder_options(args, type(task_of(model))), explain or not args.no_overlays, model)

@@ -74,6 +74,7 @@ from vision_attn.explain.overlay import NORMALIZE, Normalize, explanation_figure
 from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.road import classifier_scores
+from vision_attn.explain.rollout import check_head_fusion
 from vision_attn.explain.sanity import sanity_check
 from vision_attn.explain.targets import register_shares
 from vision_attn.outputs import safe_filename
@@ -172,7 +173,8 @@ class ExplainOptions:
             spread over the split), ``spread`` or ``first`` (see :func:`select_images`).
         seed: of the ``sample`` selections.
         steps: points of the deletion / insertion curves.
-        head_fusion: how rollout and raw attention fuse the heads (mean, max, min).
+        head_fusion: how rollout and raw attention fuse the heads (``mean``, ``max``, ``min``), or
+            ``head<K>``: head ``K`` alone (``head0``, ``head1``, ...).
         discard_ratio: rollout's discard ratio.
         alpha: heat-map opacity of the overlays.
         normalize: overlays: one colour scale for every panel of a figure (shared) or each map
@@ -252,6 +254,7 @@ class ExplainOptions:
         check_methods(self.methods, "explain.methods")
         if self.token not in TOKENS:
             raise ConfigError(f"explain.token {self.token!r} invalid; choose one of {', '.join(TOKENS)}")
+        check_head_fusion(self.head_fusion)
         if self.normalize not in NORMALIZE:
             raise ConfigError(f"normalize {self.normalize!r} invalid; choose one of {', '.join(NORMALIZE)}")
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:

@@ -46,11 +46,14 @@ them and ends on the original ``T = P + h * w`` tokens, rows still summing to 1.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
+
+from vision_attn.errors import ConfigError
 
 __all__ = [
     "HeadFusion",
@@ -59,6 +62,7 @@ __all__ = [
     "TokenIndex",
     "TokenMap",
     "attention_rollout",
+    "check_head_fusion",
     "fuse_heads",
     "gradient_relevance",
     "last_layer_attention",
@@ -71,7 +75,8 @@ __all__ = [
     "to_grid",
 ]
 
-HeadFusion = Literal["mean", "max", "min"]
+HeadFusion = str
+"""``mean``, ``max``, ``min`` (over the heads) or ``head<K>`` (head ``K`` alone)."""
 TokenIndex = int | tuple[int, ...] | Literal["patches"] | Tensor
 
 
@@ -97,17 +102,31 @@ class TokenMap(Protocol):
 Merges = Sequence[Sequence[TokenMap]]
 
 
+def check_head_fusion(head_fusion: str) -> None:
+    """Raise :class:`~vision_attn.errors.ConfigError` (a ``ValueError``) unless ``head_fusion`` is
+    ``mean``, ``max``, ``min`` or ``head<K>``."""
+    if head_fusion not in ("mean", "max", "min") and re.fullmatch(r"head\d{1,4}", str(head_fusion)) is None:
+        raise ConfigError(f"head_fusion must be 'mean', 'max', 'min' or 'head<K>' (one head, e.g. head0), "
+                         f"got {head_fusion!r}")
+
+
 def fuse_heads(attn: Tensor, head_fusion: HeadFusion = "mean") -> Tensor:
-    """``[B, H, T, T] -> [B, T, T]`` by mean, max or min over the heads."""
+    """``[B, H, T, T] -> [B, T, T]`` by mean, max or min over the heads, or ``head<K>``: head ``K``
+    alone (the per-head maps people draw of a class token)."""
     if attn.dim() != 4:
         raise ValueError(f"expected attention [B, heads, T, T], got shape {tuple(attn.shape)}")
+    check_head_fusion(head_fusion)
     if head_fusion == "mean":
         return attn.mean(dim=1)
     if head_fusion == "max":
         return attn.amax(dim=1)
     if head_fusion == "min":
         return attn.amin(dim=1)
-    raise ValueError(f"head_fusion must be 'mean', 'max' or 'min', got {head_fusion!r}")
+    k = int(str(head_fusion)[4:])
+    if k >= attn.shape[1]:
+        raise ConfigError(f"head_fusion {head_fusion!r}: this attention has {attn.shape[1]} heads "
+                         f"(head0 .. head{attn.shape[1] - 1})")
+    return attn[:, k]
 
 
 def normalize_maps(maps: Tensor) -> Tensor:
