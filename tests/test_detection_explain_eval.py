@@ -109,17 +109,13 @@ def _split(root, n_images=10, seed=0, masks=False):
     return dets
 
 
-def test_map_on_the_object_points_at_it_and_random_gets_the_area_share(tmp_path, tiny_encoder, monkeypatch):
-    import vision_attn.explain.detection as det_explain
-    from vision_attn.data.detection import CocoDetection, build_detection_transform
-
-    dets = _split(tmp_path)
-    task = _tiny_task(tiny_encoder)
-    ds = CocoDetection(tmp_path, "val", build_detection_transform(task.data_config, train=False))
-    queue = list(dets)
+def _attend_to_the_objects(monkeypatch, task, dets: list[dict]) -> None:
+    """``task`` detects ``dets`` (one image after the other) and its raw attention map of each
+    detection is 1 at the patch of the detection's centre (16 px patches), 0 elsewhere."""
+    queue, current = list(dets), list(dets)
     monkeypatch.setattr(task, "detect", lambda outputs, sizes: [queue.pop(0) for _ in range(len(sizes))])
 
-    def on_the_object(cross_attn, queries, grid, layers="last"):  # 1 at the cell of the detection's centre
+    def on_the_object(cross_attn, queries, grid, layers="last"):
         boxes = current[0]["boxes"][queries]
         maps = torch.zeros(len(queries), *grid)
         for k, (x0, y0, x1, y1) in enumerate(boxes.tolist()):
@@ -127,8 +123,17 @@ def test_map_on_the_object_points_at_it_and_random_gets_the_area_share(tmp_path,
         current.pop(0)
         return maps
 
-    current = list(dets)
-    monkeypatch.setattr(det_explain, "query_attention_maps", on_the_object)
+    monkeypatch.setattr("vision_attn.explain.detection.query_attention_maps", on_the_object)
+
+
+def test_map_on_the_object_points_at_it_and_random_gets_the_area_share(tmp_path, tiny_encoder, monkeypatch):
+    import vision_attn.explain.detection as det_explain
+    from vision_attn.data.detection import CocoDetection, build_detection_transform
+
+    dets = _split(tmp_path)
+    task = _tiny_task(tiny_encoder)
+    ds = CocoDetection(tmp_path, "val", build_detection_transform(task.data_config, train=False))
+    _attend_to_the_objects(monkeypatch, task, dets)
     options = ExplainOptions(methods=["attention", "relevance"], faithfulness_images=len(dets), steps=4,
                              save_maps=True, batch_size=4, score_threshold=0.3)
     metrics = det_explain.detection_explain_metrics(task, ds, options, tmp_path / "out")
@@ -169,19 +174,7 @@ def test_masks_of_the_matched_objects_score_the_maps(tmp_path, tiny_encoder, mon
     assert first.shape == (64, 64) and abs(int(first.sum()) - 400) <= 40  # the 20 x 20 square
     ys, xs = np.nonzero(first)
     assert abs(xs.min() - box[0]) <= 1 and abs(ys.max() + 1 - box[3]) <= 1
-    queue = list(dets)
-    monkeypatch.setattr(task, "detect", lambda outputs, sizes: [queue.pop(0) for _ in range(len(sizes))])
-
-    def on_the_object(cross_attn, queries, grid, layers="last"):
-        boxes = current[0]["boxes"][queries]
-        maps = torch.zeros(len(queries), *grid)
-        for k, (x0, y0, x1, y1) in enumerate(boxes.tolist()):
-            maps[k, int((y0 + y1) / 2 // 16), int((x0 + x1) / 2 // 16)] = 1.0
-        current.pop(0)
-        return maps
-
-    current = list(dets)
-    monkeypatch.setattr(det_explain, "query_attention_maps", on_the_object)
+    _attend_to_the_objects(monkeypatch, task, dets)
     options = ExplainOptions(methods=["attention"], faithfulness_images=len(dets), faithfulness=False,
                              batch_size=4, score_threshold=0.3)
     metrics = det_explain.detection_explain_metrics(task, ds, options, tmp_path / "out")

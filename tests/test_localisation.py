@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,20 +186,18 @@ def _non_square_folder(root, masks: bool = False):
     return root / "boxes.json", {im["file_name"]: (im["height"], im["width"]) for im in images}
 
 
-def test_eval_split_localises_through_a_centre_crop_and_saves_maps(tmp_path):
-    """A method that follows the bright pixels of the model input points into the object's box
-    in the original, non-square image (crop_pct 0.8, centre crop): the grid is mapped back
-    where the transform took it from. It ignores the weights: sanity correlation 1."""
+@contextlib.contextmanager
+def _brightness_on_a_cropping_classifier(root: Path):
+    """A tiny classifier that centre-crops (crop_pct 0.8) the images of ``root`` (``val/{a,b}``), its
+    validation set, and a ``brightness`` method (each patch's mean brightness of the model input,
+    registered for the block only)."""
     from vision_attn import create_encoder
     from vision_attn.data.classification import ImageFolderDataset
     from vision_attn.data.transforms import build_eval_transform
-    from vision_attn.explain.evaluate import ExplainOptions, explain_eval_split
     from vision_attn.explain.methods import METHODS, register_method
     from vision_attn.tasks import ClassificationTask
 
     from .conftest import TINY_VIT
-
-    box_file, sizes = _non_square_folder(tmp_path / "data")
 
     @register_method("brightness", description="test: the mean brightness of each patch of the input")
     def _bright(x):
@@ -205,17 +205,27 @@ def test_eval_split_localises_through_a_centre_crop_and_saves_maps(tmp_path):
 
     try:
         torch.manual_seed(0)
-        encoder = create_encoder("vit_tiny_patch16_224", **TINY_VIT,
-                                 preprocess={"crop_pct": 0.8, "crop_mode": "center"})
+        crop = {"crop_pct": 0.8, "crop_mode": "center"}
+        encoder = create_encoder("vit_tiny_patch16_224", **TINY_VIT, preprocess=crop)
         task = ClassificationTask(encoder, class_names=["a", "b"]).eval()
-        ds = ImageFolderDataset(tmp_path / "data", "val", ["a", "b"], build_eval_transform(task.data_config))
+        yield task, ImageFolderDataset(root, "val", ["a", "b"], build_eval_transform(task.data_config))
+    finally:
+        METHODS.pop("brightness")
+
+
+def test_eval_split_localises_through_a_centre_crop_and_saves_maps(tmp_path):
+    """A method that follows the bright pixels of the model input points into the object's box
+    in the original, non-square image (crop_pct 0.8, centre crop): the grid is mapped back
+    where the transform took it from. It ignores the weights: sanity correlation 1."""
+    from vision_attn.explain.evaluate import ExplainOptions, explain_eval_split
+
+    box_file, sizes = _non_square_folder(tmp_path / "data")
+    with _brightness_on_a_cropping_classifier(tmp_path / "data") as (task, ds):
         options = ExplainOptions(methods=["brightness", "attention"], num_overlays=0, faithfulness=False,
                                  faithfulness_images=8, batch_size=3, report=False, annotations=str(box_file),
                                  save_maps=True, sanity=True)
         out = tmp_path / "out"
         metrics = explain_eval_split(task, ds, options, out)
-    finally:
-        METHODS.pop("brightness")
     assert metrics["pointing_brightness"] == 1.0 and metrics["energy_brightness"] > 0.5
     assert metrics["energy_random"] < metrics["energy_brightness"]
     assert metrics["sanity_brightness"] == pytest.approx(1.0) and metrics["sanity_random"] == pytest.approx(1.0)
@@ -293,32 +303,13 @@ def test_eval_split_scores_maps_against_masks_as_chefer_does(tmp_path):
     """With masks in the annotation file, the classification evaluation adds pixel accuracy,
     mIoU and mAP per method: a map that follows the bright object scores near 1, the random
     baseline near chance, and a method that ignores the object in between."""
-    from vision_attn import create_encoder
-    from vision_attn.data.classification import ImageFolderDataset
-    from vision_attn.data.transforms import build_eval_transform
     from vision_attn.explain.evaluate import ExplainOptions, explain_eval_split
-    from vision_attn.explain.methods import METHODS, register_method
-    from vision_attn.tasks import ClassificationTask
-
-    from .conftest import TINY_VIT
 
     box_file, _ = _non_square_folder(tmp_path / "data", masks=True)
-
-    @register_method("brightness", description="test: the mean brightness of each patch of the input")
-    def _bright(x):
-        return F.avg_pool2d(x.images.mean(dim=1, keepdim=True), 8)[:, 0]
-
-    try:
-        torch.manual_seed(0)
-        encoder = create_encoder("vit_tiny_patch16_224", **TINY_VIT,
-                                 preprocess={"crop_pct": 0.8, "crop_mode": "center"})
-        task = ClassificationTask(encoder, class_names=["a", "b"]).eval()
-        ds = ImageFolderDataset(tmp_path / "data", "val", ["a", "b"], build_eval_transform(task.data_config))
+    with _brightness_on_a_cropping_classifier(tmp_path / "data") as (task, ds):
         options = ExplainOptions(methods=["brightness"], num_overlays=0, faithfulness=False, faithfulness_images=8,
                                  batch_size=4, report=False, annotations=str(box_file))
         metrics = explain_eval_split(task, ds, options, tmp_path / "out")
-    finally:
-        METHODS.pop("brightness")
     assert {"pixel_acc_brightness", "miou_brightness", "map_mask_brightness", "miou_random"} <= set(metrics)
     assert metrics["miou_brightness"] > 0.6 and metrics["map_mask_brightness"] > 0.8
     assert metrics["pixel_acc_brightness"] > 0.8

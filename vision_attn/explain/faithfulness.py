@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["MODES", "auc", "blur", "curve_ends", "deletion_insertion_curve", "end_probabilities", "order_ends"]
+__all__ = ["MODES", "auc", "blur", "curve_ends", "deletion_insertion_curve", "end_probabilities", "order_ends",
+           "patch_ranks"]
 
 MODES = ("deletion", "insertion")
 """The two perturbations of a map's curves: patches removed most salient first, or put back."""
@@ -75,6 +76,16 @@ def order_ends(probs: dict[str, Tensor], mode: Literal["deletion", "insertion"] 
     return (probs["image"], probs[baseline]) if mode == "deletion" else (probs[baseline], probs["image"])
 
 
+def patch_ranks(saliency: Tensor) -> Tensor:
+    """``[R, h*w]``: each patch's rank in its map of ``saliency`` (``[R, h, w]``; 0: the most
+    salient; ties by position)."""
+    r, n = saliency.shape[0], saliency.shape[-2] * saliency.shape[-1]
+    order = saliency.reshape(r, n).float().argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    return rank
+
+
 def perturbation_curves(
     score: Callable[[Tensor, Tensor], Tensor],
     images: Tensor,
@@ -97,10 +108,7 @@ def perturbation_curves(
     """
     rows, (H, W), (h, w) = saliency.shape[0], images.shape[-2:], saliency.shape[-2:]
     device, n = images.device, h * w
-    order = saliency.reshape(rows, n).float().argsort(dim=1, descending=True, stable=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(n, device=order.device).expand(rows, n))
-    rank = rank.to(device)
+    rank = patch_ranks(saliency).to(device)
     counts = torch.tensor([round(k * n / steps) for k in range(steps + 1)], device=device)
     probs = torch.empty(rows, steps + 1, device=device)
     points = range(steps + 1)

@@ -33,7 +33,9 @@ from scipy.sparse import csc_matrix
 from scipy.sparse.linalg import spsolve
 from torch import Tensor
 
-__all__ = ["FRACTIONS", "NEIGHBOURS", "classifier_scores", "noisy_linear_impute", "patch_ranks", "road_curves",
+from vision_attn.explain.faithfulness import patch_ranks
+
+__all__ = ["FRACTIONS", "NEIGHBOURS", "classifier_scores", "noisy_linear_impute", "road_curves",
            "road_scores", "saco"]
 
 NEIGHBOURS = ((-1, 0, 1 / 6), (1, 0, 1 / 6), (0, -1, 1 / 6), (0, 1, 1 / 6),
@@ -92,15 +94,6 @@ def noisy_linear_impute(images: Tensor, removed: Tensor, noise: float = 0.01,
         filled = filled + noise * torch.randn(filled.shape, generator=generator, dtype=filled.dtype)
     out[torch.from_numpy(unknown)] = filled
     return out.view(n, h, w, c).permute(0, 3, 1, 2).to(images.dtype).to(images.device).contiguous()
-
-
-def patch_ranks(saliency: Tensor) -> Tensor:
-    """``[R, h*w]``: each patch's rank in its map (0: the most salient; ties by position)."""
-    r = saliency.shape[0]
-    order = saliency.reshape(r, -1).float().argsort(dim=1, descending=True, stable=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-    return rank
 
 
 def _pixels(patches: Tensor, size: tuple[int, int], grid: tuple[int, int]) -> Tensor:
