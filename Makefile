@@ -25,6 +25,9 @@ $(DEV): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# tidecv: the reference of the TIDE tests; without its dependencies (it asks for opencv-python,
+	# which would shadow opencv-python-headless); the ones it imports are in the dev extra
+	$(PY) -m pip install --quiet --no-deps 'tidecv==1.0.1'
 	$(PY) -m compileall -q vision_attn benchmarks >/dev/null
 	touch $(STAMP) $(DEV)
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.explanations [--classification CKPT] [--detection CKPT]
         [--captioning CKPT] [--images 200] [--seed 0] [--classification_data ROOT ...]
-        [--json docs/results/explanations.json]
+        [--heldout TASK CKPT [ROOT] ...] [--json docs/results/explanations.json]
 
 Trains nothing. Each checkpoint given (default: the newest
 ``runs/demo/*/<task>/checkpoints/last.ckpt`` of each task, when there is one) is evaluated by
@@ -25,6 +25,9 @@ method (the ``random`` baseline included):
 - ``sanity``: ``sanity_<method>``, Spearman correlation between the maps of the trained and of
   the fully randomised model (closest to 0 is best: the map depends on the model).
 
+``--heldout TASK CKPT [ROOT]`` (repeatable) adds a checkpoint trained on data the methods were
+not tuned on (the stroke scenes of ``python -m benchmarks.holdout``), in rows labelled
+``<task>, held out``: one command measures the demo models and the held-out ones side by side.
 A metric the evaluation did not return shows as ``—``. Under the table, per task, the rank
 agreement of the measures: Kendall's tau between the rankings of the methods by each pair of
 measures (:func:`rank_agreement`; a measure that ranks like the others is telling the same story).
@@ -191,32 +194,42 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+HELD_OUT = "held out"
+"""The label's suffix of a checkpoint given with ``--heldout`` (``detection, held out``)."""
+
+
 def run(checkpoints: dict[str, str | Path], images: int = 200, seed: int = 0,
         work_dir: str | Path | None = None, score_threshold: float | None = None,
-        data_roots: dict[str, str | Path] | None = None) -> dict:
-    """Evaluate each ``{task: checkpoint}``; the result :func:`format_table` prints.
+        data_roots: dict[str, str | Path] | None = None,
+        heldout: Sequence[tuple[str, str | Path, str | Path | None]] = ()) -> dict:
+    """Evaluate each ``{task: checkpoint}`` and each held-out ``(task, checkpoint, root)``; the
+    result :func:`format_table` prints.
 
     Args:
         checkpoints: a checkpoint per task (any subset of :data:`TASKS`).
         images: faithfulness / localisation / sanity images per task.
         seed: of the image sample, the random baseline and the randomised models.
-        work_dir: where the evaluations write (``<work_dir>/<task>``); default a temporary folder.
+        work_dir: where the evaluations write (``<work_dir>/<label>``); default a temporary folder.
         score_threshold: detection: explain detections scoring at least this (default: eval's).
         data_roots: per task, a data root to evaluate on instead of the checkpoint's data.
+        heldout: more checkpoints, each evaluated on its own data or on ``root`` when given (models
+            trained on data the methods were not tuned on); their rows are labelled
+            ``<task>, held out``.
     """
     t0 = time.perf_counter()
     tasks = {}
+    runs = [(t, t, checkpoints[t], (data_roots or {}).get(t)) for t in TASKS if t in checkpoints]
+    runs += [(f"{t}, {HELD_OUT}", t, c, r) for t, c, r in heldout]
     with tempfile.TemporaryDirectory(prefix="explanations-") as tmp:
         base = Path(work_dir) if work_dir is not None else Path(tmp)
-        for task in TASKS:
-            if task not in checkpoints:
-                continue
+        for label, task, ckpt, root in runs:
             t1 = time.perf_counter()
-            metrics = evaluate(task, checkpoints[task], images, seed, base / task, score_threshold,
-                               (data_roots or {}).get(task))
+            metrics = evaluate(task, ckpt, images, seed, base / label.replace(", ", "-").replace(" ", "-"),
+                               score_threshold, root)
             rows = task_rows(task, metrics)
-            tasks[task] = {
-                "checkpoint": str(checkpoints[task]),
+            tasks[label] = {
+                "task": task,
+                "checkpoint": str(ckpt),
                 "counts": {k: int(v) for k, v in metrics.items() if k in COUNTS},
                 "methods": rows,
                 "best": best_methods(rows),
@@ -286,11 +299,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for task in TASKS:
         p.add_argument(f"--{task}_data", metavar="ROOT", default=None,
                        help=f"evaluate the {task} checkpoint on this root's validation split (default: its own data)")
+    p.add_argument("--heldout", nargs="+", action="append", default=[], metavar="TASK CKPT [ROOT]",
+                   help="also a checkpoint trained on other data (e.g. `python -m benchmarks.holdout detection "
+                        "--scenes strokes`), evaluated on its own data or on ROOT; repeat for each task")
     p.add_argument("--title", default=DEMO_TITLE, help="the results file's title")
     a = p.parse_args(argv)
+    heldout = []
+    for entry in a.heldout:
+        if len(entry) not in (2, 3) or entry[0] not in TASKS:
+            p.error(f"--heldout {' '.join(entry)}: give TASK CKPT [ROOT] with TASK one of {', '.join(TASKS)}")
+        heldout.append((entry[0], entry[1], entry[2] if len(entry) == 3 else None))
     given = {t: getattr(a, t) for t in TASKS if getattr(a, t)}
     checkpoints = given or {t: c for t in TASKS if (c := newest_checkpoint(a.demo_dir, t)) is not None}
-    if not checkpoints:
+    if not checkpoints and not heldout:
         p.error(f"no checkpoint: none given and no {a.demo_dir}/*/<task>/checkpoints/last.ckpt; run `make demo` "
                 "or pass --classification / --detection / --captioning CKPT")
     warnings.filterwarnings("ignore")
@@ -301,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     try:
         roots = {t: r for t in TASKS if (r := getattr(a, f"{t}_data"))}
-        result = run(checkpoints, a.images, a.seed, a.work_dir, a.score_threshold, roots)
+        result = run(checkpoints, a.images, a.seed, a.work_dir, a.score_threshold, roots, heldout)
     except VisionAttnError as err:  # a wrong or unreadable checkpoint, data not found: one clear line
         p.exit(2, f"{p.prog}: error: {err}\n")
     print(format_table(result))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,26 @@ def assert_same_items(a, b) -> None:
             assert_same_items(x, y)
     else:
         assert a == b
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Headless Chromium; installed from Debian's packages when missing (skipped, saying why, where impossible)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is part of the dev extra")
+    if not Path(CHROMIUM).exists():
+        if shutil.which("apt-get") is None:
+            pytest.skip("no Chromium at /usr/bin/chromium and no apt-get to install Debian's chromium package")
+        install = ["apt-get", "install", "-y", "-q", "chromium"]
+        res = subprocess.run(install, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
+            res = subprocess.run(install, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0 or not Path(CHROMIUM).exists():
+            pytest.skip(f"Debian's chromium package could not be installed: {res.stderr.strip()[-300:]}")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield b
+        b.close()

@@ -96,21 +96,25 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     args = [a for task, c in ckpts.items() for a in (f"--{task}", str(c))]
     capsys.readouterr()
     result = main([*args, "--images", "2", "--score_threshold", "0", "--json", str(out),
-                   "--work_dir", str(tmp_path / "eval")])
+                   "--work_dir", str(tmp_path / "eval"), "--heldout", "detection", str(ckpts["detection"])])
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
     assert table[0] == ("| task | method | pointing ↑ | energy ↑ | miou ↑ | deletion ↓ | insertion ↑ | road ↑ | saco ↑ "
                         "| sanity →0 |")
-    assert len(table) == 2 + (6 + 1) + 2 * (3 + 1)  # header, rule, methods and a best row per task
-    assert table[2].startswith("| classification | rollout | ") and table[-1].startswith("| captioning | **best** |")
+    assert len(table) == 2 + (6 + 1) + 3 * (4 + 1)  # header, rule, methods and a best row per task
+    assert table[2].startswith("| classification | rollout | ")
+    assert table[-1].startswith("| detection, held out | **best** |")
     data = results_file(out, ["task", "method", "pointing", "energy", "mIoU", "deletion AUC", "insertion AUC", "ROAD",
                               "SaCo", "sanity (Spearman)"])
     assert data["page"] == "explanations" and data["command"].startswith("python -m benchmarks.explanations --")
     assert [row[:2] for row in data["rows"]] == [[task, method] for task, entry in result["tasks"].items()
                                                  for method in entry["methods"]]
-    assert list(result["tasks"]) == ["classification", "detection", "captioning"]
+    assert list(result["tasks"]) == ["classification", "detection", "captioning", "detection, held out"]
+    # the same checkpoint on the same data: the held-out rows repeat the detection rows
+    assert result["tasks"]["detection, held out"]["methods"] == result["tasks"]["detection"]["methods"]
     assert task_methods("classification") == ["rollout", "relevance", "attention", "gradcam", "lrp", "random"]
-    assert task_methods("detection") == task_methods("captioning") == ["attention", "relevance", "random"]
-    for task, entry in result["tasks"].items():
+    assert task_methods("detection") == task_methods("captioning") == ["attention", "relevance", "lrp", "random"]
+    for entry in result["tasks"].values():
+        task = entry["task"]
         assert list(entry["methods"]) == task_methods(task)
         for method, values in entry["methods"].items():
             for col, (prefix, _) in COLUMNS.items():  # exactly what eval returned, None where it has no key

@@ -251,6 +251,17 @@ def test_train_and_eval_contract(tmp_path):
     assert [p["image_id"] for p in preds] == [im["id"] for im in val["images"]]
     assert all(set(p) == {"image_id", "caption", "cider"} and isinstance(p["caption"], str) for p in preds)
     assert sum(p["cider"] for p in preds) / len(preds) == pytest.approx(saved["cider"], abs=1e-9)
+    # per image: caption, references, CIDEr-D and the content checks, which average to the metrics
+    per_image = json.loads((out / "eval" / "results_per_image.json").read_text())
+    assert [(e["image_id"], e["caption"], e["cider"]) for e in per_image] == [
+        (p["image_id"], p["caption"], p["cider"]) for p in preds]
+    assert all(e["references"] for e in per_image)
+    checked = [e for e in per_image if e["objects_exact"] is not None]
+    assert sum(e["objects_exact"] for e in checked) / len(checked) == pytest.approx(saved["objects_exact"])
+    assert sum(e["relations_exact"] for e in checked) / len(checked) == pytest.approx(saved["relations_exact"])
+    assert sum(bool(e["hallucinated"]) for e in checked) / len(checked) == pytest.approx(saved["hallucinated_captions"])
+    words = (out / "eval" / "per_class.csv").read_text().splitlines()
+    assert words[0] == "class,said,referenced,tp,fp,fn,precision,recall,f1" and len(words) > 1
     assert len(list((out / "eval" / "overlays").glob("*.png"))) == 2
     page = (out / "eval" / "report.html").read_text()
     assert '"kind": "words"' in page  # per-word interactive views

@@ -164,6 +164,34 @@ def evaluated(tmp_path_factory, shapes_root):
     return run / "eval", ckpt
 
 
+def test_per_image_and_per_class_csv_reconcile_with_metrics_json(evaluated):
+    """results_per_image.csv: one row per image of predictions.json; its accuracy is acc_top1; the
+    truth ranks 1 exactly when correct; per_class.csv's counts are those of the rows."""
+    import csv
+    import json
+
+    out, _ = evaluated
+    metrics = json.loads((out / "metrics.json").read_text())
+    preds = json.loads((out / "predictions.json").read_text())
+    rows = list(csv.DictReader((out / "results_per_image.csv").open()))
+    assert [r["file"] for r in rows] == [p["file"] for p in preds]
+    assert rows == [{k: str(v) for k, v in r.items()} for r in json.loads((out / "results_per_image.json").read_text())]
+    correct = [r["correct"] == "True" for r in rows]
+    assert sum(correct) / len(rows) == pytest.approx(metrics["acc_top1"])
+    assert all((r["truth_rank"] == "1") == c for r, c in zip(rows, correct, strict=True))
+    assert all(float(r["truth_score"]) <= float(r["score"]) + 1e-7 for r in rows)
+    per_class = list(csv.DictReader((out / "per_class.csv").open()))
+    for row in per_class:
+        name = row["class"]
+        tp = sum(r["truth"] == name and r["pred"] == name for r in rows)
+        fp = sum(r["truth"] != name and r["pred"] == name for r in rows)
+        fn = sum(r["truth"] == name and r["pred"] != name for r in rows)
+        assert (int(row["tp"]), int(row["fp"]), int(row["fn"])) == (tp, fp, fn), name
+        if tp + fp and tp + fn and tp:
+            p, r = tp / (tp + fp), tp / (tp + fn)
+            assert float(row["f1"]) == pytest.approx(2 * p * r / (p + r))
+
+
 def test_eval_writes_the_confusion_matrix_and_per_class_results_of_predictions_json(evaluated):
     import json
 
@@ -204,7 +232,8 @@ def test_eval_task_files_are_refused_and_replaced_like_metrics_json(evaluated, t
     shutil.copytree(src, out)
     (out / "metrics.json").unlink()
     (out / "predictions.json").unlink()
-    (out / "confusion_matrix.json").unlink()
+    for name in ("confusion_matrix.json", "per_class.csv", "results_per_image.json", "results_per_image.csv"):
+        (out / name).unlink()
     (out / "per_class.json").write_text("{}")
     with pytest.raises(RunExistsError, match=r"already holds evaluation results \(per_class.json\)"):
         eval_main([*_FAST_EVAL, "--ckpt_path", ckpt, "--output_dir", str(out)])

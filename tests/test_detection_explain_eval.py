@@ -269,7 +269,7 @@ def test_eval_writes_detection_explanation_metrics_and_maps(tmp_path):
                          "--explain.report", "false"])
     saved = json.loads((out / "eval" / "metrics.json").read_text())
     assert saved == metrics
-    methods = ("attention", "relevance", "random")
+    methods = ("lrp", "attention", "random")  # the defaults
     expected = {f"{k}_{m}" for k in ("deletion_auc", "insertion_auc", "sanity") for m in methods}
     assert expected <= set(saved)
     assert saved["sanity_random"] == pytest.approx(1.0)  # the baseline ignores the model
@@ -285,6 +285,14 @@ def test_eval_writes_detection_explanation_metrics_and_maps(tmp_path):
             arr = np.load(out / "eval" / "maps" / m / f"{e['index']:05d}_{e['detection']}.npy")
             assert arr.shape == (32, 32) and arr.dtype == np.float32
     assert json.loads((out / "eval" / "sanity.json").read_text())["steps"][-1] == "all"
+    # the object-by-object files and every mistake in the browser
+    assert {"tide_ap50", "tide_cls", "tide_miss", "tide_fp", "tide_fn"} <= set(saved)
+    per_image = json.loads((out / "eval" / "results_per_image.json").read_text())
+    assert [e["image_id"] for e in per_image] == sorted(e["image_id"] for e in per_image) and len(per_image) == 3
+    assert (out / "eval" / "results_per_image.csv").read_text().startswith("image_id,file_name,kind,")
+    page = (out / "eval" / "mistakes.html").read_text()
+    from vision_attn.explain.detection_mistakes import mistake_cards
+    assert f">{len(mistake_cards(per_image, 0.0))} mistakes (" in page
 
 
 def test_detection_panel_wraps_many_objects_into_rows_of_whole_objects():

@@ -215,9 +215,10 @@ def test_detection_task_writes_the_breakdown(tmp_path, tiny_encoder):
     stats = _coco_eval(ds.ann_file, results)
     for key, ref in zip(COCO_SUMMARY_KEYS, stats[:9], strict=True):
         assert metrics[key] == pytest.approx(ref, abs=1e-6), key
-    assert task.eval_file_names == ("per_class.json", "pr_curves.json")
+    assert task.eval_file_names == ("per_class.json", "pr_curves.json", "per_class.csv", "results_per_image.json",
+                                    "results_per_image.csv")
     files = task.eval_files(ds)
-    assert set(files) == {"per_class.json", "pr_curves.json"}
+    assert set(files) == set(task.eval_file_names)
     precision, cat_ids, _ = _coco_precision(ds.ann_file, results)
     for cat in CATEGORIES:
         assert files["per_class.json"][cat["name"]]["ap"] == pytest.approx(

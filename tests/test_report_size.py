@@ -145,7 +145,7 @@ def _clicked_in_chromium(path) -> dict:
     import threading
 
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is part of the dev extra")
-    from .test_report import CHROMIUM
+    from .conftest import CHROMIUM
 
     if not Path(CHROMIUM).exists():
         pytest.skip("no Chromium at /usr/bin/chromium")

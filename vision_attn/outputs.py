@@ -1,7 +1,7 @@
 """Writing output files: the one place where the suite writes results.
 
 Every writer here (:func:`write_bytes`, :func:`write_text`, :func:`write_json`,
-:func:`write_png`, :func:`write_npy`, and :func:`atomic_output` for libraries that want a path)
+:func:`write_csv`, :func:`write_png`, :func:`write_npy`, and :func:`atomic_output` for libraries that want a path)
 
 - checks that the file resolves under its output folder ``root`` (:func:`resolve_under`): the
   folders on the way are resolved with their symbolic links, so neither a name such as
@@ -45,14 +45,17 @@ __all__ = [
     "MAX_NAME_BYTES",
     "OutputPathError",
     "atomic_output",
+    "csv_cell",
     "display_path",
     "json_ready",
     "resolve_under",
     "safe_filename",
     "write_bytes",
+    "write_csv",
     "write_json",
     "write_npy",
     "write_png",
+    "write_result",
     "write_text",
 ]
 
@@ -295,6 +298,46 @@ def write_json(path: str | Path, obj: Any, root: str | Path | None = None, inden
                         first or "the top level")
         text = json.dumps(value, indent=indent, allow_nan=False)
     return write_text(path, text, root)
+
+
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+"""A text cell starting with one of these is read as a formula by spreadsheet programs."""
+
+
+def csv_cell(value: Any) -> Any:
+    """One CSV cell: numbers as they are (non-finite ones empty), ``None`` empty, text that a
+    spreadsheet would run as a formula (a class named ``=HYPERLINK(...)``) prefixed with ``'``."""
+    value = _plain(value)
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return ""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        try:
+            float(value)  # a negative number written as text stays a number
+        except ValueError:
+            return "'" + value
+    return value
+
+
+def write_csv(path: str | Path, rows: list[dict[str, Any]], root: str | Path | None = None) -> Path:
+    """Write ``rows`` (dicts with the same keys: the header, in the first row's order) as UTF-8 CSV
+    to ``path`` (inside ``root``) through a temporary file; cells through :func:`csv_cell`."""
+    import csv
+    import io
+
+    buffer = io.StringIO()
+    columns = list(rows[0]) if rows else []
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows:
+        writer.writerow([csv_cell(row.get(c)) for c in columns])
+    return write_text(path, buffer.getvalue(), root)
+
+
+def write_result(path: str | Path, content: Any, root: str | Path | None = None) -> Path:
+    """A result file by its suffix: ``.csv`` rows (:func:`write_csv`), else JSON (:func:`write_json`)."""
+    if Path(path).suffix == ".csv":
+        return write_csv(path, content, root)
+    return write_json(path, content, root)
 
 
 def write_png(path: str | Path, image_rgb: np.ndarray, root: str | Path | None = None) -> Path:

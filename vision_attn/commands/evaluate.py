@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,10 @@ from vision_attn.errors import CheckpointError, ConfigError, RunExistsError, Vis
 from vision_attn.explain.methods import skip_inapplicable
 from vision_attn.explain.records import Report
 from vision_attn.models.merging import merge_tokens
-from vision_attn.outputs import display_path, write_json
+from vision_attn.outputs import display_path, write_json, write_result
 from vision_attn.report import read_training_curves, write_report
 from vision_attn.report.budget import ReportOptions
+from vision_attn.report.mistakes import write_mistakes_page
 from vision_attn.tasks.base import (
     TASKS,
     VisionTask,
@@ -230,11 +232,14 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
         files = _task_files(model, data.loader.dataset)  # of the test run, before the explanations run the model
         if options.methods:
             metrics.update(model.explain_eval(data.loader.dataset, options, out, report=report))
+            if getattr(model, "eval_mistakes", None) is not None:  # a detector's mistakes browser
+                write_mistakes_page(out / "mistakes.html", model.eval_mistakes, root=out)
+                log.info("wrote %d mistakes to %s", len(model.eval_mistakes.cards), out / "mistakes.html")
         else:
             log.warning("no explanation method applies to %s: no overlays or explanation numbers", cli.ckpt_file)
         write_json(out / "predictions.json", predictions, root=out)
         for name, content in files.items():
-            write_json(out / name, content, root=out)
+            write_result(out / name, content, root=out)
         for name in result_file_names(type(model)):  # an earlier evaluation's files (--overwrite)
             if name not in files and name not in RESULT_FILES and (out / name).is_file():
                 log.info("removed %s: an earlier evaluation's file that this one does not write", out / name)
@@ -254,7 +259,29 @@ def eval_main(args: list[str] | None = None, default_split: str | None = None) -
                          training_curves=read_training_curves(cli.ckpt_file), split_size=len(data.loader.dataset),
                          full_attention=bool(cli.config.get("report.full_attention", False)))
         log.info("evaluation of %s on split %r written to %s", cli.ckpt_file, split, out)
+        for line in eval_summary(model.headline_metrics, metrics, files):
+            log.info("%s", line)
     return metrics
+
+
+def eval_summary(headline: Sequence[str], metrics: dict[str, float], files: dict[str, Any]) -> list[str]:
+    """The few lines ``eval.py`` ends with: the ``headline`` metrics, the three worst classes of
+    ``per_class.csv`` (by AP where it has one, else by F1) and TIDE's error split when measured."""
+    lines = []
+    shown = [f"{k} {metrics[k]:.4f}" for k in headline if isinstance(metrics.get(k), int | float)]
+    if shown:
+        lines.append("results: " + ", ".join(shown))
+    rows = files.get("per_class.csv") or []
+    key = "ap" if rows and "ap" in rows[0] else "f1"
+    scored = sorted((r for r in rows if isinstance(r.get(key), int | float) and r[key] >= 0), key=lambda r: r[key])
+    if scored:
+        lines.append(f"worst classes by {'AP' if key == 'ap' else 'F1'}: "
+                     + ", ".join(f"{r['class']} {r[key]:.3f}" for r in scored[:3]))
+    if "tide_ap50" in metrics:
+        split = ", ".join(f"{k} {metrics[f'tide_{k}']:.3f}" for k in ("cls", "loc", "both", "dupe", "bkg", "miss"))
+        lines.append(f"TIDE dAP at IoU 0.5: {split}; false positives {metrics['tide_fp']:.3f}, false negatives "
+                     f"{metrics['tide_fn']:.3f}")
+    return lines
 
 
 def _test_split(dm: Any) -> str:

@@ -270,6 +270,58 @@ def _check_head(task: nn.Module, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------- detection
+def detection_rows(task: nn.Module, images: Tensor, queries: Sequence[Tensor], labels: Sequence[Tensor] | None,
+                   what: str) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The explained (image, query, class) rows of a batch of detections, checked: ``(image
+    indices, query indices, classes (-1: the query's best), detections per image)``. ``what``
+    names the caller in the errors."""
+    if len(queries) != images.shape[0] or (labels is not None and len(labels) != images.shape[0]):
+        raise ValueError(f"{what}: {images.shape[0]} images but {len(queries)} query lists"
+                         + ("" if labels is None else f" and {len(labels)} label lists"))
+    num_queries = task.head.num_queries
+    image_idx, query_idx, label_idx = [], [], []
+    for b, q in enumerate(queries):
+        q = torch.as_tensor(q).long().flatten().cpu()
+        if q.numel() and (int(q.min()) < 0 or int(q.max()) >= num_queries):
+            raise ValueError(f"{what}: query index out of range 0..{num_queries - 1} for image {b}")
+        lab = None if labels is None else torch.as_tensor(labels[b]).long().flatten().cpu()
+        if lab is not None and lab.numel() != q.numel():
+            raise ValueError(f"{what}: image {b} has {q.numel()} queries but {lab.numel()} labels")
+        image_idx += [b] * q.numel()
+        query_idx += q.tolist()
+        label_idx += [-1] * q.numel() if lab is None else lab.tolist()
+    return image_idx, query_idx, label_idx, [int(torch.as_tensor(q).numel()) for q in queries]
+
+
+def detection_logits(logits: Tensor, queries: Tensor, classes: Tensor, focal: bool) -> tuple[Tensor, Tensor]:
+    """``(per row the explained query's logits [R, C (+ 1)], the explained classes [R])`` from
+    ``pred_logits [R, Q, C (+ 1)]``: a class ``-1`` becomes the query's most probable real class."""
+    per_query = logits[torch.arange(len(queries), device=logits.device), queries].float()  # (R, C [+ 1])
+    real = per_query if focal else per_query[:, :-1]
+    return per_query, torch.where(classes < 0, real.detach().argmax(-1), classes)
+
+
+def caption_rows(task: nn.Module, images: Tensor, tokens: Sequence[Tensor] | Tensor,
+                 what: str) -> tuple[Tensor, list[int], list[int], list[int]]:
+    """The explained (image, word) rows of a batch of captions, checked: ``(teacher-forced ids
+    [B, 1 + T]: <bos> w_0 .. w_{T-1}, padded; image indices; word positions; words per image)``."""
+    if len(tokens) != images.shape[0]:
+        raise ValueError(f"{what}: {images.shape[0]} images but {len(tokens)} token sequences")
+    seqs = [torch.as_tensor(t).long().flatten().cpu() for t in tokens]
+    longest = max((len(s) for s in seqs), default=0)
+    if longest > task.head.max_length:
+        raise ValueError(f"{what}: a caption of {longest} words does not fit the decoder's "
+                         f"max_length {task.head.max_length} (with <bos>)")
+    full = torch.full((len(seqs), longest + 1), task.head.pad_id, dtype=torch.long)
+    full[:, 0] = task.tokenizer.bos_id
+    image_idx, word_idx = [], []
+    for b, s in enumerate(seqs):
+        full[b, 1 : len(s) + 1] = s
+        image_idx += [b] * len(s)
+        word_idx += list(range(len(s)))
+    return full, image_idx, word_idx, [len(s) for s in seqs]
+
+
 def _item_maps(target: Tensor, records: dict, num_prefix_tokens: int, rows: Tensor,
                grid: tuple[int, int], memory_to_patches: Callable[[Tensor], Tensor] | None = None,
                rule: RelevanceRule = "full") -> Tensor:
@@ -312,22 +364,7 @@ def detection_relevance(
     _check_head(task, "detection_relevance")
     if score not in ("logit", "probability"):
         raise ConfigError(f"detection_relevance: score must be 'logit' or 'probability', got {score!r}")
-    if len(queries) != images.shape[0] or (labels is not None and len(labels) != images.shape[0]):
-        raise ValueError(f"detection_relevance: {images.shape[0]} images but {len(queries)} query lists"
-                         + ("" if labels is None else f" and {len(labels)} label lists"))
-    num_queries = task.head.num_queries
-    image_idx, query_idx, label_idx = [], [], []
-    for b, q in enumerate(queries):
-        q = torch.as_tensor(q).long().flatten().cpu()
-        if q.numel() and (int(q.min()) < 0 or int(q.max()) >= num_queries):
-            raise ValueError(f"detection_relevance: query index out of range 0..{num_queries - 1} for image {b}")
-        lab = None if labels is None else torch.as_tensor(labels[b]).long().flatten().cpu()
-        if lab is not None and lab.numel() != q.numel():
-            raise ValueError(f"detection_relevance: image {b} has {q.numel()} queries but {lab.numel()} labels")
-        image_idx += [b] * q.numel()
-        query_idx += q.tolist()
-        label_idx += [-1] * q.numel() if lab is None else lab.tolist()
-    counts = [int(torch.as_tensor(q).numel()) for q in queries]
+    image_idx, query_idx, label_idx, counts = detection_rows(task, images, queries, labels, "detection_relevance")
     grid = task.encoder.grid_for(*images.shape[-2:])
     focal = bool(getattr(task.head, "focal", False))
     # cross-attention over the pyramid's tokens: carried to the patches (see the module docstring)
@@ -346,9 +383,7 @@ def detection_relevance(
                 logits = task.head(enc)["pred_logits"]  # (R, Q, C [+ 1])
             _expect(records, {"encoder": len(groups["encoder"]), "self": len(groups["self"]),
                               "cross": len(groups["cross"])})
-            per_query = logits[torch.arange(len(q_idx), device=logits.device), q_idx].float()  # (R, C [+ 1])
-            real = per_query if focal else per_query[:, :-1]
-            c_idx = torch.where(c_idx < 0, real.detach().argmax(-1), c_idx)
+            per_query, c_idx = detection_logits(logits, q_idx, c_idx, focal)
             if score == "probability":
                 per_query = per_query.sigmoid() if focal else per_query.softmax(-1)
             target = per_query.gather(1, c_idx[:, None]).sum()
@@ -384,25 +419,8 @@ def caption_relevance(
         Per image ``[T_b, h, w]`` float32 maps on the CPU, each scaled to maximum 1.
     """
     _check_head(task, "caption_relevance")
-    if len(tokens) != images.shape[0]:
-        raise ValueError(f"caption_relevance: {images.shape[0]} images but {len(tokens)} token sequences")
-    seqs = [torch.as_tensor(t).long().flatten().cpu() for t in tokens]
-    longest = max((len(s) for s in seqs), default=0)
-    if longest > task.head.max_length:
-        raise ValueError(f"caption_relevance: a caption of {longest} words does not fit the decoder's "
-                         f"max_length {task.head.max_length} (with <bos>)")
-    bos, pad = task.tokenizer.bos_id, task.head.pad_id
-    image_idx, word_idx = [], []
-    for b, s in enumerate(seqs):
-        image_idx += [b] * len(s)
-        word_idx += list(range(len(s)))
-    counts = [len(s) for s in seqs]
+    full, image_idx, word_idx, counts = caption_rows(task, images, tokens, "caption_relevance")
     grid = task.encoder.grid_for(*images.shape[-2:])
-    # (B, 1 + longest): <bos> w_0 .. w_{T-1}, padded; input = [:-1], targets = [1:]
-    full = torch.full((len(seqs), longest + 1), pad, dtype=torch.long)
-    full[:, 0] = bos
-    for b, s in enumerate(seqs):
-        full[b, 1 : len(s) + 1] = s
     groups = _decoder_groups(task)
     maps = []
     with _explaining(task):

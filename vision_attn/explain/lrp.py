@@ -99,7 +99,8 @@ from vision_attn.explain.lrp_layers import (
 )
 from vision_attn.models.smalldata import SequencePooling
 
-__all__ = ["LRPResult", "LRPTrace", "lrp_relevance", "lrp_rules", "lrp_unsupported", "relevance_budget"]
+__all__ = ["LRPResult", "LRPTrace", "lrp_relevance", "lrp_rules", "lrp_unsupported", "relevance_budget",
+           "relevance_ledger"]
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +309,21 @@ def relevance_budget(task, images: Tensor, target: Tensor | None = None) -> dict
         Taylor expansion); and ``pixels + biases + embeddings + softmax``, which equals
         ``score`` up to rounding when the rules conserve relevance.
     """
+    with torch.inference_mode(False), torch.enable_grad():
+        x, _, _, _, score, record = _forward(task, images, target, rules=True, trace=True)
+        return relevance_ledger(task, x, score, record)
+
+
+def relevance_ledger(task, x: Tensor, score: Tensor, record: LRPTrace,
+                     sources: dict[str, list[Tensor]] | None = None) -> dict[str, float]:
+    """The ledger of :func:`relevance_budget` for a ``score`` computed from the input ``x`` (a
+    leaf) inside :func:`lrp_rules` with ``trace=True`` (which filled ``record``).
+
+    ``sources``: further leaves the score was computed from, by name (a decoder's query contents
+    and position embeddings); each adds ``{name: sum(leaf * d score / d leaf)}`` to the ledger
+    and to its ``total``.
+    """
+    sources = sources or {}
     model_params = {}
     for m in _modules(task):
         for name, p in m.named_parameters(recurse=False):
@@ -315,14 +331,14 @@ def relevance_budget(task, images: Tensor, target: Tensor | None = None) -> dict
                 model_params[id(p)] = (name, p)
     names = [n for n, _ in model_params.values()]
     params = [p for _, p in model_params.values()]
-    with torch.inference_mode(False), torch.enable_grad():
-        x, _, _, _, score, record = _forward(task, images, target, rules=True, trace=True)
-        leaves = [x, *params, *record.probabilities, *record.score_biases]
-        grads = torch.autograd.grad(score, leaves, allow_unused=True)
+    extra = [(name, t) for name, leaves in sources.items() for t in leaves]
+    leaves = [x, *params, *record.probabilities, *record.score_biases, *(t for _, t in extra)]
+    grads = torch.autograd.grad(score, leaves, allow_unused=True)
     first_prob = 1 + len(params)
     first_bias = first_prob + len(record.probabilities)
+    first_extra = first_bias + len(record.score_biases)
     grad_x, grad_params = grads[0], grads[1:first_prob]
-    grad_probs, grad_score_biases = grads[first_prob:first_bias], grads[first_bias:]
+    grad_probs, grad_score_biases = grads[first_prob:first_bias], grads[first_bias:first_extra]
     score_biases = sum(float((b.detach().double() * g.double()).sum())
                        for b, g in zip(record.score_biases, grad_score_biases, strict=True) if g is not None)
 
@@ -339,5 +355,10 @@ def relevance_budget(task, images: Tensor, target: Tensor | None = None) -> dict
         "embeddings": kept(lambda n: n in _PREFIX_PARAMETERS),
         "softmax": float(softmax.detach()),
     }
-    budget["total"] = budget["pixels"] + budget["biases"] + budget["embeddings"] + budget["softmax"]
+    for name in sources:
+        budget[name] = 0.0
+    for (name, t), g in zip(extra, grads[first_extra:], strict=True):
+        if g is not None:
+            budget[name] += float((t.detach().double() * g.double()).sum())
+    budget["total"] = sum(v for k, v in budget.items() if k != "score")
     return budget

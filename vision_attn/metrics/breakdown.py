@@ -37,6 +37,7 @@ __all__ = [
     "confusion_counts",
     "detection_breakdown",
     "pr_curves_from_precision",
+    "precision_recall_f1",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,16 @@ def confusion_counts(labels: Tensor | Sequence[int], preds: Tensor | Sequence[in
 
 def _ratio(num: int, den: int) -> float | None:
     return num / den if den else None
+
+
+def precision_recall_f1(tp: int, fp: int, fn: int) -> tuple[float | None, float | None, float | None]:
+    """``(precision, recall, F1)`` of the counts; ``None`` where undefined (nothing predicted,
+    nothing to find; F1 where either is undefined), F1 0 where both are 0."""
+    precision = tp / (tp + fp) if tp + fp else None
+    recall = tp / (tp + fn) if tp + fn else None
+    if precision is None or recall is None:
+        return precision, recall, None
+    return precision, recall, (2 * precision * recall / (precision + recall) if precision + recall else 0.0)
 
 
 def classification_breakdown(labels: Tensor | Sequence[int], preds: Tensor | Sequence[int],

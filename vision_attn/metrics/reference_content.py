@@ -37,8 +37,9 @@ from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-__all__ = ["RELATIONS", "ContentVocabulary", "content_signature", "reference_content", "words"]
+__all__ = ["RELATIONS", "ContentVocabulary", "content_signature", "reference_checks", "reference_content", "words"]
 
 RELATIONS: dict[str, str] = {
     # word -> canonical relation of the object before it to the object after it
@@ -164,6 +165,21 @@ def content_signature(caption: str, vocab: ContentVocabulary) -> tuple[Counter, 
     return objects, triples
 
 
+def reference_checks(caption: str, references: Sequence[str], vocab: ContentVocabulary) -> dict[str, Any]:
+    """One caption's content against its references: ``objects_exact`` (the object words, with
+    their counts, equal those of a reference), ``relations_exact`` (and the relations too, of the
+    same reference), ``hallucinated`` (object words no reference of the image uses, one entry per
+    mention), ``named`` (the object words it says, with repeats) and ``referenced`` (those the
+    references use)."""
+    said, said_triples = content_signature(caption, vocab)
+    signatures = [content_signature(r, vocab) for r in references]
+    same_objects = [t for o, t in signatures if o == said]
+    known = set().union(*(o.keys() for o, _ in signatures))
+    return {"objects_exact": bool(same_objects), "relations_exact": any(t == said_triples for t in same_objects),
+            "hallucinated": [name for name, k in said.items() if name not in known for _ in range(k)],
+            "named": list(said.elements()), "referenced": sorted(known)}
+
+
 def reference_content(captions: Mapping[Hashable, str], references: Mapping[Hashable, Sequence[str]],
                       vocab: ContentVocabulary | None = None) -> dict[str, float]:
     """``objects_exact``, ``relations_exact``, ``hallucination_rate``, ``hallucinated_captions``
@@ -174,24 +190,14 @@ def reference_content(captions: Mapping[Hashable, str], references: Mapping[Hash
     scored = [i for i in captions if references.get(i)]
     if not scored or not vocab.objects:
         return {}
-    objects_ok = relations_ok = hallucinated = said_total = captions_hallucinating = 0
-    for i in scored:
-        said, said_triples = content_signature(captions[i], vocab)
-        signatures = [content_signature(r, vocab) for r in references[i]]
-        same_objects = [t for o, t in signatures if o == said]
-        objects_ok += bool(same_objects)
-        relations_ok += any(t == said_triples for t in same_objects)
-        known = set().union(*(o.keys() for o, _ in signatures))
-        wrong = sum(k for name, k in said.items() if name not in known)
-        hallucinated += wrong
-        said_total += said.total()
-        captions_hallucinating += wrong > 0
+    checks = [reference_checks(captions[i], references[i], vocab) for i in scored]
+    hallucinated = sum(len(c["hallucinated"]) for c in checks)
+    said_total = sum(len(c["named"]) for c in checks)
     n = float(len(scored))
     return {
-        "objects_exact": objects_ok / n,
-        "relations_exact": relations_ok / n,
+        "objects_exact": sum(c["objects_exact"] for c in checks) / n,
+        "relations_exact": sum(c["relations_exact"] for c in checks) / n,
         "hallucination_rate": hallucinated / said_total if said_total else 0.0,
-        "hallucinated_captions": captions_hallucinating / n,
+        "hallucinated_captions": sum(bool(c["hallucinated"]) for c in checks) / n,
         "content_vocabulary": float(len(vocab.objects)),
     }
-

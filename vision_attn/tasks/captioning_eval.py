@@ -10,6 +10,7 @@ from typing import Any
 from vision_attn.data.tokenizer import normalize_caption
 from vision_attn.distributed import unique_records
 from vision_attn.errors import ConfigError
+from vision_attn.metrics.breakdown import precision_recall_f1
 from vision_attn.metrics.caption import (
     caption_metrics,
     caption_metrics_per_image,
@@ -17,9 +18,9 @@ from vision_attn.metrics.caption import (
     java_metrics,
 )
 from vision_attn.metrics.caption_content import content_accuracy
-from vision_attn.metrics.reference_content import ContentVocabulary, reference_content
+from vision_attn.metrics.reference_content import ContentVocabulary, reference_checks, reference_content
 
-__all__ = ["CaptionEvaluation"]
+__all__ = ["CaptionEvaluation", "caption_result_files"]
 
 log = logging.getLogger("vision_attn.tasks.captioning")  # the task's logger: its messages read as before
 
@@ -108,13 +109,25 @@ class CaptionEvaluation:
             metrics["image_dependence"] = image_dependence(hyps, refs, true_cider=metrics["cider"])
         else:
             log.info("image_dependence not computed: it needs at least two images, the split has %d", len(hyps))
-        metrics.update(reference_content(hyps, refs, self._content_vocabulary()))
+        vocab = self._content_vocabulary()
+        metrics.update(reference_content(hyps, refs, vocab))
+        self.eval_caption_files = caption_result_files(dataset, self.eval_records, hyps, refs, per_image,
+                                                       vocab or ContentVocabulary.from_references(refs))
         metrics.update(self._content(dataset, hyps))
         if self._trainer is None or self.trainer.is_global_zero:
             metrics.update(java_metrics(hyps, refs))
         predictions = [{"image_id": dataset.images[r["index"]]["id"], "caption": r["caption"],
                         "cider": per_image[r["index"]]["cider"]} for r in self.eval_records]
         return metrics, predictions
+
+    eval_file_names = ("per_class.csv", "results_per_image.json", "results_per_image.csv")
+
+    def eval_files(self, dataset) -> dict[str, Any]:
+        """The object-by-object files of the last :meth:`eval_results`
+        (:func:`caption_result_files`)."""
+        if getattr(self, "eval_caption_files", None) is None:
+            raise RuntimeError("no per-image results: call eval_results(...) after trainer.test(...) first")
+        return self.eval_caption_files
 
     @staticmethod
     def _content(dataset, hyps: dict[int, str]) -> dict[str, float]:
@@ -128,3 +141,41 @@ class CaptionEvaluation:
         if not scores:
             log.info("content accuracy not computed: no evaluated image is in %s", dataset.instances_file)
         return scores
+
+
+def caption_result_files(dataset, records: list[dict[str, Any]], hyps: dict[int, str], refs: dict[int, list[str]],
+                         per_image: dict[int, dict[str, float]], vocab: ContentVocabulary) -> dict[str, Any]:
+    """``results_per_image.json`` / ``.csv`` and ``per_class.csv`` of a captioning evaluation.
+
+    Per image: ``image_id``, ``file_name``, ``caption``, ``references`` (normalised; the CSV joins
+    them with `` | ``), ``cider`` (CIDEr-D), and the content checks against the references
+    (:func:`~vision_attn.metrics.reference_content.reference_checks`: ``objects_exact``,
+    ``relations_exact``, ``hallucinated`` object words; empty without references or object
+    words). Per object word (``per_class.csv``): ``said`` (captions naming it), ``referenced``
+    (images whose references name it), ``tp`` (both), ``fp``, ``fn``, precision, recall and F1.
+    """
+    images: list[dict[str, Any]] = []
+    words: dict[str, list[int]] = {}  # object word -> [tp, fp, fn] over the images
+    for r in records:
+        i = r["index"]
+        check = reference_checks(hyps[i], refs[i], vocab) if refs[i] and vocab.objects else None
+        im = dataset.images[i]
+        images.append({"image_id": im["id"], "file_name": im.get("file_name"), "caption": r["caption"],
+                       "references": refs[i], "cider": per_image[i]["cider"],
+                       "objects_exact": None if check is None else check["objects_exact"],
+                       "relations_exact": None if check is None else check["relations_exact"],
+                       "hallucinated": [] if check is None else check["hallucinated"]})
+        if check is not None:
+            named, referenced = set(check["named"]), set(check["referenced"])
+            for word in named | referenced:
+                counts = words.setdefault(word, [0, 0, 0])
+                counts[0 if word in named and word in referenced else (1 if word in named else 2)] += 1
+    rows = []
+    for word in sorted(words):
+        tp, fp, fn = words[word]
+        precision, recall, f1 = precision_recall_f1(tp, fp, fn)
+        rows.append({"class": word, "said": tp + fp, "referenced": tp + fn, "tp": tp, "fp": fp, "fn": fn,
+                     "precision": precision, "recall": recall, "f1": f1})
+    flat = [{**e, "references": " | ".join(e["references"]), "hallucinated": " ".join(e["hallucinated"])}
+            for e in images]
+    return {"per_class.csv": rows, "results_per_image.json": images, "results_per_image.csv": flat}

@@ -39,7 +39,7 @@ from vision_attn.distributed import unique_records
 from vision_attn.errors import ConfigError, EncoderError
 from vision_attn.explain.evaluate import DEFAULT_MISTAKES, explain_classification, explain_eval_split
 from vision_attn.explain.methods import TOKENS, Token, resolve_target_class
-from vision_attn.metrics.breakdown import classification_breakdown
+from vision_attn.metrics.breakdown import classification_breakdown, precision_recall_f1
 from vision_attn.models.classifier import ClassificationHead, ClassifierConfig, HeadKind, TimmHead
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks import classification_report
@@ -159,7 +159,8 @@ class ClassificationTask(VisionTask):
     headline_metrics = ("acc_top1", "acc_macro", "deletion_auc", "deletion_auc_random", "insertion_auc",
                         "insertion_auc_random")
     overlay_description = "input | one overlay per explanation method (rollout, relevance, raw attention)"
-    eval_file_names = ("per_class.json", "confusion_matrix.json")
+    eval_file_names = ("per_class.json", "confusion_matrix.json", "per_class.csv", "results_per_image.json",
+                       "results_per_image.csv")
     headline_metric = "acc_top1"
     legacy_arguments = {"head": "head.kind", "pooling": "head.pooling", "head_dropout": "head.dropout",
                         "mixup": "mix.mixup", "cutmix": "mix.cutmix", "mix_prob": "mix.prob",
@@ -324,10 +325,31 @@ class ClassificationTask(VisionTask):
         """``per_class.json`` (``{class: {"acc", "n", "precision", "recall"}}``) and
         ``confusion_matrix.json`` (``{"labels", "counts"}``, rows = truth) of the last test run,
         from the same top-1 predictions as ``predictions.json``
-        (:func:`~vision_attn.metrics.breakdown.classification_breakdown`)."""
-        _, labels, _, preds = self._evaluated()
-        per_class, confusion = classification_breakdown(labels, preds, self.class_names or [])
-        return {"per_class.json": per_class, "confusion_matrix.json": confusion}
+        (:func:`~vision_attn.metrics.breakdown.classification_breakdown`); ``per_class.csv``: per
+        class ``n``, ``tp``, ``fp``, ``fn``, precision, recall and F1 of the top-1 predictions;
+        ``results_per_image.json`` / ``.csv``: per image its ``file``, ``truth``, ``pred``, ``score``
+        (the top-1 probability), ``truth_score``, ``truth_rank`` (1: the truth is the top-1 class)
+        and ``correct``."""
+        probs, labels, scores, preds = self._evaluated()
+        names = self.class_names or []
+        per_class, confusion = classification_breakdown(labels, preds, names)
+        truth_scores = probs.gather(1, labels[:, None]).squeeze(1)
+        ranks = 1 + (probs > truth_scores[:, None]).sum(1)  # 1: the truth is the top-1 class
+        samples = dataset.samples
+        images = [{"file": samples[r["index"]][0], "truth": names[t], "pred": names[p], "score": s,
+                   "truth_score": ts, "truth_rank": k, "correct": t == p}
+                  for r, t, p, s, ts, k in zip(self.eval_records, labels.tolist(), preds.tolist(), scores.tolist(),
+                                               truth_scores.tolist(), ranks.tolist(), strict=True)]
+        counts = confusion["counts"]
+        rows = []
+        for c, name in enumerate(names):
+            tp = counts[c][c]
+            fn, fp = sum(counts[c]) - tp, sum(row[c] for row in counts) - tp
+            precision, recall, f1 = precision_recall_f1(tp, fp, fn)
+            rows.append({"class": name, "n": per_class[name]["n"], "tp": tp, "fp": fp, "fn": fn,
+                         "precision": precision, "recall": recall, "f1": f1})
+        return {"per_class.json": per_class, "confusion_matrix.json": confusion, "per_class.csv": rows,
+                "results_per_image.json": images, "results_per_image.csv": images}
 
     # ------------------------------------------------------------------ inference, export, explanation
     def set_inference_options(self, options: ClassificationOptions) -> None:

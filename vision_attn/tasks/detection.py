@@ -23,6 +23,7 @@ from vision_attn.explain.detection import (
     explain_detection,
     write_detection_overlays,
 )
+from vision_attn.explain.detection_mistakes import detection_mistakes
 from vision_attn.explain.evaluate import DEFAULT_MISTAKES
 from vision_attn.losses.matcher import HungarianMatcher
 from vision_attn.losses.set_criterion import SetCriterion
@@ -31,6 +32,7 @@ from vision_attn.models.detr import DETRConfig, DETRHead, post_process
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks import detection_report
 from vision_attn.tasks.base import VisionTask, gather_objects, register_task
+from vision_attn.tasks.detection_results import detection_results
 from vision_attn.tasks.optim import Optimization
 
 DETECTION_OPTIM = Optimization(lr=1e-4, weight_decay=1e-4, warmup_fraction=0.0, min_lr_ratio=0.1)
@@ -134,7 +136,8 @@ class DetectionTask(VisionTask):
     crop_at_inference = False  # a centre crop would cut objects off: the whole image, resized
     export_output_names = ("pred_logits", "pred_boxes")
     headline_metrics = ("map", "map_50", "map_75")
-    eval_file_names = ("per_class.json", "pr_curves.json")
+    eval_file_names = ("per_class.json", "pr_curves.json", "per_class.csv", "results_per_image.json",
+                       "results_per_image.csv")
     headline_metric = "map"
     overlay_description = "boxes | per detected object: its relevance and its query's raw cross-attention"
     legacy_arguments = {
@@ -169,6 +172,8 @@ class DetectionTask(VisionTask):
         self.eval_records: list[dict[str, Any]] = []
         self.eval_per_class: dict[str, dict[str, Any]] | None = None  # per_class.json of the last eval_results
         self.eval_pr_curves: dict[str, dict[str, list[float]]] | None = None  # pr_curves.json of the last eval_results
+        self.eval_object_files: dict[str, Any] = {}  # per_class.csv, results_per_image.json / .csv
+        self.eval_mistakes = None  # the mistakes browser of the last explain_eval (eval.py: mistakes.html)
         if num_classes is not None or class_names is not None:
             self._build(num_classes, class_names, category_ids)
 
@@ -275,6 +280,7 @@ class DetectionTask(VisionTask):
         self.eval_records = []
         self.eval_per_class = None
         self.eval_pr_curves = None
+        self.eval_object_files = {}
 
     def on_test_epoch_end(self) -> None:
         self.eval_records = unique_records(self.eval_records, "image_id", sort=True)
@@ -313,16 +319,21 @@ class DetectionTask(VisionTask):
         breakdown = detection_breakdown(preds, targets, self.class_names or [])
         self.eval_per_class = breakdown.per_class
         self.eval_pr_curves = breakdown.pr_curves
-        return breakdown.metrics, results
+        tide, self.eval_object_files = detection_results(dataset, results, self.category_ids, self.class_names or [],
+                                                         self.inference.score_threshold, breakdown.per_class)
+        return {**breakdown.metrics, **tide}, results
 
     def eval_files(self, dataset) -> dict[str, Any]:
         """``per_class.json``: ``{category name: {"ap", "ap_50", "n_gt"}}`` of the last
-        :meth:`eval_results` (pycocotools' per-category AP; -1 without ground truth), and
+        :meth:`eval_results` (pycocotools' per-category AP; -1 without ground truth),
         ``pr_curves.json``: ``{category name: {"recall", "precision"}}`` at IoU 0.5
-        (:func:`~vision_attn.metrics.breakdown.pr_curves_from_precision`; -1 without ground truth)."""
+        (:func:`~vision_attn.metrics.breakdown.pr_curves_from_precision`; -1 without ground truth),
+        and the object-by-object files of :mod:`~vision_attn.tasks.detection_results`
+        (``per_class.csv``, ``results_per_image.json`` / ``.csv``)."""
         if self.eval_per_class is None or self.eval_pr_curves is None:
             raise RuntimeError("no per-category results: call eval_results(...) after trainer.test(...) first")
-        return {"per_class.json": self.eval_per_class, "pr_curves.json": self.eval_pr_curves}
+        return {"per_class.json": self.eval_per_class, "pr_curves.json": self.eval_pr_curves,
+                **self.eval_object_files}
 
     # ------------------------------------------------------------------ inference, export, explanation
     def export_forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
@@ -352,7 +363,9 @@ class DetectionTask(VisionTask):
     def explain_eval(self, dataset, options, out_dir: Path, report=None) -> dict[str, float]:
         """Overlays of ``options.num_overlays`` images (``options.overlay_selection``), then the localisation,
         faithfulness and sanity numbers of every decoder method and ``random`` (and the saved
-        maps): :func:`~vision_attn.explain.detection.detection_explain_metrics`.
+        maps): :func:`~vision_attn.explain.detection.detection_explain_metrics`; and the mistakes
+        browser of the evaluation's results (:attr:`eval_mistakes`, which ``eval.py`` writes as
+        ``mistakes.html``: :func:`~vision_attn.explain.detection_mistakes.detection_mistakes`).
 
         Explanations are drawn on the model input of single-image inference (the whole image
         resized to the input size, :meth:`inference_data_config`, as ``predict.py`` sees it): a
@@ -365,7 +378,10 @@ class DetectionTask(VisionTask):
             dataset.transform = build_detection_transform(self.inference_data_config(), train=False)
             dataset.with_size = False
         write_detection_overlays(self, dataset, options, out_dir, report=report)
-        return detection_explain_metrics(self, dataset, options, out_dir)
+        metrics = detection_explain_metrics(self, dataset, options, out_dir)
+        self.eval_mistakes = detection_mistakes(self, dataset, self.eval_object_files.get("results_per_image.json"),
+                                                options)
+        return metrics
 
     # ------------------------------------------------------------------ report.html
     def rank_mistakes(self, dataset, predictions, k, options=None) -> list[int]:

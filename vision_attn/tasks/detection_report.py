@@ -1,8 +1,8 @@
 """What ``report.html`` shows of a detector's evaluation, as :mod:`vision_attn.blocks` records.
 
 - **results** (:func:`result_sections`): per-category AP bars (``per_class.json``), the COCO size
-  breakdown of ``metrics.json`` (``map_small`` ..., ``mar_1`` ...) and the precision-recall curves
-  at IoU 0.5 (``pr_curves.json``);
+  breakdown of ``metrics.json`` (``map_small`` ..., ``mar_1`` ...), TIDE's error split
+  (``tide_*``, :func:`tide_bars`) and the precision-recall curves at IoU 0.5 (``pr_curves.json``);
 - **mistakes** (:func:`rank_mistakes`, :func:`mistake_cards`): the images with the most missed
   objects and false detections (:func:`~vision_attn.explain.detection.split_detection_errors`), then
   the highest-scoring false detection, each card listing its errors.
@@ -18,7 +18,7 @@ from typing import Any
 from vision_attn.blocks import Bar, BarChart, Curves, Listing, Mistake, Mistakes, Section, finite
 from vision_attn.explain.detection import rank_detection_errors, split_detection_errors
 
-__all__ = ["detection_section", "mistake_cards", "pr_points", "rank_mistakes", "result_sections"]
+__all__ = ["detection_section", "mistake_cards", "pr_points", "rank_mistakes", "result_sections", "tide_bars"]
 
 SIZE_KEYS = ("map_small", "map_medium", "map_large", "mar_1", "mar_10", "mar_100")
 PR_SHOWN = 8  # categories drawn in the precision-recall plot
@@ -48,6 +48,14 @@ def detection_section(per_class: dict[str, Any] | None, metrics: dict[str, Any],
         blocks.append(BarChart(sizes, title="By object size; recall at 1 / 10 / 100 detections", id="size-breakdown",
                                hint="COCO: small < 32², large > 96² pixels of area; mar_k: recall with at most k "
                                     "detections per image"))
+    tide = tide_bars(metrics)
+    if tide:
+        blocks.append(BarChart(tide, title="Where the AP at IoU 0.5 goes (TIDE)", id="tide", value_label="dAP",
+                               hint="the AP at IoU 0.5 gained by fixing only the errors of each kind (Bolya et al. "
+                                    "2020): cls right box, wrong class; loc right class, box off (IoU 0.1-0.5); both "
+                                    "neither; dupe a second detection of a found object; bkg on nothing (IoU < 0.1); "
+                                    "miss an object nothing detected; false positives / negatives: every FP scored "
+                                    "below every TP / every missed object removed"))
     curves = pr_points(pr_curves)
     if curves:
         more = f" (the first {PR_SHOWN} of {len(curves)} categories)" if len(curves) > PR_SHOWN else ""
@@ -57,6 +65,21 @@ def detection_section(per_class: dict[str, Any] | None, metrics: dict[str, Any],
                              hint="COCOeval's interpolated precision at each recall threshold; IoU 0.5, all areas, "
                                   "100 detections per image"))
     return Section("", blocks)
+
+
+TIDE_NAMES = {"cls": "classification", "loc": "localisation", "both": "both", "dupe": "duplicate",
+              "bkg": "background", "miss": "missed", "fp": "false positives", "fn": "false negatives"}
+
+
+def tide_bars(metrics: dict[str, Any]) -> list[Bar]:
+    """TIDE's bar chart from ``metrics.json``'s ``tide_<kind>`` (dAP) and ``tide_count_<kind>``."""
+    bars = []
+    for kind, name in TIDE_NAMES.items():
+        if f"tide_{kind}" in metrics:
+            count = finite(metrics.get(f"tide_count_{kind}"))
+            bars.append(Bar(name, finite(metrics[f"tide_{kind}"]),
+                            note="" if count is None else f"({int(count)} errors)"))
+    return bars
 
 
 def pr_points(pr_curves: dict[str, Any] | None) -> dict[str, list[list[float]]]:
@@ -123,7 +146,9 @@ def mistake_cards(items: list[dict[str, Any]], predictions: list[dict[str, Any]]
                              lists=lists, score=float(count), top=top))
     intro = ("Explained images with missed objects (ground truth that no detection above the threshold matched "
              "at IoU 0.5) or false detections (above the threshold, matching no object of their class), the "
-             "most errors first, then the highest-scoring false detection.")
+             "most errors first, then the highest-scoring false detection."
+             + (" Every mistake of the split, with the map of the query behind it and whether it looked at the "
+                "object: mistakes.html next to this page." if predictions is not None else ""))
     # an evaluation (it has predictions) says why the gallery is empty; a folder run's page says nothing
     empty = ("Missed and false detections are listed here when the explained images carry their matching to "
              "the ground truth; these do not." if predictions is not None else "")

@@ -1,0 +1,93 @@
+"""AttnLRP through the DETR decoder and the caption decoder: conservation per detection and per
+word in float64, the maps equal to the ledger's pixel relevance, batching that does not mix
+rows, and the ``lrp`` method of both heads' explanations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_decoder_relevance import _captioner, _detector, _images
+from vision_attn.explain.lrp_decoder import caption_lrp, decoder_lrp_budget, detection_lrp, positive_maps
+
+HEADS = [{}, {"box_refine": True}, {"focal": True, "box_refine": True, "query_selection": True}, {"pyramid": True}]
+
+
+def _relative_gap(budget: dict[str, float]) -> float:
+    return abs(budget["total"] - budget["score"]) / max(abs(budget["score"]), 1e-12)
+
+
+@pytest.mark.parametrize("head", HEADS, ids=["plain", "box_refine", "focal_selection", "pyramid"])
+def test_each_detection_conserves_its_logit(head):
+    task = _detector(**head).double()
+    images = _images(1).double()
+    for query in range(task.head.num_queries):
+        budget = decoder_lrp_budget(task, images, query=query)
+        assert _relative_gap(budget) <= 0.01, budget
+        assert budget["pixels"] != 0.0  # the image holds some of it
+    maps = detection_lrp(task, images, [torch.tensor([0, 3])])[0].double()
+    for k, query in enumerate((0, 3)):
+        # the map is the pixels' share of the ledger, patch by patch
+        assert maps[k].sum().item() == pytest.approx(decoder_lrp_budget(task, images, query=query)["pixels"],
+                                                     rel=1e-4, abs=1e-9)
+
+
+def test_each_word_conserves_its_logit():
+    task = _captioner().double()
+    images = _images(1).double()
+    tokens = torch.tensor([4, 5, 6, 4])
+    for position in range(len(tokens)):
+        budget = decoder_lrp_budget(task, images, tokens=tokens, position=position)
+        assert _relative_gap(budget) <= 0.01, budget
+        assert budget["queries"] != 0.0  # the words before it (and <bos>) hold a share
+    maps = caption_lrp(task, images, [tokens])[0].double()
+    pixels = decoder_lrp_budget(task, images, tokens=tokens, position=2)["pixels"]
+    assert maps[2].sum().item() == pytest.approx(pixels, rel=1e-4, abs=1e-9)
+
+
+def test_the_ledger_catches_a_rule_left_out(monkeypatch):
+    """Without the softmax's share (as if the rule reported nothing) the books do not balance:
+    the conservation check can fail."""
+    import vision_attn.explain.lrp as lrp
+
+    task = _detector().double()
+    monkeypatch.setattr(lrp, "_softmax_share", lambda probs, grad: torch.zeros((), dtype=torch.float64))
+    budget = decoder_lrp_budget(task, _images(1).double(), query=0)
+    assert _relative_gap(budget) > 0.01
+
+
+def test_rows_do_not_mix_and_maps_depend_on_the_image():
+    task = _detector()
+    images = _images(2)
+    both = detection_lrp(task, images, [torch.tensor([0, 1]), torch.tensor([2])], max_rows=2)
+    alone = detection_lrp(task, images[1:], [torch.tensor([2])])
+    assert torch.allclose(both[1], alone[0], atol=1e-6)
+    other = detection_lrp(task, _images(2, seed=9), [torch.tensor([0, 1]), torch.tensor([2])])
+    assert not torch.allclose(both[0], other[0])
+    shown = positive_maps(both)
+    assert all(float(m.min()) >= 0 and float(m.flatten(1).amax(1).max()) == pytest.approx(1.0) for m in shown)
+    words = caption_lrp(_captioner(), images, [torch.tensor([4, 5]), torch.tensor([6])], max_rows=1)
+    assert [w.shape[0] for w in words] == [2, 1]
+
+
+def test_bad_items_are_refused():
+    task = _detector()
+    with pytest.raises(ValueError, match="query index out of range"):
+        detection_lrp(task, _images(1), [torch.tensor([99])])
+    with pytest.raises(ValueError, match="one of them"):
+        decoder_lrp_budget(task, _images(1))
+    with pytest.raises(ValueError, match="max_length"):
+        caption_lrp(_captioner(), _images(1), [torch.arange(4, 12) % 3 + 4])
+
+
+def test_lrp_is_a_method_of_both_decoder_heads():
+    from vision_attn.explain.captioning import teacher_forced_word_maps
+    from vision_attn.explain.detection import detection_maps
+
+    task = _detector()
+    maps = detection_maps(task, _images(1), [torch.tensor([1])], [torch.tensor([0])], ["lrp", "attention"])
+    assert list(maps) == ["lrp", "attention"] and maps["lrp"][0].shape == (1, 4, 4)
+    assert not torch.allclose(maps["lrp"][0], maps["attention"][0])
+    cap = _captioner()
+    words = teacher_forced_word_maps(cap, _images(1), [torch.tensor([4, 5])], ["lrp"])
+    assert words["lrp"][0].shape == (2, 4, 4) and float(words["lrp"][0].max()) == pytest.approx(1.0)
