@@ -50,6 +50,17 @@ def test_every_false_positive_and_missed_object_is_a_card(tmp_path, tiny_encoder
         else:
             assert c["object"] is not None
     assert any(c["kind"] == "cls" and c["confused"] not in (None, c["category"]) for c in cards)
+    # a cap on the false positives of one image keeps its best-scoring ones
+    capped = mistake_cards(files["results_per_image.json"], 0.0, max_false_per_image=1)
+    per_image: dict = {}
+    for c in capped:
+        if c["kind"] != "miss":
+            per_image.setdefault(c["image_id"], []).append(c["score"])
+    assert per_image and all(len(v) == 1 for v in per_image.values())
+    for entry in files["results_per_image.json"]:
+        wrong = [d["score"] for d in entry["detections"] if d["outcome"] not in ("tp", "ignored", "unscored")]
+        if wrong:
+            assert per_image[entry["image_id"]] == [max(wrong)]
 
 
 def test_looked_flag_is_the_pointing_test_of_the_map(tmp_path, tiny_encoder, monkeypatch):

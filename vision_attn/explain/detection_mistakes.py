@@ -37,7 +37,8 @@ from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import quantise
 from vision_attn.metrics.tide import TIDE_ERRORS
 
-__all__ = ["MISTAKE_KINDS", "MistakesBrowser", "detection_mistakes", "explain_mistakes", "mistake_cards"]
+__all__ = ["MAX_FALSE_PER_IMAGE", "MISTAKE_KINDS", "MistakesBrowser", "detection_mistakes", "explain_mistakes",
+           "mistake_cards"]
 
 log = logging.getLogger(__name__)
 
@@ -51,30 +52,42 @@ def _xyxy(box: list[float]) -> list[float]:
     return [x, y, x + w, y + h]
 
 
-def mistake_cards(per_image: list[dict[str, Any]], score_threshold: float) -> list[dict[str, Any]]:
+MAX_FALSE_PER_IMAGE = 20
+"""Most false positives of one image shown (its best-scoring ones; as the explanation measures cap
+the detections of an image), so that a low threshold does not make a card of every query."""
+
+
+def mistake_cards(per_image: list[dict[str, Any]], score_threshold: float,
+                  max_false_per_image: int = MAX_FALSE_PER_IMAGE) -> list[dict[str, Any]]:
     """The cards of ``results_per_image.json``'s entries: every false positive scoring at least
-    ``score_threshold`` and every object not found at it (see the module docstring), best-scoring
-    false positives first, then the missed objects in image order. Each card: ``image_id``,
+    ``score_threshold`` (at most ``max_false_per_image`` per image, the best-scoring ones) and
+    every object not found at it (see the module docstring), best-scoring false positives first,
+    then the missed objects in image order. Each card: ``image_id``,
     ``kind`` (``cls`` ... ``miss``), ``category``, ``confused`` (the category of the object a
     ``cls`` detection took the place of), ``score``, ``size``, ``box`` (the detection's or the
     missed object's, xyxy pixels) and ``object`` (the object the map should point at, or None)."""
-    false, missed = [], []
+    false, missed, left_out = [], [], 0
     for entry in per_image:
         truths = entry["truths"]
-        for d in entry["detections"]:
-            if d["score"] >= score_threshold and d["outcome"] in TIDE_ERRORS:
-                other = truths[d["truth"]] if d["truth"] is not None and d["outcome"] != "bkg" else None
-                pointed = other if d["outcome"] in ("cls", "loc", "dupe") else None
-                false.append({"image_id": entry["image_id"], "kind": d["outcome"], "category": d["category"],
-                              "confused": other["category"] if other is not None and d["outcome"] == "cls" else None,
-                              "score": d["score"], "size": d["size"], "box": _xyxy(d["bbox"]),
-                              "object": None if pointed is None else _xyxy(pointed["bbox"])})
+        wrong = sorted((d for d in entry["detections"]
+                        if d["score"] >= score_threshold and d["outcome"] in TIDE_ERRORS), key=lambda d: -d["score"])
+        left_out += max(0, len(wrong) - max_false_per_image)
+        for d in wrong[:max_false_per_image]:
+            other = truths[d["truth"]] if d["truth"] is not None and d["outcome"] != "bkg" else None
+            pointed = other if d["outcome"] in ("cls", "loc", "dupe") else None
+            false.append({"image_id": entry["image_id"], "kind": d["outcome"], "category": d["category"],
+                          "confused": other["category"] if other is not None and d["outcome"] == "cls" else None,
+                          "score": d["score"], "size": d["size"], "box": _xyxy(d["bbox"]),
+                          "object": None if pointed is None else _xyxy(pointed["bbox"])})
         for t in truths:
             found = t["outcome"] == "tp" and t["score"] is not None and t["score"] >= score_threshold
             if t["outcome"] in ("tp", "fn") and not found:
                 missed.append({"image_id": entry["image_id"], "kind": "miss", "category": t["category"],
                                "confused": None, "score": t["score"], "size": t["size"], "box": _xyxy(t["bbox"]),
                                "object": _xyxy(t["bbox"])})
+    if left_out:
+        log.info("mistakes browser: %d false positives beyond the best %d of their image left out", left_out,
+                 max_false_per_image)
     false.sort(key=lambda c: -c["score"])
     return false + missed
 
