@@ -837,7 +837,7 @@ METHOD_DOCS = {
                   "2021b, Generic Attention-model Explainability"),
     "attention": ("classification, detection, captioning", "raw attention of the last block (a baseline)"),
     "gradcam": ("classification", "Selvaraju et al. 2017, Grad-CAM"),
-    "lrp": ("classification", "Achtibat et al. 2024, AttnLRP"),
+    "lrp": ("classification, detection, captioning", "Achtibat et al. 2024, AttnLRP"),
     "tokens": ("classification", "a diagnostic (patch-token norms), after Darcet et al. 2023, Vision Transformers "
                "Need Registers"),
     "random": ("every head", "the baseline of every measure"),

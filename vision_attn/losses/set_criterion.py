@@ -44,7 +44,7 @@ from vision_attn.boxes import box_cxcywh_to_xyxy, generalized_box_iou
 from vision_attn.distributed import mean_across_processes
 from vision_attn.losses.matcher import HungarianMatcher, check_focal_alpha
 
-__all__ = ["SetCriterion", "dense_assignment", "sigmoid_focal_loss"]
+__all__ = ["SetCriterion", "box_iou_pairs", "dense_assignment", "matchability_aware_loss", "sigmoid_focal_loss"]
 
 
 def dense_assignment(centres: Tensor, boxes: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -73,6 +73,37 @@ def dense_assignment(centres: Tensor, boxes: Tensor, mask: Tensor | None = None)
         dist = dist.masked_fill(~mask[:, None], float("inf"))
     owner[dist.argmin(0)] = torch.arange(len(boxes), device=centres.device)
     return owner
+
+
+def box_iou_pairs(a: Tensor, b: Tensor) -> Tensor:
+    """IoU of each box of ``a [N, 4]`` with the box of ``b [N, 4]`` in the same row (xyxy)."""
+    lt, rb = torch.maximum(a[:, :2], b[:, :2]), torch.minimum(a[:, 2:], b[:, 2:])
+    inter = (rb - lt).clamp(min=0).prod(-1)
+    area = (a[:, 2:] - a[:, :2]).clamp(min=0).prod(-1) + (b[:, 2:] - b[:, :2]).clamp(min=0).prod(-1)
+    return inter / (area - inter).clamp(min=torch.finfo(a.dtype).tiny)
+
+
+def matchability_aware_loss(logits: Tensor, matched: tuple[Tensor, Tensor, Tensor], iou: Tensor,
+                            gamma: float = 1.5) -> Tensor:
+    """DEIM's matchability-aware loss (Huang et al. 2025), summed: binary cross-entropy of every
+    query's class logits ``[B, Q, C]``, where a matched query's class has the target ``IoU^gamma``
+    (the IoU of its box with its object: a query whose box fits badly is not pushed to full
+    confidence) at weight 1, and every other logit the target 0 at the weight ``p^gamma`` (``p``
+    its sigmoid, no gradient: confident wrong scores weigh most, as in the focal loss).
+
+    Args:
+        logits: ``[B, Q, C]``.
+        matched: ``(images, queries, classes)`` of the matched queries, each ``[M]``.
+        iou: ``[M]`` their boxes' IoU with their objects.
+        gamma: the exponent of the target and of the negatives' weight.
+    """
+    b_idx, q_idx, labels = matched
+    target = torch.zeros_like(logits)
+    target[b_idx, q_idx, labels] = iou.to(logits.dtype).clamp(min=0).pow(gamma)
+    positive = torch.zeros_like(logits, dtype=torch.bool)
+    positive[b_idx, q_idx, labels] = True
+    weight = torch.where(positive, torch.ones_like(logits), logits.detach().sigmoid().pow(gamma))
+    return F.binary_cross_entropy_with_logits(logits, target, weight=weight, reduction="sum")
 
 
 def _num_boxes(targets: list[dict[str, Tensor]], device: torch.device, across_processes: bool) -> float:
@@ -104,6 +135,9 @@ class SetCriterion(nn.Module):
         focal: sigmoid focal loss over ``C`` classes instead of softmax cross-entropy.
         focal_alpha: focal loss alpha, in ``[0, 1]`` (or ``-1``: no class weighting).
         focal_gamma: focal loss gamma.
+        mal_gamma: the matching queries' classification by DEIM's matchability-aware loss with this
+            ``gamma`` (:func:`matchability_aware_loss`; focal heads) instead of the focal loss;
+            ``None``: the focal loss.
         dn: expect denoising outputs (``loss_dn_*`` terms).
         enc: expect the encoder selection's outputs (``loss_enc_*`` terms).
         o2m: expect one-to-many outputs (``loss_o2m_*`` terms).
@@ -131,9 +165,14 @@ class SetCriterion(nn.Module):
         o2m: bool = False,
         o2m_repeat: int = 1,
         dense: bool = False,
+        mal_gamma: float | None = None,
     ) -> None:
         super().__init__()
         check_focal_alpha(focal_alpha)
+        if mal_gamma is not None and (not focal or not mal_gamma > 0):
+            raise ValueError(f"the matchability-aware loss needs a focal (sigmoid) head and mal_gamma > 0, got "
+                             f"focal={focal}, mal_gamma={mal_gamma}")
+        self.mal_gamma = mal_gamma
         if o2m_repeat < 1:
             raise ValueError(f"o2m_repeat must be >= 1 (1 = Group DETR's independent groups), got {o2m_repeat}")
         self.o2m_repeat = o2m_repeat
@@ -177,7 +216,11 @@ class SetCriterion(nn.Module):
         matched_labels = torch.cat([t["labels"][j] for t, (_, j) in zip(targets, indices, strict=True)])
         matched_labels = matched_labels.to(logits.device)
         matched_boxes = torch.cat([t["boxes"][j] for t, (_, j) in zip(targets, indices, strict=True)]).to(boxes.device)
-        if self.focal:
+        if self.focal and self.mal_gamma is not None:
+            with torch.no_grad():  # how well each matched query's box already fits its object
+                iou = box_iou_pairs(box_cxcywh_to_xyxy(boxes[b_idx, q_idx]), box_cxcywh_to_xyxy(matched_boxes))
+            loss_ce = matchability_aware_loss(logits, (b_idx, q_idx, matched_labels), iou, self.mal_gamma) / num_boxes
+        elif self.focal:
             onehot = torch.zeros_like(logits)
             onehot[b_idx, q_idx, matched_labels] = 1.0
             focal = sigmoid_focal_loss(logits, onehot, self.focal_alpha, self.focal_gamma, reduction="sum")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from torch import Tensor
 
@@ -32,6 +33,7 @@ from vision_attn.models.detr import DETRConfig, DETRHead, post_process
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.tasks import detection_report
 from vision_attn.tasks.base import VisionTask, gather_objects, register_task
+from vision_attn.tasks.convergence import ConvergenceAlarm
 from vision_attn.tasks.detection_results import detection_results
 from vision_attn.tasks.optim import Optimization
 
@@ -71,6 +73,10 @@ class SetLossConfig:
         eos_coef: weight of the no-object class (softmax only).
         o2m_repeat: H-DETR's ``K``, the ground truth repeated ``K`` times for the one-to-many
             queries (the head's ``o2m_mode="hybrid"`` only).
+        mal_gamma: classify the matching queries with DEIM's matchability-aware loss (Huang et al.
+            2025: a matched class's target is its box's IoU with the object to the power
+            ``mal_gamma``; 1.5 in the paper) instead of the focal loss; a focal head only.
+            ``null``: the focal loss.
     """
 
     cost_class: float = 1.0
@@ -81,6 +87,7 @@ class SetLossConfig:
     weight_giou: float = 2.0
     eos_coef: float = 0.1
     o2m_repeat: int = 6
+    mal_gamma: float | None = None
 
 
 @dataclass
@@ -166,6 +173,9 @@ class DetectionTask(VisionTask):
         self.save_hyperparameters(ignore=["encoder", "optim", "head", "loss"])
         self.save_hyperparameters({"head": dataclasses.asdict(head), "loss": dataclasses.asdict(loss)})
         self.head_config, self.loss_config = head, loss
+        if loss.mal_gamma is not None and (not head.focal or not loss.mal_gamma > 0):
+            raise ConfigError(f"model.loss.mal_gamma {loss.mal_gamma}: the matchability-aware loss needs a focal head "
+                              "(model.head.focal true) and a gamma above 0 (the paper's: 1.5)")
         self.head: DETRHead | None = None
         self.class_names: list[str] | None = None
         self.category_ids: list[int] | None = None
@@ -189,7 +199,8 @@ class DetectionTask(VisionTask):
         repeat = loss.o2m_repeat if head.o2m_mode == "hybrid" else 1
         self.criterion = SetCriterion(n, matcher, loss.weight_ce, loss.weight_bbox, loss.weight_giou, loss.eos_coef,
                                       head.focal, dn=head.dn_groups > 0, enc=head.query_selection,
-                                      o2m=head.o2m_groups > 0, o2m_repeat=repeat, dense=head.dense_encoder)
+                                      o2m=head.o2m_groups > 0, o2m_repeat=repeat, dense=head.dense_encoder,
+                                      mal_gamma=loss.mal_gamma)
         self.val_pairs: list[tuple[dict, dict]] = []  # (prediction, target) per validation image
         self.hparams.update(num_classes=n, class_names=self.class_names, category_ids=self.category_ids)
 
@@ -334,6 +345,12 @@ class DetectionTask(VisionTask):
             raise RuntimeError("no per-category results: call eval_results(...) after trainer.test(...) first")
         return {"per_class.json": self.eval_per_class, "pr_curves.json": self.eval_pr_curves,
                 **self.eval_object_files}
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """The base's callbacks and the convergence alarm
+        (:class:`~vision_attn.tasks.convergence.ConvergenceAlarm`: a warning naming the likely cause
+        when validation map_50 is below 0.05 a quarter into the run, or the loss is not finite)."""
+        return [*super().configure_callbacks(), ConvergenceAlarm()]
 
     # ------------------------------------------------------------------ inference, export, explanation
     def export_forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
