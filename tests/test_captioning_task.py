@@ -260,6 +260,13 @@ def test_train_and_eval_contract(tmp_path):
     assert sum(e["objects_exact"] for e in checked) / len(checked) == pytest.approx(saved["objects_exact"])
     assert sum(e["relations_exact"] for e in checked) / len(checked) == pytest.approx(saved["relations_exact"])
     assert sum(bool(e["hallucinated"]) for e in checked) / len(checked) == pytest.approx(saved["hallucinated_captions"])
+    # the browser: every object word no reference has, once per caption, with its map
+    browser = (out / "eval" / "mistakes.html").read_text()
+    start = browser.index("const CARDS=") + len("const CARDS=")
+    cards = json.JSONDecoder().raw_decode(browser[start:])[0]
+    assert sorted((c["image"], c["category"]) for c in cards) == sorted(
+        (str(e["image_id"]), w) for e in per_image for w in dict.fromkeys(e["hallucinated"]))
+    assert all(c["kind"] == "hallucinated" and c["map"] for c in cards)
     words = (out / "eval" / "per_class.csv").read_text().splitlines()
     assert words[0] == "class,said,referenced,tp,fp,fn,precision,recall,f1" and len(words) > 1
     assert len(list((out / "eval" / "overlays").glob("*.png"))) == 2

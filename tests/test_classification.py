@@ -164,6 +164,23 @@ def evaluated(tmp_path_factory, shapes_root):
     return run / "eval", ckpt
 
 
+def test_mistakes_browser_has_every_misclassified_image(evaluated):
+    """mistakes.html: one card per wrong prediction of predictions.json, filed under its true class
+    and saying what it was taken for, each with a map over the patch grid."""
+    import json
+
+    out, _ = evaluated
+    preds = json.loads((out / "predictions.json").read_text())
+    page = (out / "mistakes.html").read_text()
+    start = page.index("const CARDS=") + len("const CARDS=")
+    cards = json.JSONDecoder().raw_decode(page[start:])[0]
+    wrong = [p for p in preds if p["label"] != p["pred"]]
+    assert sorted((c["image"], c["category"], c["note"]) for c in cards) == sorted(
+        (p["file"], p["label"], f"taken for {p['pred']}") for p in wrong)
+    assert all(c["kind"] == "misclassified" and c["map"] and c["grid"] for c in cards)
+    assert page.count("data:image/jpeg;base64,") == len({c["image"] for c in cards})
+
+
 def test_per_image_and_per_class_csv_reconcile_with_metrics_json(evaluated):
     """results_per_image.csv: one row per image of predictions.json; its accuracy is acc_top1; the
     truth ranks 1 exactly when correct; per_class.csv's counts are those of the rows."""

@@ -140,6 +140,47 @@ def test_auto_batch_size_sizes_detection_from_the_training_set(tmp_path):
                             batching=replace(DETECTION_BATCHING, batch_size="auto", min_batch_size=0))
 
 
+@pytest.mark.parametrize("images, batch, steps, processes, expected", [
+    (300, 8, 90, 1, 3),    # 37 batches a pass: three passes make 112
+    (1500, 16, 90, 1, 1),  # one pass already makes 93
+    (300, 8, 90, 2, 5),    # 150 images per process
+    (100, 8, 10, 1, 1),
+    (10, 8, 3, 1, 3),      # ceil(24 / 10) = 3 passes: 30 images, 3 batches
+])
+def test_epoch_repeats_hand_cases(images, batch, steps, processes, expected):
+    from vision_attn.data.loading import epoch_repeats
+
+    k = epoch_repeats(images, batch, steps, processes)
+    assert k == expected
+    assert -(-k * images // processes) // batch >= steps  # enough batches...
+    assert k == 1 or -(-(k - 1) * images // processes) // batch < steps  # ...with the fewest passes
+
+
+def test_fill_epoch_shows_a_small_training_set_several_times(tmp_path):
+    """``fill_epoch``: 40 images at the smallest batch of 8 make 5 batches; 12 are wanted, so an
+    epoch shows each image 3 times (15 batches), every index once per pass; off, 5 batches."""
+    from vision_attn.data.synthetic import SceneSetConfig
+
+    def module(fill: bool) -> DetectionDataModule:
+        dm = DetectionDataModule(synthetic=SceneSetConfig(image_size=32, num_train=40, num_val=4),
+                                 cache_dir=str(tmp_path),
+                                 batching=replace(DETECTION_BATCHING, num_workers=0, batch_size="auto",
+                                                  min_steps_per_epoch=12, min_batch_size=8, max_batch_size=16,
+                                                  fill_epoch=fill))
+        dm.preprocess = {**PRE, "input_size": (3, 32, 32)}
+        dm.setup("fit")
+        return dm
+
+    dm = module(True)
+    loader = dm.train_dataloader()
+    assert loader.batch_size == 8 and len(loader) == 15
+    assert dm.hparams["epoch_repeats"] == 3 and dm.hparams["batches_per_epoch"] == 15
+    ids = [int(t["image_id"]) for _, targets in loader for t in targets]
+    assert len(ids) == 120 and all(ids.count(i) == 3 for i in set(ids)) and len(set(ids)) == 40
+    plain = module(False)
+    assert len(plain.train_dataloader()) == 5 and plain.hparams["epoch_repeats"] == 1
+
+
 def _v2_pipeline(train: bool, scale, size=(24, 32)):
     """The torchvision v2 pipeline that ``SquareDetectionTransform`` computes in one call."""
     from torchvision.transforms import v2 as T

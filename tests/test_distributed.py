@@ -145,7 +145,7 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
               "--output_dir", str(out), "--explain.num_overlays", "3", "--explain.mistakes", "0", *eval_only],
              tmp_path)
         files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-        browser = ["mistakes.html"] if task == "detection" else []  # every mistake, with its map
+        browser = ["mistakes.html"]  # every mistake, with its map
         assert [f for f in files if not f.startswith("overlays/")] == sorted(
             ["metrics.json", "predictions.json", "report.html", *browser, *task_files])
         assert len([f for f in files if f.startswith("overlays/")]) == 3  # written once, by rank 0

@@ -58,10 +58,12 @@ __all__ = [
     "MAX_UNREADABLE_IN_A_ROW",
     "PathRefusals",
     "RepeatedAugmentationSampler",
+    "RepeatedDataset",
     "SkipUnreadable",
     "SplitDataModule",
     "UnpaddedDistributedSampler",
     "auto_batch_size",
+    "epoch_repeats",
     "distributed_world",
     "eval_sampler",
     "image_path_inside",
@@ -305,6 +307,12 @@ class Batching:
         num_workers: loader processes per training process; ``auto``: the usable cores left after
             two per training process, at most 8 — 0 on a 2-core machine
             (:func:`resolve_num_workers`).
+        fill_epoch: ``auto`` only: when even ``min_batch_size`` leaves fewer than
+            ``min_steps_per_epoch`` steps (a small training set), an epoch shows every training
+            image several times, each time with its own augmentation, until it makes them
+            (:func:`epoch_repeats`): the number of optimizer steps then follows the data's size
+            as the batch size does, and a recipe's ``max_epochs`` means as much training on 300
+            images as on 1,500.
     """
 
     batch_size: int | Literal["auto"] = 64
@@ -313,6 +321,7 @@ class Batching:
     max_batch_size: int = 256
     eval_batch_size: int | None = None
     num_workers: int | Literal["auto"] = "auto"
+    fill_epoch: bool = False
 
     def __post_init__(self) -> None:
         check_batch_sizing(self.batch_size, self.min_steps_per_epoch, self.min_batch_size, self.max_batch_size,
@@ -350,6 +359,32 @@ def auto_batch_size(train_images: int, min_steps_per_epoch: int, min_batch_size:
     fits = per_process // max(1, min_steps_per_epoch * accumulate_grad_batches)
     power = 1 << (fits.bit_length() - 1) if fits >= 1 else 1
     return max(min_batch_size, min(max_batch_size, power))
+
+
+def epoch_repeats(train_images: int, batch: int, min_steps_per_epoch: int, processes: int = 1,
+                  accumulate_grad_batches: int = 1) -> int:
+    """How many times an epoch shows each training image under ``fill_epoch``: the fewest
+    ``k >= 1`` with ``floor(ceil(k * train_images / processes) / batch) >= min_steps_per_epoch *
+    accumulate_grad_batches`` (1 when one pass already makes the steps)."""
+    wanted = min_steps_per_epoch * accumulate_grad_batches * batch * max(1, processes)
+    k = max(1, math.ceil(wanted / max(1, train_images)))
+    while math.ceil(k * train_images / max(1, processes)) // batch < min_steps_per_epoch * accumulate_grad_batches:
+        k += 1
+    return k
+
+
+class RepeatedDataset(Dataset):
+    """``dataset`` shown ``times`` times in a row: index ``i`` is ``dataset[i % len(dataset)]``
+    (each showing draws its own augmentation). The training loaders' view under ``fill_epoch``."""
+
+    def __init__(self, dataset: Dataset, times: int) -> None:
+        self.dataset, self.times = dataset, int(times)
+
+    def __len__(self) -> int:
+        return len(self.dataset) * self.times
+
+    def __getitem__(self, index: int):
+        return self.dataset[index % len(self.dataset)]
 
 
 class RepeatedAugmentationSampler(DistributedSampler):
@@ -452,6 +487,7 @@ class SplitDataModule(L.LightningDataModule):
         self.min_steps_per_epoch, self.min_batch_size, self.max_batch_size = (
             batching.min_steps_per_epoch, batching.min_batch_size, batching.max_batch_size)
         self.resolved_batch_size = batch_size if isinstance(batch_size, int) else None
+        self.repeats = 1  # training passes per epoch (fill_epoch), set with the batch size
         self.eval_batch_size = batching.eval_batch_size or (
             batch_size if isinstance(batch_size, int) else batching.max_batch_size)
 
@@ -485,18 +521,24 @@ class SplitDataModule(L.LightningDataModule):
                                     processes, accumulate)
         else:
             batch = int(self.batch_size)
-        per_process = -(-images // processes)
+        fill = self.batch_size == "auto" and getattr(self.batching, "fill_epoch", False)
+        self.repeats = epoch_repeats(images, batch, self.min_steps_per_epoch, processes, accumulate) if fill else 1
+        per_process = -(-images * self.repeats // processes)
         batches = per_process // batch if per_process > batch else 1  # training drops the last partial batch
         if self.resolved_batch_size != batch or not self.hparams:
             if trainer is None or trainer.is_global_zero:
-                rule = (f"auto: largest power of two <= {per_process} images per process / "
+                rule = (f"auto: largest power of two <= {-(-images // processes)} images per process / "
                         f"(min_steps_per_epoch {self.min_steps_per_epoch} x accumulate_grad_batches {accumulate}), "
                         f"within [{self.min_batch_size}, {self.max_batch_size}]"
                         if self.batch_size == "auto" else "fixed")
                 log.info("training batch size %d per process (%s): %d training images, %d process(es), "
                          "%d batches per epoch", batch, rule, images, processes, batches)
+                if self.repeats > 1:
+                    log.info("fill_epoch: each epoch shows the %d training images %d times (%d batches, at least "
+                             "min_steps_per_epoch %d)", images, self.repeats, batches, self.min_steps_per_epoch)
             self.save_hyperparameters({"batch_size": batch, "batch_size_rule": str(self.batch_size),
-                                       "train_images": images, "batches_per_epoch": batches})
+                                       "train_images": images, "batches_per_epoch": batches,
+                                       "epoch_repeats": self.repeats})
         self.resolved_batch_size = batch
         return batch
 
@@ -524,7 +566,12 @@ class SplitDataModule(L.LightningDataModule):
         return make_loader(ds, self.evaluation_batch_size(), False, workers, self.collate_fn())
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.datasets["train"], True)
+        batch = self.train_batch_size()  # sets the epoch's repeats (fill_epoch)
+        ds = self.datasets["train"]
+        repeats = getattr(self, "repeats", 1)
+        if repeats > 1 and batch:
+            ds = RepeatedDataset(ds, repeats)
+        return self._loader(ds, True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.datasets["val"], False)

@@ -37,14 +37,18 @@ from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import quantise
 from vision_attn.metrics.tide import TIDE_ERRORS
 
-__all__ = ["MAX_FALSE_PER_IMAGE", "MISTAKE_KINDS", "MistakesBrowser", "detection_mistakes", "explain_mistakes",
-           "mistake_cards"]
+__all__ = ["DETECTION_INTRO", "MAX_FALSE_PER_IMAGE", "MISTAKE_KINDS", "MistakesBrowser", "detection_mistakes",
+           "explain_mistakes", "mistake_cards"]
 
 log = logging.getLogger(__name__)
 
 MISTAKE_KINDS = {"cls": "wrong class", "loc": "box off", "both": "class and box", "dupe": "duplicate",
-                 "bkg": "background", "miss": "missed"}
-"""The kinds of mistake a card can be, TIDE's names first, as the page's filter shows them."""
+                 "bkg": "background", "miss": "missed", "misclassified": "misclassified",
+                 "hallucinated": "word no reference has"}
+"""The kinds of mistake a card can be (a detector's: TIDE's names; a classifier's; a captioner's),
+as the page's filter shows them."""
+DETECTION_INTRO = ("Looked at the object: the map's maximum lies on the missed object or on the object the detection "
+                   "is confused with. Green: that object; red: the detection or the missed object.")
 
 
 def _xyxy(box: list[float]) -> list[float]:
@@ -89,6 +93,10 @@ def mistake_cards(per_image: list[dict[str, Any]], score_threshold: float,
         log.info("mistakes browser: %d false positives beyond the best %d of their image left out", left_out,
                  max_false_per_image)
     false.sort(key=lambda c: -c["score"])
+    for c in false:
+        c["note"] = f"is {c['confused']}" if c["confused"] else ""
+    for c in missed:
+        c["note"] = ""
     return false + missed
 
 
@@ -160,6 +168,7 @@ class MistakesBrowser:
     pictures: dict[Any, np.ndarray]
     method: str
     title: str
+    intro: str = DETECTION_INTRO
 
 
 def detection_mistakes(task, dataset, per_image: list[dict[str, Any]] | None, options) -> MistakesBrowser | None:

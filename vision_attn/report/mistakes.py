@@ -18,7 +18,7 @@ from typing import Any
 import cv2
 import numpy as np
 
-from vision_attn.explain.detection_mistakes import MISTAKE_KINDS, MistakesBrowser
+from vision_attn.explain.detection_mistakes import DETECTION_INTRO, MISTAKE_KINDS, MistakesBrowser
 from vision_attn.outputs import write_text
 from vision_attn.report.markup import esc, script_json
 
@@ -41,17 +41,21 @@ def _thumb_uri(rgb: np.ndarray) -> tuple[str, float]:
     return "data:image/jpeg;base64," + base64.b64encode(buf.tobytes()).decode("ascii"), scale
 
 
-def mistakes_page(title: str, cards: list[dict[str, Any]], pictures: dict[Any, np.ndarray], method: str) -> str:
+def mistakes_page(title: str, cards: list[dict[str, Any]], pictures: dict[Any, np.ndarray], method: str,
+                  intro: str = DETECTION_INTRO) -> str:
     """The browser's HTML (see the module docstring): every text escaped, the data in the script
     through :func:`~vision_attn.report.markup.script_json`."""
     images, scales = {}, {}
     for image_id in dict.fromkeys(c["image_id"] for c in cards):  # each image of a card once
         images[str(image_id)], scales[str(image_id)] = _thumb_uri(pictures[image_id])
-    data = [{"image": str(c["image_id"]), "kind": c["kind"], "category": c["category"], "confused": c["confused"],
-             "score": c["score"], "size": c["size"], "box": [v * scales[str(c["image_id"])] for v in c["box"]],
-             "object": None if c["object"] is None else [v * scales[str(c["image_id"])] for v in c["object"]],
-             "looked": c.get("looked"), "grid": c.get("grid"), "map": c.get("map"), "query": c.get("query")}
-            for c in cards]
+    def scaled(c: dict[str, Any], key: str) -> list[float] | None:
+        return None if c.get(key) is None else [v * scales[str(c["image_id"])] for v in c[key]]
+
+    data = [{"image": str(c["image_id"]), "kind": c["kind"], "category": c["category"], "note": c.get("note") or "",
+             "score": c.get("score"), "size": c.get("size") or "", "box": scaled(c, "box"),
+             "object": scaled(c, "object"),
+             "looked": c.get("looked"), "grid": c.get("grid"), "map": c.get("map")} for c in cards]
+    sizes = [v for v in ("small", "medium", "large") if any(c.get("size") == v for c in cards)]
     classes = sorted({c["category"] for c in cards})
 
     def options(values: list[str], labels: dict[str, str] | None = None) -> str:
@@ -64,23 +68,24 @@ def mistakes_page(title: str, cards: list[dict[str, Any]], pictures: dict[Any, n
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title><style>{_CSS}</style></head>"
         f"<body><h1>{esc(title)}</h1><p>{len(cards)} mistakes ({esc(summary or 'none')}); maps: {esc(method)}. "
-        "Looked at the object: the map's maximum lies on the missed object or on the object the detection is "
-        "confused with. Green: that object; red: the detection or the missed object.</p>"
+        f"{esc(intro)}</p>"
         "<div class='filters'>"
         f"<label>class <select id='f-class'><option value=''>all</option>{options(classes)}</select></label>"
         f"<label>mistake <select id='f-kind'><option value=''>all</option>"
         f"{options([k for k in MISTAKE_KINDS if counts[k]], MISTAKE_KINDS)}</select></label>"
-        f"<label>size <select id='f-size'><option value=''>all</option>{options(['small', 'medium', 'large'])}"
+        f"<label>size <select id='f-size'><option value=''>all</option>{options(sizes)}"
         "</select></label><label>looked at the object <select id='f-looked'><option value=''>all</option>"
         "<option value='yes'>yes</option><option value='no'>no</option><option value='none'>no object</option>"
         "</select></label> <span id='shown'></span></div><div id='cards'></div>"
-        f"<script>const IMAGES={script_json(images)};const CARDS={script_json(data)};{_JS}</script></body></html>"
+        f"<script>const NAMES={script_json(MISTAKE_KINDS)};const IMAGES={script_json(images)};"
+        f"const CARDS={script_json(data)};{_JS}</script></body></html>"
     )
 
 
 def write_mistakes_page(path: str | Path, browser: MistakesBrowser, root: str | Path | None = None) -> Path:
     """Write the browser's page to ``path`` (inside ``root``)."""
-    return write_text(path, mistakes_page(browser.title, browser.cards, browser.pictures, browser.method), root=root)
+    return write_text(path, mistakes_page(browser.title, browser.cards, browser.pictures, browser.method,
+                                          browser.intro), root=root)
 
 
 _CSS = """body{font:14px system-ui,sans-serif;margin:16px;color:#222}
@@ -89,9 +94,7 @@ _CSS = """body{font:14px system-ui,sans-serif;margin:16px;color:#222}
 .card{width:260px;border:1px solid #ccc;border-radius:4px;padding:4px}.card canvas{width:256px;display:block}
 .card .t{font-size:12px;line-height:1.35}.yes{color:#070}.no{color:#b00}.hidden{display:none}"""
 
-_JS = """const NAMES={cls:'wrong class',loc:'box off',both:'class and box',dupe:'duplicate',bkg:'background',
-miss:'missed'};
-const root=document.getElementById('cards');const loaded={};
+_JS = """const root=document.getElementById('cards');const loaded={};
 function pic(id){if(!loaded[id]){const im=new Image();im.src=IMAGES[id];loaded[id]=im;}return loaded[id];}
 function heat(c){const [h,w]=c.grid,raw=atob(c.map),cv=document.createElement('canvas');cv.width=w;cv.height=h;
 const ctx=cv.getContext('2d'),img=ctx.createImageData(w,h);
@@ -102,7 +105,7 @@ cv.height=im.height;const ctx=cv.getContext('2d');ctx.drawImage(im,0,0);if(c.map
 ctx.drawImage(heat(c),0,0,im.width,im.height);}ctx.lineWidth=2;
 if(c.object){ctx.strokeStyle='#0a0';ctx.strokeRect(c.object[0],c.object[1],c.object[2]-c.object[0],
 c.object[3]-c.object[1]);}ctx.strokeStyle='#e00';ctx.setLineDash(c.kind==='miss'?[4,3]:[]);
-ctx.strokeRect(c.box[0],c.box[1],c.box[2]-c.box[0],c.box[3]-c.box[1]);};
+if(c.box)ctx.strokeRect(c.box[0],c.box[1],c.box[2]-c.box[0],c.box[3]-c.box[1]);};
 if(im.complete&&im.width)go();else im.addEventListener('load',go,{once:true});}
 const seen=new IntersectionObserver(es=>{for(const e of es){if(e.isIntersecting&&!e.target.dataset.drawn){
 e.target.dataset.drawn='1';draw(e.target,CARDS[+e.target.dataset.i]);}}},{rootMargin:'300px'});
@@ -111,7 +114,7 @@ d.dataset.category=c.category;d.dataset.kind=c.kind;d.dataset.size=c.size;
 d.dataset.looked=c.looked===null?'none':(c.looked?'yes':'no');const cv=document.createElement('canvas');
 const t=document.createElement('div');t.className='t';
 const score=c.score===null?'':' '+c.score.toFixed(2);
-t.textContent=NAMES[c.kind]+': '+c.category+(c.confused?' (is '+c.confused+')':'')+score+', '+c.size+
+t.textContent=NAMES[c.kind]+': '+c.category+(c.note?' ('+c.note+')':'')+score+(c.size?', '+c.size:'')+
 ', image '+c.image;const f=document.createElement('div');f.className='t '+d.dataset.looked;
 f.textContent=c.looked===null?'no object to look at':(c.looked?'looked at the object':'did not look at the object');
 d.append(cv,t,f);root.append(d);seen.observe(d);});

@@ -28,6 +28,7 @@ from vision_attn.distributed import mean_across_processes
 from vision_attn.errors import CheckpointError, ConfigError, DataError
 from vision_attn.explain.captioning import explain_captioning, write_caption_overlays
 from vision_attn.explain.evaluate import DEFAULT_MISTAKES
+from vision_attn.explain.task_mistakes import caption_mistakes
 from vision_attn.metrics.caption import CiderD
 from vision_attn.models.captioner import (
     DEFAULT_DECODER,
@@ -552,8 +553,14 @@ class CaptioningTask(CaptionSelfCritical, CaptionEvaluation, VisionTask):
         """Per-word strips, and on the seeded sample of ``options.faithfulness_images`` images the
         localisation of object words (``pointing_<method>``, ``energy_<method>``, original image
         pixels), the deletion / insertion AUC of the words' probabilities and the saved maps
-        (:func:`~vision_attn.explain.captioning.write_caption_overlays`)."""
-        return write_caption_overlays(self, dataset, options, out_dir, report)
+        (:func:`~vision_attn.explain.captioning.write_caption_overlays`); and the mistakes browser
+        of the object words no reference has (:attr:`eval_mistakes`, ``mistakes.html``:
+        :func:`~vision_attn.explain.task_mistakes.caption_mistakes`)."""
+        metrics = write_caption_overlays(self, dataset, options, out_dir, report)
+        files = getattr(self, "eval_caption_files", None)
+        self.eval_mistakes = (caption_mistakes(self, dataset, files["results_per_image.json"], options)
+                              if files else None)
+        return metrics
 
     # ------------------------------------------------------------------ report.html
     def rank_mistakes(self, dataset, predictions, k, options=None) -> list[int]:

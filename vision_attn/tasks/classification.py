@@ -39,6 +39,7 @@ from vision_attn.distributed import unique_records
 from vision_attn.errors import ConfigError, EncoderError
 from vision_attn.explain.evaluate import DEFAULT_MISTAKES, explain_classification, explain_eval_split
 from vision_attn.explain.methods import TOKENS, Token, resolve_target_class
+from vision_attn.explain.task_mistakes import classification_mistakes
 from vision_attn.metrics.breakdown import classification_breakdown, precision_recall_f1
 from vision_attn.models.classifier import ClassificationHead, ClassifierConfig, HeadKind, TimmHead
 from vision_attn.models.encoder import ViTEncoder
@@ -381,8 +382,13 @@ class ClassificationTask(VisionTask):
         return explain_classification(self, images, pictures, options, truths)
 
     def explain_eval(self, dataset, options, out_dir, report=None) -> dict[str, float]:
-        """Overlays of ``options.num_overlays`` images and faithfulness metrics (``eval.py``)."""
-        return explain_eval_split(self, dataset, options, out_dir, report)
+        """Overlays of ``options.num_overlays`` images and faithfulness metrics (``eval.py``), and
+        the mistakes browser of every misclassified image (:attr:`eval_mistakes`, ``mistakes.html``:
+        :func:`~vision_attn.explain.task_mistakes.classification_mistakes`)."""
+        metrics = explain_eval_split(self, dataset, options, out_dir, report)
+        self.eval_mistakes = classification_mistakes(self, dataset, self.eval_records, options) \
+            if self.eval_records else None
+        return metrics
 
     # ------------------------------------------------------------------ report.html
     def rank_mistakes(self, dataset, predictions, k, options=None) -> list[int]:
