@@ -178,6 +178,7 @@ def test_mistakes_browser_has_every_misclassified_image(evaluated):
     assert sorted((c["image"], c["category"], c["note"]) for c in cards) == sorted(
         (p["file"], p["label"], f"taken for {p['pred']}") for p in wrong)
     assert all(c["kind"] == "misclassified" and c["map"] and c["grid"] for c in cards)
+    assert sorted(c["confused"] for c in cards) == sorted(p["pred"] for p in wrong)  # the cell's other half
     assert page.count("data:image/jpeg;base64,") == len({c["image"] for c in cards})
 
 

@@ -114,7 +114,8 @@ def _page_cards(n: int = 300) -> tuple[list[dict], dict]:
     cards = []
     for i in range(n):
         kind = kinds[i % 4]
-        cards.append({"image_id": i % 40, "kind": kind, "category": ["a", "b<script>", "c"][i % 3], "confused": None,
+        cards.append({"image_id": i % 40, "kind": kind, "category": ["a", "b<script>", "c"][i % 3],
+                      "confused": ["x", "a"][i % 2] if kind == "cls" else None,
                       "score": None if kind == "miss" else float(rng.random()), "size": ["small", "large"][i % 2],
                       "box": [4.0, 4.0, 20.0, 20.0], "object": None if kind == "bkg" else [2.0, 2.0, 18.0, 18.0],
                       "looked": None if kind == "bkg" else bool(i % 3), "grid": [2, 2],
@@ -149,6 +150,12 @@ def test_filters_change_what_chromium_shows(tmp_path, browser):
     page.select_option("#f-looked", "none")
     assert page.evaluate(visible) == sum(c["looked"] is None for c in cards)
     page.select_option("#f-looked", "")
+    # a class and what it is confused with: one cell of a confusion matrix
+    page.select_option("#f-class", "a")
+    page.select_option("#f-confused", "x")
+    assert page.evaluate(visible) == sum(c["category"] == "a" and c["confused"] == "x" for c in cards) > 0
+    page.select_option("#f-class", "")
+    page.select_option("#f-confused", "")
     page.select_option("#f-size", "large")
     assert page.evaluate(visible) == 150
     # cards draw themselves when seen: the first ones are drawn, far ones not yet (lazy)

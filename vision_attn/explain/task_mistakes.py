@@ -3,9 +3,9 @@
 :mod:`~vision_attn.explain.detection_mistakes`).
 
 - **Classification**: every misclassified image, filterable by its true class (the page's class)
-  and showing what it was taken for, with the map of the first explanation method for the
-  *predicted* class (what the model saw of the class it chose); together the cards of one true
-  class and one prediction are a cell of the confusion matrix.
+  and by what it was taken for (``confused``), with the map of the first explanation method for
+  the *predicted* class (what the model saw of the class it chose): the two filters together
+  show one cell of the confusion matrix.
 - **Captioning**: every object word of a caption that none of the image's references uses (the
   ``hallucinated`` words of ``results_per_image.json``), each with the first decoder method's map
   of that word (teacher-forced, at its first place in the caption).
@@ -55,8 +55,8 @@ def classification_mistakes(task, dataset, records: list[dict[str, Any]], option
             name = str(dataset.relative_file(i))
             pictures[name] = _picture(dataset, i)
             cards.append({"image_id": name, "kind": "misclassified", "category": names[truth],
-                          "note": f"taken for {names[pred]}", "score": score, "size": None, "box": None,
-                          "object": None, "looked": None, "grid": list(grid_map.shape),
+                          "confused": names[pred], "note": f"taken for {names[pred]}", "score": score, "size": None,
+                          "box": None, "object": None, "looked": None, "grid": list(grid_map.shape),
                           "map": quantise(grid_map.flatten())})
         progress.update(len(chunk))
     progress.close()

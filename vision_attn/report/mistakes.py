@@ -2,7 +2,8 @@
 
 One self-contained file: the images once each (JPEG, at most :data:`THUMB` px a side), the maps
 as bytes; cards draw themselves on a canvas when they scroll into view, so thousands of cards stay
-fast. Filters: class, kind of mistake, object size, whether the map looked at the object. The
+fast. Filters: class, the class it is confused with (a classifier's: the prediction; with the class,
+a cell of the confusion matrix), kind of mistake, object size, whether the map looked at the object. The
 cards come from :func:`~vision_attn.explain.detection_mistakes.detection_mistakes`; every text is
 escaped where it enters markup and the data enters the script through
 :func:`~vision_attn.report.markup.script_json`.
@@ -51,12 +52,14 @@ def mistakes_page(title: str, cards: list[dict[str, Any]], pictures: dict[Any, n
     def scaled(c: dict[str, Any], key: str) -> list[float] | None:
         return None if c.get(key) is None else [v * scales[str(c["image_id"])] for v in c[key]]
 
-    data = [{"image": str(c["image_id"]), "kind": c["kind"], "category": c["category"], "note": c.get("note") or "",
+    data = [{"image": str(c["image_id"]), "kind": c["kind"], "category": c["category"],
+             "confused": c.get("confused") or "", "note": c.get("note") or "",
              "score": c.get("score"), "size": c.get("size") or "", "box": scaled(c, "box"),
              "object": scaled(c, "object"),
              "looked": c.get("looked"), "grid": c.get("grid"), "map": c.get("map")} for c in cards]
     sizes = [v for v in ("small", "medium", "large") if any(c.get("size") == v for c in cards)]
     classes = sorted({c["category"] for c in cards})
+    others = sorted({c["confused"] for c in cards if c.get("confused")})
 
     def options(values: list[str], labels: dict[str, str] | None = None) -> str:
         return "".join(f"<option value='{esc(v)}'>{esc((labels or {}).get(v, v))}</option>" for v in values)
@@ -71,6 +74,7 @@ def mistakes_page(title: str, cards: list[dict[str, Any]], pictures: dict[Any, n
         f"{esc(intro)}</p>"
         "<div class='filters'>"
         f"<label>class <select id='f-class'><option value=''>all</option>{options(classes)}</select></label>"
+        f"<label>confused with <select id='f-confused'><option value=''>all</option>{options(others)}</select></label>"
         f"<label>mistake <select id='f-kind'><option value=''>all</option>"
         f"{options([k for k in MISTAKE_KINDS if counts[k]], MISTAKE_KINDS)}</select></label>"
         f"<label>size <select id='f-size'><option value=''>all</option>{options(sizes)}"
@@ -110,7 +114,7 @@ if(im.complete&&im.width)go();else im.addEventListener('load',go,{once:true});}
 const seen=new IntersectionObserver(es=>{for(const e of es){if(e.isIntersecting&&!e.target.dataset.drawn){
 e.target.dataset.drawn='1';draw(e.target,CARDS[+e.target.dataset.i]);}}},{rootMargin:'300px'});
 CARDS.forEach((c,i)=>{const d=document.createElement('div');d.className='card';d.dataset.i=i;
-d.dataset.category=c.category;d.dataset.kind=c.kind;d.dataset.size=c.size;
+d.dataset.category=c.category;d.dataset.confused=c.confused;d.dataset.kind=c.kind;d.dataset.size=c.size;
 d.dataset.looked=c.looked===null?'none':(c.looked?'yes':'no');const cv=document.createElement('canvas');
 const t=document.createElement('div');t.className='t';
 const score=c.score===null?'':' '+c.score.toFixed(2);
@@ -119,8 +123,9 @@ t.textContent=NAMES[c.kind]+': '+c.category+(c.note?' ('+c.note+')':'')+score+(c
 f.textContent=c.looked===null?'no object to look at':(c.looked?'looked at the object':'did not look at the object');
 d.append(cv,t,f);root.append(d);seen.observe(d);});
 function apply(){const v=k=>document.getElementById('f-'+k).value;let n=0;
-for(const d of root.children){const ok=['category','kind','size','looked'].every(k=>{
+for(const d of root.children){const ok=['category','confused','kind','size','looked'].every(k=>{
 const want=v(k==='category'?'class':k);return !want||d.dataset[k]===want;});d.classList.toggle('hidden',!ok);n+=ok;}
 document.getElementById('shown').textContent=n+' of '+root.children.length+' shown';}
-for(const k of ['class','kind','size','looked'])document.getElementById('f-'+k).addEventListener('change',apply);
+for(const k of ['class','confused','kind','size','looked'])document.getElementById('f-'+k).addEventListener('change',
+apply);
 apply();"""
