@@ -538,7 +538,7 @@ class SplitDataModule(L.LightningDataModule):
                              "min_steps_per_epoch %d)", images, self.repeats, batches, self.min_steps_per_epoch)
             self.save_hyperparameters({"batch_size": batch, "batch_size_rule": str(self.batch_size),
                                        "train_images": images, "batches_per_epoch": batches,
-                                       "epoch_repeats": self.repeats})
+                                       **({"epoch_repeats": self.repeats} if fill else {})})
         self.resolved_batch_size = batch
         return batch
 
