@@ -158,6 +158,12 @@ def test_filters_change_what_chromium_shows(tmp_path, browser):
     page.select_option("#f-confused", "")
     page.select_option("#f-size", "large")
     assert page.evaluate(visible) == 150
+    # the address sets the filters: a confusion-matrix cell of report.html links so
+    page.close()
+    page = browser.new_page()
+    page.goto(path.as_uri() + "#class=a&confused=x")
+    assert page.evaluate(visible) == sum(c["category"] == "a" and c["confused"] == "x" for c in cards)
+    assert page.input_value("#f-class") == "a" and page.input_value("#f-confused") == "x"
     # cards draw themselves when seen: the first ones are drawn, far ones not yet (lazy)
     page.wait_for_function("() => document.querySelector('.card').dataset.drawn === '1'")
     drawn = page.evaluate("() => [...document.querySelectorAll('.card')].filter(c => c.dataset.drawn).length")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import torch
@@ -354,6 +355,12 @@ def test_classification_page_sections_confusion_click_and_mistakes(browser, tmp_
             assert _visible(page) == expect, (truth, pred)
             n = sum(1 for _, a, b, _ in SPLIT if (a, b) == (truth, pred))
             assert f"{n} images in the split, {len(expect)} of them explained" in page.text_content("#f-status")
+            # a wrong cell links to all of its images in mistakes.html
+            link = page.eval_on_selector("#f-cell-link", "a => a.hidden ? null : a.getAttribute('href')")
+            def uri(x: str) -> str:
+                return quote(x, safe="!'()*")  # as encodeURIComponent
+
+            assert link == (None if truth == pred else f"mistakes.html#class={uri(truth)}&confused={uri(pred)}")
     page.click("#f-clear")
     assert _visible(page) == [f for f, *_ in SPLIT[:EXPLAINED]]
     page.select_option("#f-mode", "wrong")

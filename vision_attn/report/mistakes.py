@@ -3,7 +3,9 @@
 One self-contained file: the images once each (JPEG, at most :data:`THUMB` px a side), the maps
 as bytes; cards draw themselves on a canvas when they scroll into view, so thousands of cards stay
 fast. Filters: class, the class it is confused with (a classifier's: the prediction; with the class,
-a cell of the confusion matrix), kind of mistake, object size, whether the map looked at the object. The
+a cell of the confusion matrix), kind of mistake, object size, whether the map looked at the object;
+the page's address can set them (``mistakes.html#class=cat&confused=dog``: what a wrong cell of
+``report.html``'s confusion matrix links to). The
 cards come from :func:`~vision_attn.explain.detection_mistakes.detection_mistakes`; every text is
 escaped where it enters markup and the data enters the script through
 :func:`~vision_attn.report.markup.script_json`.
@@ -128,4 +130,7 @@ const want=v(k==='category'?'class':k);return !want||d.dataset[k]===want;});d.cl
 document.getElementById('shown').textContent=n+' of '+root.children.length+' shown';}
 for(const k of ['class','confused','kind','size','looked'])document.getElementById('f-'+k).addEventListener('change',
 apply);
-apply();"""
+// mistakes.html#class=a&confused=b (report.html's confusion-matrix cells link here): those filters set
+function fromHash(){for(const [k,v] of new URLSearchParams(location.hash.slice(1))){
+const el=document.getElementById('f-'+k);if(el&&[...el.options].some(o=>o.value===v))el.value=v;}apply();}
+window.addEventListener('hashchange',fromHash);fromHash();"""

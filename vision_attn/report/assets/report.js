@@ -68,6 +68,12 @@ function applyFilters(){
     ?`truth \u201c${F.cell[0]}\u201d, predicted \u201c${F.cell[1]}\u201d: ${F.n} images in the split, `+
       `${shown} of them explained below`
     :`showing ${shown} of ${PAGE.meta.length} explained images`;
+  // a wrong cell: every one of its images, each with its map, in the evaluation's mistakes.html
+  let link=byId('f-cell-link');
+  if(!link&&st){link=document.createElement('a');link.id='f-cell-link';st.after(link);}
+  if(link){const wrong=!!F.cell&&F.cell[0]!==F.cell[1];link.hidden=!wrong;
+    link.textContent=wrong?` all ${F.n} with their maps: mistakes.html`:'';
+    link.href=wrong?`mistakes.html#class=${encodeURIComponent(F.cell[0])}&confused=${encodeURIComponent(F.cell[1])}`:'#';}
   return shown;}
 function resetFilters(){
   F.cell=null;const ms=byId('f-mode'),cs=byId('f-class');
