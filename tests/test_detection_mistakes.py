@@ -34,7 +34,7 @@ def _evaluated(tmp_path, tiny_encoder, threshold=0.4):
 
 
 def test_every_false_positive_and_missed_object_is_a_card(tmp_path, tiny_encoder):
-    _, _, files = _evaluated(tmp_path, tiny_encoder)
+    task, ds, files = _evaluated(tmp_path, tiny_encoder)
     cards = mistake_cards(files["results_per_image.json"], 0.4)
     per_class = files["per_class.csv"]
     assert sum(c["kind"] != "miss" for c in cards) == sum(r["fp"] for r in per_class) > 0
@@ -50,6 +50,16 @@ def test_every_false_positive_and_missed_object_is_a_card(tmp_path, tiny_encoder
         else:
             assert c["object"] is not None
     assert any(c["kind"] == "cls" and c["confused"] not in (None, c["category"]) for c in cards)
+    # the browser says how many the cap left out
+    from vision_attn.explain.detection_mistakes import detection_mistakes
+
+    options = SimpleNamespace(score_threshold=0.0, batch_size=8, methods=["attention"], methods_default=False,
+                              query_layers="last", seed=0, decoder_rule=None)
+    browser = detection_mistakes(task, ds, files["results_per_image.json"], options, max_false_per_image=1)
+    false = sum(1 for e in files["results_per_image.json"] for d in e["detections"]
+                if d["outcome"] in ("cls", "loc", "both", "dupe", "bkg"))
+    shown = sum(c["kind"] != "miss" for c in browser.cards)
+    assert shown < false and f"{false - shown} of the {false} false positives, beyond the 1 " in browser.intro
     # a cap on the false positives of one image keeps its best-scoring ones
     capped = mistake_cards(files["results_per_image.json"], 0.0, max_false_per_image=1)
     per_image: dict = {}

@@ -171,12 +171,19 @@ class MistakesBrowser:
     intro: str = DETECTION_INTRO
 
 
-def detection_mistakes(task, dataset, per_image: list[dict[str, Any]] | None, options) -> MistakesBrowser | None:
+def detection_mistakes(task, dataset, per_image: list[dict[str, Any]] | None, options,
+                       max_false_per_image: int = MAX_FALSE_PER_IMAGE) -> MistakesBrowser | None:
     """The browser of the evaluation's ``per_image`` results (``results_per_image.json``): every
-    card of :func:`mistake_cards` with its map (:func:`explain_mistakes`); ``None`` without results."""
+    card of :func:`mistake_cards` with its map (:func:`explain_mistakes`); ``None`` without results.
+    The page says how many false positives the per-image cap left out, if any."""
     if per_image is None:
         return None
-    cards = mistake_cards(per_image, options.score_threshold)
+    cards = mistake_cards(per_image, options.score_threshold, max_false_per_image)
     pictures = explain_mistakes(task, dataset, cards, options) if cards else {}
+    false = sum(1 for e in per_image for d in e["detections"]
+                if d["score"] >= options.score_threshold and d["outcome"] in TIDE_ERRORS)
+    left_out = false - sum(c["kind"] != "miss" for c in cards)
+    intro = DETECTION_INTRO + (f" {left_out} of the {false} false positives, beyond the {max_false_per_image} "
+                               "best-scoring of their image, are left out." if left_out else "")
     return MistakesBrowser(cards, pictures, decoder_methods(options, model=task)[0],
-                           f"vision_attn detection mistakes (score >= {options.score_threshold:g})")
+                           f"vision_attn detection mistakes (score >= {options.score_threshold:g})", intro)
