@@ -38,7 +38,7 @@ from vision_attn.explain.records import quantise
 from vision_attn.metrics.tide import TIDE_ERRORS
 
 __all__ = ["DETECTION_INTRO", "MAX_FALSE_PER_IMAGE", "MISTAKE_KINDS", "MistakesBrowser", "detection_mistakes",
-           "explain_mistakes", "mistake_cards"]
+           "explain_mistakes", "map_fields", "mistake_cards"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,11 @@ MISTAKE_KINDS = {"cls": "wrong class", "loc": "box off", "both": "class and box"
 as the page's filter shows them."""
 DETECTION_INTRO = ("Looked at the object: the map's maximum lies on the missed object or on the object the detection "
                    "is confused with. Green: that object; red: the detection or the missed object.")
+
+
+def map_fields(grid_map: torch.Tensor) -> dict[str, Any]:
+    """A card's map: ``grid`` ``[h, w]`` and ``map``, the values as quantised bytes (base64)."""
+    return {"grid": list(grid_map.shape), "map": quantise(grid_map.flatten())}
 
 
 def _xyxy(box: list[float]) -> list[float]:
@@ -149,8 +154,7 @@ def explain_mistakes(task, dataset, cards: list[dict[str, Any]], options) -> dic
         for image_id, i, size, grid_maps in zip(chunk, idx, sizes, maps, strict=True):
             pictures[image_id] = dataset.read_rgb(i)
             for card, grid_map in zip(by_image[image_id], grid_maps, strict=True):
-                card["grid"] = list(grid_map.shape)
-                card["map"] = quantise(grid_map.flatten())
+                card.update(map_fields(grid_map))
                 card["looked"] = (None if card["object"] is None else
                                   pointing_hit(grid_to_image(grid_map, size, pre), [card["object"]]))
         progress.update(len(chunk))

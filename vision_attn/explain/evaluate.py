@@ -61,6 +61,7 @@ from vision_attn.explain.faithfulness import (
     deletion_insertion_curve,
     end_probabilities,
 )
+from vision_attn.explain.images import dataset_picture
 from vision_attn.explain.localisation import grid_to_image, load_image_objects
 from vision_attn.explain.measures import ItemScores, Localisation, MapWriter, Measures, Perturbation, Sanity
 from vision_attn.explain.methods import (
@@ -310,8 +311,7 @@ def write_overlays(task, dataset, options: ExplainOptions, out_dir: Path, report
         idx = chosen[start : start + options.batch_size]
         names = [str(dataset.relative_file(i)) for i in idx]
         images = torch.stack([dataset[i][0] for i in idx]).to(device)
-        pictures = [dataset.read_rgb(i) if hasattr(dataset, "read_rgb") else read_image(Path(dataset.root) / name)
-                    for i, name in zip(idx, names, strict=True)]
+        pictures = [dataset_picture(dataset, i) for i in idx]
         truths = [task.truth_text(dataset, i) for i in idx]
         explained = task.explain_batch(images, pictures, options, truths if None not in truths else None)
         for i, name, e in zip(idx, names, explained, strict=True):

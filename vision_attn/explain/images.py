@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import cv2
 import numpy as np
 
-__all__ = ["enlarge", "resize_nearest"]
+__all__ = ["dataset_picture", "enlarge", "resize_nearest"]
 
 
 def resize_nearest(rgb: np.ndarray, width: int, height: int) -> np.ndarray:
@@ -22,3 +24,14 @@ def enlarge(rgb: np.ndarray, side: int) -> np.ndarray:
         return rgb
     f = int(np.ceil(side / longer))
     return resize_nearest(rgb, rgb.shape[1] * f, rgb.shape[0] * f)
+
+
+def dataset_picture(dataset, i: int) -> np.ndarray:
+    """Image ``i`` of a split as the explanations draw on it: ``dataset.read_rgb(i)`` when the
+    dataset has it (the read its model input and boxes come from), else its file under
+    ``dataset.root`` (``dataset.relative_file(i)``)."""
+    if hasattr(dataset, "read_rgb"):
+        return dataset.read_rgb(i)
+    from vision_attn.data.imageio import read_image
+
+    return read_image(Path(dataset.root) / str(dataset.relative_file(i)))

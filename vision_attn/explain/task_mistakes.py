@@ -13,27 +13,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from vision_attn.data.imageio import read_image
 from vision_attn.explain.captioning import CAPTION_DEFAULTS, CAPTION_RULE, teacher_forced_word_maps
 from vision_attn.explain.detection import decoder_methods, relevance_rule
-from vision_attn.explain.detection_mistakes import MistakesBrowser
+from vision_attn.explain.detection_mistakes import MistakesBrowser, map_fields
+from vision_attn.explain.images import dataset_picture
 from vision_attn.explain.methods import explain_classifier
 from vision_attn.explain.progress import Progress
-from vision_attn.explain.records import quantise
 
 __all__ = ["caption_mistakes", "classification_mistakes"]
-
-
-def _picture(dataset, i: int) -> np.ndarray:
-    if hasattr(dataset, "read_rgb"):
-        return dataset.read_rgb(i)
-    return read_image(Path(dataset.root) / str(dataset.relative_file(i)))
 
 
 def classification_mistakes(task, dataset, records: list[dict[str, Any]], options) -> MistakesBrowser:
@@ -53,11 +44,10 @@ def classification_mistakes(task, dataset, records: list[dict[str, Any]], option
                                                                                device=device)).maps[method]
         for (i, truth, pred, score), grid_map in zip(chunk, maps, strict=True):
             name = str(dataset.relative_file(i))
-            pictures[name] = _picture(dataset, i)
+            pictures[name] = dataset_picture(dataset, i)
             cards.append({"image_id": name, "kind": "misclassified", "category": names[truth],
                           "confused": names[pred], "note": f"taken for {names[pred]}", "score": score, "size": None,
-                          "box": None, "object": None, "looked": None, "grid": list(grid_map.shape),
-                          "map": quantise(grid_map.flatten())})
+                          "box": None, "object": None, "looked": None, **map_fields(grid_map)})
         progress.update(len(chunk))
     progress.close()
     return MistakesBrowser(cards, pictures, method, "vision_attn classification mistakes",
@@ -83,15 +73,14 @@ def caption_mistakes(task, dataset, per_image: list[dict[str, Any]], options) ->
                                         relevance_rule(options, CAPTION_RULE))[method]
         for e, i, word_maps in zip(chunk, idx, maps, strict=True):
             words = e["caption"].split()
-            pictures[e["image_id"]] = _picture(dataset, i)
+            pictures[e["image_id"]] = dataset_picture(dataset, i)
             for word in dict.fromkeys(e["hallucinated"]):
                 at = words.index(word) if word in words else None
                 if at is None or at >= len(word_maps):
                     continue
                 cards.append({"image_id": e["image_id"], "kind": "hallucinated", "category": word,
                               "note": f"in \u201c{e['caption']}\u201d", "score": None, "size": None, "box": None,
-                              "object": None, "looked": None, "grid": list(word_maps[at].shape),
-                              "map": quantise(word_maps[at].flatten())})
+                              "object": None, "looked": None, **map_fields(word_maps[at])})
         progress.update(len(chunk))
     progress.close()
     return MistakesBrowser(cards, pictures, method, "vision_attn captioning mistakes",
