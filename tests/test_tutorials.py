@@ -42,7 +42,9 @@ GROUPS: dict[str, list[str]] = {
 }
 PARSE_ONLY = {"docs/tutorials/multi-gpu.md"}
 """Pages whose training commands need GPUs or datasets a test does not have: ``fit`` and
-``validate`` are parsed and checked (``--print_config``) instead of run."""
+``validate`` are parsed and checked (``--print_config``) instead of run. A single block of
+another page is marked ``<!-- runnable: parse only -->`` for the same reason (COCO itself,
+pretrained weights from the hub)."""
 
 SUBSTITUTIONS: dict[str, list[tuple[str, str]]] = {
     "*": [("pretrained=True", "pretrained=False"),  # no hub: the same architecture, random weights
@@ -52,7 +54,7 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str]]] = {
 }
 
 PHOTOS = ("cat.jpg", "dog.jpg")  # the pictures the pages call photos/*; photos/broken.jpg is not an image
-MARKER = re.compile(r"<!-- (runnable|file: (?P<file>[\w./-]+)) -->\n```(?P<lang>\w*)[^\n]*\n(?P<body>.*?)\n```", re.S)
+MARKER = re.compile(r"<!-- (runnable(?P<parse>: parse only)?|file: (?P<file>[\w./-]+)) -->\n```(?P<lang>\w*)[^\n]*\n(?P<body>.*?)\n```", re.S)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Block:
     lang: str
     body: str
     file: str | None = None  # a file block: written, not run
+    parse_only: bool = False  # ``<!-- runnable: parse only -->``: its data or weights are not here
 
     @property
     def where(self) -> str:
@@ -71,8 +74,8 @@ class Block:
 def blocks(page: str) -> list[Block]:
     """The marked blocks of ``page`` (a path relative to the repository), in order."""
     text = (REPO / page).read_text(encoding="utf-8")
-    return [Block(page, text.count("\n", 0, m.start()) + 2, m.group("lang"), m.group("body"), m.group("file"))
-            for m in MARKER.finditer(text)]
+    return [Block(page, text.count("\n", 0, m.start()) + 2, m.group("lang"), m.group("body"), m.group("file"),
+                  bool(m.group("parse"))) for m in MARKER.finditer(text)]
 
 
 def pages_with_blocks() -> list[str]:
@@ -159,7 +162,7 @@ class Runner:
                     self.python(body, block.where)
                 elif block.lang in ("bash", "sh", "shell"):
                     for line in shell_lines(body):
-                        self.shell(line, page in PARSE_ONLY)
+                        self.shell(line, page in PARSE_ONLY or block.parse_only)
                 else:
                     raise BlockFailed(f"a runnable block in {block.lang or 'no language'}: mark bash or python only")
             except BlockFailed as err:
