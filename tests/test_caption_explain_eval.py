@@ -244,7 +244,7 @@ def test_each_head_has_its_measured_default_and_a_given_order_wins():
     default = ExplainOptions()
     assert default.methods == list(DEFAULT_METHODS) and default.methods_default
     assert decoder_methods(default) == ["lrp", "attention"] == list(DETECTION_DEFAULTS)
-    assert decoder_methods(default, CAPTION_DEFAULTS) == ["relevance", "attention"]
+    assert decoder_methods(default, CAPTION_DEFAULTS) == ["lrp", "attention"] == list(CAPTION_DEFAULTS)
 
     class Pool(torch.nn.Module):  # an attention module AttnLRP has no rule for
         fused_attn = True

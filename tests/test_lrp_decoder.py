@@ -4,11 +4,22 @@ rows, and the ``lrp`` method of both heads' explanations."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from tests.test_decoder_relevance import _captioner, _detector, _images
-from vision_attn.explain.lrp_decoder import caption_lrp, decoder_lrp_budget, detection_lrp, positive_maps
+from vision_attn.explain import lrp_decoder
+from vision_attn.explain.faithfulness import on_patch_grid
+from vision_attn.explain.lrp_decoder import (
+    caption_lrp,
+    cell_grid,
+    decoder_lrp_budget,
+    detection_lrp,
+    positive_maps,
+    smooth_cells,
+)
 
 HEADS = [{}, {"box_refine": True}, {"focal": True, "box_refine": True, "query_selection": True}, {"pyramid": True}]
 
@@ -86,8 +97,48 @@ def test_lrp_is_a_method_of_both_decoder_heads():
 
     task = _detector()
     maps = detection_maps(task, _images(1), [torch.tensor([1])], [torch.tensor([0])], ["lrp", "attention"])
-    assert list(maps) == ["lrp", "attention"] and maps["lrp"][0].shape == (1, 4, 4)
-    assert not torch.allclose(maps["lrp"][0], maps["attention"][0])
+    # 4 x 4 patches of 8 px, each split into 4 x 4 cells of 2 px
+    assert list(maps) == ["lrp", "attention"] and maps["lrp"][0].shape == (1, 16, 16)
+    assert maps["attention"][0].shape == (1, 4, 4)
     cap = _captioner()
     words = teacher_forced_word_maps(cap, _images(1), [torch.tensor([4, 5])], ["lrp"])
-    assert words["lrp"][0].shape == (2, 4, 4) and float(words["lrp"][0].max()) == pytest.approx(1.0)
+    assert words["lrp"][0].shape == (2, 16, 16) and float(words["lrp"][0].max()) == pytest.approx(1.0)
+
+
+def test_cells_split_each_patch_and_sum_to_its_relevance(monkeypatch):
+    task = _detector()
+    images = _images(1)
+    assert cell_grid(task.encoder, 32, 32) == ((16, 16), (2, 2))
+    fine = detection_lrp(task, images, [torch.tensor([0, 2])])[0]
+    monkeypatch.setattr(lrp_decoder, "CELLS", 1)  # one cell per patch: the patch sums
+    assert cell_grid(task.encoder, 32, 32) == ((4, 4), (8, 8))
+    coarse = detection_lrp(task, images, [torch.tensor([0, 2])])[0]
+    assert coarse.shape == (2, 4, 4)
+    assert torch.allclose(on_patch_grid(fine, (4, 4)), coarse, atol=1e-6)
+    assert not torch.allclose(fine[0], fine[0].reshape(4, 4, 4, 4).mean(dim=(1, 3), keepdim=True)
+                              .expand(4, 4, 4, 4).reshape(16, 16))  # not constant within a patch
+
+
+@pytest.mark.parametrize(("patch", "expected"), [(16, ((8, 8), (4, 4))), (14, ((4, 4), (7, 7))),
+                                                 (7, ((2, 2), (7, 7))), (None, ((2, 2), (16, 16)))])
+def test_cell_grid_takes_the_largest_divisor_of_the_patch(patch, expected):
+    class Encoder(torch.nn.Module):
+        patch_size = patch
+
+        def grid_for(self, height, width):
+            return 2, 2
+
+    assert cell_grid(Encoder(), 32, 32) == expected
+
+
+def test_cells_are_smoothed_by_half_a_cell_and_patches_are_cell_sums():
+    spike = torch.zeros(1, 5, 5)
+    spike[0, 2, 2] = 1.0
+    a = math.exp(-2.0)
+    axis = torch.tensor([0.0, a, 1.0, a, 0.0]) / (1 + 2 * a)
+    assert torch.allclose(smooth_cells(spike)[0], axis[:, None] * axis[None, :])
+    cells = torch.arange(32.0).view(2, 4, 4)
+    assert on_patch_grid(cells, (2, 2)).tolist() == [[[10.0, 18.0], [42.0, 50.0]], [[74.0, 82.0], [106.0, 114.0]]]
+    assert on_patch_grid(cells, (4, 4)) is cells
+    with pytest.raises(ValueError, match="does not split the 3x3 patch grid"):
+        on_patch_grid(cells, (3, 3))

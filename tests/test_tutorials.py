@@ -54,7 +54,8 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str]]] = {
 }
 
 PHOTOS = ("cat.jpg", "dog.jpg")  # the pictures the pages call photos/*; photos/broken.jpg is not an image
-MARKER = re.compile(r"<!-- (runnable(?P<parse>: parse only)?|file: (?P<file>[\w./-]+)) -->\n```(?P<lang>\w*)[^\n]*\n(?P<body>.*?)\n```", re.S)
+MARKER = re.compile(r"<!-- (runnable(?P<parse>: parse only)?|file: (?P<file>[\w./-]+)) -->\n"
+                    r"```(?P<lang>\w*)[^\n]*\n(?P<body>.*?)\n```", re.S)
 
 
 @dataclass(frozen=True)

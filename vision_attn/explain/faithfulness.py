@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["MODES", "auc", "blur", "curve_ends", "deletion_insertion_curve", "end_probabilities", "order_ends",
-           "patch_ranks"]
+           "on_patch_grid", "patch_ranks"]
 
 MODES = ("deletion", "insertion")
 """The two perturbations of a map's curves: patches removed most salient first, or put back."""
@@ -74,6 +74,22 @@ def order_ends(probs: dict[str, Tensor], mode: Literal["deletion", "insertion"] 
     its baseline (``zero`` by default), insertion from its baseline (``blur``) to the image."""
     baseline = baseline or ("zero" if mode == "deletion" else "blur")
     return (probs["image"], probs[baseline]) if mode == "deletion" else (probs[baseline], probs["image"])
+
+
+def on_patch_grid(saliency: Tensor, grid: tuple[int, int]) -> Tensor:
+    """``[R, h, w]`` maps over the patch ``grid`` from ``[R, h * k, w * l]`` maps over cells that
+    split each patch into ``k`` x ``l`` (each patch the sum of its cells; maps already over the
+    grid unchanged), so that the curves change whole patches whatever a map's resolution.
+
+    Raises:
+        ValueError: the map's size is not a multiple of the grid's.
+    """
+    (h, w), (rows, cols) = grid, saliency.shape[-2:]
+    if (rows, cols) == (h, w):
+        return saliency
+    if rows % h or cols % w:
+        raise ValueError(f"a {rows}x{cols} map does not split the {h}x{w} patch grid into cells")
+    return saliency.reshape(saliency.shape[0], h, rows // h, w, cols // w).sum(dim=(2, 4))
 
 
 def patch_ranks(saliency: Tensor) -> Tensor:

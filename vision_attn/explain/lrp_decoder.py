@@ -19,9 +19,13 @@ reports their share as ``queries`` and ``positions`` next to the pixels, biases,
 embeddings and the softmaxes: the entries sum to the explained logit (conservation; in float64
 to rounding).
 
-The map of an item is its pixels' relevance summed over the channels and each patch's pixels
-(signed); the ``lrp`` method of the detection and captioning explanations draws its positive
-part, scaled to maximum 1 (:func:`positive_maps`).
+The map of an item is its pixels' relevance summed over the channels and over cells finer than
+the patches (signed): each patch split into :data:`CELLS` x :data:`CELLS` cells (the largest
+divisor of the patch side up to it), so that a map keeps where inside a patch the relevance lies
+(on a digit's strokes rather than on the whole patch) and the cells of a patch sum to its
+relevance. The ``lrp`` method of the detection and captioning explanations draws its positive part,
+smoothed over neighbouring cells and scaled to maximum 1 (:func:`positive_maps`); the deletion and
+insertion curves change whole patches for every method, so they sum a map's cells per patch first.
 
 Batching as in :mod:`~vision_attn.explain.decoder_relevance`: every (image, item) pair is a row
 (the image repeated), one backward pass of the sum of the rows' scores gives each row its own
@@ -31,10 +35,12 @@ it was (modes restored, every hook removed, no parameter gradient accumulated).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vision_attn.explain.decoder_relevance import (
@@ -49,7 +55,12 @@ from vision_attn.explain.decoder_relevance import (
 from vision_attn.explain.lrp import _patch_size, _patch_sums, lrp_rules, relevance_ledger
 from vision_attn.explain.rollout import normalize_maps
 
-__all__ = ["caption_lrp", "decoder_lrp_budget", "detection_lrp", "positive_maps"]
+__all__ = ["CELLS", "caption_lrp", "cell_grid", "decoder_lrp_budget", "detection_lrp", "positive_maps"]
+
+CELLS = 4
+"""Cells a side of each patch in the decoder heads' AttnLRP maps (see the module docstring)."""
+
+_SMOOTH = math.exp(-2.0)  # a Gaussian of half a cell, sampled at the neighbouring cells (1 cell = 2 sigma)
 
 
 @contextmanager
@@ -95,14 +106,30 @@ def _caption_scores(task: nn.Module, x: Tensor, inputs: Tensor, targets: Tensor,
     return logits[r, positions].float().gather(1, targets[r, positions][:, None]).squeeze(1), enc
 
 
-def _pixel_maps(task: nn.Module, x: Tensor, score: Tensor, grid: tuple[int, int]) -> Tensor:
+def cell_grid(encoder: nn.Module, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((rows, columns), (cell height, cell width))`` of the AttnLRP maps of an ``height`` x
+    ``width`` input: the patch grid with each patch split into up to :data:`CELLS` cells a side
+    (the largest divisor of the patch side up to it; one cell per patch where the patch size is
+    unknown)."""
+    h, w = encoder.grid_for(height, width)
+    patch = _patch_size(encoder)
+    if patch is None:
+        return (h, w), (math.ceil(height / h), math.ceil(width / w))
+    k = [max(d for d in range(1, CELLS + 1) if side % d == 0) for side in patch]
+    return (h * k[0], w * k[1]), (patch[0] // k[0], patch[1] // k[1])
+
+
+def _pixel_maps(task: nn.Module, x: Tensor, score: Tensor) -> Tensor:
+    """``[R, rows, columns]``: the rows' pixel relevance summed per cell of :func:`cell_grid`."""
     (grad,) = torch.autograd.grad(score.sum(), x)
-    return _patch_sums((x * grad).detach().sum(dim=1), grid, _patch_size(task.encoder)).float().cpu()
+    grid, cell = cell_grid(task.encoder, *x.shape[-2:])
+    return _patch_sums((x * grad).detach().sum(dim=1), grid, cell).float().cpu()
 
 
 def detection_lrp(task: nn.Module, images: Tensor, queries: Sequence[Tensor], labels: Sequence[Tensor] | None = None,
                   max_rows: int = 32) -> list[Tensor]:
-    """AttnLRP maps of detections: per image ``[K_b, h, w]`` signed patch relevance (CPU, float32).
+    """AttnLRP maps of detections: per image ``[K_b, rows, columns]`` signed relevance per cell of
+    :func:`cell_grid` (CPU, float32).
 
     Args:
         task: a :class:`~vision_attn.tasks.DetectionTask` (``encoder`` and a DETR ``head``).
@@ -113,7 +140,7 @@ def detection_lrp(task: nn.Module, images: Tensor, queries: Sequence[Tensor], la
     """
     _check_head(task, "detection_lrp")
     image_idx, query_idx, label_idx, counts = detection_rows(task, images, queries, labels, "detection_lrp")
-    grid = task.encoder.grid_for(*images.shape[-2:])
+    grid, _ = cell_grid(task.encoder, *images.shape[-2:])
     maps = []
     with _explaining(task):
         for start in range(0, len(image_idx), max_rows):
@@ -123,13 +150,13 @@ def detection_lrp(task: nn.Module, images: Tensor, queries: Sequence[Tensor], la
             with lrp_rules(task), _decoder_sources(task.head):
                 score, _ = _detection_scores(task, x, torch.tensor(query_idx[rows], device=device),
                                              torch.tensor(label_idx[rows], device=device))
-            maps.append(_pixel_maps(task, x, score, grid))
+            maps.append(_pixel_maps(task, x, score))
     return _split(torch.cat(maps) if maps else torch.zeros(0, *grid), counts, grid)
 
 
 def caption_lrp(task: nn.Module, images: Tensor, tokens: Sequence[Tensor] | Tensor, max_rows: int = 32) -> list[Tensor]:
-    """AttnLRP maps of a caption's words: per image ``[T_b, h, w]`` signed patch relevance (CPU,
-    float32) of each word's logit, teacher-forced.
+    """AttnLRP maps of a caption's words: per image ``[T_b, rows, columns]`` signed relevance per
+    cell of :func:`cell_grid` (CPU, float32) of each word's logit, teacher-forced.
 
     Args:
         task: a :class:`~vision_attn.tasks.CaptioningTask` (``encoder``, ``head``, ``tokenizer``).
@@ -139,7 +166,7 @@ def caption_lrp(task: nn.Module, images: Tensor, tokens: Sequence[Tensor] | Tens
     """
     _check_head(task, "caption_lrp")
     full, image_idx, word_idx, counts = caption_rows(task, images, tokens, "caption_lrp")
-    grid = task.encoder.grid_for(*images.shape[-2:])
+    grid, _ = cell_grid(task.encoder, *images.shape[-2:])
     maps = []
     with _explaining(task):
         for start in range(0, len(image_idx), max_rows):
@@ -150,7 +177,7 @@ def caption_lrp(task: nn.Module, images: Tensor, tokens: Sequence[Tensor] | Tens
             with lrp_rules(task), _decoder_sources(task.head):
                 score, _ = _caption_scores(task, x, full[b_idx, :-1].to(device), full[b_idx, 1:].to(device),
                                            torch.tensor(word_idx[rows], device=device))
-            maps.append(_pixel_maps(task, x, score, grid))
+            maps.append(_pixel_maps(task, x, score))
     return _split(torch.cat(maps) if maps else torch.zeros(0, *grid), counts, grid)
 
 
@@ -184,6 +211,18 @@ def decoder_lrp_budget(task: nn.Module, images: Tensor, query: int | None = None
         return relevance_ledger(task, x, score.sum(), record, sources)
 
 
+def smooth_cells(maps: Tensor) -> Tensor:
+    """``[K, h, w]`` maps convolved with a Gaussian of half a cell (weights ``e^-2``, ``1``,
+    ``e^-2`` along each axis, normalised; zero outside the map)."""
+    if maps.numel() == 0:
+        return maps
+    kernel = maps.new_tensor([_SMOOTH, 1.0, _SMOOTH])
+    kernel = kernel / kernel.sum()
+    x = F.conv2d(maps[:, None], kernel.view(1, 1, 1, 3), padding=(0, 1))
+    return F.conv2d(x, kernel.view(1, 1, 3, 1), padding=(1, 0))[:, 0]
+
+
 def positive_maps(maps: list[Tensor]) -> list[Tensor]:
-    """The positive part of signed relevance maps, each scaled to maximum 1 (what ``lrp`` draws)."""
-    return [normalize_maps(m.clamp(min=0)) if m.numel() else m for m in maps]
+    """What ``lrp`` draws of signed relevance maps: smoothed over neighbouring cells
+    (:func:`smooth_cells`), the positive part, each scaled to maximum 1."""
+    return [normalize_maps(smooth_cells(m).clamp(min=0)) if m.numel() else m for m in maps]
