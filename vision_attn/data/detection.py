@@ -76,6 +76,7 @@ from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
 from vision_attn.data.layout import SPLIT_LAYOUT_LEGACY, SplitLayout
 from vision_attn.data.loading import BATCHING_LEGACY, Batching, SkipUnreadable, SplitDataModule, relative_file
 from vision_attn.data.masks import ImageMask, image_mask
+from vision_attn.data.mosaic import MosaicConfig, draw_centre, mosaic
 from vision_attn.data.synthetic import SceneSetConfig, embedded_data_warning, ensure_shapes_coco
 from vision_attn.data.transforms import (
     DETR_EVAL_SIZE,
@@ -85,7 +86,7 @@ from vision_attn.data.transforms import (
     _interp,
     model_preprocess,
 )
-from vision_attn.errors import DataError
+from vision_attn.errors import ConfigError, DataError
 
 __all__ = ["COCO_ID_LIMIT", "CocoDetection", "CocoLayout", "DetectionDataModule", "DetectionTransform",
            "SquareDetectionTransform", "check_category_id", "check_images_dir", "coco_id_error", "coco_root",
@@ -315,14 +316,30 @@ class CocoDetection(SkipUnreadable, Dataset):
         return [image_mask(seg, height, width, where) if seg is not None else None
                 for seg in self._segmentations[image_id]]
 
+    mosaic: tuple[MosaicConfig, tuple[int, int], torch.Tensor] | None = None
+
+    def use_mosaic(self, config: MosaicConfig, size: tuple[int, int], switch: torch.Tensor) -> None:
+        """Training: make ``config.prob`` of the items a mosaic of four images of ``size``
+        (:mod:`vision_attn.data.mosaic`) while ``switch[0]`` is non-zero."""
+        self.mosaic = (config, (int(size[0]), int(size[1])), switch)
+
+    def _raw(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(uint8 [3, H, W], XYXY boxes [n, 4], labels [n])`` of an image as read."""
+        rgb = self.cached_read(index, lambda: self.read_rgb(index))
+        anns = self.annotations[self.images[index]["id"]]
+        xyxy = torch.tensor([a[0] for a in anns], dtype=torch.float32).reshape(-1, 4)
+        return torch.from_numpy(rgb).permute(2, 0, 1), xyxy, torch.tensor([a[1] for a in anns], dtype=torch.int64)
+
     def _load(self, index: int):
         im = self.images[index]
-        rgb = self.cached_read(index, lambda: self.read_rgb(index))
-        h, w = rgb.shape[:2]
-        anns = self.annotations[im["id"]]
-        xyxy = torch.tensor([a[0] for a in anns], dtype=torch.float32).reshape(-1, 4)
-        labels = torch.tensor([a[1] for a in anns], dtype=torch.int64)
-        image = tv_tensors.Image(torch.from_numpy(rgb).permute(2, 0, 1))
+        rgb, xyxy, labels = self._raw(index)
+        if self.mosaic is not None and self.mosaic[2][0] and float(torch.rand(1)) < self.mosaic[0].prob:
+            config, size, _ = self.mosaic
+            parts = [(rgb, xyxy, labels)] + [self._raw(int(i)) for i in torch.randint(len(self), (3,))]
+            rgb, xyxy, labels = mosaic(*zip(*parts, strict=True), size, draw_centre(size, scale=config.scale),
+                                       config.min_visible, config.scale)
+        h, w = rgb.shape[-2:]
+        image = tv_tensors.Image(rgb)
         boxes = tv_tensors.BoundingBoxes(xyxy, format="XYXY", canvas_size=(h, w))
         if self.transform is not None:
             image, boxes, labels = self.transform(image, boxes, labels)
@@ -482,6 +499,7 @@ class SquareDetectionTransform:
 DETECTION_BATCHING = Batching(batch_size=16, min_steps_per_epoch=200, min_batch_size=8, max_batch_size=64)
 DETECTION_LAYOUT = SplitLayout()
 SQUARE_TRANSFORM = DetectionTransform()
+NO_MOSAIC = MosaicConfig()
 
 
 class DetectionDataModule(CocoLayout, SplitDataModule):
@@ -500,6 +518,8 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
             default batch 16, ``auto`` with at least 200 steps per epoch in 8..64).
         transform: the resize (``square``, or ``aspect`` with DETR's sizes), the random crop and
             the flips (:class:`DetectionTransform`).
+        mosaic: four training images in one for more objects per image, off for the last epochs
+            (:class:`~vision_attn.data.mosaic.MosaicConfig`; off by default).
     """
 
     legacy_arguments = {**SPLIT_LAYOUT_LEGACY, **BATCHING_LEGACY,
@@ -514,8 +534,14 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         layout: SplitLayout = DETECTION_LAYOUT,
         batching: Batching = DETECTION_BATCHING,
         transform: DetectionTransform = SQUARE_TRANSFORM,
+        mosaic: MosaicConfig = NO_MOSAIC,
     ) -> None:
         super().__init__()
+        if mosaic.enabled and transform.resize != "square":
+            raise ConfigError("--data.mosaic.prob > 0 needs --data.transform.resize square (a mosaic is made at the "
+                              f"model's input size), got resize {transform.resize!r}")
+        self.mosaic = mosaic
+        self.mosaic_on = torch.ones(1, dtype=torch.int32).share_memory_()  # MosaicSchedule's switch
         self.transform_config = transform
         self.resize, self.train_sizes, self.eval_size, self.max_size = (
             transform.resize, tuple(transform.train_sizes), transform.eval_size, transform.max_size)
@@ -544,10 +570,13 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
             parsed, self._train_annotations = self._train_annotations, None  # used once, then freed
         # training skips unreadable or refused files; evaluation stops at the first
         images_dir, ann_file = self.split_paths(split)
-        return CocoDetection(self.root, split, tf, self.categories, self.max_pixels, parsed,
-                             follow_symlinks=self.follow_symlinks, skip_unreadable=train,
-                             images_dir=images_dir, ann_file=ann_file, scored_targets=not train,
-                             with_size=self.resize == "aspect")
+        ds = CocoDetection(self.root, split, tf, self.categories, self.max_pixels, parsed,
+                           follow_symlinks=self.follow_symlinks, skip_unreadable=train,
+                           images_dir=images_dir, ann_file=ann_file, scored_targets=not train,
+                           with_size=self.resize == "aspect")
+        if train and self.mosaic.enabled:
+            ds.use_mosaic(self.mosaic, tuple(model_preprocess(self)["input_size"][1:]), self.mosaic_on)
+        return ds
 
     def collate_fn(self):
         return detection_collate

@@ -16,6 +16,7 @@ from torch import Tensor
 from vision_attn.blocks import Mistakes, Section
 from vision_attn.boxes import box_xyxy_to_xywh
 from vision_attn.data.detection import build_detection_transform
+from vision_attn.data.mosaic import MosaicSchedule
 from vision_attn.distributed import unique_records
 from vision_attn.errors import ConfigError
 from vision_attn.explain.detection import (
@@ -146,7 +147,7 @@ class DetectionTask(VisionTask):
     eval_file_names = ("per_class.json", "pr_curves.json", "per_class.csv", "results_per_image.json",
                        "results_per_image.csv")
     headline_metric = "map"
-    overlay_description = "boxes | per detected object: its relevance and its query's raw cross-attention"
+    overlay_description = "boxes | per detected object: its AttnLRP map and its query's raw cross-attention"
     legacy_arguments = {
         **{k: f"head.{k}" for k in (
             "num_queries", "hidden_dim", "num_layers", "num_heads", "mlp_ratio", "dropout", "focal", "box_refine",
@@ -349,8 +350,10 @@ class DetectionTask(VisionTask):
     def configure_callbacks(self) -> list[L.Callback]:
         """The base's callbacks and the convergence alarm
         (:class:`~vision_attn.tasks.convergence.ConvergenceAlarm`: a warning naming the likely cause
-        when validation map_50 is below 0.05 a quarter into the run, or the loss is not finite)."""
-        return [*super().configure_callbacks(), ConvergenceAlarm()]
+        when validation map_50 is below 0.05 a quarter into the run, or the loss is not finite) and
+        the mosaic schedule (:class:`~vision_attn.data.mosaic.MosaicSchedule`: plain images for the
+        last epochs)."""
+        return [*super().configure_callbacks(), ConvergenceAlarm(), MosaicSchedule()]
 
     # ------------------------------------------------------------------ inference, export, explanation
     def export_forward(self, images: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,149 @@
+"""Mosaic (four training images in one): each quadrant shows the right corner of its image, every
+kept box lies inside the mosaic over its own object and keeps its category, the schedule turns
+mosaics off for the last epochs, and the detection data module makes them in training only."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vision_attn.data.mosaic import MosaicConfig, MosaicSchedule, draw_centre, mosaic, mosaic_epochs
+from vision_attn.errors import ConfigError
+
+PRE = {"input_size": (3, 48, 48), "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "interpolation": "bilinear",
+       "crop_pct": 1.0, "crop_mode": "squash"}
+
+
+def _flat(value: int, size: int = 32) -> torch.Tensor:
+    return torch.full((3, size, size), value, dtype=torch.uint8)
+
+
+def test_each_quadrant_shows_its_images_corner_and_moves_its_boxes():
+    images = [_flat(10), _flat(20), _flat(30), _flat(40)]
+    boxes = [torch.tensor([[20.0, 20, 30, 30], [0, 0, 8, 8]]),  # image 0: bottom-right kept, top-left out of view
+             torch.tensor([[2.0, 20, 12, 30]]),                  # image 1: its bottom-left corner
+             torch.tensor([[20.0, 2, 30, 12]]),                  # image 2: its top-right corner
+             torch.tensor([[2.0, 2, 12, 12], [10, 10, 22, 14]])]  # image 3: top-left; one a quarter in view
+    labels = [torch.tensor([0, 1]), torch.tensor([2]), torch.tensor([3]), torch.tensor([4, 5])]
+    image, out, lab = mosaic(images, boxes, labels, (32, 32), (16, 16), min_visible=0.5)
+    assert image.shape == (3, 32, 32) and image.dtype == torch.uint8
+    assert image[:, :16, :16].eq(10).all() and image[:, :16, 16:].eq(20).all()
+    assert image[:, 16:, :16].eq(30).all() and image[:, 16:, 16:].eq(40).all()
+    # label 5's box [10, 10, 22, 14] shows [10, 10, 16, 14] of it: 24 of 48 px, exactly the half
+    assert lab.tolist() == [0, 2, 3, 4, 5]
+    assert out.tolist() == [[4, 4, 14, 14], [18, 4, 28, 14], [4, 18, 14, 28], [18, 18, 28, 28], [26, 26, 32, 30]]
+    _, _, fewer = mosaic(images, boxes, labels, (32, 32), (16, 16), min_visible=0.6)
+    assert fewer.tolist() == [0, 2, 3, 4]
+
+
+@pytest.mark.parametrize(("seed", "scale"), [(0, 1.0), (1, 1.0), (2, 1.5), (3, 2.0), (4, 2.0)])
+def test_random_mosaics_keep_every_box_inside_over_its_own_object(seed, scale):
+    """Images of other sizes than the mosaic's, random boxes, random centres: every kept box lies
+    inside the mosaic, is its object's box scaled, shifted and cut to its quadrant (each object
+    has its own label here), and exactly the objects with at least ``min_visible`` in view stay."""
+    g = torch.Generator().manual_seed(seed)
+    size = (40, 56)
+    images, boxes, labels, n = [], [], [], 0
+    for _ in range(4):
+        ih, iw = (int(v) for v in torch.randint(20, 90, (2,), generator=g))
+        images.append(torch.randint(0, 255, (3, ih, iw), generator=g, dtype=torch.uint8))
+        k = int(torch.randint(0, 6, (1,), generator=g))
+        xy = torch.rand(k, 2, generator=g) * torch.tensor([iw, ih])
+        wh = torch.rand(k, 2, generator=g) * torch.tensor([iw, ih]) / 2 + 1
+        boxes.append(torch.cat([xy, (xy + wh).minimum(torch.tensor([iw, ih]))], 1))
+        labels.append(torch.arange(n, n + k))
+        n += k
+    h, w = size
+    ch, cw = round(scale * h), round(scale * w)
+    centre = draw_centre(size, g, scale)
+    assert ch // 4 <= centre[0] <= 3 * ch // 4 and cw // 4 <= centre[1] <= 3 * cw // 4
+    image, out, lab = mosaic(images, boxes, labels, size, centre, min_visible=0.3, scale=scale)
+    assert image.shape == (3, ch, cw)
+    cy, cx = centre
+    assert len(set(lab.tolist())) == len(lab)  # no object twice
+    assert (out[:, 0] >= 0).all() and (out[:, 2] <= cw).all() and (out[:, 1] >= 0).all() and (out[:, 3] <= ch).all()
+    assert ((out[:, 2] - out[:, 0]) >= 1).all() and ((out[:, 3] - out[:, 1]) >= 1).all()
+    shifts = [(cx - w, cy - h), (cx, cy - h), (cx - w, cy), (cx, cy)]  # each image's top-left corner
+    regions = [(max(dx, 0), max(dy, 0), min(dx + w, cw), min(dy + h, ch)) for dx, dy in shifts]
+    expected = {}
+    for image, b, ls, (dx, dy), (x0, y0, x1, y1) in zip(images, boxes, labels, shifts, regions, strict=True):
+        ih, iw = image.shape[-2:]
+        scaled = b * torch.tensor([w / iw, h / ih, w / iw, h / ih])
+        moved = scaled + torch.tensor([dx, dy, dx, dy])
+        cut = torch.stack([moved[:, 0].clamp(x0, x1), moved[:, 1].clamp(y0, y1),
+                           moved[:, 2].clamp(x0, x1), moved[:, 3].clamp(y0, y1)], 1)
+        for label, box, full in zip(ls.tolist(), cut, scaled, strict=True):
+            bw, bh = float(box[2] - box[0]), float(box[3] - box[1])
+            full_area = float((full[2] - full[0]) * (full[3] - full[1]))
+            if bw >= 1 and bh >= 1 and bw * bh >= 0.3 * full_area:
+                expected[label] = box
+    assert sorted(lab.tolist()) == sorted(expected)
+    for label, box in zip(lab.tolist(), out, strict=True):
+        assert torch.allclose(box, expected[label], atol=1e-4)
+
+
+def test_bad_settings_are_refused_by_name():
+    with pytest.raises(ConfigError, match="--data.mosaic.prob"):
+        MosaicConfig(prob=1.5)
+    with pytest.raises(ConfigError, match="--data.mosaic.off_fraction"):
+        MosaicConfig(prob=0.5, off_fraction=-0.1)
+    with pytest.raises(ValueError, match="4 images"):
+        mosaic([_flat(1)] * 3, [torch.zeros(0, 4)] * 3, [torch.zeros(0)] * 3, (32, 32), (16, 16))
+    with pytest.raises(ValueError, match="not inside"):
+        mosaic([_flat(1)] * 4, [torch.zeros(0, 4)] * 4, [torch.zeros(0)] * 4, (32, 32), (0, 16))
+
+
+def test_the_schedule_turns_mosaics_off_for_the_last_epochs():
+    assert mosaic_epochs(10, 0.2) == 8 and mosaic_epochs(40, 0.1) == 36 and mosaic_epochs(3, 0.0) == 3
+    switch = torch.ones(1, dtype=torch.int32)
+    dm = SimpleNamespace(mosaic=MosaicConfig(prob=0.5, off_fraction=0.2), mosaic_on=switch)
+    trainer = SimpleNamespace(datamodule=dm, max_epochs=10, current_epoch=0)
+    schedule = MosaicSchedule()
+    seen = []
+    schedule.on_train_start(trainer, None)
+    for epoch in range(10):
+        seen.append(int(switch[0]))
+        trainer.current_epoch = epoch
+        schedule.on_train_epoch_end(trainer, None)
+    assert seen == [1] * 8 + [0] * 2
+    trainer.current_epoch = 9  # resumed in the last epochs: off from the start
+    switch[0] = 1
+    schedule.on_train_start(trainer, None)
+    assert int(switch[0]) == 0
+    off = SimpleNamespace(datamodule=SimpleNamespace(mosaic=MosaicConfig(), mosaic_on=switch), max_epochs=10,
+                          current_epoch=0)
+    schedule.on_train_start(off, None)  # mosaics not asked for: the switch is not touched
+    assert int(switch[0]) == 0
+
+
+def test_the_data_module_makes_mosaics_in_training_only(tmp_path):
+    from vision_attn.data.detection import DETECTION_BATCHING, DetectionDataModule, DetectionTransform
+    from vision_attn.data.synthetic import SceneSetConfig
+
+    data = SceneSetConfig(image_size=48, num_train=12, num_val=4)
+    batching = replace(DETECTION_BATCHING, num_workers=0)
+    plain = DetectionDataModule(synthetic=data, cache_dir=str(tmp_path), batching=batching)
+    dm = DetectionDataModule(synthetic=data, cache_dir=str(tmp_path), batching=batching,
+                             mosaic=MosaicConfig(prob=1.0))
+    for module in (plain, dm):
+        module.preprocess = PRE
+    torch.manual_seed(0)
+    train, base = dm.dataset(dm.train_split, train=True), plain.dataset(plain.train_split, train=True)
+    items = [train[i] for i in range(len(train))]
+    assert all(image.shape == (3, 48, 48) for image, _ in items)
+    for _, target in items:
+        b = target["boxes"]  # (cx, cy, w, h) fractions of the image
+        assert ((b[:, :2] - b[:, 2:] / 2) >= -1e-6).all() and ((b[:, :2] + b[:, 2:] / 2) <= 1 + 1e-6).all()
+        assert set(target["labels"].tolist()) <= set(range(dm.num_classes))
+    objects = sum(len(t["labels"]) for _, t in items)
+    assert objects > 1.5 * sum(len(base[i][1]["labels"]) for i in range(len(base)))  # denser scenes
+    dm.mosaic_on[0] = 0  # switched off (the schedule's last epochs): plain images
+    assert train[0][1]["image_id"] == train.images[0]["id"]
+    val = dm.dataset(dm.val_split)
+    assert val.mosaic is None
+    with pytest.raises(ConfigError, match="resize square"):
+        DetectionDataModule(synthetic=data, cache_dir=str(tmp_path), transform=DetectionTransform(resize="aspect"),
+                            mosaic=MosaicConfig(prob=0.5))
