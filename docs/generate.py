@@ -737,7 +737,9 @@ def load_results() -> list[tuple[str, dict[str, Any]]]:
 
 
 def machine_text(machine: dict[str, Any]) -> str:
-    text = f"{machine.get('cpu')}, {machine.get('cores')} cores"
+    cpu = machine.get("cpu")
+    text = f"{cpu}, {machine.get('cores')} cores" if cpu != "not recorded" else \
+        f"a {machine.get('cores')}-core machine whose CPU model was not recorded"
     if machine.get("memory_gib"):
         text += f", {machine['memory_gib']:g} GiB"
     if machine.get("gpu"):
