@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import command_line, finite, machine, write_result
-from benchmarks.results_json import write_results
+from benchmarks.results_json import column_name, write_results
 from vision_attn.data.strokes import StrokeSceneConfig, ensure_stroke_scenes
 from vision_attn.data.synthetic import DigitSceneConfig, ensure_digit_scenes_coco
 
@@ -87,19 +87,36 @@ def timed(cmd: list[str], log_file: Path) -> float:
 
 
 def score_detection(predictions: Path, annotations: Path) -> dict[str, float]:
-    """pycocotools' map and map_50 of a COCO results file."""
+    """pycocotools' map, map_50 and map_75 of a COCO results file."""
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
     truth = COCO(str(annotations))
     results = json.loads(predictions.read_text())
     if not results:
-        return {"map": 0.0, "map_50": 0.0}
+        return {"map": 0.0, "map_50": 0.0, "map_75": 0.0}
     evaluation = COCOeval(truth, truth.loadRes(results), "bbox")
     evaluation.evaluate()
     evaluation.accumulate()
     evaluation.summarize()
-    return {"map": float(evaluation.stats[0]), "map_50": float(evaluation.stats[1])}
+    return {k: float(v) for k, v in zip(("map", "map_50", "map_75"), evaluation.stats[:3], strict=True)}
+
+
+def validation_curve(run_dir: Path, key: str = "val/map_50") -> list[tuple[int, float]]:
+    """``[(epochs trained, value)]`` of ``key`` at each validation of a run, from the CSV log
+    ``train.py`` writes (``RUN/csv/version_*/metrics.csv``, the newest version); ``[]`` without one."""
+    import csv
+
+    logs = sorted((run_dir / "csv").glob("version_*/metrics.csv"), key=lambda f: f.stat().st_mtime)
+    if not logs:
+        return []
+    with logs[-1].open(encoding="utf-8", newline="") as f:
+        return [(int(r["epoch"]) + 1, float(r[key])) for r in csv.DictReader(f) if r.get(key) and r.get("epoch")]
+
+
+def epochs_to(curve: list[tuple[int, float]], threshold: float) -> int | None:
+    """The first validated epoch count at which the curve reaches ``threshold`` (``None``: never)."""
+    return next((epoch for epoch, value in curve if value >= threshold), None)
 
 
 def score_captioning(predictions: Path, annotations: Path) -> dict[str, float]:
@@ -134,6 +151,8 @@ def run(task: str, args, work: Path) -> dict:
     else:
         scores = score_captioning(out / "predictions.json", root / "annotations" / "captions_val.json")
     metrics = json.loads((out / "metrics.json").read_text())
+    if task == "detection":
+        scores[EPOCHS_TO] = epochs_to(validation_curve(run_dir), 0.80)
     return {"task": task, "name": args.name, "root": str(root), "train_seconds": train_s, "eval_seconds": eval_s,
             "overrides": args.overrides, "scores": scores, "metrics": metrics}
 
@@ -174,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 CAPTION_COLUMNS = ("bleu4", "cider", "objects_exact", "relations_exact", "hallucination_rate")
-DETECTION_COLUMNS = ("map", "map_50")
+EPOCHS_TO = "epochs to map_50 0.80"
+DETECTION_COLUMNS = ("map", "map_50", "map_75", EPOCHS_TO)
 
 
 def write_holdout_results(path: str, result: dict, args, command: str) -> None:
@@ -186,14 +206,18 @@ def write_holdout_results(path: str, result: dict, args, command: str) -> None:
     data = f"{args.scenes}, {args.img_size} px, {args.train_images} / {args.val_images} images" + (
         ", captions only" if args.captions_only else "")
     row = [result["name"], data, args.epochs, result["train_seconds"], result["eval_seconds"],
-           *(finite(scores.get(k), 4) for k in keys), " ".join(result["overrides"]) or "none"]
+           *(scores.get(k) if k == EPOCHS_TO else finite(scores.get(k), 4) for k in keys),
+           " ".join(result["overrides"]) or "none"]
     columns = ["run", "data", "epochs", "train s", "eval s", *keys, "train.py overrides"]
     rows, glance = [row], []
     target = Path(path)
     if target.is_file():
         old = json.loads(target.read_text(encoding="utf-8"))
-        if old.get("columns") == columns:
-            rows = [r for r in old.get("rows", []) if r[0] != result["name"]] + rows
+        names = [column_name(c) for c in old.get("columns", [])]
+        if set(names) <= set(columns):  # the same table, perhaps before a column was added
+            runs = Path(getattr(args, "work", None) or REPO / "benchmarks" / "results" / "holdout-work") / "runs"
+            rows = [_old_row(dict(zip(names, r, strict=True)), columns, runs / f"{result['task']}-{r[0]}")
+                    for r in old.get("rows", []) if r[0] != result["name"]] + rows
             glance = old.get("glance", [])
     if getattr(args, "glance", False):  # this run is the README's "results at a glance" row of the task
         shown = ", ".join(f"{k} {scores[k]:.3f}" for k in keys if isinstance(scores.get(k), (int, float)))
@@ -201,7 +225,22 @@ def write_holdout_results(path: str, result: dict, args, command: str) -> None:
                    "time": f"{result['train_seconds']:.0f} s training"}]
     write_results(path, page=result["task"], title=f"small.yaml on data it was not tuned on ({result['task']})",
                   command=command, columns=columns, rows=rows, glance=glance,
-                  notes=["each row: the same command with --name RUN and its train.py overrides after --"])
+                  notes=["each row: the same command with --name RUN and its train.py overrides after --",
+                         *([f"{EPOCHS_TO}: the first validation at or above it (small.yaml validates every 10 "
+                            "epochs, a run with --trainer.check_val_every_n_epoch 5 every 5); empty: never"]
+                           if result["task"] == "detection" else [])])
+
+
+def _old_row(values: dict, columns: list[str], run_dir: Path) -> list:
+    """An earlier row in today's ``columns``: a column it lacks is read from its run's folder when
+    that is still there (``map_75`` from ``eval/metrics.json``, the epochs to map_50 0.80 from the
+    CSV log), else left empty."""
+    missing = [c for c in columns if c not in values]
+    if "map_75" in missing and (run_dir / "eval" / "metrics.json").is_file():
+        values["map_75"] = finite(json.loads((run_dir / "eval" / "metrics.json").read_text()).get("map_75"), 4)
+    if EPOCHS_TO in missing and validation_curve(run_dir):
+        values[EPOCHS_TO] = epochs_to(validation_curve(run_dir), 0.80)
+    return [values.get(c) for c in columns]
 
 
 if __name__ == "__main__":

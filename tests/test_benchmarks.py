@@ -109,6 +109,17 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     assert [row[:2] for row in data["rows"]] == [[task, method] for task, entry in result["tasks"].items()
                                                  for method in entry["methods"]]
     assert list(result["tasks"]) == ["classification", "detection", "captioning", "detection, held out"]
+    # the decoder's AttnLRP at other resolutions: the shipped setting's row equals the table's lrp
+    from benchmarks import lrp_cells
+    from vision_attn.explain import lrp_decoder
+
+    cells = lrp_cells.main([str(ckpts["detection"]), "--images", "2", "--cells", "1", "4", "--score_threshold", "0",
+                            "--json", str(tmp_path / "cells.json")])
+    assert [row[:2] for row in cells] == [[1, False], [1, True], [4, False], [4, True]]
+    shipped = result["tasks"]["detection"]["methods"]["lrp"]
+    assert cells[3][2:7] == [shipped[c] for c in ("pointing", "energy", "miou", "deletion", "insertion")]
+    assert cells[0][2:7] != cells[3][2:7] and lrp_decoder.CELLS == 4  # another map; the setting put back
+    results_file(tmp_path / "cells.json", [c if isinstance(c, str) else c["name"] for c in lrp_cells.COLUMNS])
     # the same checkpoint on the same data: the held-out rows repeat the detection rows
     assert result["tasks"]["detection, held out"]["methods"] == result["tasks"]["detection"]["methods"]
     assert task_methods("classification") == ["rollout", "relevance", "attention", "gradcam", "lrp", "random"]
@@ -441,6 +452,41 @@ def test_holdout_stroke_scenes_captions_only_and_its_results_row(tmp_path):
     data = json.loads(out.read_text())
     assert not validate(data) and len(data["glance"]) == 1
     assert "objects_exact 0.250" in data["glance"][0]["metric"] and data["glance"][0]["time"] == "1 s training"
+
+
+def test_holdout_detection_rows_gain_columns_from_their_runs(tmp_path):
+    """A detection run's row has map_75 and the epochs to map_50 0.80 (read from the run's CSV
+    log); an earlier row without those columns is kept, filled from its run's folder."""
+    from types import SimpleNamespace
+
+    from benchmarks.holdout import EPOCHS_TO, epochs_to, validation_curve, write_holdout_results
+    from benchmarks.results_json import results, validate
+
+    run = tmp_path / "runs" / "detection-old"
+    (run / "csv" / "version_0").mkdir(parents=True)
+    (run / "csv" / "version_0" / "metrics.csv").write_text(
+        "epoch,step,train/loss,val/map_50\n0,10,1.0,\n9,100,,0.41\n19,200,,0.83\n29,300,,0.9\n", encoding="utf-8")
+    (run / "eval").mkdir()
+    (run / "eval" / "metrics.json").write_text(json.dumps({"map_75": 0.512345}), encoding="utf-8")
+    assert validation_curve(run) == [(10, 0.41), (20, 0.83), (30, 0.9)]
+    assert epochs_to(validation_curve(run), 0.80) == 20 and epochs_to(validation_curve(run), 0.95) is None
+    out = tmp_path / "d.json"
+    old = results("detection", "small.yaml", "python -m benchmarks.holdout detection",
+                  ["run", "data", "epochs", "train s", "eval s", "map", "map_50", "train.py overrides"],
+                  [["old", "strokes", 40, 1.0, 2.0, 0.3, 0.6, "none"],
+                   ["gone", "strokes", 40, 1.0, 2.0, 0.1, 0.2, "x"]])
+    out.write_text(json.dumps(old), encoding="utf-8")
+    args = SimpleNamespace(scenes="strokes", img_size=96, train_images=300, val_images=300, captions_only=False,
+                           epochs=40, work=str(tmp_path))
+    result = {"task": "detection", "name": "new", "train_seconds": 3.0, "eval_seconds": 4.0, "overrides": [],
+              "scores": {"map": 0.5, "map_50": 0.9, "map_75": 0.55, EPOCHS_TO: 10}, "metrics": {}}
+    write_holdout_results(str(out), result, args, "python -m benchmarks.holdout detection")
+    data = json.loads(out.read_text())
+    assert not validate(data)
+    assert data["columns"][5:9] == ["map", "map_50", "map_75", EPOCHS_TO]
+    assert data["rows"] == [["old", "strokes", 40, 1.0, 2.0, 0.3, 0.6, 0.5123, 20, "none"],
+                            ["gone", "strokes", 40, 1.0, 2.0, 0.1, 0.2, None, None, "x"],
+                            ["new", "strokes, 96 px, 300 / 300 images", 40, 3.0, 4.0, 0.5, 0.9, 0.55, 10, "none"]]
 
 
 def test_caption_ceiling_rows_against_direct_cider_d(tmp_path):

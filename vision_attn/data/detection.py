@@ -72,11 +72,11 @@ from vision_attn.data.coco import (
     sorted_categories,
     validate_image_entry,
 )
+from vision_attn.data.dense import CopyPasteConfig, DenseAugment, MosaicConfig
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
 from vision_attn.data.layout import SPLIT_LAYOUT_LEGACY, SplitLayout
 from vision_attn.data.loading import BATCHING_LEGACY, Batching, SkipUnreadable, SplitDataModule, relative_file
 from vision_attn.data.masks import ImageMask, image_mask
-from vision_attn.data.mosaic import MosaicConfig, draw_centre, mosaic
 from vision_attn.data.synthetic import SceneSetConfig, embedded_data_warning, ensure_shapes_coco
 from vision_attn.data.transforms import (
     DETR_EVAL_SIZE,
@@ -316,12 +316,8 @@ class CocoDetection(SkipUnreadable, Dataset):
         return [image_mask(seg, height, width, where) if seg is not None else None
                 for seg in self._segmentations[image_id]]
 
-    mosaic: tuple[MosaicConfig, tuple[int, int], torch.Tensor] | None = None
-
-    def use_mosaic(self, config: MosaicConfig, size: tuple[int, int], switch: torch.Tensor) -> None:
-        """Training: make ``config.prob`` of the items a mosaic of four images of ``size``
-        (:mod:`vision_attn.data.mosaic`) while ``switch[0]`` is non-zero."""
-        self.mosaic = (config, (int(size[0]), int(size[1])), switch)
+    dense: DenseAugment | None = None
+    """Training: mosaics and pasted objects (:mod:`vision_attn.data.dense`), when set."""
 
     def _raw(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(uint8 [3, H, W], XYXY boxes [n, 4], labels [n])`` of an image as read."""
@@ -333,11 +329,8 @@ class CocoDetection(SkipUnreadable, Dataset):
     def _load(self, index: int):
         im = self.images[index]
         rgb, xyxy, labels = self._raw(index)
-        if self.mosaic is not None and self.mosaic[2][0] and float(torch.rand(1)) < self.mosaic[0].prob:
-            config, size, _ = self.mosaic
-            parts = [(rgb, xyxy, labels)] + [self._raw(int(i)) for i in torch.randint(len(self), (3,))]
-            rgb, xyxy, labels = mosaic(*zip(*parts, strict=True), size, draw_centre(size, scale=config.scale),
-                                       config.min_visible, config.scale)
+        if self.dense is not None:
+            rgb, xyxy, labels = self.dense((rgb, xyxy, labels), self._raw, len(self))
         h, w = rgb.shape[-2:]
         image = tv_tensors.Image(rgb)
         boxes = tv_tensors.BoundingBoxes(xyxy, format="XYXY", canvas_size=(h, w))
@@ -500,6 +493,7 @@ DETECTION_BATCHING = Batching(batch_size=16, min_steps_per_epoch=200, min_batch_
 DETECTION_LAYOUT = SplitLayout()
 SQUARE_TRANSFORM = DetectionTransform()
 NO_MOSAIC = MosaicConfig()
+NO_COPY_PASTE = CopyPasteConfig()
 
 
 class DetectionDataModule(CocoLayout, SplitDataModule):
@@ -519,7 +513,9 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         transform: the resize (``square``, or ``aspect`` with DETR's sizes), the random crop and
             the flips (:class:`DetectionTransform`).
         mosaic: four training images in one for more objects per image, off for the last epochs
-            (:class:`~vision_attn.data.mosaic.MosaicConfig`; off by default).
+            (:class:`~vision_attn.data.dense.MosaicConfig`; off by default).
+        copy_paste: objects of other training images pasted in, off for the last epochs
+            (:class:`~vision_attn.data.dense.CopyPasteConfig`; off by default).
     """
 
     legacy_arguments = {**SPLIT_LAYOUT_LEGACY, **BATCHING_LEGACY,
@@ -535,13 +531,16 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
         batching: Batching = DETECTION_BATCHING,
         transform: DetectionTransform = SQUARE_TRANSFORM,
         mosaic: MosaicConfig = NO_MOSAIC,
+        copy_paste: CopyPasteConfig = NO_COPY_PASTE,
     ) -> None:
         super().__init__()
-        if mosaic.enabled and transform.resize != "square":
-            raise ConfigError("--data.mosaic.prob > 0 needs --data.transform.resize square (a mosaic is made at the "
-                              f"model's input size), got resize {transform.resize!r}")
-        self.mosaic = mosaic
-        self.mosaic_on = torch.ones(1, dtype=torch.int32).share_memory_()  # MosaicSchedule's switch
+        for name, config in (("mosaic", mosaic), ("copy_paste", copy_paste)):
+            if config.enabled and transform.resize != "square":
+                raise ConfigError(f"--data.{name}.prob > 0 needs --data.transform.resize square (made at the model's "
+                                  f"input size), got resize {transform.resize!r}")
+        self.mosaic, self.copy_paste = mosaic, copy_paste
+        self.dense_switches = {name: torch.ones(1, dtype=torch.int32).share_memory_()  # DenseSchedule's
+                               for name in ("mosaic", "copy_paste")}
         self.transform_config = transform
         self.resize, self.train_sizes, self.eval_size, self.max_size = (
             transform.resize, tuple(transform.train_sizes), transform.eval_size, transform.max_size)
@@ -574,8 +573,9 @@ class DetectionDataModule(CocoLayout, SplitDataModule):
                            follow_symlinks=self.follow_symlinks, skip_unreadable=train,
                            images_dir=images_dir, ann_file=ann_file, scored_targets=not train,
                            with_size=self.resize == "aspect")
-        if train and self.mosaic.enabled:
-            ds.use_mosaic(self.mosaic, tuple(model_preprocess(self)["input_size"][1:]), self.mosaic_on)
+        if train and (self.mosaic.enabled or self.copy_paste.enabled):
+            ds.dense = DenseAugment(tuple(model_preprocess(self)["input_size"][1:]), self.mosaic, self.copy_paste,
+                                    self.dense_switches)
         return ds
 
     def collate_fn(self):

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from vision_attn.blocks import Mistakes, Section
 from vision_attn.boxes import box_xyxy_to_xywh
+from vision_attn.data.dense import DenseSchedule
 from vision_attn.data.detection import build_detection_transform
-from vision_attn.data.mosaic import MosaicSchedule
 from vision_attn.distributed import unique_records
 from vision_attn.errors import ConfigError
 from vision_attn.explain.detection import (
@@ -351,9 +351,9 @@ class DetectionTask(VisionTask):
         """The base's callbacks and the convergence alarm
         (:class:`~vision_attn.tasks.convergence.ConvergenceAlarm`: a warning naming the likely cause
         when validation map_50 is below 0.05 a quarter into the run, or the loss is not finite) and
-        the mosaic schedule (:class:`~vision_attn.data.mosaic.MosaicSchedule`: plain images for the
-        last epochs)."""
-        return [*super().configure_callbacks(), ConvergenceAlarm(), MosaicSchedule()]
+        the schedule of the denser training images (:class:`~vision_attn.data.dense.DenseSchedule`:
+        plain images for the last epochs)."""
+        return [*super().configure_callbacks(), ConvergenceAlarm(), DenseSchedule()]
 
     # ------------------------------------------------------------------ inference, export, explanation
     def export_forward(self, images: Tensor) -> tuple[Tensor, Tensor]:

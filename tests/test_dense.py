@@ -1,6 +1,7 @@
-"""Mosaic (four training images in one): each quadrant shows the right corner of its image, every
-kept box lies inside the mosaic over its own object and keeps its category, the schedule turns
-mosaics off for the last epochs, and the detection data module makes them in training only."""
+"""Denser detection training images. Mosaic (four images in one): each quadrant shows the right
+corner of its image, every kept box lies inside the mosaic over its own object and keeps its
+category. Copy-paste: each pasted object is its donor's box, pixel for pixel, over no other box.
+The schedule turns both off for the last epochs; the data module makes them in training only."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vision_attn.data.mosaic import MosaicConfig, MosaicSchedule, draw_centre, mosaic, mosaic_epochs
+from vision_attn.data.dense import (
+    CopyPasteConfig,
+    DenseSchedule,
+    MosaicConfig,
+    copy_paste,
+    draw_centre,
+    mosaic,
+    scheduled_epochs,
+)
 from vision_attn.errors import ConfigError
 
 PRE = {"input_size": (3, 48, 48), "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "interpolation": "bilinear",
@@ -90,6 +99,12 @@ def test_bad_settings_are_refused_by_name():
         MosaicConfig(prob=1.5)
     with pytest.raises(ConfigError, match="--data.mosaic.off_fraction"):
         MosaicConfig(prob=0.5, off_fraction=-0.1)
+    with pytest.raises(ConfigError, match="--data.mosaic.scale"):
+        MosaicConfig(prob=0.5, scale=3)
+    with pytest.raises(ConfigError, match="--data.copy_paste.objects"):
+        CopyPasteConfig(prob=0.5, objects=0)
+    with pytest.raises(ConfigError, match="--data.copy_paste.prob"):
+        CopyPasteConfig(prob=True)
     with pytest.raises(ValueError, match="4 images"):
         mosaic([_flat(1)] * 3, [torch.zeros(0, 4)] * 3, [torch.zeros(0)] * 3, (32, 32), (16, 16))
     with pytest.raises(ValueError, match="not inside"):
@@ -97,26 +112,29 @@ def test_bad_settings_are_refused_by_name():
 
 
 def test_the_schedule_turns_mosaics_off_for_the_last_epochs():
-    assert mosaic_epochs(10, 0.2) == 8 and mosaic_epochs(40, 0.1) == 36 and mosaic_epochs(3, 0.0) == 3
-    switch = torch.ones(1, dtype=torch.int32)
-    dm = SimpleNamespace(mosaic=MosaicConfig(prob=0.5, off_fraction=0.2), mosaic_on=switch)
+    assert scheduled_epochs(10, 0.2) == 8 and scheduled_epochs(40, 0.1) == 36 and scheduled_epochs(3, 0.0) == 3
+    switch, pasting = torch.ones(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    dm = SimpleNamespace(mosaic=MosaicConfig(prob=0.5, off_fraction=0.2),
+                         copy_paste=CopyPasteConfig(prob=0.5, off_fraction=0.5),
+                         dense_switches={"mosaic": switch, "copy_paste": pasting})
     trainer = SimpleNamespace(datamodule=dm, max_epochs=10, current_epoch=0)
-    schedule = MosaicSchedule()
+    schedule = DenseSchedule()
     seen = []
     schedule.on_train_start(trainer, None)
     for epoch in range(10):
-        seen.append(int(switch[0]))
+        seen.append((int(switch[0]), int(pasting[0])))
         trainer.current_epoch = epoch
         schedule.on_train_epoch_end(trainer, None)
-    assert seen == [1] * 8 + [0] * 2
+    assert seen == [(1, 1)] * 5 + [(1, 0)] * 3 + [(0, 0)] * 2
     trainer.current_epoch = 9  # resumed in the last epochs: off from the start
     switch[0] = 1
     schedule.on_train_start(trainer, None)
     assert int(switch[0]) == 0
-    off = SimpleNamespace(datamodule=SimpleNamespace(mosaic=MosaicConfig(), mosaic_on=switch), max_epochs=10,
-                          current_epoch=0)
-    schedule.on_train_start(off, None)  # mosaics not asked for: the switch is not touched
-    assert int(switch[0]) == 0
+    off = SimpleNamespace(datamodule=SimpleNamespace(mosaic=MosaicConfig(), copy_paste=CopyPasteConfig(),
+                                                     dense_switches={"mosaic": switch, "copy_paste": pasting}),
+                          max_epochs=10, current_epoch=0)
+    schedule.on_train_start(off, None)  # neither asked for: the switches are not touched
+    assert int(switch[0]) == 0 and int(pasting[0]) == 0
 
 
 def test_the_data_module_makes_mosaics_in_training_only(tmp_path):
@@ -140,10 +158,65 @@ def test_the_data_module_makes_mosaics_in_training_only(tmp_path):
         assert set(target["labels"].tolist()) <= set(range(dm.num_classes))
     objects = sum(len(t["labels"]) for _, t in items)
     assert objects > 1.5 * sum(len(base[i][1]["labels"]) for i in range(len(base)))  # denser scenes
-    dm.mosaic_on[0] = 0  # switched off (the schedule's last epochs): plain images
+    dm.dense_switches["mosaic"][0] = 0  # switched off (the schedule's last epochs): plain images
     assert train[0][1]["image_id"] == train.images[0]["id"]
     val = dm.dataset(dm.val_split)
-    assert val.mosaic is None
-    with pytest.raises(ConfigError, match="resize square"):
-        DetectionDataModule(synthetic=data, cache_dir=str(tmp_path), transform=DetectionTransform(resize="aspect"),
-                            mosaic=MosaicConfig(prob=0.5))
+    assert val.dense is None
+    pasting = DetectionDataModule(synthetic=data, cache_dir=str(tmp_path), batching=batching,
+                                  transform=DetectionTransform(scale_jitter=(1.0, 1.0), hflip=False),
+                                  copy_paste=CopyPasteConfig(prob=1.0, objects=2))
+    pasting.preprocess = PRE
+    pasted = pasting.dataset(pasting.train_split, train=True)
+    assert sum(len(pasted[i][1]["labels"]) for i in range(len(pasted))) > len(pasted) + sum(
+        len(base[i][1]["labels"]) for i in range(len(base)))  # most images get at least one more object
+    for name, config in (("mosaic", MosaicConfig(prob=0.5)), ("copy_paste", CopyPasteConfig(prob=0.5))):
+        with pytest.raises(ConfigError, match=f"--data.{name}.prob > 0 needs --data.transform.resize square"):
+            DetectionDataModule(synthetic=data, cache_dir=str(tmp_path), transform=DetectionTransform(resize="aspect"),
+                                **{name: config})
+
+
+def test_a_pasted_object_is_its_donors_box_over_no_other_box():
+    image = torch.zeros(3, 32, 32, dtype=torch.uint8)
+    donor = torch.randint(0, 255, (3, 20, 24), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    out, boxes, labels = copy_paste(image, torch.tensor([[0.0, 0, 10, 10]]), torch.tensor([1]),
+                                    [(donor, torch.tensor([[2.0, 3, 8, 7]]), torch.tensor([3]))],
+                                    torch.Generator().manual_seed(0))
+    assert labels.tolist() == [1, 3] and boxes[0].tolist() == [0, 0, 10, 10]
+    x0, y0, x1, y1 = (int(v) for v in boxes[1])
+    assert (x1 - x0, y1 - y0) == (6, 4) and not (x0 < 10 and y0 < 10)  # its size, clear of the first box
+    assert torch.equal(out[:, y0:y1, x0:x1], donor[:, 3:7, 2:8])
+    rest = torch.ones(32, 32, dtype=torch.bool)
+    rest[y0:y1, x0:x1] = False
+    assert out[:, rest].eq(0).all()  # nothing else changed
+    assert image.eq(0).all()  # the input is left as it was
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pasted_objects_stay_inside_and_never_overlap(seed):
+    g = torch.Generator().manual_seed(seed)
+    image = torch.randint(0, 255, (3, 40, 48), generator=g, dtype=torch.uint8)
+    boxes, labels = torch.tensor([[5.0, 5, 15, 20], [30, 10, 44, 30]]), torch.tensor([0, 1])
+    donors = []
+    for d in range(6):
+        dh, dw = (int(v) for v in torch.randint(20, 60, (2,), generator=g))
+        xy = torch.rand(3, 2, generator=g) * torch.tensor([dw - 4, dh - 4])
+        wh = torch.rand(3, 2, generator=g) * 14 + 2
+        donors.append((torch.randint(0, 255, (3, dh, dw), generator=g, dtype=torch.uint8),
+                       torch.cat([xy, (xy + wh).minimum(torch.tensor([dw, dh]))], 1), torch.tensor([0, 1, 2]) + 10 * d))
+    donors.append((torch.zeros(3, 8, 8, dtype=torch.uint8), torch.zeros(0, 4), torch.zeros(0, dtype=torch.long)))
+    donors.append((torch.zeros(3, 90, 90, dtype=torch.uint8), torch.tensor([[0.0, 0, 80, 80]]), torch.tensor([99])))
+    out, b, lab = copy_paste(image, boxes, labels, donors, g)
+    assert torch.equal(b[:2], boxes) and lab[:2].tolist() == [0, 1]
+    assert 99 not in lab.tolist() and len(lab) > 2  # larger than the image: left out
+    assert (b[:, 0] >= 0).all() and (b[:, 2] <= 48).all() and (b[:, 1] >= 0).all() and (b[:, 3] <= 40).all()
+    for i in range(len(b)):
+        for j in range(i + 1, len(b)):
+            across = min(b[i, 2], b[j, 2]) - max(b[i, 0], b[j, 0])
+            down = min(b[i, 3], b[j, 3]) - max(b[i, 1], b[j, 1])
+            assert not (across > 0 and down > 0), (b[i], b[j])
+    for box, label in zip(b[2:], lab[2:].tolist(), strict=True):  # each the pixels of its donor's box
+        d_image, d_boxes, _ = donors[label // 10]
+        x0, y0, x1, y1 = (int(v) for v in box)
+        src = d_boxes[label % 10]
+        sx, sy = int(src[0].floor()), int(src[1].floor())
+        assert torch.equal(out[:, y0:y1, x0:x1], d_image[:, sy : sy + y1 - y0, sx : sx + x1 - x0])
