@@ -39,6 +39,18 @@ def machine() -> dict[str, str]:
     }
 
 
+def quiet_logging() -> None:
+    """A benchmark's console: library warnings off, WARNING and above of our loggers, Lightning's
+    errors only (its start-up lines would bury the table)."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def write_result(path: str | Path | None, result: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

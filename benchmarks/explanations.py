@@ -48,11 +48,10 @@ import logging
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import command_line, finite, machine
+from benchmarks.common import command_line, finite, machine, quiet_logging
 from benchmarks.results_json import write_results
 
 log = logging.getLogger("benchmarks.explanations")
@@ -318,10 +317,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not checkpoints and not heldout:
         p.error(f"no checkpoint: none given and no {a.demo_dir}/*/<task>/checkpoints/last.ckpt; run `make demo` "
                 "or pass --classification / --detection / --captioning CKPT")
-    warnings.filterwarnings("ignore")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_logging()
     from vision_attn.errors import VisionAttnError
 
     try:

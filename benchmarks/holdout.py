@@ -238,8 +238,9 @@ def _old_row(values: dict, columns: list[str], run_dir: Path) -> list:
     missing = [c for c in columns if c not in values]
     if "map_75" in missing and (run_dir / "eval" / "metrics.json").is_file():
         values["map_75"] = finite(json.loads((run_dir / "eval" / "metrics.json").read_text()).get("map_75"), 4)
-    if EPOCHS_TO in missing and validation_curve(run_dir):
-        values[EPOCHS_TO] = epochs_to(validation_curve(run_dir), 0.80)
+    curve = validation_curve(run_dir) if EPOCHS_TO in missing else []
+    if curve:
+        values[EPOCHS_TO] = epochs_to(curve, 0.80)
     return [values.get(c) for c in columns]
 
 

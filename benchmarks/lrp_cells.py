@@ -15,15 +15,13 @@ shipped setting is 4 cells, smoothed.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import command_line, finite
+from benchmarks.common import command_line, finite, quiet_logging
 from benchmarks.results_json import write_results
 
 COLUMNS = ["cells per patch side", "smoothed", {"name": "pointing", "format": ".3f"},
@@ -65,10 +63,7 @@ def main(argv: Sequence[str] | None = None) -> list[list]:
                    help="detection: explain detections scoring at least this (default: eval's 0.3)")
     p.add_argument("--json", default=None, help="write the rows here as a results file")
     a = p.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_logging()
     rows = []
     with tempfile.TemporaryDirectory(prefix="lrp-cells-") as tmp:
         for cells in a.cells:

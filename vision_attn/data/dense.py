@@ -44,6 +44,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from lightning.pytorch.callbacks import Callback
 
+from vision_attn.boxes import box_area
 from vision_attn.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ def mosaic(images: Sequence[torch.Tensor], boxes: Sequence[torch.Tensor], labels
         resized = TF.resize_image(image, [h, w], antialias=True)
         out[:, y0:y1, x0:x1] = resized[:, y0 - top : y1 - top, x0 - left : x1 - left]
         b = b.reshape(-1, 4).float() * torch.tensor([w / iw, h / ih, w / iw, h / ih])
-        area = (b[:, 2] - b[:, 0]).clamp(min=0) * (b[:, 3] - b[:, 1]).clamp(min=0)
+        area = box_area(b)
         moved = b + torch.tensor([left, top, left, top], dtype=torch.float32)
         cut = torch.stack([moved[:, 0].clamp(x0, x1), moved[:, 1].clamp(y0, y1),
                            moved[:, 2].clamp(x0, x1), moved[:, 3].clamp(y0, y1)], dim=1)
@@ -276,11 +277,11 @@ class DenseSchedule(Callback):
     def _set(trainer, epoch: int) -> None:
         dm = getattr(trainer, "datamodule", None)
         switches = getattr(dm, "dense_switches", None) or {}
+        max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
         for name, switch in switches.items():
             config = getattr(dm, name, None)
             if not isinstance(config, MosaicConfig | CopyPasteConfig) or not config.enabled:
                 continue
-            max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
             on = max_epochs is None or epoch < scheduled_epochs(max_epochs, config.off_fraction)
             if bool(switch[0]) != on:
                 log.info("%s %s from epoch %d", name.replace("_", "-"), "on" if on else "off to the end", epoch)
