@@ -114,11 +114,13 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     from vision_attn.explain import lrp_decoder
 
     cells = lrp_cells.main([str(ckpts["detection"]), "--images", "2", "--cells", "1", "4", "--score_threshold", "0",
-                            "--json", str(tmp_path / "cells.json")])
-    assert [row[:2] for row in cells] == [[1, False], [1, True], [4, False], [4, True]]
+                            "--own_query", "--json", str(tmp_path / "cells.json")])
+    assert [row[:3] for row in cells] == [[1, False, False], [1, True, False], [1, True, True], [4, False, False],
+                                          [4, True, False], [4, True, True]]
     shipped = result["tasks"]["detection"]["methods"]["lrp"]
-    assert cells[3][2:7] == [shipped[c] for c in ("pointing", "energy", "miou", "deletion", "insertion")]
-    assert cells[0][2:7] != cells[3][2:7] and lrp_decoder.CELLS == 4  # another map; the setting put back
+    assert cells[4][3:8] == [shipped[c] for c in ("pointing", "energy", "miou", "deletion", "insertion")]
+    assert cells[0][3:8] != cells[4][3:8] and lrp_decoder.CELLS == 4  # another map; the setting put back
+    assert cells[5][3:8] != cells[4][3:8] and not lrp_decoder.OWN_QUERY
     results_file(tmp_path / "cells.json", [c if isinstance(c, str) else c["name"] for c in lrp_cells.COLUMNS])
     # the same checkpoint on the same data: the held-out rows repeat the detection rows
     assert result["tasks"]["detection, held out"]["methods"] == result["tasks"]["detection"]["methods"]

@@ -191,6 +191,85 @@ def test_a_pasted_object_is_its_donors_box_over_no_other_box():
     assert image.eq(0).all()  # the input is left as it was
 
 
+def test_a_masked_object_pastes_its_own_pixels_with_their_tight_box():
+    image = torch.full((3, 32, 32), 7, dtype=torch.uint8)
+    donor = torch.randint(0, 255, (3, 20, 24), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    mask = torch.zeros(20, 24, dtype=torch.bool)
+    mask[4:7, 3:6] = True  # an L inside the box (2, 3)-(8, 8): rows 4..6 of columns 3..5, and row 6 to column 7
+    mask[6, 3:8] = True
+    asked = []
+
+    def mask_of(k):
+        asked.append(k)
+        return mask
+
+    out, boxes, labels = copy_paste(image, torch.tensor([[0.0, 0, 10, 10]]), torch.tensor([1]),
+                                    [(donor, torch.tensor([[2.0, 3, 8, 8]]), torch.tensor([3]))],
+                                    torch.Generator().manual_seed(0), masks=[mask_of])
+    assert asked == [0] and labels.tolist() == [1, 3]
+    x0, y0, x1, y1 = (int(v) for v in boxes[1])
+    assert (x1 - x0, y1 - y0) == (5, 3)  # the mask's tight box: columns 3..7, rows 4..6
+    # the box's placement: the cut-out (2, 3)-(8, 8) went to (x0 - 1, y0 - 1)
+    px, py = x0 - 1, y0 - 1
+    pasted = torch.zeros(32, 32, dtype=torch.bool)
+    pasted[py : py + 5, px : px + 6] = mask[3:8, 2:8]
+    assert torch.equal(out[:, pasted], donor[:, 3:8, 2:8][:, mask[3:8, 2:8]])
+    assert out[:, ~pasted].eq(7).all()  # the box's background is not pasted
+    # a mask of another size than the donor's, or an empty one, pastes the box as before
+    for bad in (torch.ones(5, 5, dtype=torch.bool), torch.zeros(20, 24, dtype=torch.bool)):
+        out, boxes, _ = copy_paste(image, torch.tensor([[0.0, 0, 10, 10]]), torch.tensor([1]),
+                                   [(donor, torch.tensor([[2.0, 3, 8, 8]]), torch.tensor([3]))],
+                                   torch.Generator().manual_seed(0), masks=[lambda k, m=bad: m])
+        x0, y0, x1, y1 = (int(v) for v in boxes[1])
+        assert (x1 - x0, y1 - y0) == (6, 5) and torch.equal(out[:, y0:y1, x0:x1], donor[:, 3:8, 2:8])
+
+
+def test_a_mosaic_measures_and_boxes_what_it_shows_of_each_mask():
+    """Tile 0 (top left; its tile rows and columns 10..20 in view at scale 1, centre (10, 10)).
+    Object A: box (8, 8)-(16, 16), its mask an L (column 8, rows 8..15; row 15, columns 8..15):
+    6 of its 15 pixels in view (>= 0.25), boxed tightly (0, 5)-(6, 6), where the box rule gives
+    (0, 0)-(6, 6). Object B: box (12, 2)-(18, 14), its mask in rows 2..9 only: a third of its box
+    but none of its mask in view: dropped (the box rule keeps it)."""
+    image = torch.zeros(3, 20, 20, dtype=torch.uint8)
+    boxes = torch.tensor([[8.0, 8, 16, 16], [12, 2, 18, 14]])
+    masks = torch.zeros(2, 20, 20, dtype=torch.bool)
+    masks[0, 8:16, 8] = True
+    masks[0, 15, 8:16] = True
+    masks[1, 2:10, 12:18] = True
+    empty = (torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
+    args = ([image] * 4, [boxes, *[empty[0]] * 3], [torch.tensor([1, 2]), *[empty[1]] * 3], (20, 20), (10, 10))
+    _, by_box, lab_box = mosaic(*args, min_visible=0.25)
+    assert by_box.tolist() == [[0, 0, 6, 6], [2, 0, 8, 4]] and lab_box.tolist() == [1, 2]
+    _, by_mask, lab_mask = mosaic(*args, min_visible=0.25, masks=[masks, None, None, None])
+    assert by_mask.tolist() == [[0, 5, 6, 6]] and lab_mask.tolist() == [1]
+    # masks that do not fit the image (another size, another count) are not used
+    _, other, _ = mosaic(*args, min_visible=0.25, masks=[masks[:1], None, None, None])
+    assert torch.equal(other, by_box)
+
+
+def test_the_data_module_pastes_the_scene_objects_masks(tmp_path):
+    """The generated scenes have segmentations: pasted objects bring their own pixels only, so
+    an image gets fewer changed pixels than with boxes (same draws)."""
+    from vision_attn.data.detection import DETECTION_BATCHING, DetectionDataModule
+    from vision_attn.data.synthetic import SceneSetConfig
+
+    data = SceneSetConfig(image_size=48, num_train=12, num_val=4)
+    changed = {}
+    for masks in (True, False):
+        dm = DetectionDataModule(synthetic=data, cache_dir=str(tmp_path),
+                                 batching=replace(DETECTION_BATCHING, num_workers=0),
+                                 copy_paste=CopyPasteConfig(prob=1.0, objects=2, masks=masks))
+        dm.preprocess = PRE
+        ds = dm.dataset("train", train=True)
+        ds.transform = None
+        raw = ds._raw(0)
+        assert ds._object_mask(0, 0) is not None and ds._object_mask(0, 0).shape == raw[0].shape[-2:]
+        torch.manual_seed(0)
+        image = ds.dense(raw, ds._raw, len(ds), ds._object_mask)[0]
+        changed[masks] = int((image != raw[0]).any(0).sum())
+    assert 0 < changed[True] < changed[False]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_pasted_objects_stay_inside_and_never_overlap(seed):
     g = torch.Generator().manual_seed(seed)

@@ -142,3 +142,37 @@ def test_cells_are_smoothed_by_half_a_cell_and_patches_are_cell_sums():
     assert on_patch_grid(cells, (4, 4)) is cells
     with pytest.raises(ValueError, match="does not split the 3x3 patch grid"):
         on_patch_grid(cells, (3, 3))
+
+
+@pytest.mark.parametrize("head", HEADS[:3], ids=["plain", "box_refine", "focal_selection"])
+def test_own_query_holds_the_other_queries_constant_in_self_attention(head):
+    """Same logits; the explained score's gradient reaches no other query's content, which it
+    does without the option; the maps change."""
+    from vision_attn.explain.decoder_relevance import _explaining
+    from vision_attn.explain.lrp_decoder import _decoder_sources, _detection_scores, _own_query
+
+    task = _detector(**head)
+    images = _images(1).repeat(2, 1, 1, 1)
+    queries, classes = torch.tensor([0, 3]), torch.tensor([-1, -1])
+    got = {}
+    with _explaining(task):
+        for own in (False, True):
+            with _decoder_sources(task.head) as sources, _own_query(task.head, queries if own else None):
+                score, _ = _detection_scores(task, images, queries, classes)
+                score.sum().backward()
+            grad = sources["queries"][0].grad  # (rows, Q, hidden): the first layer's query contents
+            got[own] = score.detach()
+            others = torch.ones(grad.shape[:2], dtype=torch.bool)
+            others[torch.arange(2), queries] = False
+            if own:
+                assert grad[others].abs().max() == 0 and grad[~others].abs().sum() > 0
+            else:
+                assert grad[others].abs().max() > 0
+    assert torch.allclose(got[True], got[False])
+    shipped = detection_lrp(task, images[:1], [queries])[0]
+    lrp_decoder.OWN_QUERY = True
+    try:
+        own_maps = detection_lrp(task, images[:1], [queries])[0]
+    finally:
+        lrp_decoder.OWN_QUERY = False
+    assert not torch.allclose(own_maps, shipped)

@@ -17,14 +17,18 @@ each image shows (YOLOv4's mosaic); with ``scale`` 2 each image can show whole, 
 crop that resizes the canvas to the input size about halves the objects (DEIM's, whose tiles are
 half the input). The boxes are shifted and cut at the canvas' edge; an object of which less than
 ``min_visible`` of the box's area stays in view is dropped (its visible part stays in the image as
-background, as in YOLO's mosaic, whose threshold is 0.1). The canvas then goes through the usual
+background, as in YOLO's mosaic, whose threshold is 0.1). Where the annotation file gives the
+objects a ``segmentation`` (``--data.mosaic.masks``, on by default), the share in view is that of
+the mask's pixels and the box is the tight box of the visible ones. The canvas then goes through the usual
 training transform (flip, random resized crop to the input size).
 
 How objects are pasted (:func:`copy_paste`): each of up to ``objects`` boxes, one from each of
-as many other training images, is cut out (the box's pixels, background included: the training
-annotations have boxes) and pasted at its own size at a random place of the image where it
-overlaps no box already there (up to 10 places tried; an object that fits nowhere is left
-out), with its box and category.
+as many other training images, is cut out and pasted at its own size at a random place of the
+image where it overlaps no box already there (up to 10 places tried; an object that fits nowhere
+is left out), with its box and category. Where the annotation file gives the object a
+``segmentation`` (``--data.copy_paste.masks``, on by default), only the object's own pixels are
+pasted and its box is the tight box of those pixels, as Simple Copy-Paste does; without one, the
+box's pixels, background included.
 
 Switched on by ``--data.mosaic.prob`` / ``--data.copy_paste.prob`` (the share of training
 images that get one) and off for the last ``off_fraction`` of the epochs by :class:`DenseSchedule`
@@ -41,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 from lightning.pytorch.callbacks import Callback
 
@@ -59,7 +64,7 @@ Item = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 @dataclass(frozen=True)
 class MosaicConfig:
     """Mosaic augmentation of detection training images (``--data.mosaic.*``; see
-    :mod:`vision_attn.data.mosaic`).
+    :mod:`vision_attn.data.dense`).
 
     Attributes:
         prob: the share of training images made as a mosaic of four (``0``: off).
@@ -70,17 +75,21 @@ class MosaicConfig:
             the input size: ``1`` keeps the objects' size and shows a corner of each image
             (YOLOv4's); ``2`` can show each image whole at about half its size, four times the
             objects per training image (DEIM's dense scenes).
+        masks: where the annotation file gives objects a ``segmentation``, measure what stays in
+            view on the mask and box the visible pixels tightly (else the box, cut).
     """
 
     prob: float = 0.0
     off_fraction: float = 0.1
     min_visible: float = 0.25
     scale: float = 2.0
+    masks: bool = True
 
     def __post_init__(self) -> None:
         _check_shares("mosaic", prob=self.prob, off_fraction=self.off_fraction, min_visible=self.min_visible)
         if not (isinstance(self.scale, int | float) and 1.0 <= float(self.scale) <= 2.0):
             raise ConfigError(f"--data.mosaic.scale must be a number in [1, 2], got {self.scale!r}")
+        _check_flag("mosaic", self.masks)
 
     @property
     def enabled(self) -> bool:
@@ -96,20 +105,29 @@ class CopyPasteConfig:
         prob: the share of training images that get pasted objects (``0``: off).
         objects: the most objects pasted into one image (one from each of as many images).
         off_fraction: the last share of the epochs trained without pasting.
+        masks: paste an object's segmentation mask (its own pixels) where the annotation file
+            has one, else its box's pixels.
     """
 
     prob: float = 0.0
     objects: int = 3
     off_fraction: float = 0.1
+    masks: bool = True
 
     def __post_init__(self) -> None:
         _check_shares("copy_paste", prob=self.prob, off_fraction=self.off_fraction)
         if not (isinstance(self.objects, int) and not isinstance(self.objects, bool) and self.objects >= 1):
             raise ConfigError(f"--data.copy_paste.objects must be a whole number >= 1, got {self.objects!r}")
+        _check_flag("copy_paste", self.masks)
 
     @property
     def enabled(self) -> bool:
         return self.prob > 0.0
+
+
+def _check_flag(group: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"--data.{group}.masks must be true or false, got {value!r}")
 
 
 def _check_shares(group: str, **values: float) -> None:
@@ -125,8 +143,8 @@ def scheduled_epochs(max_epochs: int, off_fraction: float) -> int:
 
 
 def mosaic(images: Sequence[torch.Tensor], boxes: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
-           size: tuple[int, int], centre: tuple[int, int], min_visible: float = 0.25, scale: float = 1.0
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           size: tuple[int, int], centre: tuple[int, int], min_visible: float = 0.25, scale: float = 1.0,
+           masks: Sequence[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Four images in one (see the module docstring).
 
     Args:
@@ -139,6 +157,9 @@ def mosaic(images: Sequence[torch.Tensor], boxes: Sequence[torch.Tensor], labels
             the object to be kept.
         scale: the mosaic's side in input sizes (``1`` to ``2``): ``round(scale * h)`` by
             ``round(scale * w)``; what no image covers is black.
+        masks: per image ``bool [n_i, H_i, W_i]`` its objects' masks, or ``None``: an object with
+            a mask is kept when ``min_visible`` of its mask's pixels stay in view, and its box is
+            the tight box of those pixels (an object whose mask is empty falls back to its box).
 
     Returns:
         ``(image uint8 [3, H, W], boxes [n, 4] XYXY in its pixels, labels [n])``.
@@ -154,7 +175,7 @@ def mosaic(images: Sequence[torch.Tensor], boxes: Sequence[torch.Tensor], labels
     out = torch.zeros(3, ch, cw, dtype=torch.uint8)
     corners = [(cy - h, cx - w), (cy - h, cx), (cy, cx - w), (cy, cx)]  # each image's top-left in the mosaic
     kept_boxes, kept_labels = [], []
-    for image, b, lab, (top, left) in zip(images, boxes, labels, corners, strict=True):
+    for n, (image, b, lab, (top, left)) in enumerate(zip(images, boxes, labels, corners, strict=True)):
         ih, iw = image.shape[-2:]
         y0, y1, x0, x1 = max(top, 0), min(top + h, ch), max(left, 0), min(left + w, cw)  # the part in view
         resized = TF.resize_image(image, [h, w], antialias=True)
@@ -166,9 +187,36 @@ def mosaic(images: Sequence[torch.Tensor], boxes: Sequence[torch.Tensor], labels
                            moved[:, 2].clamp(x0, x1), moved[:, 3].clamp(y0, y1)], dim=1)
         cut_w, cut_h = cut[:, 2] - cut[:, 0], cut[:, 3] - cut[:, 1]
         keep = (cut_w >= 1) & (cut_h >= 1) & (cut_w * cut_h >= min_visible * area.clamp(min=1e-9))
+        m = masks[n] if masks is not None else None
+        if m is not None and len(m) == len(b) and tuple(m.shape[-2:]) == (ih, iw):
+            cut, keep = _visible_masks(m, (h, w), (y0 - top, y1 - top, x0 - left, x1 - left), (y0, x0),
+                                       min_visible, cut, keep)
         kept_boxes.append(cut[keep])
         kept_labels.append(lab.reshape(-1)[keep])
     return out, torch.cat(kept_boxes), torch.cat(kept_labels)
+
+
+def _visible_masks(masks: torch.Tensor, size: tuple[int, int], view: tuple[int, int, int, int],
+                   origin: tuple[int, int], min_visible: float, boxes: torch.Tensor, keep: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mosaic boxes and the kept flags of one tile's objects from their masks: ``masks``
+    ``bool [n, H, W]`` resized to the tile ``size`` (nearest), cut to the tile's rows and columns
+    in view ``view = (r0, r1, c0, c1)``, which lie at ``origin = (y, x)`` of the mosaic. An object
+    whose mask has no pixel at the tile's size keeps its box-based ``boxes`` / ``keep``."""
+    resized = F.interpolate(masks[:, None].float(), size=size, mode="nearest")[:, 0] > 0.5
+    r0, r1, c0, c1 = view
+    seen = resized[:, r0:r1, c0:c1]
+    total, shown = resized.flatten(1).sum(1), seen.flatten(1).sum(1)
+    boxes, keep = boxes.clone(), keep.clone()
+    for i in range(len(masks)):
+        if int(total[i]) == 0:
+            continue
+        keep[i] = bool(shown[i] >= 1 and shown[i] >= min_visible * total[i])
+        if keep[i]:
+            ys, xs = seen[i].any(1).nonzero()[:, 0], seen[i].any(0).nonzero()[:, 0]
+            boxes[i] = torch.tensor([origin[1] + int(xs[0]), origin[0] + int(ys[0]),
+                                     origin[1] + int(xs[-1]) + 1, origin[0] + int(ys[-1]) + 1], dtype=boxes.dtype)
+    return boxes, keep
 
 
 def draw_centre(size: tuple[int, int], generator: torch.Generator | None = None, scale: float = 1.0
@@ -181,8 +229,13 @@ def draw_centre(size: tuple[int, int], generator: torch.Generator | None = None,
     return min(int(ys), h - 1), min(int(xs), w - 1)
 
 
+MaskOf = Callable[[int], "torch.Tensor | None"]
+"""The mask of a donor's object ``k``: ``bool [H, W]`` in the donor's pixels, or ``None``."""
+
+
 def copy_paste(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, donors: Sequence[Item],
-               generator: torch.Generator | None = None, tries: int = 10) -> Item:
+               generator: torch.Generator | None = None, tries: int = 10,
+               masks: Sequence[MaskOf | None] | None = None) -> Item:
     """Paste one object of each donor into ``image`` (see the module docstring).
 
     Args:
@@ -191,6 +244,8 @@ def copy_paste(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, d
             donor without boxes gives none).
         generator: the random draws (the box of each donor, the places).
         tries: places tried per object before it is left out.
+        masks: per donor, its objects' masks (:data:`MaskOf`) or ``None``: an object with a mask
+            that covers part of its box pastes only those pixels, with their tight box.
 
     Returns:
         the image with the objects pasted, its boxes and labels (the pasted ones appended).
@@ -200,7 +255,7 @@ def copy_paste(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, d
     boxes, labels = boxes.reshape(-1, 4).float(), labels.reshape(-1)
     new_boxes, new_labels = [boxes], [labels]
     taken = boxes
-    for d_image, d_boxes, d_labels in donors:
+    for n, (d_image, d_boxes, d_labels) in enumerate(donors):
         d_boxes = d_boxes.reshape(-1, 4)
         if len(d_boxes) == 0:
             continue
@@ -211,6 +266,7 @@ def copy_paste(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, d
         bw, bh = x1 - x0, y1 - y0
         if bw < 1 or bh < 1 or bw > w or bh > h:
             continue
+        cut = _object_mask(masks[n] if masks else None, k, d_image.shape[-2:], (y0, y1, x0, x1))
         for _ in range(tries):
             x = int(torch.randint(w - bw + 1, (1,), generator=generator))
             y = int(torch.randint(h - bh + 1, (1,), generator=generator))
@@ -219,12 +275,40 @@ def copy_paste(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, d
             down = torch.minimum(taken[:, 3], placed[0, 3]) - torch.maximum(taken[:, 1], placed[0, 1])
             if bool(((across > 0) & (down > 0)).any()):  # overlaps a box already there
                 continue
-            out[:, y : y + bh, x : x + bw] = d_image[:, y0:y1, x0:x1]
+            if cut is None:
+                out[:, y : y + bh, x : x + bw] = d_image[:, y0:y1, x0:x1]
+            else:  # the object's own pixels, boxed tightly
+                region = out[:, y : y + bh, x : x + bw]
+                out[:, y : y + bh, x : x + bw] = torch.where(cut, d_image[:, y0:y1, x0:x1], region)
+                rows, cols = cut.any(1).nonzero()[:, 0], cut.any(0).nonzero()[:, 0]
+                placed = torch.tensor([[x + int(cols[0]), y + int(rows[0]), x + int(cols[-1]) + 1,
+                                        y + int(rows[-1]) + 1]], dtype=torch.float32)
             taken = torch.cat([taken, placed])
             new_boxes.append(placed)
             new_labels.append(d_labels.reshape(-1)[k : k + 1])
             break
     return out, torch.cat(new_boxes), torch.cat(new_labels)
+
+
+def _object_mask(mask_of: MaskOf | None, k: int, size: tuple[int, int], crop: tuple[int, int, int, int]
+                 ) -> torch.Tensor | None:
+    """Object ``k``'s mask inside its cut-out ``crop = (y0, y1, x0, x1)``, or ``None`` (no mask,
+    a mask of another size than the image's, or one that leaves the box empty)."""
+    mask = mask_of(k) if mask_of is not None else None
+    if mask is None or tuple(mask.shape) != tuple(size):
+        return None
+    y0, y1, x0, x1 = crop
+    cut = mask[y0:y1, x0:x1].bool()
+    return cut if bool(cut.any()) else None
+
+
+def _stacked_masks(mask_of: Callable[[int, int], torch.Tensor | None], index: int, n: int) -> torch.Tensor | None:
+    """``bool [n, H, W]``: the masks of image ``index``'s ``n`` objects, or ``None`` unless all
+    have one of the same size."""
+    masks = [mask_of(index, k) for k in range(n)]
+    if n == 0 or any(m is None or m.shape != masks[0].shape for m in masks):
+        return None
+    return torch.stack(masks)
 
 
 class DenseAugment:
@@ -246,15 +330,25 @@ class DenseAugment:
     def _draw(self, name: str, config: MosaicConfig | CopyPasteConfig) -> bool:
         return config.enabled and bool(self.switches[name][0]) and float(torch.rand(1)) < config.prob
 
-    def __call__(self, item: Item, read: Callable[[int], Item], count: int) -> Item:
-        """``item`` (an image as read) made a mosaic and / or given pasted objects; ``read(i)``
-        reads image ``i`` of the ``count`` images of the split (the other tiles, the donors)."""
+    def __call__(self, item: Item, read: Callable[[int], Item], count: int,
+                 mask_of: Callable[[int, int], torch.Tensor | None] | None = None, index: int | None = None) -> Item:
+        """``item`` (image ``index`` as read) made a mosaic and / or given pasted objects; ``read(i)``
+        reads image ``i`` of the ``count`` images of the split (the other tiles, the donors);
+        ``mask_of(i, k)``: the mask of object ``k`` of image ``i``, or ``None``."""
         if self._draw("mosaic", self.mosaic):
-            parts = [item] + [read(int(i)) for i in torch.randint(count, (3,))]
+            others = [int(i) for i in torch.randint(count, (3,))]
+            parts = [item] + [read(i) for i in others]
+            masks = None
+            if self.mosaic.masks and mask_of is not None and index is not None:
+                masks = [_stacked_masks(mask_of, i, len(p[1])) for i, p in zip([index, *others], parts, strict=True)]
             item = mosaic(*zip(*parts, strict=True), self.size, draw_centre(self.size, scale=self.mosaic.scale),
-                          self.mosaic.min_visible, self.mosaic.scale)
+                          self.mosaic.min_visible, self.mosaic.scale, masks)
         if self._draw("copy_paste", self.copy_paste):
-            item = copy_paste(*item, [read(int(i)) for i in torch.randint(count, (self.copy_paste.objects,))])
+            picked = [int(i) for i in torch.randint(count, (self.copy_paste.objects,))]
+            masks = None
+            if self.copy_paste.masks and mask_of is not None:
+                masks = [lambda k, i=i: mask_of(i, k) for i in picked]
+            item = copy_paste(*item, [read(i) for i in picked], masks=masks)
         return item
 
 

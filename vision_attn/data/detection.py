@@ -219,6 +219,7 @@ class CocoDetection(SkipUnreadable, Dataset):
         self.transform = transform
         self.max_pixels = max_pixels
         self._raw_orientation: set[int] = set()
+        self._bad_masks: set[int] = set()  # image ids whose masks could not be read (warned once)
         entries = read_image_entries(data, self.ann_file, self.images_dir, split, follow_symlinks,
                                      skip_refused=skip_unreadable, require_files=True)
         self.images: list[dict] = [im for im, _ in entries]
@@ -235,6 +236,7 @@ class CocoDetection(SkipUnreadable, Dataset):
         scored: dict[int, list[tuple[list[float], int, int, float]]] = {im["id"]: [] for im in self.images}
         # each scored object's segmentation (None without one), kept for evaluation datasets only
         self._segmentations: dict[int, list[Any]] = {im["id"]: [] for im in self.images}
+        self._object_segmentations: dict[int, list[Any]] = {im["id"]: [] for im in self.images}  # of the targets
         sizes = {im["id"]: (im.get("height"), im.get("width")) for im in self.images}
         self._sizes = sizes
         dropped: Counter = Counter()
@@ -261,6 +263,7 @@ class CocoDetection(SkipUnreadable, Dataset):
                     example.setdefault("outside the image", a.get("id"))
                     continue
             by_image[a["image_id"]].append(([x0, y0, x1, y1], label))
+            self._object_segmentations[a["image_id"]].append(a.get("segmentation"))
         for reason, n in dropped.items():
             log.warning("%s: dropped %d annotations (%s), e.g. annotation id %s", self.ann_file, n, reason,
                         example[reason])
@@ -326,11 +329,26 @@ class CocoDetection(SkipUnreadable, Dataset):
         xyxy = torch.tensor([a[0] for a in anns], dtype=torch.float32).reshape(-1, 4)
         return torch.from_numpy(rgb).permute(2, 0, 1), xyxy, torch.tensor([a[1] for a in anns], dtype=torch.int64)
 
+    def _object_mask(self, index: int, k: int) -> torch.Tensor | None:
+        """``bool [H, W]``: training object ``k``'s segmentation (:meth:`_raw`'s order) or ``None``
+        (none, no declared size, or unreadable: a warning, and the object is pasted with its box)."""
+        im = self.images[index]
+        seg = self._object_segmentations[im["id"]][k]
+        mask = None if seg is None else image_mask(seg, im.get("height"), im.get("width"),
+                                                   f"{self.ann_file}: image id {im['id']}")
+        try:
+            return None if mask is None else torch.from_numpy(mask.decode())
+        except DataError as err:
+            if im["id"] not in self._bad_masks:
+                self._bad_masks.add(im["id"])
+                log.warning("%s; pasting its box instead", err)
+            return None
+
     def _load(self, index: int):
         im = self.images[index]
         rgb, xyxy, labels = self._raw(index)
         if self.dense is not None:
-            rgb, xyxy, labels = self.dense((rgb, xyxy, labels), self._raw, len(self))
+            rgb, xyxy, labels = self.dense((rgb, xyxy, labels), self._raw, len(self), self._object_mask, index)
         h, w = rgb.shape[-2:]
         image = tv_tensors.Image(rgb)
         boxes = tv_tensors.BoundingBoxes(xyxy, format="XYXY", canvas_size=(h, w))

@@ -141,8 +141,8 @@ DETECTION_DEFAULTS: tuple[str, ...] = ("lrp", "attention")
 """The detection head's methods, first = the default, when ``--explain.methods`` is not given.
 Measured in docs/results/explanations.md (100 images): on stroke scenes the detector was not
 tuned on, AttnLRP through the decoder, over cells finer than the patches, points at the detected
-object 0.979 of the time (raw cross-attention 0.800, relevance 0.717) with 0.655 of its mass in the
-object's box (0.359, 0.411) and the best mask IoU, deletion, insertion and sanity check; on the
+object 0.972 of the time (raw cross-attention 0.727, relevance 0.755) with 0.666 of its mass in the
+object's box (0.313, 0.426) and the best mask IoU, deletion, insertion and sanity check; on the
 demo scenes 0.964 (0.888, 0.955). A model whose attention AttnLRP has no rule for falls back to
 ``relevance`` (:func:`~vision_attn.explain.lrp.lrp_unsupported`). The captioning head's are
 :data:`~vision_attn.explain.captioning.CAPTION_DEFAULTS`."""

@@ -62,6 +62,36 @@ CELLS = 4
 
 _SMOOTH = math.exp(-2.0)  # a Gaussian of half a cell, sampled at the neighbouring cells (1 cell = 2 sigma)
 
+OWN_QUERY = False
+"""Detection: let a detection's relevance pass only through its own query's tokens in the
+decoder's self-attention (the other queries' keys and values held constant), so that its map
+holds what its own query read from the image. Measured by ``python -m benchmarks.lrp_cells
+--own_query``."""
+
+
+@contextmanager
+def _own_query(head: nn.Module, queries: Tensor | None) -> Iterator[None]:
+    """With ``queries [R]`` (each row's explained query), the decoder's self-attention keys and
+    values of every other query are held constant (same values, no relevance); ``None``: nothing."""
+    if queries is None:
+        yield
+        return
+
+    def own_only(t: Tensor) -> Tensor:
+        keep = torch.zeros(t.shape[:2], dtype=t.dtype, device=t.device)
+        keep[torch.arange(len(queries), device=t.device), queries] = 1
+        return t.detach() + (t - t.detach()) * keep[..., None]
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return (args[0], own_only(args[1]), own_only(args[2]), *args[3:]), kwargs
+
+    handles = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in head.layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
 
 @contextmanager
 def _decoder_sources(head: nn.Module) -> Iterator[dict[str, list[Tensor]]]:
@@ -147,9 +177,9 @@ def detection_lrp(task: nn.Module, images: Tensor, queries: Sequence[Tensor], la
             rows = slice(start, start + max_rows)
             device = images.device
             x = images.detach().clone()[torch.tensor(image_idx[rows], device=device)].requires_grad_(True)
-            with lrp_rules(task), _decoder_sources(task.head):
-                score, _ = _detection_scores(task, x, torch.tensor(query_idx[rows], device=device),
-                                             torch.tensor(label_idx[rows], device=device))
+            q_rows = torch.tensor(query_idx[rows], device=device)
+            with lrp_rules(task), _decoder_sources(task.head), _own_query(task.head, q_rows if OWN_QUERY else None):
+                score, _ = _detection_scores(task, x, q_rows, torch.tensor(label_idx[rows], device=device))
             maps.append(_pixel_maps(task, x, score))
     return _split(torch.cat(maps) if maps else torch.zeros(0, *grid), counts, grid)
 

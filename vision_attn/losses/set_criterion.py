@@ -25,6 +25,13 @@ present only when the head's outputs carry them:
   sets, each Hungarian-matched on its own (Group DETR: one set per group, the terms summed over
   groups) to the targets repeated ``o2m_repeat`` times (H-DETR; 1 for Group DETR).
 
+With ``fdr`` (the head's fine-grained distribution refinement, :mod:`vision_attn.models.fdr`):
+``loss_fgl`` (+ ``_0`` ...), the matched queries' edge distributions against their objects
+(:func:`~vision_attn.models.fdr.localization_loss`), and ``loss_ddf_0`` ... for every earlier
+layer, its distributions distilled from the last layer's
+(:func:`~vision_attn.models.fdr.distillation_loss`, matched queries: those of the last layer's
+matching). Weights ``weight_fgl`` and ``weight_ddf`` (D-FINE's 0.15 and 1.5).
+
 Each carries the weight of its base term (``weight_ce``, ``weight_bbox``, ``weight_giou``), and
 is in the weight table only when the criterion is built for it (``dn``, ``enc``, ``o2m``): with
 all three off the table, the terms and the total are exactly DETR's.
@@ -43,6 +50,7 @@ from torchvision.ops import sigmoid_focal_loss
 from vision_attn.boxes import box_cxcywh_to_xyxy, generalized_box_iou
 from vision_attn.distributed import mean_across_processes
 from vision_attn.losses.matcher import HungarianMatcher, check_focal_alpha
+from vision_attn.models.fdr import distillation_loss, localization_loss
 
 __all__ = ["SetCriterion", "box_iou_pairs", "dense_assignment", "matchability_aware_loss", "sigmoid_focal_loss"]
 
@@ -144,6 +152,12 @@ class SetCriterion(nn.Module):
         o2m_repeat: times each target is repeated for the one-to-many sets (H-DETR's ``K``; 1
             for Group DETR's independent groups).
         dense: expect every encoder token's outputs (``loss_dense_*`` terms, :func:`dense_assignment`).
+        fdr_offsets: the head's edge offsets ``[N + 1]`` when it refines edge distributions
+            (:func:`~vision_attn.models.fdr.edge_offsets`; ``loss_fgl`` and ``loss_ddf`` terms);
+            ``None``: a box-regression head.
+        weight_fgl: weight of the localisation term of the distributions.
+        weight_ddf: weight of their self-distillation term.
+        fdr_temperature: the self-distillation's temperature.
     """
 
     PARTS = ("", "dn_", "enc_", "o2m_", "dense_")  # term name infixes: loss_ce, loss_dn_ce, loss_enc_ce, ...
@@ -166,8 +180,17 @@ class SetCriterion(nn.Module):
         o2m_repeat: int = 1,
         dense: bool = False,
         mal_gamma: float | None = None,
+        fdr_offsets: Tensor | None = None,
+        weight_fgl: float = 0.15,
+        weight_ddf: float = 1.5,
+        fdr_temperature: float = 5.0,
     ) -> None:
         super().__init__()
+        self.fdr = fdr_offsets is not None
+        self.fdr_weights = {"loss_fgl": weight_fgl, "loss_ddf": weight_ddf}
+        self.fdr_temperature = fdr_temperature
+        if self.fdr:
+            self.register_buffer("fdr_offsets", fdr_offsets.detach().clone().float(), persistent=False)
         check_focal_alpha(focal_alpha)
         if mal_gamma is not None and (not focal or not mal_gamma > 0):
             raise ValueError(f"the matchability-aware loss needs a focal (sigmoid) head and mal_gamma > 0, got "
@@ -195,6 +218,10 @@ class SetCriterion(nn.Module):
         weights = dict(self.base_weights)
         for i in range(num_aux):
             weights.update({f"{k}_{i}": v for k, v in self.base_weights.items()})
+        if self.fdr:
+            weights["loss_fgl"] = self.fdr_weights["loss_fgl"]
+            for i in range(num_aux):
+                weights.update({f"{k}_{i}": v for k, v in self.fdr_weights.items()})
         for part in self.parts:
             named = {_name(k, part): v for k, v in self.base_weights.items()}
             weights.update(named)
@@ -209,8 +236,11 @@ class SetCriterion(nn.Module):
         return sum(weights[k] * v for k, v in terms.items() if k in weights)
 
     def _terms(self, logits: Tensor, boxes: Tensor, targets: list[dict[str, Tensor]],
-               num_boxes: float) -> dict[str, Tensor]:
-        indices = self.matcher(logits, boxes, targets)
+               num_boxes: float, corners: dict | None = None, indices: list | None = None) -> dict[str, Tensor]:
+        """The matched terms of one layer; ``corners``: the layer's output when it carries edge
+        distributions (``loss_fgl``); ``indices``: the matching, when already made."""
+        if indices is None:
+            indices = self.matcher(logits, boxes, targets)
         b_idx = torch.cat([torch.full_like(p, i) for i, (p, _) in enumerate(indices)]).to(logits.device)
         q_idx = torch.cat([p for p, _ in indices]).to(logits.device)
         matched_labels = torch.cat([t["labels"][j] for t, (_, j) in zip(targets, indices, strict=True)])
@@ -230,6 +260,13 @@ class SetCriterion(nn.Module):
             classes[b_idx, q_idx] = matched_labels
             loss_ce = F.cross_entropy(logits.transpose(1, 2), classes, weight=self.empty_weight.to(logits.dtype))
         loss_bbox, loss_giou = _box_terms(boxes[b_idx, q_idx], matched_boxes, num_boxes)
+        fgl = {}
+        if self.fdr and corners is not None and "pred_corners" in corners:
+            with torch.no_grad():
+                fit = box_iou_pairs(box_cxcywh_to_xyxy(boxes[b_idx, q_idx]), box_cxcywh_to_xyxy(matched_boxes))
+            fgl["loss_fgl"] = localization_loss(corners["pred_corners"][b_idx, q_idx],
+                                                corners["fdr_initial"][b_idx, q_idx], matched_boxes,
+                                                self.fdr_offsets, fit) / num_boxes
         with torch.no_grad():  # predicted "objects" vs true count, per image (logged only)
             if self.focal:
                 n_pred = (logits.sigmoid().amax(-1) > 0.5).sum(1)
@@ -237,7 +274,22 @@ class SetCriterion(nn.Module):
                 n_pred = (logits.argmax(-1) != self.num_classes).sum(1)
             n_true = torch.tensor([len(t["labels"]) for t in targets], device=logits.device)
             card = (n_pred.float() - n_true.float()).abs().mean()
-        return {"loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou, "cardinality_error": card}
+        return {"loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou, **fgl, "cardinality_error": card}
+
+    def _distillation(self, outputs: dict, targets: list[dict[str, Tensor]], indices: list) -> dict[str, Tensor]:
+        """``loss_ddf_i``: each earlier layer's edge distributions against the last layer's; the
+        weights: the last layer's IoU with its object (matched queries) or its confidence (the rest)."""
+        teacher, logits, boxes = outputs["pred_corners"], outputs["pred_logits"], outputs["pred_boxes"]
+        with torch.no_grad():
+            matched = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
+            weight = logits.sigmoid().amax(-1) if self.focal else logits.softmax(-1)[..., :-1].amax(-1)
+            for i, ((q, j), t) in enumerate(zip(indices, targets, strict=True)):
+                q = q.to(logits.device)
+                matched[i, q] = True
+                weight[i, q] = box_iou_pairs(box_cxcywh_to_xyxy(boxes[i, q]),
+                                             box_cxcywh_to_xyxy(t["boxes"][j].to(boxes.device, boxes.dtype)))
+        return {f"loss_ddf_{i}": distillation_loss(aux["pred_corners"], teacher, matched, weight, self.fdr_temperature)
+                for i, aux in enumerate(outputs.get("aux_outputs", []))}
 
     def _dn_terms(self, logits: Tensor, boxes: Tensor, targets: list[dict[str, Tensor]], meta: dict,
                   num_boxes: float) -> dict[str, Tensor]:
@@ -331,9 +383,16 @@ class SetCriterion(nn.Module):
                 raise ValueError(f"the outputs carry {key} but the criterion has no weights for them: "
                                  f"build SetCriterion with {flag}=True")
         num_boxes = _num_boxes(targets, outputs["pred_logits"].device, across_processes)
-        terms = self._terms(outputs["pred_logits"], outputs["pred_boxes"], targets, num_boxes)
+        fdr = self.fdr and "pred_corners" in outputs
+        if self.fdr and not fdr:
+            raise ValueError("the criterion was built for edge distributions (fdr_offsets) but the outputs carry no "
+                             "pred_corners: build the head with fdr=True, or the criterion without fdr_offsets")
+        indices = self.matcher(outputs["pred_logits"], outputs["pred_boxes"], targets)
+        terms = self._terms(outputs["pred_logits"], outputs["pred_boxes"], targets, num_boxes, outputs, indices)
+        if fdr:
+            terms.update(self._distillation(outputs, targets, indices))
         for i, aux in enumerate(outputs.get("aux_outputs", [])):
-            aux_terms = self._terms(aux["pred_logits"], aux["pred_boxes"], targets, num_boxes)
+            aux_terms = self._terms(aux["pred_logits"], aux["pred_boxes"], targets, num_boxes, aux)
             terms.update({f"{k}_{i}": v for k, v in aux_terms.items() if k != "cardinality_error"})
         if "enc_outputs" in outputs:
             enc = outputs["enc_outputs"]

@@ -46,6 +46,13 @@ Further published training aids, each off by default (then the head is exactly t
   the ground truth repeated ``K`` times (the criterion's ``o2m_repeat``). Output key
   ``o2m_outputs`` (a list of such sets). At inference only the first (matching) group runs.
 
+- **Fine-grained distribution refinement** (``fdr``; D-FINE, Peng et al. 2025,
+  :mod:`vision_attn.models.fdr`): the first layer's box is an initial box; every layer predicts
+  a distribution over offsets for each edge of it, adding its logits to the previous layer's.
+  Extra output keys per layer: ``pred_corners`` (``[B, Q, 4, N + 1]`` edge logits) and
+  ``fdr_initial`` (the initial boxes, detached), which the set criterion's localisation and
+  self-distillation terms read. Needs ``box_refine``; replaces ``look_forward_twice``.
+
 Query order inside the decoder while training: ``[Q matching | o2m_groups * Q | denoising]``.
 
 Multi-scale memory (``pyramid``, off by default):
@@ -78,6 +85,7 @@ from torch import Tensor, nn
 from vision_attn.boxes import box_cxcywh_to_xyxy
 from vision_attn.models.denoising import O2M_MODES, denoising_slots, noise_boxes, noise_labels, query_group_mask
 from vision_attn.models.encoder import EncoderOutput
+from vision_attn.models.fdr import decode_edges, edge_offsets
 from vision_attn.models.layers import MLP, DecoderLayer, sine_position_embedding_2d
 from vision_attn.models.pyramid import PYRAMID_SCALES, SimpleFeaturePyramid
 
@@ -122,6 +130,11 @@ class DETRConfig:
         dense_encoder: also train every encoder token's class and box while training, one-to-many
             (``dense_outputs``: Co-DETR's auxiliary dense supervision with FCOS's assignment).
             Needs ``query_selection``; training only.
+        fdr: D-FINE's fine-grained distribution refinement of the box edges (Peng et al. 2025,
+            :mod:`vision_attn.models.fdr`). Needs ``box_refine``, not with ``look_forward_twice``.
+        fdr_bins: ``N``, the offsets per edge minus one (even; D-FINE's 32).
+        fdr_up: the largest inner offset, as a fraction of the initial box's size (D-FINE's 0.5).
+        fdr_curvature: how closely the offsets gather around 0 (smaller: closer; D-FINE's 0.25).
         top_k: detections kept per image by :func:`post_process`.
     """
 
@@ -143,6 +156,10 @@ class DETRConfig:
     o2m_mode: str = "group"
     pyramid: bool = False
     dense_encoder: bool = False
+    fdr: bool = False
+    fdr_bins: int = 32
+    fdr_up: float = 0.5
+    fdr_curvature: float = 0.25
     top_k: int = 100
 
     def __post_init__(self) -> None:
@@ -152,7 +169,7 @@ class DETRConfig:
         if self.hidden_dim % 4:
             raise ValueError(f"hidden_dim must be divisible by 4, got {self.hidden_dim}")
         for name, on in (("dn_groups", self.dn_groups > 0), ("query_selection", self.query_selection),
-                         ("look_forward_twice", self.look_forward_twice)):
+                         ("look_forward_twice", self.look_forward_twice), ("fdr", self.fdr)):
             if on and not self.box_refine:
                 raise ValueError(f"{name} needs reference boxes: set box_refine=True (or switch {name} off)")
         if self.dn_groups < 0 or self.o2m_groups < 0:
@@ -161,6 +178,10 @@ class DETRConfig:
             raise ValueError(f"label_noise_ratio must lie in [0, 1], got {self.label_noise_ratio}")
         if self.box_noise_scale < 0:
             raise ValueError(f"box_noise_scale must be >= 0, got {self.box_noise_scale}")
+        if self.fdr and self.look_forward_twice:
+            raise ValueError("fdr refines each layer's edge distributions, not its box: switch look_forward_twice off")
+        if self.fdr:
+            edge_offsets(self.fdr_bins, self.fdr_up, self.fdr_curvature)  # (raises on bad values)
         if self.o2m_mode not in O2M_MODES:
             raise ValueError(f"o2m_mode must be one of {O2M_MODES}, got {self.o2m_mode!r}")
 
@@ -258,7 +279,8 @@ class DETRHead(nn.Module):
                 self.anchors = nn.Parameter(torch.rand(num_queries, 4) * 0.8 + 0.1)  # cx, cy, w, h in [0, 1]
             self.pos_mlp = MLP(hidden_dim, hidden_dim, hidden_dim, 2)
             self.class_heads = nn.ModuleList(nn.Linear(hidden_dim, n_out) for _ in range(num_layers))
-            self.box_heads = nn.ModuleList(MLP(hidden_dim, hidden_dim, 4, 3) for _ in range(num_layers))
+            # with fdr, only the first layer regresses a box (the initial box)
+            self.box_heads = nn.ModuleList(MLP(hidden_dim, hidden_dim, 4, 3) for _ in range(1 if c.fdr else num_layers))
             for head in self.box_heads:  # start as "keep the reference box"
                 nn.init.zeros_(head.layers[-1].weight)
                 nn.init.zeros_(head.layers[-1].bias)
@@ -292,6 +314,14 @@ class DETRHead(nn.Module):
             self.label_embed = nn.Embedding(num_classes, hidden_dim)  # content of a denoising query
         if pyramid:
             self.feature_pyramid = SimpleFeaturePyramid(in_dim, hidden_dim)
+        if c.fdr:
+            self.fdr_bins = c.fdr_bins
+            self.fdr_heads = nn.ModuleList(MLP(hidden_dim, hidden_dim, 4 * (c.fdr_bins + 1), 3)
+                                           for _ in range(num_layers))
+            for head in self.fdr_heads:  # start uniform: expectation 0, the initial box
+                nn.init.zeros_(head.layers[-1].weight)
+                nn.init.zeros_(head.layers[-1].bias)
+            self.register_buffer("fdr_offsets", edge_offsets(c.fdr_bins, c.fdr_up, c.fdr_curvature), persistent=False)
 
     def no_weight_decay(self) -> set[str]:
         """The switches' query embeddings (contents, anchors, label embedding) are not decayed,
@@ -481,6 +511,7 @@ class DETRHead(nn.Module):
         q = self.num_queries
         outputs, weights = [], []
         one_step = None  # look forward twice: the previous layer's box, differentiable through its own head
+        initial, corners = None, None  # fdr: the first layer's box and the running edge logits
         for i, layer in enumerate(self.layers):
             query_pos = (self.pos_mlp(_box_sine_embedding(reference, self.hidden_dim)) if self.box_refine
                          else query_embed)
@@ -488,7 +519,17 @@ class DETRHead(nn.Module):
                          key_mask=key_mask, self_attn_mask=mask, memory_key_mask=memory_mask)
             weights.append(None if w is None else self.cross_attn_to_patches(w if mask is None else w[:, :, :q],
                                                                               enc.grid, enc.patch_mask))
-            if self.box_refine:
+            if self.config.fdr:
+                h = self.norm(x)
+                if initial is None:
+                    initial = (self.box_heads[0](h) + _inverse_sigmoid(reference)).sigmoid()
+                step = self.fdr_heads[i](h).unflatten(-1, (4, self.fdr_bins + 1))
+                corners = step if corners is None else corners + step
+                boxes = decode_edges(initial, corners.softmax(-1), self.fdr_offsets)
+                outputs.append({"pred_logits": self.class_heads[i](h), "pred_boxes": boxes, "pred_corners": corners,
+                                "fdr_initial": initial.detach()})
+                reference = boxes.detach()
+            elif self.box_refine:
                 h = self.norm(x)
                 logits, delta = self.class_heads[i](h), self.box_heads[i](h)
                 boxes = (delta + _inverse_sigmoid(reference)).sigmoid()

@@ -78,6 +78,10 @@ class SetLossConfig:
             2025: a matched class's target is its box's IoU with the object to the power
             ``mal_gamma``; 1.5 in the paper) instead of the focal loss; a focal head only.
             ``null``: the focal loss.
+        weight_fgl: weight of the edge distributions' localisation term (a head with ``fdr``;
+            D-FINE's fine-grained localisation loss, Peng et al. 2025: 0.15).
+        weight_ddf: weight of the earlier layers' self-distillation from the last (``fdr``;
+            D-FINE's GO-LSD: 1.5).
     """
 
     cost_class: float = 1.0
@@ -89,6 +93,8 @@ class SetLossConfig:
     eos_coef: float = 0.1
     o2m_repeat: int = 6
     mal_gamma: float | None = None
+    weight_fgl: float = 0.15
+    weight_ddf: float = 1.5
 
 
 @dataclass
@@ -201,7 +207,8 @@ class DetectionTask(VisionTask):
         self.criterion = SetCriterion(n, matcher, loss.weight_ce, loss.weight_bbox, loss.weight_giou, loss.eos_coef,
                                       head.focal, dn=head.dn_groups > 0, enc=head.query_selection,
                                       o2m=head.o2m_groups > 0, o2m_repeat=repeat, dense=head.dense_encoder,
-                                      mal_gamma=loss.mal_gamma)
+                                      mal_gamma=loss.mal_gamma, fdr_offsets=self.head.fdr_offsets if head.fdr else None,
+                                      weight_fgl=loss.weight_fgl, weight_ddf=loss.weight_ddf)
         self.val_pairs: list[tuple[dict, dict]] = []  # (prediction, target) per validation image
         self.hparams.update(num_classes=n, class_names=self.class_names, category_ids=self.category_ids)
 
@@ -248,7 +255,7 @@ class DetectionTask(VisionTask):
             self.log(f"{stage}/{k}", terms[k], on_step=False, on_epoch=True, batch_size=bs, sync_dist=True)
         for k in ("loss_dn_ce", "loss_dn_bbox", "loss_dn_giou", "loss_enc_ce", "loss_enc_bbox", "loss_enc_giou",
                   "loss_o2m_ce", "loss_o2m_bbox", "loss_o2m_giou", "loss_dense_ce", "loss_dense_bbox",
-                  "loss_dense_giou"):
+                  "loss_dense_giou", "loss_fgl"):
             if k in terms:  # the training aids' terms, when switched on (dn and o2m: training only)
                 self.log(f"{stage}/{k}", terms[k], on_step=False, on_epoch=True, batch_size=bs, sync_dist=True)
         if stage != "train":
