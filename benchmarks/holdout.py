@@ -28,6 +28,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -132,10 +133,18 @@ def score_captioning(predictions: Path, annotations: Path) -> dict[str, float]:
     return {"bleu4": scores["bleu4"], "cider": scores["cider"]}
 
 
+def run_folder(runs: Path, task: str, name: str) -> Path:
+    """``runs/<task>-<name>`` with the name made one safe folder name (every character but
+    letters, digits and ``._+,()- `` replaced by ``_``): a ``--name`` with separators or ``..``
+    stays inside ``runs``."""
+    safe = re.sub(r"[^A-Za-z0-9._+,() -]", "_", name).strip(". ") or "run"
+    return runs / f"{task}-{safe}"
+
+
 def run(task: str, args, work: Path) -> dict:
     root = digit_root(task, work, args.img_size, args.train_images, args.val_images, args.captions_only,
                       args.scenes)
-    run_dir = work / "runs" / f"{task}-{args.name}"
+    run_dir = run_folder(work / "runs", task, args.name)
     train_cmd = [sys.executable, str(REPO / "train.py"), "--config", f"configs/{task}/small.yaml",
                  "--data.root", str(root), "--trainer.max_epochs", str(args.epochs),
                  "--model.encoder.init_args.img_size", str(args.img_size),
@@ -169,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="captioning: hide the instance files (no grounding, no content accuracy)")
     parser.add_argument("--scenes", choices=["digits", "strokes"], default="digits",
                         help="font digits (the embedded scenes) or hand-drawn stroke digits (vision-attn data strokes)")
-    parser.add_argument("--name", default="small", help="the run's folder name under WORK/runs")
+    parser.add_argument("--name", default="small", help="the run's name in the results (its folder under WORK/runs: "
+                        "run-name characters other than letters, digits and ._+,()- replaced by _)")
     parser.add_argument("--results", default=None,
                         help="also write the run as a results file of the documentation (docs/results/...json)")
     parser.add_argument("--glance", action="store_true",
@@ -216,7 +226,7 @@ def write_holdout_results(path: str, result: dict, args, command: str) -> None:
         names = [column_name(c) for c in old.get("columns", [])]
         if set(names) <= set(columns):  # the same table, perhaps before a column was added
             runs = Path(getattr(args, "work", None) or REPO / "benchmarks" / "results" / "holdout-work") / "runs"
-            rows = [_old_row(dict(zip(names, r, strict=True)), columns, runs / f"{result['task']}-{r[0]}")
+            rows = [_old_row(dict(zip(names, r, strict=True)), columns, run_folder(runs, result["task"], r[0]))
                     for r in old.get("rows", []) if r[0] != result["name"]] + rows
             glance = old.get("glance", [])
     if getattr(args, "glance", False):  # this run is the README's "results at a glance" row of the task

@@ -610,3 +610,15 @@ def test_timm_predict_table_runs_the_folder_command_and_records_refusals(tmp_pat
     assert "pit_ti_224" in refused["note"] and "pooling" in refused["note"]
     data = results_file(out, ["model", "timm class", "explained as", "exit status", "methods drawn", "seconds", "note"])
     assert [row[0] for row in data["rows"]] == ["headless_tiny_siglip", "pit_ti_224"]
+
+
+def test_holdout_run_names_stay_one_folder_inside_the_runs_folder(tmp_path):
+    from benchmarks.holdout import run_folder
+
+    runs = tmp_path / "runs"
+    assert run_folder(runs, "detection", "small.yaml + copy-paste 0.5, seed 1") == \
+        runs / "detection-small.yaml + copy-paste 0.5, seed 1"
+    for hostile in ("../../etc", "a/b", "..", "/abs", "x\\..\\y", "", "a\x00b"):
+        folder = run_folder(runs, "detection", hostile)
+        assert folder.parent == runs and folder.resolve().is_relative_to(runs.resolve()), hostile
+        assert "/" not in folder.name and "\\" not in folder.name and "\x00" not in folder.name
