@@ -266,7 +266,7 @@ def copy_paste(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, d
         bw, bh = x1 - x0, y1 - y0
         if bw < 1 or bh < 1 or bw > w or bh > h:
             continue
-        cut = _object_mask(masks[n] if masks else None, k, d_image.shape[-2:], (y0, y1, x0, x1))
+        cut = _cut_mask(masks[n] if masks else None, k, d_image.shape[-2:], (y0, y1, x0, x1))
         for _ in range(tries):
             x = int(torch.randint(w - bw + 1, (1,), generator=generator))
             y = int(torch.randint(h - bh + 1, (1,), generator=generator))
@@ -290,7 +290,7 @@ def copy_paste(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, d
     return out, torch.cat(new_boxes), torch.cat(new_labels)
 
 
-def _object_mask(mask_of: MaskOf | None, k: int, size: tuple[int, int], crop: tuple[int, int, int, int]
+def _cut_mask(mask_of: MaskOf | None, k: int, size: tuple[int, int], crop: tuple[int, int, int, int]
                  ) -> torch.Tensor | None:
     """Object ``k``'s mask inside its cut-out ``crop = (y0, y1, x0, x1)``, or ``None`` (no mask,
     a mask of another size than the image's, or one that leaves the box empty)."""

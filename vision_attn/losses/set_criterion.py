@@ -114,6 +114,16 @@ def matchability_aware_loss(logits: Tensor, matched: tuple[Tensor, Tensor, Tenso
     return F.binary_cross_entropy_with_logits(logits, target, weight=weight, reduction="sum")
 
 
+def _matched(indices: list, targets: list[dict[str, Tensor]], device: torch.device
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A matching's pairs, flattened over the batch: ``(image [M], query [M], class [M], box [M, 4])``."""
+    b_idx = torch.cat([torch.full_like(p, i) for i, (p, _) in enumerate(indices)]).to(device)
+    q_idx = torch.cat([p for p, _ in indices]).to(device)
+    labels = torch.cat([t["labels"][j] for t, (_, j) in zip(targets, indices, strict=True)]).to(device)
+    boxes = torch.cat([t["boxes"][j] for t, (_, j) in zip(targets, indices, strict=True)]).to(device)
+    return b_idx, q_idx, labels, boxes
+
+
 def _num_boxes(targets: list[dict[str, Tensor]], device: torch.device, across_processes: bool) -> float:
     """Number of target boxes (averaged over processes when ``across_processes``), at least 1."""
     n = torch.tensor(float(sum(len(t["labels"]) for t in targets)), device=device)
@@ -241,14 +251,14 @@ class SetCriterion(nn.Module):
         distributions (``loss_fgl``); ``indices``: the matching, when already made."""
         if indices is None:
             indices = self.matcher(logits, boxes, targets)
-        b_idx = torch.cat([torch.full_like(p, i) for i, (p, _) in enumerate(indices)]).to(logits.device)
-        q_idx = torch.cat([p for p, _ in indices]).to(logits.device)
-        matched_labels = torch.cat([t["labels"][j] for t, (_, j) in zip(targets, indices, strict=True)])
-        matched_labels = matched_labels.to(logits.device)
-        matched_boxes = torch.cat([t["boxes"][j] for t, (_, j) in zip(targets, indices, strict=True)]).to(boxes.device)
-        if self.focal and self.mal_gamma is not None:
+        b_idx, q_idx, matched_labels, matched_boxes = _matched(indices, targets, logits.device)
+        matched_boxes = matched_boxes.to(boxes.dtype)
+        fgl = self.fdr and corners is not None and "pred_corners" in corners
+        iou = None
+        if fgl or (self.focal and self.mal_gamma is not None):
             with torch.no_grad():  # how well each matched query's box already fits its object
                 iou = box_iou_pairs(box_cxcywh_to_xyxy(boxes[b_idx, q_idx]), box_cxcywh_to_xyxy(matched_boxes))
+        if self.focal and self.mal_gamma is not None:
             loss_ce = matchability_aware_loss(logits, (b_idx, q_idx, matched_labels), iou, self.mal_gamma) / num_boxes
         elif self.focal:
             onehot = torch.zeros_like(logits)
@@ -260,13 +270,9 @@ class SetCriterion(nn.Module):
             classes[b_idx, q_idx] = matched_labels
             loss_ce = F.cross_entropy(logits.transpose(1, 2), classes, weight=self.empty_weight.to(logits.dtype))
         loss_bbox, loss_giou = _box_terms(boxes[b_idx, q_idx], matched_boxes, num_boxes)
-        fgl = {}
-        if self.fdr and corners is not None and "pred_corners" in corners:
-            with torch.no_grad():
-                fit = box_iou_pairs(box_cxcywh_to_xyxy(boxes[b_idx, q_idx]), box_cxcywh_to_xyxy(matched_boxes))
-            fgl["loss_fgl"] = localization_loss(corners["pred_corners"][b_idx, q_idx],
-                                                corners["fdr_initial"][b_idx, q_idx], matched_boxes,
-                                                self.fdr_offsets, fit) / num_boxes
+        fgl = {} if not fgl else {"loss_fgl": localization_loss(
+            corners["pred_corners"][b_idx, q_idx], corners["fdr_initial"][b_idx, q_idx], matched_boxes,
+            self.fdr_offsets, iou) / num_boxes}
         with torch.no_grad():  # predicted "objects" vs true count, per image (logged only)
             if self.focal:
                 n_pred = (logits.sigmoid().amax(-1) > 0.5).sum(1)
@@ -281,13 +287,12 @@ class SetCriterion(nn.Module):
         weights: the last layer's IoU with its object (matched queries) or its confidence (the rest)."""
         teacher, logits, boxes = outputs["pred_corners"], outputs["pred_logits"], outputs["pred_boxes"]
         with torch.no_grad():
+            b_idx, q_idx, _, matched_boxes = _matched(indices, targets, logits.device)
             matched = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
+            matched[b_idx, q_idx] = True
             weight = logits.sigmoid().amax(-1) if self.focal else logits.softmax(-1)[..., :-1].amax(-1)
-            for i, ((q, j), t) in enumerate(zip(indices, targets, strict=True)):
-                q = q.to(logits.device)
-                matched[i, q] = True
-                weight[i, q] = box_iou_pairs(box_cxcywh_to_xyxy(boxes[i, q]),
-                                             box_cxcywh_to_xyxy(t["boxes"][j].to(boxes.device, boxes.dtype)))
+            weight[b_idx, q_idx] = box_iou_pairs(box_cxcywh_to_xyxy(boxes[b_idx, q_idx]),
+                                                 box_cxcywh_to_xyxy(matched_boxes.to(boxes.dtype))).to(weight.dtype)
         return {f"loss_ddf_{i}": distillation_loss(aux["pred_corners"], teacher, matched, weight, self.fdr_temperature)
                 for i, aux in enumerate(outputs.get("aux_outputs", []))}
 

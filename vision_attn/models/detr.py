@@ -315,7 +315,6 @@ class DETRHead(nn.Module):
         if pyramid:
             self.feature_pyramid = SimpleFeaturePyramid(in_dim, hidden_dim)
         if c.fdr:
-            self.fdr_bins = c.fdr_bins
             self.fdr_heads = nn.ModuleList(MLP(hidden_dim, hidden_dim, 4 * (c.fdr_bins + 1), 3)
                                            for _ in range(num_layers))
             for head in self.fdr_heads:  # start uniform: expectation 0, the initial box
@@ -523,7 +522,7 @@ class DETRHead(nn.Module):
                 h = self.norm(x)
                 if initial is None:
                     initial = (self.box_heads[0](h) + _inverse_sigmoid(reference)).sigmoid()
-                step = self.fdr_heads[i](h).unflatten(-1, (4, self.fdr_bins + 1))
+                step = self.fdr_heads[i](h).unflatten(-1, (4, self.config.fdr_bins + 1))
                 corners = step if corners is None else corners + step
                 boxes = decode_edges(initial, corners.softmax(-1), self.fdr_offsets)
                 outputs.append({"pred_logits": self.class_heads[i](h), "pred_boxes": boxes, "pred_corners": corners,
