@@ -280,7 +280,8 @@ def write_json(path: str | Path, result: dict, command: str, title: str = DEMO_T
                     "probability, the detection's score or the word's probability; ROAD: (least - most relevant "
                     "first) / 2 with the removed patches imputed (Rong et al. 2022); SaCo: the salience-ordered "
                     "effect coefficient (Wu et al. 2024); sanity: Spearman correlation "
-                    "of the maps with those of the randomised model. Better: "
+                    "of the maps with those of the model randomised from the output down (head, then encoder; "
+                    "Adebayo et al. 2018). Better: "
                     f"{better}. An empty cell: the task has no such measure.",
         notes=[*notes, f"{result['seconds']:.0f} s in all, {result['machine']['threads']} torch threads."])
 

@@ -22,7 +22,7 @@ from vision_attn.explain.captioning import (
 )
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.faithfulness import deletion_insertion_curve
-from vision_attn.explain.sanity import cascading_randomisation, spearman
+from vision_attn.explain.sanity import model_cascade, spearman
 from vision_attn.models.captioner import DecoderConfig, GenerationOptions
 from vision_attn.tasks import CaptioningTask
 
@@ -178,18 +178,18 @@ def test_sanity_correlations(captioner, tmp_path):
     metrics = write_caption_overlays(task, val, options, tmp_path)
     assert metrics["sanity_random"] == pytest.approx(1.0)  # the baseline ignores the model
     curves = json.loads((tmp_path / "sanity.json").read_text())
-    assert curves["steps"][-1] == "all" and curves["steps"][0] == "block0"  # depth 1: block0, then all
-    # reference: the object words of every image, trained vs fully randomised encoder, one by one
+    assert curves["steps"] == ["head", "block0", "all"]  # the decoder, then the encoder (depth 1)
+    # reference: the object words of every image, trained vs fully randomised model, one by one
     from vision_attn.explain.captioning import named_words
     from vision_attn.explain.sanity import StandIn
 
     boxes = _split_boxes(val)
     images = torch.stack([val[i][0] for i in range(len(val))])
     explained = task.explain_batch(images, [np.zeros((32, 32, 3), np.uint8)] * len(val), options)
-    *_, (step, encoder) = cascading_randomisation(task.encoder, seed=options.seed)
+    *_, (step, encoder, head) = model_cascade(task.encoder, task.head, seed=options.seed)
     from vision_attn.explain.captioning import CAPTION_RULE
 
-    randomised = teacher_forced_word_maps(StandIn(encoder, task.head, tokenizer=task.tokenizer), images,
+    randomised = teacher_forced_word_maps(StandIn(encoder, head, tokenizer=task.tokenizer), images,
                                           [e.extras["tokens"] for e in explained], ["attention", "relevance"],
                                           rule=CAPTION_RULE)
     for m in ("attention", "relevance"):
@@ -202,7 +202,7 @@ def test_sanity_correlations(captioner, tmp_path):
 
 
 PINNED = {  # the default relevance rule of the caption head (CAPTION_RULE, "decoder")
-    "sanity_relevance": -0.11895013168997444, "sanity_attention": 0.003619909502262452, "sanity_random": 1.0,
+    "sanity_relevance": -0.0656035173607664, "sanity_attention": 0.18314479638009046, "sanity_random": 1.0,
     "pointing_relevance": 0.15384615384615385, "energy_relevance": 0.1722763162081441,
     "pointing_attention": 0.23076923076923078, "energy_attention": 0.17141144710302514,
     "pointing_random": 0.13942307692307693, "energy_random": 0.1808644229840219, "pointing_acc": 0.23076923076923078,
@@ -214,9 +214,10 @@ PINNED = {  # the default relevance rule of the caption head (CAPTION_RULE, "dec
     "explain_images": 4.0,
 }
 PINNED_OUTPUTS = {
-    "sanity": {"relevance/block0": 0.9823529411764707, "relevance/all": -0.11895013168997444,
-               "attention/block0": 0.9792986425339367, "attention/all": 0.003619909502262452, "random/block0": 1.0,
-               "random/all": 1.0},
+    "sanity": {"relevance/head": 0.0031674208144796354, "relevance/block0": 0.0049773755656108715,
+               "relevance/all": -0.0656035173607664, "attention/head": 0.03484162895927601,
+               "attention/block0": 0.03540723981900452, "attention/all": 0.18314479638009046, "random/head": 1.0,
+               "random/block0": 1.0, "random/all": 1.0},
     "maps": {"attention": 20654.92862200737, "random": 13235.859479511157, "relevance": 16244.541163735092},
 }
 

@@ -203,12 +203,14 @@ PINNED = {
     "insertion_auc_attention": 0.30858898162841797, "insertion_auc_random": 0.30538699626922605,
     "insertion_auc_relevance": 0.31708587408065797, "pointing_attention": 0.5714285714285714,
     "pointing_random": 0.2857142857142857, "pointing_relevance": 0.42857142857142855,
-    "sanity_attention": 0.3905882352941176, "sanity_random": 1.0, "sanity_relevance": -0.06352941176470588,
+    "sanity_attention": 0.08147058823529411, "sanity_random": 1.0, "sanity_relevance": -0.06441176470588236,
 }
 PINNED_OUTPUTS = {
-    "sanity": {"attention/block1": 0.985, "attention/block0": 0.9794117647058822, "attention/all": 0.3905882352941176,
-               "relevance/block1": 0.8670588235294119, "relevance/block0": 0.6691176470588236,
-               "relevance/all": -0.06352941176470588, "random/block1": 1.0, "random/block0": 1.0, "random/all": 1.0},
+    "sanity": {"attention/head": 0.13366120721177194, "attention/block1": 0.137613934049077,
+               "attention/block0": 0.12606091277570472, "attention/all": 0.08147058823529411,
+               "relevance/head": -0.012941176470588244, "relevance/block1": 0.05323529411764707,
+               "relevance/block0": -0.05882352941176472, "relevance/all": -0.06441176470588236, "random/head": 1.0,
+               "random/block1": 1.0, "random/block0": 1.0, "random/all": 1.0},
     "maps": {"attention": 25796.136580586433, "random": 20721.128681261092, "relevance": 17735.60358034633},
 }
 

@@ -238,7 +238,7 @@ def test_eval_split_localises_through_a_centre_crop_and_saves_maps(tmp_path):
             saved = np.load(out / "maps" / method / f"{e['index']:05d}.npy")
             assert saved.dtype == np.float32 and saved.shape == sizes[e["file"]]
     curve = json.loads((out / "sanity.json").read_text())
-    assert curve["steps"] == ["block1", "block0", "all"]
+    assert curve["steps"] == ["head", "block1", "block0", "all"]
     assert curve["methods"]["brightness"]["all"] == pytest.approx(1.0)
 
 

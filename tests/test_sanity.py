@@ -11,7 +11,7 @@ from torch import nn
 
 from vision_attn import create_encoder
 from vision_attn.explain.methods import METHODS, register_method
-from vision_attn.explain.sanity import cascading_randomisation, sanity_check, spearman
+from vision_attn.explain.sanity import cascading_randomisation, model_cascade, sanity_check, spearman
 from vision_attn.tasks import ClassificationTask
 
 from .conftest import TINY_VIT
@@ -57,6 +57,24 @@ def test_cascade_randomises_top_block_first_and_leaves_the_model_alone():
                                                              strict=True))  # seeded
 
 
+def test_model_cascade_randomises_the_head_first_then_the_encoder():
+    task = _task()
+    nn.init.constant_(task.head.fc.bias, 0.5)  # re-initialised to 0
+    enc_before = {k: v.clone() for k, v in task.encoder.state_dict().items()}
+    head_before = {k: v.clone() for k, v in task.head.state_dict().items()}
+    steps = [(step, {k for k, v in enc.state_dict().items() if not torch.equal(v, enc_before[k])},
+              {k for k, v in head.state_dict().items() if not torch.equal(v, head_before[k])}, head)
+             for step, enc, head in model_cascade(task.encoder, task.head, seed=1)]
+    assert [s[0] for s in steps] == ["head", "block1", "block0", "all"]
+    assert not steps[0][1] and steps[0][2] == set(head_before)  # the head alone, every parameter of it
+    assert all(s[3] is steps[0][3] and s[2] == set(head_before) for s in steps)  # the random head stays
+    assert steps[1][1] and all(".blocks.1." in k for k in steps[1][1])  # then the encoder, top block first
+    assert all(torch.equal(v, head_before[k]) for k, v in task.head.state_dict().items())  # untouched
+    assert all(torch.equal(v, enc_before[k]) for k, v in task.encoder.state_dict().items())
+    w = steps[0][3].fc.weight
+    assert w.abs().max() <= 2 * 0.02 and 0.01 < w.std() < 0.02  # timm's truncated N(0, 0.02^2)
+
+
 def test_weight_blind_method_scores_one_and_relevance_lower():
     @register_method("fixed_map", description="test: the same map whatever the model")
     def _fixed(x):
@@ -70,7 +88,8 @@ def test_weight_blind_method_scores_one_and_relevance_lower():
         out = sanity_check(task, images, ["fixed_map", "relevance", "random"], target, seed=0)
     finally:
         METHODS.pop("fixed_map")
-    assert list(out["relevance"]) == ["block1", "block0", "all"]
+    assert list(out["relevance"]) == ["head", "block1", "block0", "all"]
     assert all(torch.allclose(v, torch.ones(4, dtype=torch.float64)) for v in out["fixed_map"].values())
     assert all(torch.allclose(v, torch.ones(4, dtype=torch.float64)) for v in out["random"].values())  # same noise
     assert out["relevance"]["all"].mean() < 0.8
+    assert out["relevance"]["head"].mean() < 0.99  # the class's relevance follows the classifier's weights

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,11 +48,16 @@ another page is marked ``<!-- runnable: parse only -->`` for the same reason (CO
 pretrained weights from the hub)."""
 
 SUBSTITUTIONS: dict[str, list[tuple[str, str]]] = {
-    "*": [("pretrained=True", "pretrained=False"),  # no hub: the same architecture, random weights
-          ("vit_small_patch16_224.augreg_in21k_ft_in1k", "vit_tiny_patch16_224.augreg_in21k_ft_in1k"),  # ViT-Ti
+    "*": [("vit_small_patch16_224.augreg_in21k_ft_in1k", "vit_tiny_patch16_224.augreg_in21k_ft_in1k"),  # ViT-Ti
+          ("deit_small_distilled_patch16_224.fb_in1k", "deit_tiny_distilled_patch16_224.fb_in1k"),
           ("SceneSetConfig(num_train=1000, num_val=200)", "SceneSetConfig(num_train=24, num_val=8)")],
     "docs/tutorials/multi-gpu.md": [("runs/coco/checkpoints/last.ckpt", "runs/mine/checkpoints/last.ckpt")],
 }
+
+HUB_MODELS = ("vit_tiny_patch16_224.augreg_in21k_ft_in1k", "deit_tiny_distilled_patch16_224.fb_in1k")
+"""The hub models the pages name (after :data:`SUBSTITUTIONS`): their weights (random, of the right
+shapes) wait in a local hub cache, read as timm reads the hub offline, so ``pretrained=True`` and
+``timm:NAME`` without a weights file run as written and nothing is downloaded."""
 
 PHOTOS = ("cat.jpg", "dog.jpg")  # the pictures the pages call photos/*; photos/broken.jpg is not an image
 MARKER = re.compile(r"<!-- (runnable(?P<parse>: parse only)?|file: (?P<file>[\w./-]+)) -->\n"
@@ -256,6 +262,39 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def hub_cache(folder: Path, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """A Hugging Face hub cache in ``folder`` as a download leaves it (``models--ORG--NAME/refs/main``
+    naming a snapshot that holds ``model.safetensors``) with random weights of each timm model of
+    ``names``; returns those weights by name."""
+    import timm
+    from safetensors.torch import save_file
+
+    weights = {}
+    for name in names:
+        model = timm.create_model(name, pretrained=False)
+        repo = folder / ("models--" + model.pretrained_cfg["hf_hub_id"].replace("/", "--"))
+        revision = f"{len(weights):040x}"
+        (repo / "snapshots" / revision).mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(revision, encoding="utf-8")
+        weights[name] = {k: v.clone() for k, v in model.state_dict().items()}
+        save_file(weights[name], str(repo / "snapshots" / revision / "model.safetensors"))
+    return weights
+
+
+@contextlib.contextmanager
+def _offline_hub(folder: Path) -> Iterator[None]:
+    """The hub cache of :func:`hub_cache` in ``folder``, offline, for the duration."""
+    import huggingface_hub.constants as hub
+
+    old = hub.HF_HUB_CACHE, hub.HF_HUB_OFFLINE
+    hub.HF_HUB_CACHE, hub.HF_HUB_OFFLINE = str(folder), True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_CACHE, hub.HF_HUB_OFFLINE = old
+
+
 def _workfolder(folder: Path) -> Path:
     """A working folder as a reader has it: the configs, and a few pictures in ``photos/``."""
     from PIL import Image
@@ -282,14 +321,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | BaseExcep
     base = tmp_path_factory.mktemp("tutorials")
     results: dict[str, Path | BaseException] = {}
     cwd = Path.cwd()
+    hub_cache(base / "hub", HUB_MODELS)
     try:
         for group, pages in GROUPS.items():
             folder = _workfolder(base / group)
             os.chdir(folder)
             runner = Runner(folder)
             try:
-                for page in pages:
-                    runner.run_page(page)
+                with _offline_hub(base / "hub"):
+                    for page in pages:
+                        runner.run_page(page)
                 results[group] = folder
             except Exception as err:  # noqa: BLE001 - reported by the group's test
                 results[group] = err
@@ -438,3 +479,22 @@ def test_written_files_are_what_the_reference_documents(runs, example):
     data = tuple(f"$.{p}" if p != "$" else "$" for p in options.get("data", "").split(",") if p)
     problems = [f"{example}: {p}" for p in same_shape(documented, written, data=data, optional="optional" in options)]
     assert not problems, "\n".join(problems)
+
+
+def test_timm_names_without_a_weights_file_read_the_hub_cache(tmp_path):
+    """``timm:NAME`` without a weights file gets the hub's weights (here from the local cache,
+    offline): the model holds exactly the cached tensors, not a fresh random initialisation."""
+    import torch
+
+    import vision_attn
+
+    name = HUB_MODELS[1]
+    cached = hub_cache(tmp_path, (name,))[name]
+    with _offline_hub(tmp_path):
+        task = vision_attn.load_model(f"timm:{name}")
+    loaded = {k.rsplit("encoder.", 1)[-1].removeprefix("model."): v for k, v in task.state_dict().items()}
+    for key in ("cls_token", "dist_token", "patch_embed.proj.weight", "head.weight", "head_dist.weight"):
+        match = [k for k in loaded if k.endswith(key)]
+        assert match and torch.equal(loaded[match[0]], cached[key]), key
+    with _offline_hub(tmp_path / "empty"), pytest.raises(Exception, match="weights_file"):
+        vision_attn.load_model(f"timm:{name}")  # nothing cached: the advice to pass a weights file

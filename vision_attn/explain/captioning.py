@@ -40,8 +40,9 @@ accumulated by :mod:`vision_attn.explain.measures`):
   words.
 - **Sanity** (``--explain.sanity true``; ``sanity_<method>`` and ``OUT/sanity.json``): the
   mean Spearman correlation, over the same words, between each word's map from the trained
-  model and from the model whose encoder is randomised from the top block down
-  (:func:`~vision_attn.explain.sanity.cascading_randomisation`; decoder kept). The randomised
+  model and from the model randomised from the output down
+  (:func:`~vision_attn.explain.sanity.model_cascade`: the decoder first, then the encoder from
+  the top block). The randomised
   models explain the trained model's caption, teacher-forced (:func:`teacher_forced_word_maps`:
   ``attention`` is the cross-attention of the position that predicts the word, as during
   generation; ``relevance`` the word's log-probability). ``sanity_<method>`` is the fully
@@ -83,7 +84,7 @@ from vision_attn.explain.overlay import Normalize, attach_colour_bar, image_grid
 from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.rollout import normalize_maps
-from vision_attn.explain.sanity import StandIn, cascading_randomisation, spearman
+from vision_attn.explain.sanity import StandIn, model_cascade, spearman
 from vision_attn.outputs import safe_filename
 
 __all__ = ["CAPTION_DEFAULTS", "CAPTION_RULE", "FRAME_WORDS", "RANDOM_DRAWS", "UNGROUNDED_WORDS", "boxes_vocabulary",
@@ -482,15 +483,15 @@ def _sanity(task, images: Tensor, explained: list, items: list[tuple[int, int]],
             options) -> dict[str, dict[str, Tensor]]:
     """``{method: {step: [R]}}``: the Spearman correlations of the ``items`` ``(batch position,
     word position)`` between the trained maps (``grids``, in the order of ``items``) and the
-    maps of the cascadingly randomised encoders (see the module docstring)."""
+    maps of the models randomised from the output down (see the module docstring)."""
     rows = sorted({j for j, _ in items})  # the measured images of the batch
     where = {j: r for r, j in enumerate(rows)}
     tokens = [explained[j].extras["tokens"] for j in rows]
     trained = {m: torch.cat(g).flatten(1) for m, g in grids.items()}  # (R, h * w)
     asked = [m for m in grids if m != "random"]
     out: dict[str, dict[str, Tensor]] = {m: {} for m in grids}
-    for step, encoder in cascading_randomisation(task.encoder, seed=options.seed):
-        stand_in = StandIn(encoder, task.head, tokenizer=task.tokenizer)
+    for step, encoder, head in model_cascade(task.encoder, task.head, seed=options.seed):
+        stand_in = StandIn(encoder, head, tokenizer=task.tokenizer)
         maps = teacher_forced_word_maps(stand_in, images[rows], tokens, asked, options.query_layers,
                                         relevance_rule(options, CAPTION_RULE))
         for m in grids:

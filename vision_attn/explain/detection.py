@@ -33,9 +33,9 @@ accumulated by :mod:`vision_attn.explain.measures`):
   row per detection), averaged over all kept detections.
 - **sanity** (``--explain.sanity``; ``sanity_<method>`` and ``OUT/sanity.json``): the mean
   Spearman correlation between each detection's map from the trained model and from the model
-  whose encoder is randomised from the top block down
-  (:func:`~vision_attn.explain.sanity.cascading_randomisation`; decoder kept), with the trained
-  model's detections (query, label); ``sanity_<method>`` is the fully randomised step ``all``.
+  randomised from the output down (:func:`~vision_attn.explain.sanity.model_cascade`: the
+  decoder first, then the encoder from the top block), with the trained model's detections
+  (query, label); ``sanity_<method>`` is the fully randomised step ``all``.
 - **maps** (``--explain.save_maps``): ``OUT/maps/<method>/<NNNNN>_<k>.npy``, float32 ``[H, W]``
   in original image pixels (uncovered pixels 0), ``NNNNN`` the image's index in the split (as
   the overlays name it), ``k`` the detection's rank among the image's kept detections (0 =
@@ -88,7 +88,7 @@ from vision_attn.explain.overlay import (
 from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
 from vision_attn.explain.rollout import normalize_maps
-from vision_attn.explain.sanity import StandIn, cascading_randomisation, spearman
+from vision_attn.explain.sanity import StandIn, model_cascade, spearman
 from vision_attn.outputs import safe_filename
 
 __all__ = [
@@ -352,7 +352,7 @@ def detection_maps(model, images: torch.Tensor, queries: list[torch.Tensor], lab
 
     Args:
         model: anything with a detection ``encoder`` and DETR ``head`` (a task, or a stand-in
-            with a randomised encoder).
+            with randomised weights).
         images: ``[B, 3, H, W]`` model inputs.
         queries: per image ``[K_b]`` query indices.
         labels: per image ``[K_b]`` classes.
@@ -463,12 +463,12 @@ def _detection_curves(task, batch: _Detected, maps: dict[str, list[torch.Tensor]
 def _detection_sanity(task, batch: _Detected, maps: dict[str, list[torch.Tensor]], options,
                       seed: int) -> dict[str, dict[str, torch.Tensor]]:
     """``{method: {step: [R]}}``: the Spearman correlation of each kept detection's maps with
-    its maps from the model whose encoder is randomised from the top block down."""
+    its maps from the model randomised from the output down (decoder, then encoder)."""
     methods = list(maps)
     trained = {m: torch.cat(v).flatten(1) for m, v in maps.items()}  # (R, h * w)
     out: dict[str, dict[str, torch.Tensor]] = {m: {} for m in methods}
-    for step, encoder in cascading_randomisation(task.encoder, seed=options.seed):
-        randomised = detection_maps(StandIn(encoder, task.head), batch.images, batch.queries, batch.labels, methods,
+    for step, encoder, head in model_cascade(task.encoder, task.head, seed=options.seed):
+        randomised = detection_maps(StandIn(encoder, head), batch.images, batch.queries, batch.labels, methods,
                                     options.query_layers, seed, relevance_rule(options))
         for m in methods:
             out[m][step] = spearman(trained[m], torch.cat(randomised[m]).flatten(1))

@@ -22,9 +22,9 @@ box of their labelled class. Class-specific methods explain the *labelled* class
 prediction, nor ``--explain.target_class``): the boxes are those of that class.
 
 **Sanity** (``--explain.sanity true``): ``sanity_<method>``, the mean Spearman correlation
-between the maps of the trained model and of its fully randomised encoder
+between the maps of the trained model and of its fully randomised copy
 (:mod:`vision_attn.explain.sanity`; labelled class), and ``OUT/sanity.json`` with the curve
-over the cascade (top block first).
+over the cascade (the head first, then the encoder's top block down).
 
 **Maps** (``--explain.save_maps true``): the localisation maps (labelled class, original image
 pixels) as ``OUT/maps/<method>/<NNNNN>.npy`` (float32 ``[H, W]``, ``NNNNN`` the image's index

@@ -249,9 +249,9 @@ class ItemScores(_Reported):
 
 class Sanity(_Reported):
     """The model-randomisation check: mean Spearman correlation between each method's maps of
-    the trained model and of its cascadingly randomised copies
-    (:func:`~vision_attn.explain.sanity.cascading_randomisation`), per randomisation step.
-    ``sanity_<method>`` is the step ``all`` (the fully randomised encoder).
+    the trained model and of its copies randomised from the output down
+    (:func:`~vision_attn.explain.sanity.model_cascade`), per randomisation step.
+    ``sanity_<method>`` is the step ``all`` (the fully randomised model).
 
     Args:
         total: the items expected (the progress report's time left; ``None``: unknown).

@@ -1,12 +1,14 @@
 """Sanity checks of explanations by model randomisation (Adebayo et al. 2018).
 
 An explanation that still draws the same map once the model's weights are random explains
-the image (edges, colours), not the model. :func:`cascading_randomisation` re-initialises a
-*copy* of the encoder from the top block down, one block at a time and finally the
-embeddings (patch embedding, position embedding, class / register tokens, final norm); the
-classification head is kept. :func:`sanity_check` recomputes each method's maps after every
-step and compares them with the trained model's maps by Spearman rank correlation
-(:func:`spearman`): high values mean the method does not depend on the weights.
+the image (edges, colours), not the model. :func:`model_cascade` re-initialises a *copy* of the
+model from the output down, as Adebayo et al. do: first the head (step ``head``: the classifier,
+or the whole decoder of a detector or captioner), then the encoder from the top block down, one
+block at a time (:func:`cascading_randomisation`), and finally the embeddings (patch
+embedding, position embedding, class / register tokens, final norm). :func:`sanity_check`
+recomputes each method's maps after every step and compares them with the trained model's maps
+by Spearman rank correlation (:func:`spearman`): high values mean the method does not depend on
+the weights.
 
 Re-initialisation follows timm's ViT initialisation: every parameter with two or more
 dimensions (linear and convolution weights, position embedding, tokens) is drawn from
@@ -31,7 +33,7 @@ from torch import Tensor, nn
 from vision_attn.errors import ConfigError
 from vision_attn.explain.methods import explain_classifier
 
-__all__ = ["StandIn", "cascading_randomisation", "randomise_", "sanity_check", "spearman"]
+__all__ = ["StandIn", "cascading_randomisation", "model_cascade", "randomise_", "sanity_check", "spearman"]
 
 INIT_STD = 0.02
 
@@ -131,6 +133,18 @@ def cascading_randomisation(encoder: nn.Module, seed: int = 0) -> Iterator[tuple
     yield "all", copied
 
 
+def model_cascade(encoder: nn.Module, head: nn.Module, seed: int = 0) -> Iterator[tuple[str, nn.Module, nn.Module]]:
+    """Copies of the model (``encoder`` and ``head``) randomised from the output down (neither is
+    changed): yields ``(step, encoder, head)``, first ``("head", encoder, random head)`` (the
+    classifier, or a detector's or captioner's decoder, re-initialised as :func:`randomise_` does),
+    then the steps of :func:`cascading_randomisation` with that random head."""
+    random_head = copy.deepcopy(head).eval()
+    randomise_(random_head, torch.Generator().manual_seed(seed + 1))
+    yield "head", encoder, random_head
+    for step, randomised in cascading_randomisation(encoder, seed):
+        yield step, randomised, random_head
+
+
 def sanity_check(
     task,
     images: Tensor,
@@ -140,7 +154,7 @@ def sanity_check(
     **options,
 ) -> dict[str, dict[str, Tensor]]:
     """Spearman correlation between each method's maps of the trained model and of its
-    cascadingly randomised copies (Adebayo et al. 2018).
+    copies randomised from the output down (:func:`model_cascade`; Adebayo et al. 2018).
 
     Args:
         task: a classifier (``encoder``, ``head``; see
@@ -153,8 +167,8 @@ def sanity_check(
         **options: further arguments of ``explain_classifier`` (``head_fusion``, ``token``, ...).
 
     Returns:
-        ``{method: {step: [B] correlations}}`` with the steps of
-        :func:`cascading_randomisation` in order (``all`` last: the fully randomised encoder).
+        ``{method: {step: [B] correlations}}`` with the steps of :func:`model_cascade` in
+        order (``head`` first, ``all`` last: the fully randomised model).
     """
     def maps(model) -> dict[str, Tensor]:
         gen = torch.Generator().manual_seed(seed)
@@ -162,8 +176,8 @@ def sanity_check(
 
     trained = maps(task)
     out: dict[str, dict[str, Tensor]] = {m: {} for m in methods}
-    for step, encoder in cascading_randomisation(task.encoder, seed):
-        stand_in = SimpleNamespace(encoder=encoder, head=task.head, class_names=getattr(task, "class_names", None))
+    for step, encoder, head in model_cascade(task.encoder, task.head, seed):
+        stand_in = SimpleNamespace(encoder=encoder, head=head, class_names=getattr(task, "class_names", None))
         for method, randomised in maps(stand_in).items():
             out[method][step] = spearman(trained[method], randomised)
     return out
