@@ -230,12 +230,16 @@ def write_holdout_results(path: str, result: dict, args, command: str) -> None:
                     for r in old.get("rows", []) if r[0] != result["name"]] + rows
             glance = old.get("glance", [])
     if getattr(args, "glance", False):  # this run is the README's "results at a glance" row of the task
-        shown = ", ".join(f"{k} {scores[k]:.3f}" for k in keys if isinstance(scores.get(k), (int, float)))
+        shown = ", ".join(f"{k} {scores[k]:.3f}" for k in keys
+                          if k != EPOCHS_TO and isinstance(scores.get(k), (int, float)))
         glance = [{"task": f"{result['task']} (held out)", "data": data, "metric": shown,
-                   "time": f"{result['train_seconds']:.0f} s training"}]
+                   "time": f"{result['train_seconds']:.0f} s training", "command": command}]
+    template = (f"python -m benchmarks.holdout {result['task']} --scenes SCENES --train_images N --val_images N"
+                f"{' --captions_only' if args.captions_only else ''} --name RUN --results {path} -- OVERRIDES")
     write_results(path, page=result["task"], title=f"small.yaml on data it was not tuned on ({result['task']})",
-                  command=command, columns=columns, rows=rows, glance=glance,
-                  notes=["each row: the same command with --name RUN and its train.py overrides after --",
+                  command=template, columns=columns, rows=rows, glance=glance,
+                  notes=["each row: the command with the row's scenes and image counts (its data), --name RUN "
+                         "and its train.py overrides after --",
                          *([f"{EPOCHS_TO}: the first validation at or above it (small.yaml validates every 10 "
                             "epochs, a run with --trainer.check_val_every_n_epoch 5 every 5); empty: never"]
                            if result["task"] == "detection" else [])])

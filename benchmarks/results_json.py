@@ -28,7 +28,8 @@ The file (schema ``vision_attn-results/1``)::
       "columns": ["name", {"name": "map", "format": ".3f"}, ...],
       "rows": [[cell, ...], ...],              # one cell per column: str, number, bool or null
       "notes": ["optional lines under the table"],
-      "glance": [{"task", "data", "metric", "time"}]   # optional: rows of the README's summary
+      "glance": [{"task", "data", "metric", "time"[, "command"]}]   # optional: rows of the README's
+                                                       # summary; "command": the row's own (else the file's)
     }
 
 A results file of ``make demo``'s summary (``runs/demo/<time>/summary.json``)::
@@ -180,8 +181,9 @@ def validate(data: Any) -> list[str]:
     if "description" in data and not isinstance(data["description"], str):
         errors.append("description must be a string")
     glance = data.get("glance", [])
-    if not isinstance(glance, list) or any(not isinstance(g, dict) or set(g) != set(GLANCE_KEYS) for g in glance):
-        errors.append(f"glance must be a list of {{{', '.join(GLANCE_KEYS)}}} objects")
+    if not isinstance(glance, list) or any(not isinstance(g, dict) or not set(GLANCE_KEYS) <= set(g) <= {
+            *GLANCE_KEYS, "command"} or not all(isinstance(v, str) for v in g.values()) for g in glance):
+        errors.append(f"glance must be a list of {{{', '.join(GLANCE_KEYS)}[, command]}} objects of strings")
     return errors
 
 

@@ -785,7 +785,7 @@ def glance_rows(results: list[tuple[str, dict[str, Any]]]) -> list[list[str]]:
     for _, data in results:
         for g in data.get("glance", []):
             rows.append([g["task"], g["data"], g["metric"], g["time"], data["date"],
-                         machine_text(data["machine"]), f"`{data['command']}`"])
+                         machine_text(data["machine"]), f"`{g.get('command', data['command'])}`"])
     return rows
 
 

@@ -456,6 +456,8 @@ def test_holdout_stroke_scenes_captions_only_and_its_results_row(tmp_path):
     data = json.loads(out.read_text())
     assert not validate(data) and len(data["glance"]) == 1
     assert "objects_exact 0.250" in data["glance"][0]["metric"] and data["glance"][0]["time"] == "1 s training"
+    assert data["glance"][0]["command"] == "python -m benchmarks.holdout captioning"  # the glance run's own
+    assert "--name RUN" in data["command"] and "-- OVERRIDES" in data["command"]  # the table's: every row's
 
 
 def test_holdout_detection_rows_gain_columns_from_their_runs(tmp_path):
