@@ -693,8 +693,13 @@ PAGE_PRODUCERS = {
                        ("python -m benchmarks.recipes ablation", "what each part of the recipe adds"),
                        ("python -m benchmarks.recipes finetune", "pretrained weights against training from scratch")],
     "detection": [("python -m benchmarks.detection_ablation", "the training aids, one change per row"),
-                  ("python -m benchmarks.holdout detection", "`small.yaml` on the embedded digit scenes")],
+                  ("python -m benchmarks.holdout detection", "`small.yaml` on digit and stroke scenes, 300 to 5000 "
+                   "training images"),
+                  ("python -m benchmarks.shapes_seeds detection", "`shapes.yaml` (the `make demo` detector) over "
+                   "seeds")],
     "captioning": [("python -m benchmarks.holdout captioning", "`small.yaml` on the embedded digit scenes"),
+                   ("python -m benchmarks.shapes_seeds captioning", "`shapes.yaml` (the `make demo` captioner) over "
+                    "seeds"),
                    ("python -m benchmarks.caption_grounding CKPT", "whether the object words are read from the image"),
                    ("python -m benchmarks.caption_ceiling RUN", "how high CIDEr-D goes on the references")],
     "explanations": [("python -m benchmarks.explanations --demo_dir runs/demo", "every method on the three demo "

@@ -624,3 +624,31 @@ def test_holdout_run_names_stay_one_folder_inside_the_runs_folder(tmp_path):
         folder = run_folder(runs, "detection", hostile)
         assert folder.parent == runs and folder.resolve().is_relative_to(runs.resolve()), hostile
         assert "/" not in folder.name and "\\" not in folder.name and "\x00" not in folder.name
+
+
+def test_shapes_seeds_first_epoch_needs_both_thresholds_and_the_table_means_the_seeds(tmp_path):
+    """The first epoch at map_50 >= 0.90 *and* map >= 0.60 comes from the run's CSV log; the table
+    has one row per seed and the mean of each column (empty where a seed lacks the value)."""
+    from benchmarks.results_json import results, validate
+    from benchmarks.shapes_seeds import TARGET, first_epoch, table
+
+    run = tmp_path / "run"
+    (run / "csv" / "version_0").mkdir(parents=True)
+    (run / "csv" / "version_0" / "metrics.csv").write_text(
+        "epoch,step,val/map,val/map_50\n0,10,0.3,0.7\n1,20,0.55,0.92\n2,30,0.61,0.91\n3,40,0.7,0.95\n",
+        encoding="utf-8")
+    assert first_epoch(run) == 3  # epoch 2 passes map_50 alone
+    assert first_epoch(run, 0.96) is None
+    runs = [{"seed": 0, "train_seconds": 10.0, "eval_seconds": 2.0, "first_epoch": 3,
+             "metrics": {"map": 0.7, "map_50": 0.95, "map_75": 0.8}},
+            {"seed": 1, "train_seconds": 12.0, "eval_seconds": 4.0, "first_epoch": None,
+             "metrics": {"map": 0.5, "map_50": 0.85, "map_75": 0.6, "pointing_relevance": 0.9}}]
+    columns, rows = table("detection", runs)
+    names = [c if isinstance(c, str) else c["name"] for c in columns]
+    assert names[:4] == ["seed", "map", "map_50", "map_75"] and TARGET in names
+    mean = dict(zip(names, rows[-1], strict=True))
+    assert rows[-1][0] == "mean of seeds 0, 1"
+    assert mean["map"] == 0.6 and mean["train.py s"] == 11.0 and mean["eval.py s"] == 3.0
+    assert mean["pointing relevance"] is None and mean[TARGET] is None  # one seed lacks it
+    assert not validate(results("detection", "t", "c", columns, rows))
+    assert len(table("captioning", runs[:1])[1]) == 1  # one seed: no mean row
