@@ -28,14 +28,14 @@ from benchmarks.results_json import write_results
 
 log = logging.getLogger("benchmarks.shapes_seeds")
 
+POINTING = (("pointing lrp", "pointing_lrp"), ("energy lrp", "energy_lrp"),
+            ("pointing attention", "pointing_attention"), ("pointing random", "pointing_random"))
+"""The explanations of both heads' default method (``lrp``) and of the baselines."""
 METRICS = {
-    "detection": (("map", "map"), ("map_50", "map_50"), ("map_75", "map_75"),
-                  ("pointing relevance", "pointing_relevance"), ("pointing attention", "pointing_attention"),
-                  ("pointing random", "pointing_random")),
+    "detection": (("map", "map"), ("map_50", "map_50"), ("map_75", "map_75"), *POINTING),
     "captioning": (("BLEU-1", "bleu1"), ("BLEU-4", "bleu4"), ("CIDEr-D", "cider"), ("ROUGE-L", "rouge_l"),
                    ("METEOR", "meteor"), ("kinds_exact", "kinds_exact"), ("content_exact", "content_exact"),
-                   ("count_acc", "count_acc"), ("pointing relevance", "pointing_relevance"),
-                   ("pointing attention", "pointing_attention"), ("pointing random", "pointing_random")),
+                   ("count_acc", "count_acc"), *POINTING),
 }
 """Per task: (column, ``metrics.json`` key) of the table."""
 TARGET = "first epoch at map_50 0.90 / map 0.60"
@@ -97,18 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work or REPO / "benchmarks" / "results" / "shapes-work").resolve()
     runs = [run_seed(args.task, seed, work) for seed in args.seeds]
     write_result(args.json, {"task": args.task, "runs": runs})
-    columns, rows = table(args.task, runs)
-    sys.stdout.write(json.dumps(rows) + "\n")
+    sys.stdout.write(json.dumps(table(args.task, runs)[1]) + "\n")
     if args.results:
-        config = f"configs/{args.task}/shapes.yaml"
-        write_results(args.results, page=args.task, title=f"{config} over seeds",
-                      description=f"`{config}` as shipped on its embedded shape scenes (the `make demo` data), "
-                                  "one seed after the other; `eval.py` on the validation split "
-                                  f"({'torchmetrics COCO mAP' if args.task == 'detection' else 'beam 3'}).",
-                      command=command_line("benchmarks.shapes_seeds", argv), columns=columns, rows=rows,
-                      notes=["train.py s / eval.py s: from start to exit, data generation on first use included"]
-                      + ([f"{TARGET}: validated after every epoch; empty: never"] if args.task == "detection" else []))
+        write_table(args.results, args.task, runs, command_line("benchmarks.shapes_seeds", argv))
     return 0
+
+
+def write_table(path: str, task: str, runs: list[dict], command: str) -> None:
+    """The runs' table as a results file of the documentation (``command``: what reproduces it)."""
+    columns, rows = table(task, runs)
+    config = f"configs/{task}/shapes.yaml"
+    write_results(path, page=task, title=f"{config} over seeds",
+                  description=f"`{config}` as shipped on its embedded shape scenes (the `make demo` data), "
+                              "one seed after the other; `eval.py` on the validation split "
+                              f"({'torchmetrics COCO mAP' if task == 'detection' else 'beam 3'}).",
+                  command=command, columns=columns, rows=rows,
+                  notes=["train.py s / eval.py s: from start to exit, data generation on first use included"]
+                  + ([f"{TARGET}: validated after every epoch; empty: never"] if task == "detection" else []))
 
 
 if __name__ == "__main__":

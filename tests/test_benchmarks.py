@@ -642,13 +642,13 @@ def test_shapes_seeds_first_epoch_needs_both_thresholds_and_the_table_means_the_
     runs = [{"seed": 0, "train_seconds": 10.0, "eval_seconds": 2.0, "first_epoch": 3,
              "metrics": {"map": 0.7, "map_50": 0.95, "map_75": 0.8}},
             {"seed": 1, "train_seconds": 12.0, "eval_seconds": 4.0, "first_epoch": None,
-             "metrics": {"map": 0.5, "map_50": 0.85, "map_75": 0.6, "pointing_relevance": 0.9}}]
+             "metrics": {"map": 0.5, "map_50": 0.85, "map_75": 0.6, "pointing_lrp": 0.9}}]
     columns, rows = table("detection", runs)
     names = [c if isinstance(c, str) else c["name"] for c in columns]
     assert names[:4] == ["seed", "map", "map_50", "map_75"] and TARGET in names
     mean = dict(zip(names, rows[-1], strict=True))
     assert rows[-1][0] == "mean of seeds 0, 1"
     assert mean["map"] == 0.6 and mean["train.py s"] == 11.0 and mean["eval.py s"] == 3.0
-    assert mean["pointing relevance"] is None and mean[TARGET] is None  # one seed lacks it
+    assert mean["pointing lrp"] is None and mean[TARGET] is None  # one seed lacks it
     assert not validate(results("detection", "t", "c", columns, rows))
     assert len(table("captioning", runs[:1])[1]) == 1  # one seed: no mean row
