@@ -26,8 +26,6 @@ from benchmarks.common import command_line, finite, write_result
 from benchmarks.holdout import REPO, run_folder, timed, validation_curve
 from benchmarks.results_json import write_results
 
-log = logging.getLogger("benchmarks.shapes_seeds")
-
 POINTING = (("pointing lrp", "pointing_lrp"), ("energy lrp", "energy_lrp"),
             ("pointing attention", "pointing_attention"), ("pointing random", "pointing_random"))
 """The explanations of both heads' default method (``lrp``) and of the baselines."""
