@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                         "run-name characters other than letters, digits and ._+,()- replaced by _)")
     parser.add_argument("--results", default=None,
                         help="also write the run as a results file of the documentation (docs/results/...json)")
+    parser.add_argument("--title", default=None,
+                        help="with --results: the table's title (default: small.yaml on data it was not tuned on)")
     parser.add_argument("--glance", action="store_true",
                         help="with --results: this run is the README's 'results at a glance' row of the task")
     parser.add_argument("--work", default=None, help="data and runs (default: benchmarks/results/holdout-work)")
@@ -236,7 +238,8 @@ def write_holdout_results(path: str, result: dict, args, command: str) -> None:
                    "time": f"{result['train_seconds']:.0f} s training", "command": command}]
     template = (f"python -m benchmarks.holdout {result['task']} --scenes SCENES --train_images N --val_images N"
                 f"{' --captions_only' if args.captions_only else ''} --name RUN --results {path} -- OVERRIDES")
-    write_results(path, page=result["task"], title=f"small.yaml on data it was not tuned on ({result['task']})",
+    title = getattr(args, "title", None) or f"small.yaml on data it was not tuned on ({result['task']})"
+    write_results(path, page=result["task"], title=title,
                   command=template, columns=columns, rows=rows, glance=glance,
                   notes=["each row: the command with the row's scenes and image counts (its data), --name RUN "
                          "and its train.py overrides after --",

@@ -458,6 +458,10 @@ def test_holdout_stroke_scenes_captions_only_and_its_results_row(tmp_path):
     assert "objects_exact 0.250" in data["glance"][0]["metric"] and data["glance"][0]["time"] == "1 s training"
     assert data["glance"][0]["command"] == "python -m benchmarks.holdout captioning"  # the glance run's own
     assert "--name RUN" in data["command"] and "-- OVERRIDES" in data["command"]  # the table's: every row's
+    assert data["title"] == "small.yaml on data it was not tuned on (captioning)"
+    args.title = "small.yaml with one encoder option"  # --title: a table of its own
+    write_holdout_results(str(out), other, args, "python -m benchmarks.holdout captioning")
+    assert json.loads(out.read_text())["title"] == "small.yaml with one encoder option"
 
 
 def test_holdout_detection_rows_gain_columns_from_their_runs(tmp_path):

@@ -43,6 +43,28 @@ def test_each_detection_conserves_its_logit(head):
                                                      rel=1e-4, abs=1e-9)
 
 
+def test_the_small_yaml_detector_conserves_its_logit():
+    """The kind of model configs/detection/small.yaml trains: a convolutional stem, a local
+    feed-forward in every block (its depthwise convolution carries relevance like a linear layer)
+    and box edges refined as distributions."""
+    from tests.test_decoder_relevance import TINY
+    from vision_attn import create_encoder
+    from vision_attn.models.detr import DETRConfig
+    from vision_attn.tasks.detection import DetectionTask
+
+    torch.manual_seed(0)
+    encoder = create_encoder("vit_tiny_patch16_224", **{**TINY, "stem": "conv", "local_mlp": True})
+    task = DetectionTask(encoder, num_classes=2, head=DETRConfig(
+        num_queries=4, hidden_dim=32, num_layers=2, num_heads=2, box_refine=True, focal=True,
+        query_selection=True, fdr=True)).eval().double()
+    assert task.encoder.local_mlp
+    images = _images(1).double()
+    for query in range(task.head.num_queries):
+        budget = decoder_lrp_budget(task, images, query=query)
+        assert _relative_gap(budget) <= 0.01, budget
+        assert budget["pixels"] != 0.0
+
+
 def test_each_word_conserves_its_logit():
     task = _captioner().double()
     images = _images(1).double()
