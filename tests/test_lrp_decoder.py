@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from tests.test_decoder_relevance import _captioner, _detector, _images
+from tests.test_decoder_relevance import TINY, _captioner, _detector, _images
+from vision_attn import create_encoder
 from vision_attn.explain import lrp_decoder
 from vision_attn.explain.faithfulness import on_patch_grid
 from vision_attn.explain.lrp_decoder import (
@@ -20,6 +21,8 @@ from vision_attn.explain.lrp_decoder import (
     positive_maps,
     smooth_cells,
 )
+from vision_attn.models.detr import DETRConfig
+from vision_attn.tasks.detection import DetectionTask
 
 HEADS = [{}, {"box_refine": True}, {"focal": True, "box_refine": True, "query_selection": True}, {"pyramid": True}]
 
@@ -47,11 +50,6 @@ def test_the_small_yaml_detector_conserves_its_logit():
     """The kind of model configs/detection/small.yaml trains: a convolutional stem, a local
     feed-forward in every block (its depthwise convolution carries relevance like a linear layer)
     and box edges refined as distributions."""
-    from tests.test_decoder_relevance import TINY
-    from vision_attn import create_encoder
-    from vision_attn.models.detr import DETRConfig
-    from vision_attn.tasks.detection import DetectionTask
-
     torch.manual_seed(0)
     encoder = create_encoder("vit_tiny_patch16_224", **{**TINY, "stem": "conv", "local_mlp": True})
     task = DetectionTask(encoder, num_classes=2, head=DETRConfig(
