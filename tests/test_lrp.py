@@ -79,6 +79,18 @@ def test_relevance_is_conserved_with_qk_norm(name, head):
     assert abs(budget["pixels"]) > 1e-3 * abs(budget["score"])
 
 
+def test_relevance_is_conserved_with_a_local_feed_forward():
+    """The encoder of configs/detection/small.yaml: a convolutional stem and a local feed-forward
+    in every block (its depthwise convolution carries relevance as a linear layer does)."""
+    task, images = _task(stem="conv", local_mlp=True), _images()
+    assert task.encoder.local_mlp
+    budget = relevance_budget(task, images)
+    logits = task.head(task.encoder(images)).detach()
+    assert budget["score"] == pytest.approx(float(logits.max(dim=1).values.sum()), rel=1e-12)
+    assert budget["total"] == pytest.approx(budget["score"], rel=1e-10)
+    assert abs(budget["pixels"]) > 1e-3 * abs(budget["score"])
+
+
 def test_without_biases_the_pixels_and_softmax_hold_the_logit():
     """Biases and embeddings zeroed: what the pixels get is the logit minus the softmax's share."""
     task, images = _task(sinks=False), _images(1)
