@@ -153,7 +153,7 @@ def run(task: str, args, work: Path) -> dict:
     train_s = timed(train_cmd, run_dir / "train.log")
     out = run_dir / "eval"
     eval_cmd = [sys.executable, str(REPO / "eval.py"), "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"),
-                "--output_dir", str(out)]
+                "--output_dir", str(out), *getattr(args, "eval_overrides", [])]
     eval_s = timed(eval_cmd, run_dir / "eval.log")
     if task == "detection":
         scores = score_detection(out / "predictions.json", root / "annotations" / "instances_val.json")

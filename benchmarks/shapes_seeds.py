@@ -26,9 +26,9 @@ from benchmarks.common import command_line, finite, write_result
 from benchmarks.holdout import REPO, run_folder, timed, validation_curve
 from benchmarks.results_json import write_results
 
-POINTING = (("pointing lrp", "pointing_lrp"), ("energy lrp", "energy_lrp"),
+POINTING = (("pointing lrp_attention", "pointing_lrp_attention"), ("energy lrp_attention", "energy_lrp_attention"),
             ("pointing attention", "pointing_attention"), ("pointing random", "pointing_random"))
-"""The explanations of both heads' default method (``lrp``) and of the baselines."""
+"""The explanations of both heads' default method (``lrp_attention``) and of the baselines."""
 METRICS = {
     "detection": (("map", "map"), ("map_50", "map_50"), ("map_75", "map_75"), *POINTING),
     "captioning": (("BLEU-1", "bleu1"), ("BLEU-4", "bleu4"), ("CIDEr-D", "cider"), ("ROUGE-L", "rouge_l"),

@@ -845,6 +845,8 @@ METHOD_DOCS = {
     "attention": ("classification, detection, captioning", "raw attention of the last block (a baseline)"),
     "gradcam": ("classification", "Selvaraju et al. 2017, Grad-CAM"),
     "lrp": ("classification, detection, captioning", "Achtibat et al. 2024, AttnLRP"),
+    "lrp_attention": ("classification, detection, captioning", "AttnLRP gated by the item's raw attention (their "
+                      "product)"),
     "tokens": ("classification", "a diagnostic (patch-token norms), after Darcet et al. 2023, Vision Transformers "
                "Need Registers"),
     "random": ("every head", "the baseline of every measure"),

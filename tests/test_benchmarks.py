@@ -126,8 +126,10 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     results_file(tmp_path / "cells.json", [c if isinstance(c, str) else c["name"] for c in lrp_cells.COLUMNS])
     # the same checkpoint on the same data: the held-out rows repeat the detection rows
     assert result["tasks"]["detection, held out"]["methods"] == result["tasks"]["detection"]["methods"]
-    assert task_methods("classification") == ["rollout", "relevance", "attention", "gradcam", "lrp", "random"]
-    assert task_methods("detection") == task_methods("captioning") == ["attention", "relevance", "lrp", "random"]
+    assert task_methods("classification") == ["rollout", "relevance", "attention", "gradcam", "lrp", "lrp_attention",
+                                              "random"]
+    assert task_methods("detection") == task_methods("captioning") == ["attention", "relevance", "lrp",
+                                                                        "lrp_attention", "random"]
     for entry in result["tasks"].values():
         task = entry["task"]
         assert list(entry["methods"]) == task_methods(task)
@@ -646,13 +648,53 @@ def test_shapes_seeds_first_epoch_needs_both_thresholds_and_the_table_means_the_
     runs = [{"seed": 0, "train_seconds": 10.0, "eval_seconds": 2.0, "first_epoch": 3,
              "metrics": {"map": 0.7, "map_50": 0.95, "map_75": 0.8}},
             {"seed": 1, "train_seconds": 12.0, "eval_seconds": 4.0, "first_epoch": None,
-             "metrics": {"map": 0.5, "map_50": 0.85, "map_75": 0.6, "pointing_lrp": 0.9}}]
+             "metrics": {"map": 0.5, "map_50": 0.85, "map_75": 0.6, "pointing_lrp_attention": 0.9}}]
     columns, rows = table("detection", runs)
     names = [c if isinstance(c, str) else c["name"] for c in columns]
     assert names[:4] == ["seed", "map", "map_50", "map_75"] and TARGET in names
     mean = dict(zip(names, rows[-1], strict=True))
     assert rows[-1][0] == "mean of seeds 0, 1"
     assert mean["map"] == 0.6 and mean["train.py s"] == 11.0 and mean["eval.py s"] == 3.0
-    assert mean["pointing lrp"] is None and mean[TARGET] is None  # one seed lacks it
+    assert mean["pointing lrp_attention"] is None and mean[TARGET] is None  # one seed lacks it
     assert not validate(results("detection", "t", "c", columns, rows))
     assert len(table("captioning", runs[:1])[1]) == 1  # one seed: no mean row
+
+
+def test_small_data_ablation_variants_add_one_option_and_rows_aggregate_the_seeds(tmp_path):
+    from benchmarks.holdout import EPOCHS_TO
+    from benchmarks.small_data_ablation import VARIANTS, table_rows, write_table
+
+    def pairs(overrides):
+        return dict(zip(overrides[::2], overrides[1::2], strict=True))
+
+    base = pairs(VARIANTS["base"][1])
+    assert VARIANTS["shipped"][1] == []
+    for name, (_, overrides) in VARIANTS.items():
+        if name in ("base", "shipped"):
+            continue
+        changed = {k for k, v in pairs(overrides).items() if base.get(k) != v} | (base.keys() - pairs(overrides).keys())
+        # each variant is the base recipe with its own option switched on, nothing else
+        expected = {"fill_epoch": {"--data.batching.fill_epoch"}, "copy_paste": {"--data.copy_paste.prob"},
+                    "mosaic": {"--data.mosaic.prob", "--data.mosaic.scale"}, "mal": {"--model.loss.mal_gamma"},
+                    "fdr": {"--model.head.fdr", "--model.head.look_forward_twice"},
+                    "local_mlp": {"--model.encoder.local_mlp"}}[name]
+        assert changed == expected, name
+
+    def result(variant, seed, map_, reached, non_finite=False):
+        return {"variant": variant, "size": 300, "seed": seed, "scenes": "digits", "train_seconds": 100.0 + seed,
+                "non_finite": non_finite, "scores": {"map": map_, "map_50": 0.9, "map_75": 0.5, EPOCHS_TO: reached}}
+
+    runs = [result("shipped", 1, 0.6, 10), result("base", 0, 0.2, None), result("shipped", 0, 0.4, 20),
+            result("base", 1, 0.4, 30, non_finite=True), result("shipped", 2, 0.8, 15)]
+    rows = table_rows(runs)
+    assert [r[0] for r in rows] == [VARIANTS["base"][0], VARIANTS["shipped"][0]]  # the variants' order
+    base_row, shipped = rows
+    assert shipped[2] == "0, 1, 2" and shipped[3] == pytest.approx(0.6) and shipped[4] == pytest.approx(0.2)
+    assert shipped[7] == 15 and shipped[8] == pytest.approx(101.0) and shipped[9] == 0
+    assert base_row[3] == pytest.approx(0.3) and base_row[7] is None and base_row[9] == 1  # a seed never reached it
+    (tmp_path / "ablation").mkdir()
+    for r in [*runs, {**result("base", 2, 0.9, 5), "scenes": "strokes"}]:
+        (tmp_path / "ablation" / f"{r['variant']}-{r['seed']}-{r['scenes']}.json").write_text(json.dumps(r))
+    write_table(str(tmp_path / "table.json"), tmp_path, "digits")
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert [r[2] for r in table["rows"]] == ["0, 1", "0, 1, 2"]  # the other scenes' run left out

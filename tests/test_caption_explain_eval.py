@@ -244,14 +244,19 @@ def test_each_head_has_its_measured_default_and_a_given_order_wins():
 
     default = ExplainOptions()
     assert default.methods == list(DEFAULT_METHODS) and default.methods_default
-    assert decoder_methods(default) == ["lrp", "attention"] == list(DETECTION_DEFAULTS)
-    assert decoder_methods(default, CAPTION_DEFAULTS) == ["lrp", "attention"] == list(CAPTION_DEFAULTS)
+    assert decoder_methods(default) == ["lrp_attention", "attention"] == list(DETECTION_DEFAULTS)
+    assert decoder_methods(default, CAPTION_DEFAULTS) == ["lrp_attention", "attention"] == list(CAPTION_DEFAULTS)
 
     class Pool(torch.nn.Module):  # an attention module AttnLRP has no rule for
         fused_attn = True
 
-    assert decoder_methods(default, model=torch.nn.Sequential(torch.nn.Linear(2, 2))) == ["lrp", "attention"]
+    assert decoder_methods(default, model=torch.nn.Sequential(torch.nn.Linear(2, 2))) == ["lrp_attention",
+                                                                                          "attention"]
     assert decoder_methods(default, model=torch.nn.Sequential(Pool())) == ["relevance", "attention"]
+    both = ExplainOptions()
+    both.methods_default, both.methods = True, ["lrp", "lrp_attention", "attention"]
+    assert decoder_methods(both, ("lrp", "lrp_attention", "attention"),
+                           model=torch.nn.Sequential(Pool())) == ["relevance", "attention"]
     given = ExplainOptions(methods=["rollout", "attention", "relevance"])
     assert not given.methods_default
     assert decoder_methods(given) == decoder_methods(given, CAPTION_DEFAULTS) == ["attention", "relevance"]

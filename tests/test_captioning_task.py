@@ -184,7 +184,7 @@ def test_eval_points_at_the_named_objects(fitted, tmp_path, with_java):
     assert saved["pointing_words"] >= 1 and 0.0 < saved["pointing_acc_random"] < 1.0
     assert saved["pointing_acc"] > saved["pointing_acc_random"]  # the named object's attention peaks on it
     # every decoder method gets its own pointing score; the old names are raw attention's
-    assert {"pointing_attention", "pointing_lrp", "pointing_random"} <= set(saved)
+    assert {"pointing_attention", "pointing_lrp_attention", "pointing_random"} <= set(saved)
     assert saved["pointing_acc"] == saved["pointing_attention"]
     assert saved["pointing_random"] == saved["pointing_acc_random"]
     assert CONTENT_KEYS | {"rouge_l", "image_dependence"} <= set(saved)

@@ -271,7 +271,7 @@ def test_eval_writes_detection_explanation_metrics_and_maps(tmp_path):
                          "--explain.report", "false"])
     saved = json.loads((out / "eval" / "metrics.json").read_text())
     assert saved == metrics
-    methods = ("lrp", "attention", "random")  # the defaults
+    methods = ("lrp_attention", "attention", "random")  # the defaults
     expected = {f"{k}_{m}" for k in ("deletion_auc", "insertion_auc", "sanity") for m in methods}
     assert expected <= set(saved)
     assert saved["sanity_random"] == pytest.approx(1.0)  # the baseline ignores the model

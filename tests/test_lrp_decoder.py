@@ -176,3 +176,51 @@ def test_own_query_holds_the_other_queries_constant_in_self_attention(head):
     finally:
         lrp_decoder.OWN_QUERY = False
     assert not torch.allclose(own_maps, shipped)
+
+
+def test_gate_by_attention_spreads_each_patch_bilinearly_and_multiplies():
+    from vision_attn.explain.rollout import gate_by_attention
+
+    relevance = torch.ones(1, 4, 4)
+    relevance[0, 0, 1] = -2.0  # negative relevance is no evidence: gated to zero
+    attention = torch.tensor([[[1.0, 0.0], [0.0, 0.0]]])  # one 2 x 2 patch grid, each patch 2 x 2 cells
+    # cell centres at patch coordinates -0.25, 0.25, 0.75, 1.25 (edges held): the first patch's weight
+    axis = torch.tensor([1.0, 0.75, 0.25, 0.0])
+    expected = axis[:, None] * axis[None, :]
+    expected[0, 1] = 0.0
+    torch.testing.assert_close(gate_by_attention(relevance, attention)[0], expected)
+    # the product, not either map: high relevance where the attention is zero stays zero
+    relevance[0, 3, 3] = 9.0
+    gated = gate_by_attention(relevance, attention)[0]
+    assert float(gated[3, 3]) == 0.0 and float(gated.max()) == pytest.approx(1.0)
+    same = torch.rand(2, 3, 3, generator=torch.Generator().manual_seed(0))
+    signed = torch.randn(2, 3, 3, generator=torch.Generator().manual_seed(1))
+    product = signed.clamp(min=0) * same
+    torch.testing.assert_close(gate_by_attention(signed, same), product / product.flatten(1).amax(1)[:, None, None])
+    with pytest.raises(ValueError, match="same K"):
+        gate_by_attention(torch.ones(2, 4, 4), torch.ones(1, 2, 2))
+
+
+def test_lrp_attention_is_lrp_gated_by_the_items_attention_in_every_head():
+    from vision_attn.explain.captioning import teacher_forced_word_maps
+    from vision_attn.explain.detection import detection_maps
+    from vision_attn.explain.methods import explain_classifier
+    from vision_attn.explain.rollout import gate_by_attention
+
+    def check(maps: dict, key=lambda m: m) -> None:
+        gated, lrp, att = key(maps["lrp_attention"]), key(maps["lrp"]), key(maps["attention"])
+        torch.testing.assert_close(gated, gate_by_attention(lrp, att))
+        assert not torch.allclose(gated, lrp, atol=1e-3)  # the attention changes it
+
+    task = _detector()
+    check(detection_maps(task, _images(1), [torch.tensor([1, 2])], [torch.tensor([0, 1])],
+                         ["lrp_attention", "lrp", "attention"]), key=lambda m: m[0])
+    only = detection_maps(task, _images(1), [torch.tensor([1, 2])], [torch.tensor([0, 1])], ["lrp_attention"])
+    assert list(only) == ["lrp_attention"] and only["lrp_attention"][0].shape == (2, 16, 16)
+    cap = _captioner()
+    check(teacher_forced_word_maps(cap, _images(1), [torch.tensor([4, 5])], ["lrp_attention", "lrp", "attention"]),
+          key=lambda m: m[0])
+    from tests.test_lrp import _images as classifier_images
+    from tests.test_lrp import _task as classifier
+
+    check(explain_classifier(classifier(), classifier_images(2), ["lrp_attention", "lrp", "attention"]).maps)

@@ -315,7 +315,7 @@ def test_an_attention_pooling_head_is_explained_through_its_pools_attention():
     task = ClassificationTask(encoder, num_classes=3, head=ClassifierConfig(kind="timm")).eval()
     images = torch.randn(2, 3, 32, 32)
     reasons = applicable_methods(task)
-    assert [m for m, r in reasons.items() if r is not None] == ["lrp"]
+    assert [m for m, r in reasons.items() if r is not None] == ["lrp", "lrp_attention"]
     expl = explain_classifier(task, images, ("rollout", "attention", "relevance", "gradcam"))
     with torch.no_grad():
         weights = attention_pool_weights(encoder.model, encoder(images).tokens)

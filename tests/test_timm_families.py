@@ -315,7 +315,7 @@ def test_methods_that_do_not_apply_are_named_with_the_reason_and_skipped(folder:
     task = Classifier(pooled.encoder)
     reasons = applicable_methods(task)
     assert list(reasons) == list(METHODS)
-    assert {m for m, r in reasons.items() if r} == {"lrp"}  # no AttnLRP rule for the attention pooling
+    assert {m for m, r in reasons.items() if r} == {"lrp", "lrp_attention"}  # no AttnLRP rule for the attention pooling
     assert "AttentionPoolLatent" in reasons["lrp"]
     with caplog.at_level("WARNING", logger="vision_attn.explain.methods"):
         kept = skip_inapplicable(task, ["rollout", "gradcam", "lrp", "tokens"], what="timm:vit_small_patch16_224")

@@ -4,7 +4,7 @@ From ``results_per_image.json`` (:mod:`~vision_attn.tasks.detection_results`) ev
 positive (a detection scoring at least ``--explain.score_threshold`` that took no object: TIDE's
 ``cls``, ``loc``, ``both``, ``dupe`` or ``bkg``) and every missed object (a box no detection
 scoring at least the threshold took) becomes a card. Each card gets the explanation map of the
-head's first method (``lrp`` by default):
+head's first method (``lrp_attention`` by default):
 
 - a false positive: the map of the query that made it (the model re-run on the image as
   ``predict`` sees it, the query whose box of that class overlaps the detection most);

@@ -60,6 +60,7 @@ from vision_attn.explain.rollout import (
     HeadFusion,
     TokenIndex,
     attention_rollout,
+    gate_by_attention,
     gradient_relevance,
     last_layer_attention,
     normalize_maps,
@@ -264,6 +265,14 @@ def _lrp(x: MethodInputs) -> Tensor:
     """AttnLRP relevance of the pixels summed per patch (:mod:`vision_attn.explain.lrp`); its own
     forward and backward pass with the LRP rules, explaining the logit (``token`` plays no role)."""
     return lrp_relevance(x.task, x.images, x.target).maps
+
+
+@register_method("lrp_attention", needs=("attention",), applies=_lrp_applies,
+                 description="lrp gated by the raw attention of the last block (their product), class specific")
+def _lrp_attention(x: MethodInputs) -> Tensor:
+    """``lrp``'s positive part times ``attention``'s map (:func:`~vision_attn.explain.rollout.gate_by_attention`):
+    the relevant patches among those the explained row reads."""
+    return gate_by_attention(_lrp(x), _attention(x))
 
 
 @register_method("tokens", needs=("block_output",), faithfulness=False,

@@ -145,9 +145,10 @@ class CaptioningTask(CaptionSelfCritical, CaptionEvaluation, VisionTask):
     export_output_names = ("tokens",)  # the encoder's; beam search stays in PyTorch
     onnx_predicts = False
     headline_metrics = ("bleu1", "bleu4", "cider", "kinds_exact", "content_exact", "image_dependence",
-                        "pointing_lrp", "pointing_attention", "pointing_random")
+                        "pointing_lrp_attention", "pointing_attention", "pointing_random")
     headline_metric = "cider"
-    overlay_description = "the caption, then each word's map: AttnLRP and raw cross-attention (one strip each)"
+    overlay_description = ("the caption, then each word's map: AttnLRP gated by the word's cross-attention, and raw "
+                            "cross-attention (one strip each)")
 
     def __init__(
         self,

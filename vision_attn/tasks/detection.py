@@ -153,7 +153,8 @@ class DetectionTask(VisionTask):
     eval_file_names = ("per_class.json", "pr_curves.json", "per_class.csv", "results_per_image.json",
                        "results_per_image.csv")
     headline_metric = "map"
-    overlay_description = "boxes | per detected object: its AttnLRP map and its query's raw cross-attention"
+    overlay_description = ("boxes | per detected object: its AttnLRP map gated by its query's cross-attention, and "
+                           "that raw cross-attention")
     legacy_arguments = {
         **{k: f"head.{k}" for k in (
             "num_queries", "hidden_dim", "num_layers", "num_heads", "mlp_ratio", "dropout", "focal", "box_refine",

@@ -1,0 +1,173 @@
+"""The detection recipe's options one at a time on few training images, over seeds
+(``python -m benchmarks.small_data_ablation``; not part of ``make test``).
+
+    python -m benchmarks.small_data_ablation [--sizes 300 1500 5000] [--seeds 0 1 2]
+        [--variants base fill_epoch copy_paste mosaic mal fdr local_mlp shipped] [--scenes digits]
+        [--results docs/results/detection_small_data_ablation.json]
+
+Every run is a :mod:`benchmarks.holdout` detection run (``train.py --config
+configs/detection/small.yaml`` on the embedded digit scenes, 96 px, 300 validation images,
+40 epochs, then ``eval.py``; timed from start to exit) with the variant's ``train.py``
+overrides:
+
+- ``base``: the recipe without the small-data options (one pass over the images per epoch, no
+  copy-paste, plain box regression with look-forward-twice, a plain MLP in the encoder);
+- one option added to ``base``: ``fill_epoch`` (the self-sizing batches: at least 90 steps an
+  epoch), ``copy_paste`` (Simple Copy-Paste, probability 0.8: dense one-to-one matching, DEIM),
+  ``mosaic`` (mosaic of four, probability 0.5, DEIM), ``mal`` (the matchability-aware loss, DEIM),
+  ``fdr`` (D-FINE's fine-grained distribution refinement with GO-LSD), ``local_mlp`` (LocalViT's
+  depthwise convolution in the MLP);
+- ``shipped``: ``small.yaml`` unchanged.
+
+A finished run is kept as ``WORK/ablation/<variant>-<size>-seed<S>.json`` and not run again, so
+the grid can be filled over several invocations; the table is written from every finished run
+after each one. One row per variant and size: the seeds finished, mean and standard deviation of
+pycocotools' map, the means of map_50 and map_75, the median number of epochs to validation
+map_50 0.80 (every 5 epochs; empty: a seed never reached it), the mean training seconds, and
+the runs whose training loss went non-finite (the convergence alarm's warning in ``train.log``).
+The evaluation measures boxes only (no overlays or explanation numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+from pathlib import Path
+
+from benchmarks.common import command_line, finite, machine
+from benchmarks.holdout import EPOCHS_TO, REPO, run, run_folder
+from benchmarks.results_json import write_results
+
+log = logging.getLogger("benchmarks.small_data_ablation")
+
+_BASE = ["--data.batching.fill_epoch", "false", "--data.copy_paste.prob", "0", "--model.head.fdr", "false",
+         "--model.head.look_forward_twice", "true", "--model.encoder.local_mlp", "false"]
+
+
+def _without(overrides: list[str], *keys: str) -> list[str]:
+    """``overrides`` (``--key value`` pairs) without the pairs of ``keys``."""
+    out = []
+    for k, v in zip(overrides[::2], overrides[1::2], strict=True):
+        if k not in keys:
+            out += [k, v]
+    return out
+
+
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "base": ("without the small-data options", _BASE),
+    "fill_epoch": ("+ self-sizing batches (fill_epoch)", _without(_BASE, "--data.batching.fill_epoch")),
+    "copy_paste": ("+ copy-paste 0.8 (DEIM's dense one-to-one)", [*_without(_BASE, "--data.copy_paste.prob"),
+                                                                   "--data.copy_paste.prob", "0.8"]),
+    "mosaic": ("+ mosaic 0.5 (DEIM's dense one-to-one)", [*_BASE, "--data.mosaic.prob", "0.5",
+                                                          "--data.mosaic.scale", "1.0"]),
+    "mal": ("+ matchability-aware loss (DEIM)", [*_BASE, "--model.loss.mal_gamma", "1.5"]),
+    "fdr": ("+ FDR / GO-LSD (D-FINE)", [*_without(_BASE, "--model.head.fdr", "--model.head.look_forward_twice"),
+                                        "--model.head.fdr", "true", "--model.head.look_forward_twice", "false"]),
+    "local_mlp": ("+ local feed-forward (LocalViT)", [*_without(_BASE, "--model.encoder.local_mlp"),
+                                                      "--model.encoder.local_mlp", "true"]),
+    "shipped": ("small.yaml as shipped", []),
+}
+"""Variant name -> (row label, ``train.py`` overrides)."""
+
+EVAL_BOXES_ONLY = ["--explain.num_overlays", "0", "--explain.mistakes", "0", "--explain.faithfulness", "false",
+                   "--explain.faithfulness_images", "0", "--explain.report", "false"]
+"""``eval.py`` options of the ablation's evaluations: the boxes' numbers, no explanations."""
+
+NAN_WARNING = "the training loss is"
+"""What the convergence alarm writes when a training loss is not finite
+(:mod:`vision_attn.tasks.convergence`)."""
+
+
+def run_name(variant: str, size: int, seed: int) -> str:
+    return f"ablation {variant} {size} seed {seed}"
+
+
+def one_run(variant: str, size: int, seed: int, args, work: Path) -> dict:
+    """Run (or read back) one cell of the grid."""
+    cached = work / "ablation" / f"{variant}-{size}-seed{seed}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text(encoding="utf-8"))
+    spec = argparse.Namespace(img_size=96, train_images=size, val_images=args.val_images, captions_only=False,
+                              scenes=args.scenes, name=run_name(variant, size, seed), epochs=args.epochs,
+                              overrides=[*VARIANTS[variant][1], "--seed_everything", str(seed),
+                                         "--trainer.check_val_every_n_epoch", "5"],
+                              eval_overrides=EVAL_BOXES_ONLY)
+    result = run("detection", spec, work)
+    train_log = run_folder(work / "runs", "detection", spec.name) / "train.log"
+    result.update(variant=variant, size=size, seed=seed, scenes=args.scenes, machine=machine(),
+                  non_finite=NAN_WARNING in train_log.read_text(encoding="utf-8", errors="replace"))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return result
+
+
+def table_rows(results: list[dict]) -> list[list]:
+    """One row per (variant, size) in :data:`VARIANTS`' order, then by size."""
+    rows = []
+    cells = sorted({(r["variant"], r["size"]) for r in results},
+                   key=lambda c: (list(VARIANTS).index(c[0]), c[1]))
+    for variant, size in cells:
+        runs = sorted((r for r in results if r["variant"] == variant and r["size"] == size), key=lambda r: r["seed"])
+        maps = [r["scores"]["map"] for r in runs]
+        epochs = [r["scores"].get(EPOCHS_TO) for r in runs]
+        reached = None if None in epochs else statistics.median(epochs)
+        rows.append([VARIANTS[variant][0], size, ", ".join(str(r["seed"]) for r in runs),
+                     finite(statistics.fmean(maps), 4), finite(statistics.stdev(maps), 4) if len(maps) > 1 else None,
+                     finite(statistics.fmean(r["scores"]["map_50"] for r in runs), 4),
+                     finite(statistics.fmean(r["scores"]["map_75"] for r in runs), 4), reached,
+                     round(statistics.fmean(r["train_seconds"] for r in runs), 1),
+                     sum(bool(r["non_finite"]) for r in runs), " ".join(VARIANTS[variant][1]) or "none"])
+    return rows
+
+
+COLUMNS = ["variant", "train images", "seeds", {"name": "map", "format": ".3f"}, {"name": "map sd", "format": ".3f"},
+           {"name": "map_50", "format": ".3f"}, {"name": "map_75", "format": ".3f"}, "epochs to map_50 0.80",
+           "train s", "non-finite runs", "train.py overrides"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[300, 1500, 5000])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--scenes", choices=["digits", "strokes"], default="digits")
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--val_images", type=int, default=300)
+    parser.add_argument("--results", default=None, help="the results file of the documentation to write")
+    parser.add_argument("--work", default=None, help="data and runs (default: benchmarks/results/holdout-work)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    work = Path(args.work or REPO / "benchmarks" / "results" / "holdout-work").resolve()
+    for size in args.sizes:
+        for seed in args.seeds:
+            for variant in args.variants:
+                result = one_run(variant, size, seed, args, work)
+                log.info("%s, %d images, seed %d: map %.4f, %.0f s", variant, size, seed, result["scores"]["map"],
+                         result["train_seconds"])
+                if args.results:
+                    write_table(args.results, work, args.scenes)
+    return 0
+
+
+def write_table(path: str, work: Path, scenes: str) -> None:
+    """The results file from every finished run of ``scenes`` under ``WORK/ablation``."""
+    results = [json.loads(f.read_text(encoding="utf-8")) for f in sorted((work / "ablation").glob("*.json"))]
+    results = [r for r in results if r["scenes"] == scenes]
+    write_results(path, page="detection", title=f"The detection recipe's small-data options one at a time ({scenes} "
+                  "scenes, 96 px, 300 validation images, 40 epochs)",
+                  command=command_line("benchmarks.small_data_ablation", ["--scenes", scenes, "--results", path]),
+                  columns=COLUMNS, rows=table_rows(results),
+                  notes=["each run: python -m benchmarks.holdout detection --scenes SCENES --train_images N "
+                         "--val_images 300 -- OVERRIDES --seed_everything S --trainer.check_val_every_n_epoch 5",
+                         "map sd: the standard deviation over the seeds; epochs to map_50 0.80: the median over "
+                         "the seeds, empty when a seed never reached it",
+                         "non-finite runs: runs whose training loss was NaN or infinite at some step"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
