@@ -100,7 +100,7 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
     assert table[0] == ("| task | method | pointing ↑ | energy ↑ | miou ↑ | deletion ↓ | insertion ↑ | road ↑ | saco ↑ "
                         "| sanity →0 |")
-    assert len(table) == 2 + (6 + 1) + 3 * (4 + 1)  # header, rule, methods and a best row per task
+    assert len(table) == 2 + (7 + 1) + 3 * (5 + 1)  # header, rule, methods and a best row per task
     assert table[2].startswith("| classification | rollout | ")
     assert table[-1].startswith("| detection, held out | **best** |")
     data = results_file(out, ["task", "method", "pointing", "energy", "mIoU", "deletion AUC", "insertion AUC", "ROAD",

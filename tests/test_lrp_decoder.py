@@ -179,7 +179,7 @@ def test_own_query_holds_the_other_queries_constant_in_self_attention(head):
 
 
 def test_gate_by_attention_spreads_each_patch_bilinearly_and_multiplies():
-    from vision_attn.explain.rollout import gate_by_attention
+    from vision_attn.explain.lrp_decoder import gate_by_attention
 
     relevance = torch.ones(1, 4, 4)
     relevance[0, 0, 1] = -2.0  # negative relevance is no evidence: gated to zero
@@ -204,8 +204,8 @@ def test_gate_by_attention_spreads_each_patch_bilinearly_and_multiplies():
 def test_lrp_attention_is_lrp_gated_by_the_items_attention_in_every_head():
     from vision_attn.explain.captioning import teacher_forced_word_maps
     from vision_attn.explain.detection import detection_maps
+    from vision_attn.explain.lrp_decoder import gate_by_attention
     from vision_attn.explain.methods import explain_classifier
-    from vision_attn.explain.rollout import gate_by_attention
 
     def check(maps: dict, key=lambda m: m) -> None:
         gated, lrp, att = key(maps["lrp_attention"]), key(maps["lrp"]), key(maps["attention"])

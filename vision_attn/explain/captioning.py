@@ -78,12 +78,12 @@ from vision_attn.explain.evaluate import overlay_images, select_images, worst_im
 from vision_attn.explain.faithfulness import MODES, blur, on_patch_grid, order_ends, perturbation_curves
 from vision_attn.explain.images import enlarge
 from vision_attn.explain.localisation import grid_to_image, localisation
-from vision_attn.explain.lrp_decoder import caption_lrp, positive_maps
+from vision_attn.explain.lrp_decoder import caption_lrp, gate_by_attention, positive_maps
 from vision_attn.explain.measures import Localisation, MapWriter, Measures, Perturbation, Sanity
 from vision_attn.explain.overlay import Normalize, attach_colour_bar, image_grid, overlay_saliency, save_png, scale_maps
 from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
-from vision_attn.explain.rollout import gate_by_attention, normalize_maps
+from vision_attn.explain.rollout import normalize_maps
 from vision_attn.explain.sanity import StandIn, model_cascade, spearman
 from vision_attn.outputs import safe_filename
 
@@ -134,7 +134,7 @@ def teacher_forced_word_maps(model, images: Tensor, tokens: Sequence[Tensor], me
     causal decoder), the last layer or the mean over layers (``layers``). ``relevance``:
     :func:`~vision_attn.explain.decoder_relevance.caption_relevance` with ``rule``. ``lrp``:
     :func:`~vision_attn.explain.lrp_decoder.caption_lrp`'s positive part. ``lrp_attention``:
-    ``lrp`` gated by ``attention`` (:func:`~vision_attn.explain.rollout.gate_by_attention`).
+    ``lrp`` gated by ``attention`` (:func:`~vision_attn.explain.lrp_decoder.gate_by_attention`).
     """
     out: dict[str, list[Tensor]] = {}
     grid = model.encoder.grid_for(*images.shape[-2:])

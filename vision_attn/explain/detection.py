@@ -74,7 +74,7 @@ from vision_attn.explain.faithfulness import (
 from vision_attn.explain.images import enlarge
 from vision_attn.explain.localisation import grid_to_image
 from vision_attn.explain.lrp import lrp_unsupported
-from vision_attn.explain.lrp_decoder import detection_lrp, positive_maps
+from vision_attn.explain.lrp_decoder import detection_lrp, gate_by_attention, positive_maps
 from vision_attn.explain.measures import Localisation, MapWriter, Measures, Perturbation, Sanity
 from vision_attn.explain.overlay import (
     Normalize,
@@ -87,7 +87,7 @@ from vision_attn.explain.overlay import (
 )
 from vision_attn.explain.progress import Progress
 from vision_attn.explain.records import Explained, Report, png_data_uri, quantise
-from vision_attn.explain.rollout import gate_by_attention, normalize_maps
+from vision_attn.explain.rollout import normalize_maps
 from vision_attn.explain.sanity import StandIn, model_cascade, spearman
 from vision_attn.outputs import safe_filename
 
@@ -135,7 +135,7 @@ the explained query / word; ``relevance`` = Chefer et al. 2021b through decoder 
 (:mod:`vision_attn.explain.decoder_relevance`), over image patches; ``lrp`` = AttnLRP through
 decoder and encoder, the positive part of the pixels' relevance over cells finer than the
 patches (:mod:`vision_attn.explain.lrp_decoder`); ``lrp_attention`` = ``lrp`` gated by
-``attention`` (their product, :func:`~vision_attn.explain.rollout.gate_by_attention`): the
+``attention`` (their product, :func:`~vision_attn.explain.lrp_decoder.gate_by_attention`): the
 relevant pixels among those the query / word reads."""
 
 

@@ -55,7 +55,8 @@ from vision_attn.explain.decoder_relevance import (
 from vision_attn.explain.lrp import _patch_size, _patch_sums, lrp_rules, relevance_ledger
 from vision_attn.explain.rollout import normalize_maps
 
-__all__ = ["CELLS", "caption_lrp", "cell_grid", "decoder_lrp_budget", "detection_lrp", "positive_maps"]
+__all__ = ["CELLS", "caption_lrp", "cell_grid", "decoder_lrp_budget", "detection_lrp", "gate_by_attention",
+           "positive_maps"]
 
 CELLS = 4
 """Cells a side of each patch in the decoder heads' AttnLRP maps (see the module docstring)."""
@@ -256,3 +257,30 @@ def positive_maps(maps: list[Tensor]) -> list[Tensor]:
     """What ``lrp`` draws of signed relevance maps: smoothed over neighbouring cells
     (:func:`smooth_cells`), the positive part, each scaled to maximum 1."""
     return [normalize_maps(smooth_cells(m).clamp(min=0)) if m.numel() else m for m in maps]
+
+
+def gate_by_attention(relevance: Tensor, attention: Tensor) -> Tensor:
+    """Relevance maps gated by attention maps: ``relevance``'s positive part times ``attention``
+    (its negative part clipped), each product scaled to maximum 1.
+
+    Args:
+        relevance: ``[K, H, W]`` maps (e.g. AttnLRP's, over cells finer than the patches).
+        attention: ``[K, h, w]`` maps of the same items over the patch grid (``h`` dividing
+            ``H``, ``w`` dividing ``W``); each patch's value is spread bilinearly between patch
+            centres onto the ``H x W`` cells (pixel centres aligned, the edges held), so equal
+            sizes leave it unchanged.
+
+    Returns:
+        ``[K, H, W]`` in ``[0, 1]``: high only where the item's relevance and its attention
+        are both high; zero where either is.
+    """
+    if relevance.dim() != 3 or attention.dim() != 3 or relevance.shape[0] != attention.shape[0]:
+        raise ValueError(f"expected maps [K, H, W] and [K, h, w] of the same K, got {tuple(relevance.shape)} "
+                         f"and {tuple(attention.shape)}")
+    if relevance.numel() == 0:
+        return relevance.float()
+    size = tuple(relevance.shape[-2:])
+    att = attention.float().clamp(min=0)
+    if tuple(att.shape[-2:]) != size:
+        att = F.interpolate(att[:, None], size=size, mode="bilinear", align_corners=False)[:, 0]
+    return normalize_maps(relevance.float() * att.to(relevance.device))  # negative relevance: clipped to 0 here

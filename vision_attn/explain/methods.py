@@ -49,18 +49,13 @@ from torch import Tensor, nn
 
 from vision_attn.errors import ConfigError
 from vision_attn.explain.capture import attention_modules, capture_attention
-from vision_attn.explain.faithfulness import (
-    auc,
-    curve_ends,
-    deletion_insertion_curve,
-    end_probabilities,
-)
+from vision_attn.explain.faithfulness import auc, curve_ends, deletion_insertion_curve, end_probabilities
 from vision_attn.explain.lrp import lrp_relevance, lrp_unsupported
+from vision_attn.explain.lrp_decoder import gate_by_attention
 from vision_attn.explain.rollout import (
     HeadFusion,
     TokenIndex,
     attention_rollout,
-    gate_by_attention,
     gradient_relevance,
     last_layer_attention,
     normalize_maps,
@@ -269,9 +264,7 @@ def _lrp(x: MethodInputs) -> Tensor:
 
 @register_method("lrp_attention", needs=("attention",), applies=_lrp_applies,
                  description="lrp gated by the raw attention of the last block (their product), class specific")
-def _lrp_attention(x: MethodInputs) -> Tensor:
-    """``lrp``'s positive part times ``attention``'s map (:func:`~vision_attn.explain.rollout.gate_by_attention`):
-    the relevant patches among those the explained row reads."""
+def _lrp_attention(x: MethodInputs) -> Tensor:  # the relevant patches among those the explained row reads
     return gate_by_attention(_lrp(x), _attention(x))
 
 

@@ -64,7 +64,6 @@ __all__ = [
     "attention_rollout",
     "check_head_fusion",
     "fuse_heads",
-    "gate_by_attention",
     "gradient_relevance",
     "last_layer_attention",
     "normalize_maps",
@@ -135,33 +134,6 @@ def normalize_maps(maps: Tensor) -> Tensor:
     maps = maps.clamp(min=0)
     peak = maps.flatten(1).amax(dim=1).view(-1, *([1] * (maps.dim() - 1)))
     return torch.where(peak > 0, maps / peak.clamp(min=torch.finfo(maps.dtype).tiny), torch.zeros_like(maps))
-
-
-def gate_by_attention(relevance: Tensor, attention: Tensor) -> Tensor:
-    """Relevance maps gated by attention maps: ``relevance``'s positive part times ``attention``
-    (its negative part clipped), each product scaled to maximum 1.
-
-    Args:
-        relevance: ``[K, H, W]`` maps (e.g. AttnLRP's, over cells finer than the patches).
-        attention: ``[K, h, w]`` maps of the same items over the patch grid (``h`` dividing
-            ``H``, ``w`` dividing ``W``); each patch's value is spread bilinearly between patch
-            centres onto the ``H x W`` cells (pixel centres aligned, the edges held), so equal
-            sizes leave it unchanged.
-
-    Returns:
-        ``[K, H, W]`` in ``[0, 1]``: high only where the item's relevance and its attention
-        are both high; zero where either is.
-    """
-    if relevance.dim() != 3 or attention.dim() != 3 or relevance.shape[0] != attention.shape[0]:
-        raise ValueError(f"expected maps [K, H, W] and [K, h, w] of the same K, got {tuple(relevance.shape)} "
-                         f"and {tuple(attention.shape)}")
-    if relevance.numel() == 0:
-        return relevance.float()
-    size = tuple(relevance.shape[-2:])
-    att = attention.float().clamp(min=0)
-    if tuple(att.shape[-2:]) != size:
-        att = torch.nn.functional.interpolate(att[:, None], size=size, mode="bilinear", align_corners=False)[:, 0]
-    return normalize_maps(relevance.float() * att.to(relevance.device))  # negative relevance: clipped to 0 here
 
 
 def to_grid(row: Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> Tensor:
