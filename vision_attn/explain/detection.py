@@ -205,7 +205,7 @@ def explain_detection(task, images: torch.Tensor, pictures: list[np.ndarray], op
     gradient_maps = detection_maps(task, images, [d["queries"][k] for d, k in zip(dets, keeps, strict=True)],
                                    [d["labels"][k] for d, k in zip(dets, keeps, strict=True)],
                                    [m for m in methods if m in GRADIENT_METHODS], options.query_layers,
-                                   rule=relevance_rule(options))
+                                   rule=relevance_rule(options), cross_attn=out["cross_attn"])
     explained = []
     for j, (picture, det, record, keep) in enumerate(zip(pictures, dets, records, keeps, strict=True)):
         rgb = enlarge(picture, 160)
@@ -353,7 +353,8 @@ def detection_probabilities(model) -> tuple[Callable[[torch.Tensor], torch.Tenso
 
 def detection_maps(model, images: torch.Tensor, queries: list[torch.Tensor], labels: list[torch.Tensor],
                    methods: list[str], query_layers: str = "last", seed: int = 0,
-                   rule: str = DETECTION_RULE) -> dict[str, list[torch.Tensor]]:
+                   rule: str = DETECTION_RULE, cross_attn: list[torch.Tensor] | None = None
+                   ) -> dict[str, list[torch.Tensor]]:
     """``{method: per image [K_b, h, w]}`` maps (CPU, float32) of the given detections.
 
     Args:
@@ -366,12 +367,16 @@ def detection_maps(model, images: torch.Tensor, queries: list[torch.Tensor], lab
         query_layers: of ``attention`` and ``lrp_attention`` (see :func:`query_attention_maps`).
         seed: of ``random`` (the same seed gives the same noise whatever the model).
         rule: of ``relevance`` (:data:`~vision_attn.explain.decoder_relevance.RELEVANCE_RULES`).
+        cross_attn: the head's ``cross_attn`` output for ``images`` when the caller has it (no
+            second forward pass for ``attention`` / ``lrp_attention``).
     """
     grid = model.encoder.grid_for(*images.shape[-2:])
     out: dict[str, list[torch.Tensor]] = {}
     if {"attention", "lrp_attention"} & set(methods):
-        with torch.no_grad():
-            attn = model.head(model.encoder(images), need_weights=True)["cross_attn"]
+        attn = cross_attn
+        if attn is None:
+            with torch.no_grad():
+                attn = model.head(model.encoder(images), need_weights=True)["cross_attn"]
         out["attention"] = [query_attention_maps([a[j : j + 1] for a in attn], q.cpu(), grid, query_layers).cpu()
                             if len(q) else torch.zeros(0, *grid) for j, q in enumerate(queries)]
     if "relevance" in methods:
