@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.results_json import cpu_model
+
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 2) -> dict[str, float]:
     """Median seconds of each function, calling them in turn (A, B, A, B, ...) so that drifts in
@@ -33,7 +35,7 @@ def machine() -> dict[str, str]:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "threads": str(torch.get_num_threads()),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
     }

@@ -98,14 +98,16 @@ def newest_checkpoint(demo_dir: str | Path, task: str) -> Path | None:
 
 
 def evaluate(task: str, ckpt: str | Path, images: int, seed: int, out_dir: Path,
-             score_threshold: float | None = None, data_root: str | Path | None = None) -> dict[str, float]:
+             score_threshold: float | None = None, data_root: str | Path | None = None,
+             methods: Sequence[str] | None = None) -> dict[str, float]:
     """``eval_main`` on ``ckpt`` with every method of ``task``, the sanity check and (classification)
     ROAD; its metrics.
 
     ``score_threshold``: detection: the detections explained score at least this much
     (default: eval's ``--explain.score_threshold``). ``data_root``: evaluate on this root's
     validation split instead of the checkpoint's data (a classification root's boxes and masks:
-    ``ROOT/annotations/instances_val.json`` when it exists).
+    ``ROOT/annotations/instances_val.json`` when it exists). ``methods``: these registered methods
+    instead of :func:`task_methods` (``random`` is always measured).
 
     Raises:
         CheckpointError: ``ckpt`` is not a vision_attn checkpoint of ``task``.
@@ -117,7 +119,7 @@ def evaluate(task: str, ckpt: str | Path, images: int, seed: int, out_dir: Path,
     meta, _ = read_task_meta(ckpt)
     if meta.get("task") != task:
         raise CheckpointError(f"--{task} {ckpt}: the checkpoint holds a {meta.get('task')!r} model, not {task!r}")
-    methods = [m for m in task_methods(task) if m != "random"]  # random: always measured
+    methods = [m for m in (methods or task_methods(task)) if m != "random"]  # random: always measured
     # an option of the detector's own (DetectionOptions): the other tasks' evaluations do not take it
     given = score_threshold is not None and task == "detection"
     threshold = ["--explain.score_threshold", str(score_threshold)] if given else []

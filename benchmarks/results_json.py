@@ -28,8 +28,10 @@ The file (schema ``vision_attn-results/1``)::
       "columns": ["name", {"name": "map", "format": ".3f"}, ...],
       "rows": [[cell, ...], ...],              # one cell per column: str, number, bool or null
       "notes": ["optional lines under the table"],
-      "glance": [{"task", "data", "metric", "time"[, "command"]}]   # optional: rows of the README's
+      "glance": [{"task", "data", "metric", "time"[, "command"]}],  # optional: rows of the README's
                                                        # summary; "command": the row's own (else the file's)
+      "runs": [{...}, ...]   # optional, not rendered: the per-run numbers the rows aggregate, kept
+                             # so that a benchmark run later adds to them
     }
 
 A results file of ``make demo``'s summary (``runs/demo/<time>/summary.json``)::
@@ -178,6 +180,8 @@ def validate(data: Any) -> list[str]:
     for key in ("notes",):
         if key in data and not (isinstance(data[key], list) and all(isinstance(n, str) for n in data[key])):
             errors.append(f"{key} must be a list of strings")
+    if "runs" in data and not (isinstance(data["runs"], list) and all(isinstance(r, dict) for r in data["runs"])):
+        errors.append("runs must be a list of objects")
     if "description" in data and not isinstance(data["description"], str):
         errors.append("description must be a string")
     glance = data.get("glance", [])
@@ -190,7 +194,7 @@ def validate(data: Any) -> list[str]:
 def results(page: str, title: str, command: str, columns: Sequence[str | dict[str, Any]],
             rows: Sequence[Sequence[Any]], *, description: str | None = None, notes: Sequence[str] = (),
             glance: Sequence[dict[str, str]] = (), date: str | None = None, commit: str | None = None,
-            machine: dict[str, Any] | None = None) -> dict[str, Any]:
+            machine: dict[str, Any] | None = None, runs: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """A results table as the schema describes it, the date, commit and machine filled in unless
     given.
 
@@ -210,6 +214,7 @@ def results(page: str, title: str, command: str, columns: Sequence[str | dict[st
         "rows": [list(r) for r in rows],
         **({"notes": list(notes)} if notes else {}),
         **({"glance": [dict(g) for g in glance]} if glance else {}),
+        **({"runs": list(runs)} if runs else {}),
     }
     errors = validate(data)
     if errors:

@@ -20,11 +20,13 @@ overrides:
 - ``shipped``: ``small.yaml`` unchanged.
 
 A finished run is kept as ``WORK/ablation/<variant>-<size>-seed<S>.json`` and not run again, so
-the grid can be filled over several invocations; the table is written from every finished run
-after each one. One row per variant and size: the seeds finished, mean and standard deviation of
-pycocotools' map, the means of map_50 and map_75, the median number of epochs to validation
-map_50 0.80 (every 5 epochs; empty: a seed never reached it), the mean training seconds, and
-the runs whose training loss went non-finite (the convergence alarm's warning in ``train.log``).
+the grid can be filled over several invocations; the table is written after each run. The
+results file keeps every run's numbers (its ``runs``): a run it holds is not run again either, and
+a later invocation in another checkout adds to it. One row per variant, size and CPU: the seeds
+finished, mean and standard deviation of pycocotools' map, the means of map_50 and map_75, the
+median number of epochs to validation map_50 0.80 (every 5 epochs; empty: a seed never reached
+it), the mean training seconds, and the runs whose training loss went non-finite (the convergence
+alarm's warning in ``train.log``).
 The evaluation measures boxes only (no overlays or explanation numbers).
 """
 
@@ -37,9 +39,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.common import command_line, finite, machine
+from benchmarks.common import command_line, finite
 from benchmarks.holdout import EPOCHS_TO, REPO, run, run_folder
-from benchmarks.results_json import write_results
+from benchmarks.results_json import cpu_model, git_commit, write_results
 
 log = logging.getLogger("benchmarks.small_data_ablation")
 
@@ -85,11 +87,33 @@ def run_name(variant: str, size: int, seed: int) -> str:
     return f"ablation {variant} {size} seed {seed}"
 
 
-def one_run(variant: str, size: int, seed: int, args, work: Path) -> dict:
-    """Run (or read back) one cell of the grid."""
+def record(result: dict) -> dict:
+    """The numbers of one finished run that the table keeps (``runs`` of the results file)."""
+    scores = result["scores"]
+    return {"variant": result["variant"], "size": result["size"], "seed": result["seed"], "scenes": result["scenes"],
+            "map": scores["map"], "map_50": scores["map_50"], "map_75": scores["map_75"],
+            "epochs_to": scores.get(EPOCHS_TO), "train_seconds": result["train_seconds"],
+            "non_finite": bool(result["non_finite"]), "cpu": result.get("cpu") or "not recorded",
+            "commit": result.get("commit")}
+
+
+def _measured(known: list[dict], variant: str, size: int, seed: int, scenes: str) -> dict | None:
+    """The record of ``known`` (a results file's ``runs``) that already holds this cell and seed."""
+    for r in known:
+        seeds = r.get("seeds", [r.get("seed")])
+        if (r["variant"], r["size"], r["scenes"]) == (variant, size, scenes) and seed in seeds:
+            return r
+    return None
+
+
+def one_run(variant: str, size: int, seed: int, args, work: Path, known: list[dict] = ()) -> dict | None:
+    """Run one cell of the grid and return its :func:`record`; ``None`` when ``known`` (the runs of
+    the results file) already holds it; the record of an earlier run kept under ``WORK/ablation``."""
     cached = work / "ablation" / f"{variant}-{size}-seed{seed}.json"
     if cached.is_file():
-        return json.loads(cached.read_text(encoding="utf-8"))
+        return record(json.loads(cached.read_text(encoding="utf-8")))
+    if _measured(list(known), variant, size, seed, args.scenes) is not None:
+        return None
     spec = argparse.Namespace(img_size=96, train_images=size, val_images=args.val_images, captions_only=False,
                               scenes=args.scenes, name=run_name(variant, size, seed), epochs=args.epochs,
                               overrides=[*VARIANTS[variant][1], "--seed_everything", str(seed),
@@ -97,35 +121,59 @@ def one_run(variant: str, size: int, seed: int, args, work: Path) -> dict:
                               eval_overrides=EVAL_BOXES_ONLY)
     result = run("detection", spec, work)
     train_log = run_folder(work / "runs", "detection", spec.name) / "train.log"
-    result.update(variant=variant, size=size, seed=seed, scenes=args.scenes, machine=machine(),
+    result.update(variant=variant, size=size, seed=seed, scenes=args.scenes, cpu=cpu_model(), commit=git_commit(),
                   non_finite=NAN_WARNING in train_log.read_text(encoding="utf-8", errors="replace"))
     cached.parent.mkdir(parents=True, exist_ok=True)
     cached.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    return result
+    return record(result)
 
 
-def table_rows(results: list[dict]) -> list[list]:
-    """One row per (variant, size) in :data:`VARIANTS`' order, then by size."""
-    rows = []
-    cells = sorted({(r["variant"], r["size"]) for r in results},
-                   key=lambda c: (list(VARIANTS).index(c[0]), c[1]))
-    for variant, size in cells:
-        runs = sorted((r for r in results if r["variant"] == variant and r["size"] == size), key=lambda r: r["seed"])
-        maps = [r["scores"]["map"] for r in runs]
-        epochs = [r["scores"].get(EPOCHS_TO) for r in runs]
-        reached = None if None in epochs else statistics.median(epochs)
-        rows.append([VARIANTS[variant][0], size, ", ".join(str(r["seed"]) for r in runs),
-                     finite(statistics.fmean(maps), 4), finite(statistics.stdev(maps), 4) if len(maps) > 1 else None,
-                     finite(statistics.fmean(r["scores"]["map_50"] for r in runs), 4),
-                     finite(statistics.fmean(r["scores"]["map_75"] for r in runs), 4), reached,
-                     round(statistics.fmean(r["train_seconds"] for r in runs), 1),
-                     sum(bool(r["non_finite"]) for r in runs), " ".join(VARIANTS[variant][1]) or "none"])
-    return rows
+def _aggregate(runs: list[dict]) -> dict:
+    """One cell's seeds (run records of one variant, size and CPU) as the row's numbers."""
+    runs = sorted(runs, key=lambda r: r["seed"])
+    maps = [r["map"] for r in runs]
+    epochs = [r["epochs_to"] for r in runs]
+    return {"variant": runs[0]["variant"], "size": runs[0]["size"], "scenes": runs[0]["scenes"],
+            "seeds": [r["seed"] for r in runs], "map": statistics.fmean(maps),
+            "map_sd": statistics.stdev(maps) if len(maps) > 1 else None,
+            "map_50": statistics.fmean(r["map_50"] for r in runs),
+            "map_75": statistics.fmean(r["map_75"] for r in runs),
+            "epochs_to": None if None in epochs else statistics.median(epochs),
+            "train_seconds": statistics.fmean(r["train_seconds"] for r in runs),
+            "non_finite": sum(bool(r["non_finite"]) for r in runs), "cpu": runs[0]["cpu"]}
+
+
+def table_rows(records: list[dict]) -> list[list]:
+    """One row per variant, size and CPU, in :data:`VARIANTS`' order, then by size: the runs of a
+    cell on one machine aggregated (mean and standard deviation of map, means of map_50, map_75 and
+    the training seconds, the median epochs to map_50 0.80, the non-finite runs); a record that is
+    already an aggregate (``seeds`` instead of ``seed``) is a row of its own. Seconds of different
+    machines stay in different rows: they do not compare."""
+    groups: dict[tuple, list[dict]] = {}
+    cells = []
+    for r in records:
+        if "seeds" in r:
+            cells.append(r)
+        else:
+            groups.setdefault((r["variant"], r["size"], r["cpu"]), []).append(r)
+    cells += [_aggregate(g) for g in groups.values()]
+    cells.sort(key=lambda c: (list(VARIANTS).index(c["variant"]), c["size"], min(c["seeds"]), c["cpu"]))
+    return [[VARIANTS[c["variant"]][0], c["size"], ", ".join(str(s) for s in c["seeds"]), finite(c["map"], 4),
+             finite(c["map_sd"], 4) if c["map_sd"] is not None else None, finite(c["map_50"], 4),
+             finite(c["map_75"], 4), c["epochs_to"], round(c["train_seconds"], 1), c["non_finite"], c["cpu"],
+             " ".join(VARIANTS[c["variant"]][1]) or "none"] for c in cells]
 
 
 COLUMNS = ["variant", "train images", "seeds", {"name": "map", "format": ".3f"}, {"name": "map sd", "format": ".3f"},
            {"name": "map_50", "format": ".3f"}, {"name": "map_75", "format": ".3f"}, "epochs to map_50 0.80",
-           "train s", "non-finite runs", "train.py overrides"]
+           {"name": "train s", "format": ".0f"}, "non-finite runs", "CPU", "train.py overrides"]
+
+
+def known_runs(path: str | None) -> list[dict]:
+    """The ``runs`` of an existing results file (none without one)."""
+    if not path or not Path(path).is_file():
+        return []
+    return list(json.loads(Path(path).read_text(encoding="utf-8")).get("runs", []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenes", choices=["digits", "strokes"], default="digits")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--val_images", type=int, default=300)
-    parser.add_argument("--results", default=None, help="the results file of the documentation to write")
+    parser.add_argument("--results", default=None, help="the results file of the documentation to write; the runs "
+                        "it already holds are not run again and stay in it")
     parser.add_argument("--work", default=None, help="data and runs (default: benchmarks/results/holdout-work)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -146,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes:
         for seed in args.seeds:
             for variant in args.variants:
-                result = one_run(variant, size, seed, args, work)
-                log.info("%s, %d images, seed %d: map %.4f, %.0f s", variant, size, seed, result["scores"]["map"],
+                result = one_run(variant, size, seed, args, work, known_runs(args.results))
+                if result is None:
+                    log.info("%s, %d images, seed %d: already in %s", variant, size, seed, args.results)
+                    continue
+                log.info("%s, %d images, seed %d: map %.4f, %.0f s", variant, size, seed, result["map"],
                          result["train_seconds"])
                 if args.results:
                     write_table(args.results, work, args.scenes)
@@ -155,18 +207,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_table(path: str, work: Path, scenes: str) -> None:
-    """The results file from every finished run of ``scenes`` under ``WORK/ablation``."""
-    results = [json.loads(f.read_text(encoding="utf-8")) for f in sorted((work / "ablation").glob("*.json"))]
-    results = [r for r in results if r["scenes"] == scenes]
+    """The results file from the runs it already holds and every finished run of ``scenes`` under
+    ``WORK/ablation`` (a run in both: the one under ``WORK``); the runs are kept in the file's
+    ``runs``, so that a later invocation, in another checkout, adds to them."""
+    fresh = [record(json.loads(f.read_text(encoding="utf-8"))) for f in sorted((work / "ablation").glob("*.json"))]
+    fresh = [r for r in fresh if r["scenes"] == scenes]
+    ids = {(r["variant"], r["size"], r["seed"], r["scenes"]) for r in fresh}
+    kept = [r for r in known_runs(path) if r["scenes"] == scenes
+            and ("seeds" in r or (r["variant"], r["size"], r["seed"], r["scenes"]) not in ids)]
+    runs = kept + fresh
     write_results(path, page="detection", title=f"The detection recipe's small-data options one at a time ({scenes} "
                   "scenes, 96 px, 300 validation images, 40 epochs)",
                   command=command_line("benchmarks.small_data_ablation", ["--scenes", scenes, "--results", path]),
-                  columns=COLUMNS, rows=table_rows(results),
+                  columns=COLUMNS, rows=table_rows(runs), runs=runs,
                   notes=["each run: python -m benchmarks.holdout detection --scenes SCENES --train_images N "
                          "--val_images 300 -- OVERRIDES --seed_everything S --trainer.check_val_every_n_epoch 5",
                          "map sd: the standard deviation over the seeds; epochs to map_50 0.80: the median over "
                          "the seeds, empty when a seed never reached it",
-                         "non-finite runs: runs whose training loss was NaN or infinite at some step"])
+                         "non-finite runs: runs whose training loss was NaN or infinite at some step",
+                         "CPU: the processor the row's runs trained on; runs of one variant and size on different "
+                         "machines are separate rows, since their seconds do not compare"])
 
 
 if __name__ == "__main__":

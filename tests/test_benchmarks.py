@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks.explain_overhead import run
 from benchmarks.results_json import column_name, validate
@@ -662,7 +663,7 @@ def test_shapes_seeds_first_epoch_needs_both_thresholds_and_the_table_means_the_
 
 def test_small_data_ablation_variants_add_one_option_and_rows_aggregate_the_seeds(tmp_path):
     from benchmarks.holdout import EPOCHS_TO
-    from benchmarks.small_data_ablation import VARIANTS, table_rows, write_table
+    from benchmarks.small_data_ablation import VARIANTS, record, table_rows, write_table
 
     def pairs(overrides):
         return dict(zip(overrides[::2], overrides[1::2], strict=True))
@@ -680,17 +681,18 @@ def test_small_data_ablation_variants_add_one_option_and_rows_aggregate_the_seed
                     "local_mlp": {"--model.encoder.local_mlp"}}[name]
         assert changed == expected, name
 
-    def result(variant, seed, map_, reached, non_finite=False):
+    def result(variant, seed, map_, reached, non_finite=False, cpu="cpu A"):
         return {"variant": variant, "size": 300, "seed": seed, "scenes": "digits", "train_seconds": 100.0 + seed,
-                "non_finite": non_finite, "scores": {"map": map_, "map_50": 0.9, "map_75": 0.5, EPOCHS_TO: reached}}
+                "non_finite": non_finite, "cpu": cpu,
+                "scores": {"map": map_, "map_50": 0.9, "map_75": 0.5, EPOCHS_TO: reached}}
 
     runs = [result("shipped", 1, 0.6, 10), result("base", 0, 0.2, None), result("shipped", 0, 0.4, 20),
             result("base", 1, 0.4, 30, non_finite=True), result("shipped", 2, 0.8, 15)]
-    rows = table_rows(runs)
+    rows = table_rows([record(r) for r in runs])
     assert [r[0] for r in rows] == [VARIANTS["base"][0], VARIANTS["shipped"][0]]  # the variants' order
     base_row, shipped = rows
     assert shipped[2] == "0, 1, 2" and shipped[3] == pytest.approx(0.6) and shipped[4] == pytest.approx(0.2)
-    assert shipped[7] == 15 and shipped[8] == pytest.approx(101.0) and shipped[9] == 0
+    assert shipped[7] == 15 and shipped[8] == pytest.approx(101.0) and shipped[9] == 0 and shipped[10] == "cpu A"
     assert base_row[3] == pytest.approx(0.3) and base_row[7] is None and base_row[9] == 1  # a seed never reached it
     (tmp_path / "ablation").mkdir()
     for r in [*runs, {**result("base", 2, 0.9, 5), "scenes": "strokes"}]:
@@ -698,3 +700,81 @@ def test_small_data_ablation_variants_add_one_option_and_rows_aggregate_the_seed
     write_table(str(tmp_path / "table.json"), tmp_path, "digits")
     table = json.loads((tmp_path / "table.json").read_text())
     assert [r[2] for r in table["rows"]] == ["0, 1", "0, 1, 2"]  # the other scenes' run left out
+    assert len(table["runs"]) == 5
+
+
+def test_small_data_ablation_adds_to_the_runs_of_its_results_file(tmp_path, monkeypatch):
+    """A results file written in another checkout (no run folders left) keeps its runs: they are
+    not run again, new seeds add rows, and seconds of another CPU stay in a row of their own."""
+    import argparse
+
+    from benchmarks import small_data_ablation as ablation
+    from benchmarks.holdout import EPOCHS_TO
+
+    earlier = [{"variant": "shipped", "size": 300, "scenes": "digits", "seeds": [0, 1, 2], "map": 0.8,
+                "map_sd": 0.01, "map_50": 0.99, "map_75": 0.9, "epochs_to": 15, "train_seconds": 400.0,
+                "non_finite": 0, "cpu": "cpu A"},
+               {"variant": "base", "size": 300, "scenes": "digits", "seed": 0, "map": 0.3, "map_50": 0.5,
+                "map_75": 0.2, "epochs_to": None, "train_seconds": 100.0, "non_finite": False, "cpu": "cpu A"}]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"runs": earlier}))
+    args = argparse.Namespace(scenes="digits", val_images=300, epochs=40)
+
+    def must_not_run(*a, **k):
+        raise AssertionError("a run the results file holds was run again")
+
+    monkeypatch.setattr(ablation, "run", must_not_run)
+    work = tmp_path / "work"
+    assert ablation.one_run("shipped", 300, 1, args, work, ablation.known_runs(str(path))) is None
+    assert ablation.one_run("base", 300, 0, args, work, ablation.known_runs(str(path))) is None
+    monkeypatch.setattr(ablation, "cpu_model", lambda: "cpu B")
+    monkeypatch.setattr(ablation, "git_commit", lambda: "abc1234")
+
+    def fake_run(task, spec, w):
+        folder = ablation.run_folder(w / "runs", task, spec.name)
+        folder.mkdir(parents=True)
+        (folder / "train.log").write_text("WARNING the training loss is nan at step 3" if "4" in spec.name else "")
+        return {"train_seconds": 500.0, "scores": {"map": 0.9, "map_50": 1.0, "map_75": 0.95, EPOCHS_TO: 10}}
+
+    monkeypatch.setattr(ablation, "run", fake_run)
+    fresh = [ablation.one_run("shipped", 300, s, args, work, ablation.known_runs(str(path))) for s in (3, 4)]
+    assert [r["cpu"] for r in fresh] == ["cpu B", "cpu B"] and [r["non_finite"] for r in fresh] == [False, True]
+    ablation.write_table(str(path), work, "digits")
+    table = json.loads(path.read_text())
+    cells = [(r[0], r[2], r[9], r[10]) for r in table["rows"]]
+    shipped = ablation.VARIANTS["shipped"][0]
+    assert cells == [(ablation.VARIANTS["base"][0], "0", 0, "cpu A"), (shipped, "0, 1, 2", 0, "cpu A"),
+                     (shipped, "3, 4", 1, "cpu B")]
+    assert len(table["runs"]) == 4
+    ablation.write_table(str(path), work, "digits")  # written again: nothing doubled
+    assert len(json.loads(path.read_text())["runs"]) == 4
+
+
+def test_relevance_variants_reduce_to_relevance_where_they_should(monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks import relevance_variants as rv
+    from vision_attn.explain import methods
+
+    monkeypatch.setattr(methods, "METHODS", dict(methods.METHODS))  # the variants stay out of the real registry
+    torch.manual_seed(0)
+    attn = [torch.softmax(torch.randn(2, 3, 5, 5), dim=-1) for _ in range(3)]
+    grads = [torch.randn(2, 3, 5, 5) for _ in range(3)]
+    x = SimpleNamespace(attentions=attn, attention_grads=grads, grid=(2, 2), num_prefix_tokens=1, token_index=0,
+                        start_layer=0, merges=None, head_fusion="mean", discard_ratio=0.0)
+    measured = rv.register_variants()
+    assert measured[0] == "relevance" and measured[-1] == "random" and set(rv.variants()) <= set(methods.METHODS)
+    shipped = methods.METHODS["relevance"].fn(x)
+    assert torch.allclose(rv._from_block(1)(x), shipped)  # from block 1: every block, as shipped
+    assert not torch.allclose(rv.variants()["relevance_from_block_3"](x), shipped)
+    assert not torch.allclose(rv._abs_grad(x), shipped)  # negative gradients count once their sign is dropped
+    x_pos = SimpleNamespace(**{**vars(x), "attention_grads": [g.abs() for g in grads]})
+    assert torch.allclose(rv._abs_grad(x_pos), methods.METHODS["relevance"].fn(x_pos))
+    assert torch.allclose(rv._sqrt(x) ** 2, shipped.clamp(min=0), atol=1e-6)
+    centre = torch.zeros(1, 3, 3)
+    centre[0, 1, 1] = 1.0
+    monkeypatch.setitem(methods.METHODS, "relevance", methods.MethodSpec(lambda _: centre))
+    binomial = torch.tensor([[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]]) / 16
+    assert torch.allclose(rv._smoothed(x)[0], binomial)
+    rows = rv.rows_of("demo", {"miou_relevance": 0.5, "road_relevance": float("nan")}, ["relevance"])
+    assert rows == [["demo", "relevance", None, None, 0.5, None, None, None, None, None]]

@@ -219,6 +219,13 @@ def test_results_files_follow_the_schema_and_render_with_their_provenance(genera
                       rows=[[1]])
     with pytest.raises(ValueError, match="page"):
         write_results(tmp_path / "bad.json", page="elsewhere", title="t", command="c", columns=["a"], rows=[])
+    kept = write_results(tmp_path / "runs.json", page="performance", title="t", command="c", columns=["a"],
+                         rows=[[1]], runs=[{"seed": 0, "map": 0.987654}])
+    assert json.loads(kept.read_text())["runs"] == [{"seed": 0, "map": 0.987654}]  # kept, not rendered
+    assert "0.98" not in generate.results_table("runs.json", json.loads(kept.read_text()))
+    with pytest.raises(ValueError, match="runs"):
+        write_results(tmp_path / "bad.json", page="performance", title="t", command="c", columns=["a"], rows=[],
+                      runs=[[0, 0.5]])
 
 
 def test_demo_summary_becomes_the_readmes_glance_rows(generate):

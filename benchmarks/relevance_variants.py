@@ -1,0 +1,155 @@
+"""Variants of the classifier's gradient-weighted relevance (Chefer et al. 2021) against rollout and
+AttnLRP, on the ``make demo`` classifier and one trained on data the methods were not tuned on
+(``python -m benchmarks.relevance_variants``; not part of ``make test``).
+
+    python -m benchmarks.relevance_variants [--classification CKPT] [--heldout CKPT ROOT]
+        [--images 100] [--seed 0] [--json docs/results/explanations_relevance_variants.json]
+
+Each checkpoint is evaluated by ``eval.py``'s own code (:func:`benchmarks.explanations.evaluate`:
+the sanity check and ROAD on, ``--explain.faithfulness_images N``) with the methods below, which
+this module registers for the measurement only (they are not shipped):
+
+- ``relevance``: as shipped, every block;
+- ``relevance_from_block_K``: the blocks before block ``K`` (1-based) left out (``start_layer``);
+- ``relevance_smoothed``: the token map blurred by a 3 x 3 binomial kernel;
+- ``relevance_x_rollout``: its product with the rollout;
+- ``relevance_sqrt``: its square root (a monotone change: pointing, deletion, insertion and ROAD,
+  which read only the order of the patches, stay; energy, mIoU and SaCo, which read the values, move);
+- ``relevance_abs_grad``: ``|gradient| * attention`` instead of ``relu(gradient * attention)``.
+
+The default ``--classification`` is the newest ``runs/demo/*/classification/checkpoints/last.ckpt``;
+``--heldout`` a checkpoint of ``python -m benchmarks.classification_holdout strokes`` with its data
+root (the masks come from ``ROOT/annotations/instances_val.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from benchmarks.common import command_line, finite, quiet_logging
+from benchmarks.explanations import evaluate, newest_checkpoint
+from benchmarks.results_json import write_results
+
+log = logging.getLogger("benchmarks.relevance_variants")
+
+MEASURES = {"pointing": "pointing", "energy": "energy", "mIoU": "miou", "mask mAP": "map_mask",
+            "deletion AUC": "deletion_auc", "insertion AUC": "insertion_auc", "ROAD": "road", "SaCo": "saco"}
+"""Column -> metric key prefix (``<prefix>_<method>`` in ``metrics.json``)."""
+
+_BINOMIAL = torch.tensor([[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]]) / 16
+
+
+def _from_block(k: int):
+    def fn(x) -> Tensor:
+        from vision_attn.explain.rollout import gradient_relevance
+
+        start = min(k - 1, len(x.attentions) - 1)
+        return gradient_relevance(x.attentions, x.attention_grads, x.grid, x.num_prefix_tokens, x.token_index,
+                                  start, merges=x.merges)
+    return fn
+
+
+def _smoothed(x) -> Tensor:
+    from vision_attn.explain.methods import METHODS
+
+    maps = METHODS["relevance"].fn(x).float()
+    return F.conv2d(maps[:, None], _BINOMIAL[None, None].to(maps.device), padding=1)[:, 0]
+
+
+def _times_rollout(x) -> Tensor:
+    from vision_attn.explain.methods import METHODS
+
+    rollout = METHODS["rollout"].fn(x)
+    return METHODS["relevance"].fn(x) * rollout / rollout.amax(dim=(1, 2), keepdim=True).clamp(min=1e-12)
+
+
+def _sqrt(x) -> Tensor:
+    from vision_attn.explain.methods import METHODS
+
+    return METHODS["relevance"].fn(x).clamp(min=0).sqrt()
+
+
+def _abs_grad(x) -> Tensor:
+    from vision_attn.explain.rollout import gradient_relevance
+
+    return gradient_relevance(x.attentions, [g.abs() for g in x.attention_grads], x.grid, x.num_prefix_tokens,
+                              x.token_index, merges=x.merges)
+
+
+def variants(blocks: Sequence[int] = (2, 3, 4)) -> dict[str, object]:
+    """Variant name -> map function (``MethodInputs -> [B, h, w]``)."""
+    out: dict[str, object] = {f"relevance_from_block_{k}": _from_block(k) for k in blocks}
+    out.update(relevance_smoothed=_smoothed, relevance_x_rollout=_times_rollout, relevance_sqrt=_sqrt,
+               relevance_abs_grad=_abs_grad)
+    return out
+
+
+def register_variants() -> list[str]:
+    """Add :func:`variants` to the method registry; the methods measured, reference ones included."""
+    from vision_attn.explain.methods import register_method
+
+    for name, fn in variants().items():
+        register_method(name, needs=("attention", "attention_grad"), description=f"benchmark variant: {name}")(fn)
+    return ["relevance", *variants(), "rollout", "lrp", "random"]
+
+
+def rows_of(label: str, metrics: dict[str, float], methods: Sequence[str]) -> list[list]:
+    """One row per method: ``label``, the method, then :data:`MEASURES` (empty where not measured)."""
+    return [[label, m, *(finite(metrics.get(f"{key}_{m}"), 4) for key in MEASURES.values())] for m in methods]
+
+
+def main(argv: Sequence[str] | None = None) -> list[list]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--classification", default=None, help="default: the newest make demo classifier")
+    p.add_argument("--demo_dir", default="runs/demo")
+    p.add_argument("--heldout", nargs=2, metavar=("CKPT", "ROOT"), default=None)
+    p.add_argument("--images", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="the results file to write")
+    args = p.parse_args(argv)
+    quiet_logging()
+    demo = args.classification or newest_checkpoint(args.demo_dir, "classification")
+    if demo is None:
+        p.error(f"no {args.demo_dir}/*/classification/checkpoints/last.ckpt: run make demo or pass --classification")
+    methods = register_variants()
+    models = [("demo classifier", demo, None)]
+    if args.heldout:
+        models.append(("held out (strokes)", args.heldout[0], args.heldout[1]))
+    rows, t0 = [], time.perf_counter()
+    for label, ckpt, root in models:
+        with tempfile.TemporaryDirectory() as out:
+            metrics = evaluate("classification", ckpt, args.images, args.seed, Path(out), data_root=root,
+                               methods=methods)
+        rows += rows_of(label, metrics, methods)
+    header = ["model", "method", *MEASURES]
+    print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
+    for row in rows:
+        print("| " + " | ".join("–" if c is None else f"{c:.3f}" if isinstance(c, float) else str(c) for c in row)
+              + " |")
+    if args.json:
+        write_results(args.json, page="explanations",
+                      title="Variants of the classifier's relevance (Chefer et al. 2021) against rollout and AttnLRP",
+                      command=command_line("benchmarks.relevance_variants", argv),
+                      columns=["model", "method", *({"name": c, "format": ".3f"} for c in MEASURES)], rows=rows,
+                      description=f"{args.images} validation images per model (seed {args.seed}), measured by "
+                                  "`eval.py`'s code. mIoU and mask mAP: the map against the object's mask as Chefer "
+                                  "et al. (2021) score it (thresholded at its mean; average precision). None of the "
+                                  "variants ships: the shipped `relevance` is the first row of each model.",
+                      notes=[f"{time.perf_counter() - t0:.0f} s in all"])
+    return rows
+
+
+if __name__ == "__main__":
+    main()
