@@ -216,6 +216,8 @@ def write_table(path: str, work: Path, scenes: str) -> None:
     kept = [r for r in known_runs(path) if r["scenes"] == scenes
             and ("seeds" in r or (r["variant"], r["size"], r["seed"], r["scenes"]) not in ids)]
     runs = kept + fresh
+    total = sum(len(r.get("seeds", [None])) for r in runs)
+    non_finite = sum(int(r["non_finite"]) for r in runs)
     write_results(path, page="detection", title=f"The detection recipe's small-data options one at a time ({scenes} "
                   "scenes, 96 px, 300 validation images, 40 epochs)",
                   command=command_line("benchmarks.small_data_ablation", ["--scenes", scenes, "--results", path]),
@@ -226,7 +228,8 @@ def write_table(path: str, work: Path, scenes: str) -> None:
                          "the seeds, empty when a seed never reached it",
                          "non-finite runs: runs whose training loss was NaN or infinite at some step",
                          "CPU: the processor the row's runs trained on; runs of one variant and size on different "
-                         "machines are separate rows, since their seconds do not compare"])
+                         "machines are separate rows, since their seconds do not compare",
+                         f"{total} runs in all, {non_finite} of them with a non-finite training loss"])
 
 
 if __name__ == "__main__":
