@@ -133,12 +133,13 @@ def _aggregate(runs: list[dict]) -> dict:
     runs = sorted(runs, key=lambda r: r["seed"])
     maps = [r["map"] for r in runs]
     epochs = [r["epochs_to"] for r in runs]
+    median = None if None in epochs else statistics.median(epochs)
     return {"variant": runs[0]["variant"], "size": runs[0]["size"], "scenes": runs[0]["scenes"],
             "seeds": [r["seed"] for r in runs], "map": statistics.fmean(maps),
             "map_sd": statistics.stdev(maps) if len(maps) > 1 else None,
             "map_50": statistics.fmean(r["map_50"] for r in runs),
             "map_75": statistics.fmean(r["map_75"] for r in runs),
-            "epochs_to": None if None in epochs else statistics.median(epochs),
+            "epochs_to": int(median) if median is not None and float(median).is_integer() else median,
             "train_seconds": statistics.fmean(r["train_seconds"] for r in runs),
             "non_finite": sum(bool(r["non_finite"]) for r in runs), "cpu": runs[0]["cpu"]}
 
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                          result["train_seconds"])
                 if args.results:
                     write_table(args.results, work, args.scenes)
+    if args.results:  # also when every run was measured before: the table as this code renders it
+        write_table(args.results, work, args.scenes)
     return 0
 
 

@@ -745,6 +745,7 @@ def test_small_data_ablation_adds_to_the_runs_of_its_results_file(tmp_path, monk
     shipped = ablation.VARIANTS["shipped"][0]
     assert cells == [(ablation.VARIANTS["base"][0], "0", 0, "cpu A"), (shipped, "0, 1, 2", 0, "cpu A"),
                      (shipped, "3, 4", 1, "cpu B")]
+    assert isinstance(table["rows"][-1][7], int)  # the median of 10 and 10 epochs: 10, not 10.0
     assert len(table["runs"]) == 4 and table["notes"][-1] == "6 runs in all, 1 of them with a non-finite training loss"
     ablation.write_table(str(path), work, "digits")  # written again: nothing doubled
     assert len(json.loads(path.read_text())["runs"]) == 4
