@@ -37,6 +37,7 @@ import json
 import logging
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import command_line, finite
@@ -106,7 +107,7 @@ def _measured(known: list[dict], variant: str, size: int, seed: int, scenes: str
     return None
 
 
-def one_run(variant: str, size: int, seed: int, args, work: Path, known: list[dict] = ()) -> dict | None:
+def one_run(variant: str, size: int, seed: int, args, work: Path, known: Sequence[dict] = ()) -> dict | None:
     """Run one cell of the grid and return its :func:`record`; ``None`` when ``known`` (the runs of
     the results file) already holds it; the record of an earlier run kept under ``WORK/ablation``."""
     cached = work / "ablation" / f"{variant}-{size}-seed{seed}.json"
@@ -216,8 +217,12 @@ def write_table(path: str, work: Path, scenes: str) -> None:
     fresh = [record(json.loads(f.read_text(encoding="utf-8"))) for f in sorted((work / "ablation").glob("*.json"))]
     fresh = [r for r in fresh if r["scenes"] == scenes]
     ids = {(r["variant"], r["size"], r["seed"], r["scenes"]) for r in fresh}
-    kept = [r for r in known_runs(path) if r["scenes"] == scenes
-            and ("seeds" in r or (r["variant"], r["size"], r["seed"], r["scenes"]) not in ids)]
+    known = known_runs(path)
+    other = sorted({r["scenes"] for r in known} - {scenes})
+    if other:
+        raise ValueError(f"{path} holds runs of the {', '.join(other)} scenes, not {scenes}: write the {scenes} "
+                         "table to a results file of its own")
+    kept = [r for r in known if "seeds" in r or (r["variant"], r["size"], r["seed"], r["scenes"]) not in ids]
     runs = kept + fresh
     total = sum(len(r.get("seeds", [None])) for r in runs)
     non_finite = sum(int(r["non_finite"]) for r in runs)

@@ -749,6 +749,9 @@ def test_small_data_ablation_adds_to_the_runs_of_its_results_file(tmp_path, monk
     assert len(table["runs"]) == 4 and table["notes"][-1] == "6 runs in all, 1 of them with a non-finite training loss"
     ablation.write_table(str(path), work, "digits")  # written again: nothing doubled
     assert len(json.loads(path.read_text())["runs"]) == 4
+    with pytest.raises(ValueError, match="digits scenes, not strokes"):  # the digits runs would be lost
+        ablation.write_table(str(path), work, "strokes")
+    assert len(json.loads(path.read_text())["runs"]) == 4
 
 
 def test_relevance_variants_reduce_to_relevance_where_they_should(monkeypatch):
