@@ -247,6 +247,25 @@ def test_lrp_method_through_explain_classifier(name, head):
         torch.testing.assert_close(single.maps["lrp"][0], maps[i], rtol=1e-6, atol=1e-6)
 
 
+def test_lrp_runs_once_per_batch_when_lrp_attention_reuses_it(monkeypatch):
+    from vision_attn.explain import methods
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return lrp_relevance(*args, **kwargs)
+
+    monkeypatch.setattr(methods, "lrp_relevance", counted)
+    task, images = _task(), _images(2)
+    both = explain_classifier(task, images, ["lrp", "lrp_attention", "attention"])
+    assert len(calls) == 1
+    alone = explain_classifier(task, images, ["lrp_attention", "attention"], target=both.target)
+    assert len(calls) == 2  # a new batch: computed again
+    torch.testing.assert_close(both.maps["lrp_attention"], alone.maps["lrp_attention"])
+    torch.testing.assert_close(both.maps["lrp"], normalize_maps(lrp_relevance(task, images, both.target).maps.float()))
+
+
 def _state(task):
     hooks = {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in task.named_modules()}
     flags = {name: m.fused_attn for name, m in task.named_modules() if hasattr(m, "fused_attn")}

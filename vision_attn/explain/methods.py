@@ -74,23 +74,9 @@ from vision_attn.explain.targets import (
 from vision_attn.models.merging import merge_log
 
 __all__ = [
-    "METHODS",
-    "TOKENS",
-    "Explanation",
-    "MethodInputs",
-    "MethodSpec",
-    "Need",
-    "Token",
-    "applicable_methods",
-    "check_methods",
-    "explain_classifier",
-    "explained_token",
-    "faithful_methods",
-    "faithfulness",
-    "register_method",
-    "resolve_target_class",
-    "resolve_token",
-    "skip_inapplicable",
+    "METHODS", "TOKENS", "Explanation", "MethodInputs", "MethodSpec", "Need", "Token", "applicable_methods",
+    "check_methods", "explain_classifier", "explained_token", "faithful_methods", "faithfulness", "register_method",
+    "resolve_target_class", "resolve_token", "skip_inapplicable",
 ]
 
 log = logging.getLogger(__name__)
@@ -127,6 +113,7 @@ class MethodInputs:
             passes through it (``lrp``).
         merges: for a token-merged encoder (:func:`vision_attn.merge_tokens`), per block the
             token maps after its attention (:func:`vision_attn.models.merging.merge_log`); ``None`` otherwise.
+        shared: maps of one method that another reuses in the batch (``lrp`` in ``lrp_attention``).
     """
 
     images: Tensor
@@ -146,6 +133,7 @@ class MethodInputs:
     generator: torch.Generator | None = None
     task: object | None = None
     merges: list | None = None
+    shared: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -259,7 +247,9 @@ def _lrp_applies(model) -> str | None:
 def _lrp(x: MethodInputs) -> Tensor:
     """AttnLRP relevance of the pixels summed per patch (:mod:`vision_attn.explain.lrp`); its own
     forward and backward pass with the LRP rules, explaining the logit (``token`` plays no role)."""
-    return lrp_relevance(x.task, x.images, x.target).maps
+    if "lrp" not in x.shared:
+        x.shared["lrp"] = lrp_relevance(x.task, x.images, x.target).maps
+    return x.shared["lrp"]
 
 
 @register_method("lrp_attention", needs=("attention",), applies=_lrp_applies,
