@@ -43,7 +43,7 @@ def assert_pinned(got: dict, expected: dict) -> None:
     assert all(0.0 <= v <= 1.0 for v in masks.values())
     got = {k: v for k, v in got.items() if k not in masks}
     assert list(got) == list(expected)
-    assert got == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-6)  # float32 kernels differ slightly between CPUs
 
 
 # ---------------------------------------------------------------------------- localisation
