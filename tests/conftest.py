@@ -85,9 +85,13 @@ def tiny_encoder():
     return create_encoder("vit_tiny_patch16_224", **TINY_VIT).eval()
 
 
-# Files whose tests take minutes go first, so that under ``make test``'s two workers
-# (``--dist loadfile``) they start at once and the rest of the suite runs beside them.
-_SLOW_FILES = ("test_distributed.py", "test_notebooks.py")
+# The files whose tests take longest go first, longest first, so that under ``make test``'s two
+# workers (``--dist loadfile``) the slow ones run beside the rest and the suite ends on short
+# files, with neither worker left waiting for the other (``--durations`` lists the slowest).
+_SLOW_FILES = ("test_distributed.py", "test_benchmarks.py", "test_notebooks.py", "test_security_fuzz.py",
+               "test_cli.py", "test_predict.py", "test_tutorials.py", "test_captioning_task.py",
+               "test_reliability.py", "test_classification.py", "test_security.py", "test_export.py",
+               "test_caption_metrics.py", "test_pyramid.py", "test_report.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,9 +1,10 @@
 """Distributed runs on CPU (2 processes, gloo) give the answers of one process.
 
 Each task: a 2-process DDP ``train.py`` run (tiny settings), then ``eval.py`` of its checkpoint
-on 1 and on 2 processes over a validation split whose size is odd (not divisible by the
-process count): metrics equal, predictions equal, and equal to the validation metrics the
-2-process training logged; outputs written once, by rank 0; resuming continues the step count.
+on 1 process (called in the test's own process) and on 2 processes over a validation split whose
+size is odd (not divisible by the process count): metrics equal, predictions equal, and equal to
+the validation metrics the 2-process training logged; outputs written once, by rank 0; resuming
+continues the step count, on 2 processes and then on 1.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from vision_attn.commands.evaluate import eval_main
+from vision_attn.commands.train import train_main
 from vision_attn.data.loading import UnpaddedDistributedSampler
 
 from .conftest import REPO
 
 DDP = ["--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.enable_progress_bar", "false"]
+ONE = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.enable_progress_bar", "false"]
 ENC = "--model.init_args.encoder.init_args."
 
 
@@ -141,9 +145,17 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
     results = {}
     for n in (1, 2):
         out = tmp_path / f"eval{n}"
-        _run([str(REPO / "eval.py"), *common, *DDP, "--trainer.devices", str(n), "--ckpt_path", str(ckpt),
-              "--output_dir", str(out), "--explain.num_overlays", "3", "--explain.mistakes", "0", *eval_only],
-             tmp_path)
+        args = [*common, "--ckpt_path", str(ckpt), "--output_dir", str(out), "--explain.num_overlays", "3",
+                "--explain.mistakes", "0", *eval_only]
+        if n == 1:  # one process, as a user without DDP runs it: in this process (no start-up to pay)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # as the subprocesses (OMP_NUM_THREADS=1): the same sums, bit for bit
+            try:
+                eval_main([*args, *ONE])
+            finally:
+                torch.set_num_threads(threads)
+        else:
+            _run([str(REPO / "eval.py"), *args, *DDP, "--trainer.devices", "2"], tmp_path)
         files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
         browser = ["mistakes.html"]  # every mistake, with its map
         assert [f for f in files if not f.startswith("overlays/")] == sorted(
@@ -196,15 +208,14 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     assert state["lr_schedulers"][0]["last_epoch"] == steps * 3 // 2
     assert state["optimizer_states"][0]["state"]  # Adam moments carried over
-    _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "1", "--trainer.max_epochs", "4",
-          "--trainer.default_root_dir", str(run), "--ckpt_path", "last"], tmp_path)
+    train_main([*common, *ONE, "--trainer.max_epochs", "4", "--trainer.default_root_dir", str(run),
+                "--ckpt_path", "last"])
     assert _step(ckpt) > steps * 3 // 2  # one process: twice the steps per epoch from here on
     assert (run / "config.resume-1.yaml").is_file()
 
 
 def test_bf16_trainer_config_composes_and_trains(tmp_path):
     """``--config configs/trainer/bf16.yaml`` on top of a task config (CPU autocast here)."""
-    from vision_attn.commands.train import train_main
     from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
 
     root = ensure_shapes_classification(ShapesConfig(image_size=32, num_train=32, num_val=8, seed=5), tmp_path / "data")
