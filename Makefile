@@ -4,9 +4,13 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 # make demo installs the package and its runtime dependencies only; make test adds the test
 # extras (pytest, ONNX, the notebook kernel, the caption toolkit, the browser driver) in one go.
-# The editable install leaves the package's own modules uncompiled, and with
-# PYTHONDONTWRITEBYTECODE set (as in many containers) every process would compile them
-# again: compileall writes the .pyc files once (about 0.4 s off each command's start-up).
+# pip would byte-compile the installed packages one file at a time (tens of thousands of files with
+# torch); it is told not to, and compileall writes the .pyc files of the environment and of the
+# package's own modules (which an editable install leaves uncompiled) on every core. With
+# PYTHONDONTWRITEBYTECODE set (as in many containers) every process would otherwise compile the
+# modules it imports again. Like pip, compileall skips a file that does not compile (some packages
+# ship sources of other Python versions as test data).
+COMPILE = $(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') vision_attn benchmarks >/dev/null || true
 STAMP   = $(VENV)/.installed
 DEV     = $(VENV)/.installed-dev
 DEMO_DIR ?= runs/demo
@@ -17,18 +21,18 @@ export VISION_ATTN_DATA ?= $(CURDIR)/.data
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e .
-	$(PY) -m compileall -q vision_attn benchmarks >/dev/null
+	$(PY) -m pip install --quiet --no-compile -e .
+	$(COMPILE)
 	touch $(STAMP)
 
 $(DEV): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
 	# tidecv: the reference of the TIDE tests; without its dependencies (it asks for opencv-python,
 	# which would shadow opencv-python-headless); the ones it imports are in the dev extra
-	$(PY) -m pip install --quiet --no-deps 'tidecv==1.0.1'
-	$(PY) -m compileall -q vision_attn benchmarks >/dev/null
+	$(PY) -m pip install --quiet --no-compile --no-deps 'tidecv==1.0.1'
+	$(COMPILE)
 	touch $(STAMP) $(DEV)
 
 install: $(STAMP)
