@@ -50,6 +50,7 @@ bench: $(DEV)
 	$(PY) -m benchmarks.suite --json docs/results/performance_suite.json
 	$(PY) -m benchmarks.streaming --json docs/results/performance_streaming.json
 	$(PY) -m benchmarks.merging --repeats 5 --json docs/results/performance_merging.json
+	$(PY) -m benchmarks.cpu_paths --json docs/results/performance_cpu.json
 	$(PY) -m benchmarks.predict_loop --json docs/results/performance_predict_loop.json
 	$(PY) -m benchmarks.gpu --json docs/results/performance_gpu.json
 	$(PY) -m benchmarks.startup --repeats 5 --json docs/results/performance_startup.json

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -129,41 +130,56 @@ def one_run(variant: str, size: int, seed: int, args, work: Path, known: Sequenc
     return record(result)
 
 
-def _aggregate(runs: list[dict]) -> dict:
-    """One cell's seeds (run records of one variant, size and CPU) as the row's numbers."""
-    runs = sorted(runs, key=lambda r: r["seed"])
-    maps = [r["map"] for r in runs]
-    epochs = [r["epochs_to"] for r in runs]
+def _pool(records: list[dict]) -> dict:
+    """One variant and size: its records (single runs, or aggregates of several seeds written by an
+    earlier version of this table, with ``seeds``, the mean ``map`` and its ``map_sd``) pooled
+    into the row's numbers. The mean and standard deviation of map are exact (an aggregate enters
+    through its seed count, mean and deviation); the epochs to map_50 0.80 are the median over the
+    seeds, an aggregate counting its own median once per seed (exact when it holds one seed); the
+    training seconds are averaged per CPU, since seconds of different machines do not compare."""
+    parts = []
+    for r in records:
+        seeds = list(r["seeds"]) if "seeds" in r else [r["seed"]]
+        sd = r.get("map_sd") or 0.0
+        parts.append({"r": r, "n": len(seeds), "seeds": seeds, "sd": sd})
+    n = sum(p["n"] for p in parts)
+    mean = sum(p["n"] * p["r"]["map"] for p in parts) / n
+    squares = sum((p["n"] - 1) * p["sd"] ** 2 + p["n"] * p["r"]["map"] ** 2 for p in parts)
+    sd = math.sqrt(max(0.0, squares - n * mean**2) / (n - 1)) if n > 1 else None
+    epochs = [p["r"]["epochs_to"] for p in parts for _ in range(p["n"])]
     median = None if None in epochs else statistics.median(epochs)
-    return {"variant": runs[0]["variant"], "size": runs[0]["size"], "scenes": runs[0]["scenes"],
-            "seeds": [r["seed"] for r in runs], "map": statistics.fmean(maps),
-            "map_sd": statistics.stdev(maps) if len(maps) > 1 else None,
-            "map_50": statistics.fmean(r["map_50"] for r in runs),
-            "map_75": statistics.fmean(r["map_75"] for r in runs),
+    seconds: dict[str, list[float]] = {}
+    for p in parts:
+        seconds.setdefault(p["r"]["cpu"], []).extend([p["r"]["train_seconds"]] * p["n"])
+    first = records[0]
+    return {"variant": first["variant"], "size": first["size"], "scenes": first["scenes"],
+            "seeds": sorted(s for p in parts for s in p["seeds"]), "map": mean, "map_sd": sd,
+            "map_50": sum(p["n"] * p["r"]["map_50"] for p in parts) / n,
+            "map_75": sum(p["n"] * p["r"]["map_75"] for p in parts) / n,
             "epochs_to": int(median) if median is not None and float(median).is_integer() else median,
-            "train_seconds": statistics.fmean(r["train_seconds"] for r in runs),
-            "non_finite": sum(bool(r["non_finite"]) for r in runs), "cpu": runs[0]["cpu"]}
+            "train_seconds": {cpu: statistics.fmean(v) for cpu, v in sorted(seconds.items())},
+            "non_finite": sum(int(p["r"]["non_finite"]) for p in parts)}
 
 
 def table_rows(records: list[dict]) -> list[list]:
-    """One row per variant, size and CPU, in :data:`VARIANTS`' order, then by size: the runs of a
-    cell on one machine aggregated (mean and standard deviation of map, means of map_50, map_75 and
-    the training seconds, the median epochs to map_50 0.80, the non-finite runs); a record that is
-    already an aggregate (``seeds`` instead of ``seed``) is a row of its own. Seconds of different
-    machines stay in different rows: they do not compare."""
+    """One row per variant and size, in :data:`VARIANTS`' order, then by size: every seed's run
+    pooled (:func:`_pool`: mean and standard deviation of map, means of map_50 and map_75, the
+    median epochs to map_50 0.80, the non-finite runs); the training seconds and the CPU per
+    machine, ``a / b`` in the same order when the seeds ran on several."""
     groups: dict[tuple, list[dict]] = {}
-    cells = []
     for r in records:
-        if "seeds" in r:
-            cells.append(r)
-        else:
-            groups.setdefault((r["variant"], r["size"], r["cpu"]), []).append(r)
-    cells += [_aggregate(g) for g in groups.values()]
-    cells.sort(key=lambda c: (list(VARIANTS).index(c["variant"]), c["size"], min(c["seeds"]), c["cpu"]))
-    return [[VARIANTS[c["variant"]][0], c["size"], ", ".join(str(s) for s in c["seeds"]), finite(c["map"], 4),
-             finite(c["map_sd"], 4) if c["map_sd"] is not None else None, finite(c["map_50"], 4),
-             finite(c["map_75"], 4), c["epochs_to"], round(c["train_seconds"], 1), c["non_finite"], c["cpu"],
-             " ".join(VARIANTS[c["variant"]][1]) or "none"] for c in cells]
+        groups.setdefault((r["variant"], r["size"]), []).append(r)
+    cells = sorted((_pool(g) for g in groups.values()), key=lambda c: (list(VARIANTS).index(c["variant"]), c["size"]))
+    rows = []
+    for c in cells:
+        seconds = c["train_seconds"]
+        per_cpu = (round(next(iter(seconds.values())), 1) if len(seconds) == 1
+                   else " / ".join(f"{v:.0f}" for v in seconds.values()))
+        rows.append([VARIANTS[c["variant"]][0], c["size"], ", ".join(str(s) for s in c["seeds"]), finite(c["map"], 4),
+                     finite(c["map_sd"], 4) if c["map_sd"] is not None else None, finite(c["map_50"], 4),
+                     finite(c["map_75"], 4), c["epochs_to"], per_cpu, c["non_finite"], " / ".join(seconds),
+                     " ".join(VARIANTS[c["variant"]][1]) or "none"])
+    return rows
 
 
 COLUMNS = ["variant", "train images", "seeds", {"name": "map", "format": ".3f"}, {"name": "map sd", "format": ".3f"},
@@ -235,8 +251,8 @@ def write_table(path: str, work: Path, scenes: str) -> None:
                          "map sd: the standard deviation over the seeds; epochs to map_50 0.80: the median over "
                          "the seeds, empty when a seed never reached it",
                          "non-finite runs: runs whose training loss was NaN or infinite at some step",
-                         "CPU: the processor the row's runs trained on; runs of one variant and size on different "
-                         "machines are separate rows, since their seconds do not compare",
+                         "CPU: the processors the row's seeds trained on; train s: the mean training seconds on "
+                         "each, in the same order (a / b): seconds of different machines do not compare",
                          f"{total} runs in all, {non_finite} of them with a non-finite training loss"])
 
 

@@ -54,6 +54,55 @@ def test_benchmark_suite_runs_tiny_and_reports_every_pair(tmp_path):
     assert [row[0] for row in data["rows"]] == pairs and all(isinstance(row[3], bool) for row in data["rows"])
 
 
+def test_cpu_paths_switches_really_switch(monkeypatch):
+    """Each side of a row runs what it names: the explicit path never calls the fused kernel and
+    the fused side always does; PyTorch's defaults hand the stem's first convolution a plain
+    (not channels-last) tensor."""
+    import torch.nn.functional as F
+
+    import benchmarks.cpu_paths as cp
+
+    calls = []
+    fused = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    attend = cp.attention_call(2, 2, 12, 12, 8)  # short: the suite's own choice is the explicit path
+    for explicit, expected in ((True, 0), (False, 1)):
+        calls.clear()
+        with cp.attention_path(explicit):
+            attend()
+        assert len(calls) == expected
+    calls.clear()
+    attend()
+    assert calls == []  # restored on exit: the shipped choice again
+    enc = cp.create_encoder("vit_tiny_patch16_224", **dict(cp.CAPTIONER_ENCODER, img_size=32, embed_dim=32, depth=1,
+                                                            num_heads=2))
+    stem = next(m for m in enc.modules() if isinstance(m, cp.ConvStem))
+    layouts = []
+    stem.layers[0].register_forward_pre_hook(
+        lambda m, args: layouts.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    x = torch.randn(2, 3, 32, 32)
+    stem(x)
+    with cp.pytorch_defaults():
+        stem(x)
+    stem(x)
+    assert layouts == [True, False, True]
+
+
+def test_cpu_paths_table_runs_tiny(tmp_path):
+    from benchmarks.cpu_paths import ATTENTION_SHAPES, run, write_json
+
+    result = run(quick=True, compile_encoder=False)
+    changes = [r["change"] for r in result["rows"]]
+    assert len(changes) == len(set(changes)) == len(ATTENTION_SHAPES) + 13
+    for r in result["rows"]:
+        assert r["with"] > 0 and r["without"] > 0 and r["ratio"] == pytest.approx(r["with"] / r["without"])
+    command = "python -m benchmarks.cpu_paths --json docs/results/performance_cpu.json"
+    data = results_file(write_json(tmp_path / "cpu.json", result, command),
+                        ["change", "unit", "with", "without", "with / without", "used"])
+    assert data["page"] == "performance" and [row[0] for row in data["rows"]] == changes
+    assert data["machine"]["cpu"] and data["machine"]["cpu"] != "not recorded"
+
+
 def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     """``python -m benchmarks.explanations`` on a classifier, a detector and a captioner trained
     here for one or two epochs: one table with a row per task and method, the metrics of
@@ -705,7 +754,8 @@ def test_small_data_ablation_variants_add_one_option_and_rows_aggregate_the_seed
 
 def test_small_data_ablation_adds_to_the_runs_of_its_results_file(tmp_path, monkeypatch):
     """A results file written in another checkout (no run folders left) keeps its runs: they are
-    not run again, new seeds add rows, and seconds of another CPU stay in a row of their own."""
+    not run again, new seeds join their variant's row (map pooled exactly with the earlier
+    seeds' mean and deviation), and the seconds of each CPU stay apart."""
     import argparse
 
     from benchmarks import small_data_ablation as ablation
@@ -741,11 +791,15 @@ def test_small_data_ablation_adds_to_the_runs_of_its_results_file(tmp_path, monk
     assert [r["cpu"] for r in fresh] == ["cpu B", "cpu B"] and [r["non_finite"] for r in fresh] == [False, True]
     ablation.write_table(str(path), work, "digits")
     table = json.loads(path.read_text())
-    cells = [(r[0], r[2], r[9], r[10]) for r in table["rows"]]
+    cells = [(r[0], r[2], r[8], r[9], r[10]) for r in table["rows"]]
     shipped = ablation.VARIANTS["shipped"][0]
-    assert cells == [(ablation.VARIANTS["base"][0], "0", 0, "cpu A"), (shipped, "0, 1, 2", 0, "cpu A"),
-                     (shipped, "3, 4", 1, "cpu B")]
-    assert isinstance(table["rows"][-1][7], int)  # the median of 10 and 10 epochs: 10, not 10.0
+    assert cells == [(ablation.VARIANTS["base"][0], "0", 100.0, 0, "cpu A"),
+                     (shipped, "0, 1, 2, 3, 4", "400 / 500", 1, "cpu A / cpu B")]
+    maps = [0.8 - 0.01, 0.8, 0.8 + 0.01, 0.9, 0.9]  # three seeds of mean 0.8 and deviation 0.01, then two of 0.9
+    row = table["rows"][-1]
+    assert row[3] == pytest.approx(sum(maps) / 5, abs=1e-4) and row[4] == pytest.approx(np.std(maps, ddof=1), abs=1e-4)
+    assert row[5] == pytest.approx((3 * 0.99 + 2 * 1.0) / 5, abs=1e-4)
+    assert row[7] == 15 and isinstance(row[7], int)  # median of 15, 15, 15, 10, 10: 15, not 15.0
     assert len(table["runs"]) == 4 and table["notes"][-1] == "6 runs in all, 1 of them with a non-finite training loss"
     ablation.write_table(str(path), work, "digits")  # written again: nothing doubled
     assert len(json.loads(path.read_text())["runs"]) == 4

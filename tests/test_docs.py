@@ -101,6 +101,35 @@ def test_no_words_about_how_the_project_was_developed_in_the_code():
     assert not found, "the code speaks of the software, not of its development:\n" + "\n".join(found[:40])
 
 
+README_SECTION = re.compile(r"""README(?:'s)?,?\s+\\?["“]([^"”\\]+)\\?["”]""")
+"""A mention of a README section by its title: ``README "Quickstart"``, ``the README's "Results at a glance"``."""
+
+
+def test_every_readme_section_and_page_named_anywhere_exists():
+    """A docstring, comment, page or notebook that sends the reader to a README section names one
+    the README has (its sections are few: anything longer lives in the documentation site), and
+    one that names a documentation page by its path (``docs/results/detection.md``) names a page
+    that exists."""
+    headings = {m.group(1).strip().lower() for m in re.finditer(r"^#+\s+(.+)$", (REPO / "README.md").read_text(
+        encoding="utf-8"), re.MULTILINE)}
+    files = _prose_files()
+    for name in CODE:
+        path = REPO / name
+        files += [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".py", ".md", ".yaml"))
+    missing = []
+    for file in files:
+        if file == Path(__file__) or "__pycache__" in file.parts:
+            continue
+        text = file.read_text(encoding="utf-8", errors="replace")
+        for m in README_SECTION.finditer(text):
+            if m.group(1).strip().lower() not in headings:
+                missing.append(f"{file.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}")
+        for m in re.finditer(r"(?<![\w/.])docs/[\w/.-]+\.md\b", text):  # a page named by its path
+            if not (REPO / m.group(0)).is_file():
+                missing.append(f"{file.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}")
+    assert not missing, "README sections or documentation pages that do not exist:\n" + "\n".join(missing)
+
+
 def test_readme_is_the_front_door():
     lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move the details into docs/"

@@ -24,8 +24,11 @@ Whenever the attention weights are not needed the fused kernel
 materialising the ``T x T`` weights; set ``need_weights=True`` (or turn the module's
 ``fused_attn`` flag off, as :func:`vision_attn.capture_attention` does) for the explicit path.
 One exception, for speed: on the CPU, short sequences (at least :data:`EXPLICIT_MIN_QUERIES`
-queries, at most :data:`EXPLICIT_MAX_SCORES` scores per head) take the explicit path, which is
-faster there (:func:`explicit_is_faster`).
+queries, at most :data:`EXPLICIT_MAX_SCORES` scores per head) take the explicit path
+(:func:`explicit_is_faster`), which is faster there on some processors and not on others
+(``python -m benchmarks.cpu_paths`` times both on yours; the performance results page lists
+the processors measured). ``vision_attn.attention.EXPLICIT_MAX_SCORES = 0`` sends every call to
+the fused kernel.
 """
 
 from __future__ import annotations
@@ -50,13 +53,12 @@ __all__ = [
     "scaled_dot_product_attention",
 ]
 
-# On the CPU, the explicit path (matmul, softmax, matmul) is faster than PyTorch's fused kernel
+# On some CPUs the explicit path (matmul, softmax, matmul) is faster than PyTorch's fused kernel
 # for attention of at least EXPLICIT_MIN_QUERIES queries with at most EXPLICIT_MAX_SCORES scores
-# per head. Forward + backward, 2 threads, fused vs explicit us: 64 x 64 tokens (batch 16, 4
-# heads of 32) 4302 vs 3074, 30 x 30 (batch 24, 8 heads) 3965 vs 2335, 12 queries x 64 keys 723
-# vs 651; inference 1039 vs 631 and 1326 vs 680. Longer sequences favour the fused kernel
-# (256 x 256: 21.8 vs 31.7 ms; 197 x 197 about even), and so does one query at a time
-# (incremental decoding: 1 x 64, batch 3: 26 vs 49 us). README "Performance".
+# per head (64 x 64 or 30 x 30 tokens, forward + backward), on others slower; longer sequences
+# (256 x 256) and one query at a time (incremental decoding) favour the fused kernel everywhere
+# measured. `python -m benchmarks.cpu_paths` times both paths at these sizes
+# (docs/results/performance.md).
 EXPLICIT_MAX_SCORES = 128 * 128
 EXPLICIT_MIN_QUERIES = 8
 

@@ -460,8 +460,9 @@ class SquareDetectionTransform:
     image converted to float and normalised. The same operations and kernels as torchvision's v2
     pipeline of ``RandomHorizontalFlip``, ``RandomResizedCrop`` (or ``Resize``),
     ``ClampBoundingBoxes``, ``SanitizeBoundingBoxes``, ``ToDtype`` and ``Normalize`` (tested equal
-    for the same draws), called on plain tensors: the pipeline's per-transform dispatch cost
-    about three times the work itself on small images (README "Detection").
+    for the same draws), called on plain tensors: on small images the pipeline's per-transform
+    dispatch is a large part of its time (``python -m benchmarks.cpu_paths``,
+    docs/results/performance.md).
 
     Called as ``transform(image, boxes, labels)`` with a ``uint8 [3, H, W]`` image and ``XYXY``
     pixel boxes; returns the same three (boxes as ``tv_tensors.BoundingBoxes``).

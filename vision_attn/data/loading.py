@@ -259,9 +259,8 @@ def resolve_num_workers(num_workers: int | str) -> int:
     cores left after two for each training process (its own compute threads), shared among this
     machine's training processes, at most :data:`MAX_AUTO_WORKERS`. So ``auto`` is 0 on a 2-core
     machine — where the loader processes competed with the training step for the same cores (the
-    small classification recipe on 1.3k images: 108 s with 2 workers, 91 s with 1, 80 s with 0,
-    README "From-scratch recipes for small datasets") — 2 on 4 cores and 8 on a 16-core machine
-    with one GPU.
+    small classification recipe on 1.3k images: 108 s with 2 workers, 91 s with 1, 80 s with 0) —
+    2 on 4 cores and 8 on a 16-core machine with one GPU.
     """
     check_num_workers(num_workers)
     if num_workers != "auto":

@@ -127,7 +127,7 @@ and the explanation time short, enough to see a pattern."""
 DEFAULT_METHODS: tuple[str, ...] = ("relevance", "rollout", "attention")
 """The classifier's methods when ``--explain.methods`` is not given, ``relevance`` first: on the
 trained demo classifier it points like raw attention (0.99), puts the most mass on the object
-(energy 0.79) and deletes faster than rollout and attention (README "Against ground truth")."""
+(energy 0.79) and deletes faster than rollout and attention (docs/results/explanations.md)."""
 
 
 @dataclass

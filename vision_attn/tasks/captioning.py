@@ -102,8 +102,8 @@ class CaptioningTask(CaptionSelfCritical, CaptionEvaluation, VisionTask):
             (:class:`~vision_attn.models.captioner.DecoderConfig`; ``--model.decoder.hidden_dim``
             etc.). ``embedding_memory``: the decoder also reads the stem's patch embeddings, so
             low-level evidence (an object's colour) reaches the words even where the encoder's
-            output tokens are dominated by what the grounding loss asks for (README "Captioning":
-            it stops the colour collapse of the grounded recipe's bad draws). ``pixel_memory``:
+            output tokens are dominated by what the grounding loss asks for (it stops the colour
+            collapse of the grounded recipe's bad draws, docs/results/captioning.md). ``pixel_memory``:
             each patch's own pixels too — with a fast-learning encoder (``optim.encoder_lr``) the
             stem's embeddings lost the colours on some seeds. Both off by default; a checkpoint
             remembers them.

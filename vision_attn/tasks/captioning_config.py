@@ -60,7 +60,7 @@ class CaptionTraining:
             token predicts the category of the smallest box holding the patch's centre, or
             background (cross-entropy, background weighted
             :data:`~vision_attn.tasks.captioning_losses.GROUNDING_BACKGROUND_WEIGHT`). Captions alone
-            teach a from-scratch encoder the objects' kinds slowly (README "Captioning"); 0 = off.
+            teach a from-scratch encoder the objects' kinds slowly (docs/results/captioning.md); 0 = off.
             Without an instances file the captions alone are used (logged). Generation and the
             explanations do not use the head.
         grounding_balance: weigh every object alike in the grounding loss, whatever its size (its

@@ -84,9 +84,9 @@ class Optimization:
         ema_start_step: optimizer steps before the averaging starts; until then the average is
             the weights themselves.
         fused: use torch's fused AdamW kernel (one kernel over all parameters, CPU or GPU)
-            instead of its per-parameter loop. The same update up to rounding; on the small
-            detector of ``configs/detection/shapes.yaml`` the optimizer step took 8.5 instead of
-            13.1 ms on a CPU, a whole training step 70-90 ms either way (README "Detection").
+            instead of its per-parameter loop. The same update up to rounding; several times faster
+            on the CPU for the small detector of ``configs/detection/shapes.yaml``
+            (``python -m benchmarks.cpu_paths``, docs/results/performance.md).
             Only for the default AdamW (a ``--optimizer`` class takes its own ``fused`` argument,
             if any).
     """
