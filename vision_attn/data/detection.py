@@ -461,8 +461,7 @@ class SquareDetectionTransform:
     pipeline of ``RandomHorizontalFlip``, ``RandomResizedCrop`` (or ``Resize``),
     ``ClampBoundingBoxes``, ``SanitizeBoundingBoxes``, ``ToDtype`` and ``Normalize`` (tested equal
     for the same draws), called on plain tensors: on small images the pipeline's per-transform
-    dispatch is a large part of its time (``python -m benchmarks.cpu_paths``,
-    docs/results/performance.md).
+    dispatch is a large part of its time (``python -m benchmarks.cpu_paths``).
 
     Called as ``transform(image, boxes, labels)`` with a ``uint8 [3, H, W]`` image and ``XYXY``
     pixel boxes; returns the same three (boxes as ``tv_tensors.BoundingBoxes``).
