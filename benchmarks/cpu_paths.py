@@ -106,7 +106,7 @@ def within(context: Callable[[], contextlib.AbstractContextManager], fn: Callabl
 
 
 def _adamw(params, fused: bool) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-4, fused=True) if fused else torch.optim.AdamW(params, lr=1e-4)
+    return torch.optim.AdamW(params, lr=1e-4, fused=fused or None)  # None: torch's per-parameter loop on the CPU
 
 
 def captioner_step(batch: int = 16, tokens: int = 20, vocab: int = 40, encoder: dict | None = None,
@@ -356,14 +356,14 @@ def run(steps: int = 40, repeats: int = 7, compile_encoder: bool = True, quick: 
     rows.append(_row("decoded images kept in memory: a batch of 8 embedded detection scenes read by the training "
                      "dataset (second and later epochs)", "ms", 1e3 * a, 1e3 * f, "yes (splits that fit)"))
 
-    one_call, pipeline = detection_transform_pair(4 if quick else 64)
+    images = 4 if quick else 64
+    one_call, pipeline = detection_transform_pair(images)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a loader worker
     try:
         a, f = pair({"one_call": one_call, "pipeline": pipeline}, steps)
     finally:
         torch.set_num_threads(threads)
-    images = 4 if quick else 64
     rows.append(_row("square detection transform in one call instead of torchvision's v2 pipeline: per 96 px "
                      "training image to 64 px, one thread", "ms", 1e3 * a / images, 1e3 * f / images, "yes"))
 
