@@ -94,12 +94,16 @@ def data_throughput(batches: int = 20, batch: int = 128, workers: int = 2) -> fl
                                    cache_dir=tmp, batching=Batching(batch_size=batch, num_workers=workers))
         dm.preprocess = _task(5).data_config
         dm.setup("fit")
-        it = iter(dm.train_dataloader())
-        next(it)  # workers started
-        t0, n = time.perf_counter(), 0
-        for _ in range(batches):
-            n += len(next(it)[0])
-        return n / (time.perf_counter() - t0)
+        loader = dm.train_dataloader()
+        n, t0 = 0, 0.0
+        # read to the end: an iterator left with batches in flight keeps its workers waiting to be joined
+        for i, (x, *_) in enumerate(loader):
+            if i == 0:  # workers started
+                t0 = time.perf_counter()
+            elif i <= batches:
+                n += len(x)
+                t1 = time.perf_counter()
+        return n / (t1 - t0)
 
 
 def training_pairs(repeats: int = 3, steps: int = 30, batch: int = 128) -> list[dict]:

@@ -159,6 +159,18 @@ def test_java_metrics_equal_the_toolkit_or_are_reported_missing(monkeypatch, cap
         pytest.skip("no Java runtime or no pycocoevalcap: METEOR cannot run here")
     from pycocoevalcap.meteor.meteor import Meteor
 
+    # one Java run: the toolkit's own score of the toolkit's input layout (references as lists,
+    # one hypothesis per id), recorded as the toolkit computes it
+    calls = []
+    compute = Meteor.compute_score
+
+    def recorded(self, gts, res):
+        calls.append((gts, res, compute(self, gts, res)[0]))
+        return calls[-1][2], None
+
+    monkeypatch.setattr(Meteor, "compute_score", recorded)
     ours = java_metrics(hyps, refs)
-    expected, _ = Meteor().compute_score({i: list(r) for i, r in refs.items()}, {i: [h] for i, h in hyps.items()})
-    assert ours["meteor"] == pytest.approx(expected, abs=1e-9) and 0.05 < ours["meteor"] < 1.0
+    assert len(calls) == 1
+    gts, res, expected = calls[0]
+    assert gts == {i: list(r) for i, r in refs.items()} and res == {i: [h] for i, h in hyps.items()}
+    assert ours["meteor"] == expected and 0.05 < ours["meteor"] < 1.0

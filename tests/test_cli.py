@@ -183,11 +183,17 @@ def test_corrupt_image_skipped_in_training_fatal_in_evaluation_and_empty_class_f
     # evaluation fails fast: a silently dropped image would change the metrics
     bad_val = root / "val" / "square" / "broken.png"
     shutil.copy(bad, bad_val)
-    res = _run([str(REPO / "eval.py"), *_tiny(root), "--data.init_args.batching.num_workers", "1",
-                "--ckpt_path", str(tmp_path / "out" / "checkpoints" / "last.ckpt"),
-                "--output_dir", str(tmp_path / "ev")], tmp_path)
-    assert res.returncode == 2, res.stderr[-2000:]
-    last = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    from vision_attn.commands.evaluate import eval_main
+    from vision_attn.commands.run import run_entry
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:  # eval.py, in this process
+        run_entry(lambda: eval_main([*_tiny(root), "--data.init_args.batching.num_workers", "1",
+                                     "--ckpt_path", str(tmp_path / "out" / "checkpoints" / "last.ckpt"),
+                                     "--output_dir", str(tmp_path / "ev")]))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err[-2000:]
+    last = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(last) == 1 and str(bad_val) in last[0] and "cannot read image" in last[0]
     assert not (tmp_path / "ev" / "metrics.json").exists()
     bad.unlink()

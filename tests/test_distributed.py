@@ -1,10 +1,12 @@
 """Distributed runs on CPU (2 processes, gloo) give the answers of one process.
 
-Each task: a 2-process DDP ``train.py`` run (tiny settings), then ``eval.py`` of its checkpoint
-on 1 process (called in the test's own process) and on 2 processes over a validation split whose
-size is odd (not divisible by the process count): metrics equal, predictions equal, and equal to
-the validation metrics the 2-process training logged; outputs written once, by rank 0; resuming
-continues the step count, on 2 processes and then on 1.
+Each task: a tiny checkpoint, then ``eval.py`` of it on 1 process (called in the test's own
+process) and on 2 processes over a validation split whose size is odd (not divisible by the
+process count): metrics equal, predictions equal, and equal to the validation metrics the training
+logged; outputs written once, by rank 0. The classifier is trained by a 2-process DDP ``train.py``
+run (its run folder written once, resuming continues the step count on 2 processes and then on 1);
+training under DDP is the tasks' shared base, so the detector and the captioner train in this
+process, with the batch of the two processes together.
 """
 
 from __future__ import annotations
@@ -127,8 +129,12 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
     common = ["--config", str(REPO / "configs" / config), "--data.init_args.batching.num_workers", "0", *tiny]
     run = tmp_path / "run"
     epochs = SIZES[task][2]
-    _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "2", "--trainer.max_epochs", str(epochs),
-          "--trainer.check_val_every_n_epoch", str(epochs), "--trainer.default_root_dir", str(run)], tmp_path)
+    schedule = ["--trainer.max_epochs", str(epochs), "--trainer.check_val_every_n_epoch", str(epochs),
+                "--trainer.default_root_dir", str(run)]
+    if task == "classification":
+        _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "2", *schedule], tmp_path)
+    else:  # one process, the batch of two (the same steps)
+        train_main([*common, *ONE, *schedule, "--data.init_args.batching.batch_size", str(2 * SIZES[task][1])])
 
     # rank 0 alone wrote the run: one config, one log version, one last checkpoint
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "csv", "tensorboard"]
@@ -197,10 +203,10 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
     if task == "detection":
         assert m1["map_50"] > 0.1, m1  # a checkpoint that detects: equal metrics are not both ~0
     val_key, eval_key = VAL_KEY[task]
-    assert _last_val(run, val_key) == pytest.approx(m1[eval_key], abs=1e-6)  # validation under DDP == 1 process
+    assert _last_val(run, val_key) == pytest.approx(m1[eval_key], abs=1e-6)  # validation in training == eval.py
 
     if task != "classification":
-        return  # resuming is the tasks' shared base (VisionTask + the CLI): proved once, below
+        return  # training and resuming under DDP are the tasks' shared base (VisionTask + the CLI): proved once
     # resume: on 2 processes, then on 1; the step count, optimizer and schedule continue
     _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "2", "--trainer.max_epochs", str(epochs * 3 // 2),
           "--trainer.default_root_dir", str(run), "--ckpt_path", "last"], tmp_path)
