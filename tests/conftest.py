@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils.data
 
 from ._ci_policy import pytest_runtest_makereport  # noqa: F401  (a hook: skips fail under CI)
 
@@ -21,6 +22,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 else:
     torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# A DataLoader whose worker raised (the tests of unreadable images do that on purpose) leaves the
+# worker waiting, and PyTorch joins it with a timeout of this many seconds (5) when the loader is
+# collected, in whichever later test that happens; the join timeout alone reads it at run time.
+torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL = 0.5
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -59,7 +59,8 @@ def _collectives(rank: int, world: int, init: str, out: str) -> None:
 
 def test_collectives_and_eval_loader_under_two_processes(tmp_path):
     init = f"file://{tmp_path / 'store'}"
-    mp.spawn(_collectives, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    # forked, not spawned: the children start with this process's imports
+    mp.start_processes(_collectives, args=(2, init, str(tmp_path)), nprocs=2, join=True, start_method="fork")
     for rank in (0, 1):
         r = json.loads((tmp_path / f"{rank}.json").read_text())
         assert r["mean"] == 1.5 and r["gathered"] == ["r0", "r1"]
