@@ -137,7 +137,7 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
     else:  # one process, the batch of two (the same steps)
         train_main([*common, *ONE, *schedule, "--data.init_args.batching.batch_size", str(2 * SIZES[task][1])])
 
-    # rank 0 alone wrote the run: one config, one log version, one last checkpoint
+    # one config, one log version, one last checkpoint (under DDP: written by rank 0 alone)
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "csv", "tensorboard"]
     assert [p.name for p in (run / "csv").iterdir()] == ["version_0"]
     assert [p.name for p in (run / "tensorboard").iterdir()] == ["version_0"]
