@@ -5,11 +5,12 @@ PY      = $(VENV)/bin/python
 # make demo installs the package and its runtime dependencies only; make test adds the test
 # extras (pytest, ONNX, the notebook kernel, the caption toolkit, the browser driver) in one go.
 # pip would byte-compile the installed packages one file at a time (tens of thousands of files with
-# torch); it is told not to, and compileall writes the .pyc files of the environment and of the
-# package's own modules (which an editable install leaves uncompiled) on every core. With
-# PYTHONDONTWRITEBYTECODE set (as in many containers) every process would otherwise compile the
-# modules it imports again. Like pip, compileall skips a file that does not compile (some packages
-# ship sources of other Python versions as test data).
+# torch); it is told not to. For make demo, compileall writes the .pyc files of the environment and
+# of the package's own modules (which an editable install leaves uncompiled) on every core; the
+# test processes write those of the modules they import, once (most of the environment is never
+# imported): with PYTHONDONTWRITEBYTECODE set (as in many containers) every process would otherwise
+# compile the modules it imports again. Like pip, compileall skips a file that does not compile
+# (some packages ship sources of other Python versions as test data).
 COMPILE = $(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') vision_attn benchmarks >/dev/null || true
 STAMP   = $(VENV)/.installed
 DEV     = $(VENV)/.installed-dev
@@ -32,7 +33,6 @@ $(DEV): pyproject.toml
 	# tidecv: the reference of the TIDE tests; without its dependencies (it asks for opencv-python,
 	# which would shadow opencv-python-headless); the ones it imports are in the dev extra
 	$(PY) -m pip install --quiet --no-compile --no-deps 'tidecv==1.0.1'
-	$(COMPILE)
 	touch $(STAMP) $(DEV)
 
 install: $(STAMP)
@@ -44,7 +44,7 @@ demo: $(STAMP)
 # the 15 slowest tests are listed at the end; ruff first (style, imports, lines of at most 120 characters)
 test: $(DEV)
 	$(PY) -m ruff check vision_attn tests benchmarks docs/generate.py train.py eval.py
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: $(DEV)
 	$(PY) -m benchmarks.suite --json docs/results/performance_suite.json
