@@ -111,13 +111,18 @@ def test_foreign_checkpoint_is_refused(tmp_path):
         load_task(path)
 
 
-def test_compile_switch_compiles_the_encoder_in_place(tmp_path):
-    """``--model.compile true``: same parameter names, same outputs, not stored in the checkpoint."""
+def test_compile_switch_compiles_the_encoder_in_place(tmp_path, monkeypatch):
+    """``--model.compile true``: same parameter names, same outputs, not stored in the checkpoint.
+    Dynamo's graph runs on its eager backend here (the switch is under test, not the code
+    generator; ``python -m benchmarks.cpu_paths`` runs the default one)."""
     import lightning as L
 
     from vision_attn import create_encoder, load_task
     from vision_attn.tasks import ClassificationTask
 
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kw: compile_module(self, **{"backend": "eager", **kw}))
     torch.manual_seed(0)
     enc = create_encoder("vit_tiny_patch16_224", img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2)
     task = ClassificationTask(enc, num_classes=3, compile=True).eval()
