@@ -95,14 +95,13 @@ def data_throughput(batches: int = 20, batch: int = 128, workers: int = 2) -> fl
         dm.preprocess = _task(5).data_config
         dm.setup("fit")
         loader = dm.train_dataloader()
-        n, t0 = 0, 0.0
+        n, t0, t1 = 0, 0.0, 0.0
         # read to the end: an iterator left with batches in flight keeps its workers waiting to be joined
         for i, (x, *_) in enumerate(loader):
             if i == 0:  # workers started
                 t0 = time.perf_counter()
             elif i <= batches:
-                n += len(x)
-                t1 = time.perf_counter()
+                n, t1 = n + len(x), time.perf_counter()
         return n / (t1 - t0)
 
 

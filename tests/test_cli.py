@@ -119,19 +119,19 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
-def _train_command(args: list[str], capsys) -> tuple[int, str]:
-    """``(exit status, stderr)`` of ``train.py ARGS`` run in this process (what train.py runs)."""
+def _command(args: list[str], capsys, main=train_main) -> tuple[int, str]:
+    """``(exit status, stderr)`` of ``train.py ARGS`` run in this process (what train.py runs);
+    ``main=eval_main``: of ``eval.py ARGS``."""
     from vision_attn.commands.run import run_entry
-    from vision_attn.commands.train import train_main
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        run_entry(lambda: train_main(args))
+        run_entry(lambda: main(args))
     return exit_info.value.code, capsys.readouterr().err
 
 
 def test_missing_data_root_gives_one_clear_error(tmp_path, capsys):
-    code, err = _train_command(["--config", CONFIG, "--data.init_args.root", str(tmp_path / "absent"),
+    code, err = _command(["--config", CONFIG, "--data.init_args.root", str(tmp_path / "absent"),
                                 "--trainer.default_root_dir", str(tmp_path / "out")], capsys)
     assert code == 2
     assert f"error: data root {tmp_path / 'absent'} does not exist" in err
@@ -140,7 +140,7 @@ def test_missing_data_root_gives_one_clear_error(tmp_path, capsys):
 
 
 def test_unknown_model_name_gives_one_clear_error(tmp_path, shapes_root, capsys):
-    code, err = _train_command(["--config", CONFIG, "--data.init_args.root", str(shapes_root),
+    code, err = _command(["--config", CONFIG, "--data.init_args.root", str(shapes_root),
                                 "--model.init_args.encoder.init_args.name", "vit_tiny_patch16_2244",
                                 "--trainer.default_root_dir", str(tmp_path / "out")], capsys)
     assert code == 2
@@ -183,23 +183,17 @@ def test_corrupt_image_skipped_in_training_fatal_in_evaluation_and_empty_class_f
     # evaluation fails fast: a silently dropped image would change the metrics
     bad_val = root / "val" / "square" / "broken.png"
     shutil.copy(bad, bad_val)
-    from vision_attn.commands.evaluate import eval_main
-    from vision_attn.commands.run import run_entry
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:  # eval.py, in this process
-        run_entry(lambda: eval_main([*_tiny(root), "--data.init_args.batching.num_workers", "1",
-                                     "--ckpt_path", str(tmp_path / "out" / "checkpoints" / "last.ckpt"),
-                                     "--output_dir", str(tmp_path / "ev")]))
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2, err[-2000:]
+    code, err = _command([*_tiny(root), "--data.init_args.batching.num_workers", "1",
+                                "--ckpt_path", str(tmp_path / "out" / "checkpoints" / "last.ckpt"),
+                                "--output_dir", str(tmp_path / "ev")], capsys, main=eval_main)
+    assert code == 2, err[-2000:]
     last = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(last) == 1 and str(bad_val) in last[0] and "cannot read image" in last[0]
     assert not (tmp_path / "ev" / "metrics.json").exists()
     bad.unlink()
     for f in (root / "val" / "star").iterdir():
         f.unlink()
-    code, err = _train_command([*args[1:], "--trainer.default_root_dir", str(tmp_path / "out2")], capsys)
+    code, err = _command([*args[1:], "--trainer.default_root_dir", str(tmp_path / "out2")], capsys)
     assert code == 2
     assert f"class folder {root / 'val' / 'star'} contains no images" in err
 
