@@ -722,7 +722,9 @@ def test_small_data_ablation_variants_add_one_option_and_rows_aggregate_the_seed
     assert VARIANTS["shipped"][1] == []
     # the options are measured at lr 5e-4, next to small.yaml at that rate; small.yaml itself trains at another
     assert pairs(VARIANTS["lr5e-4"][1]) == {"--model.optim.lr": base["--model.optim.lr"]}
-    config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "detection" / "small.yaml").read_text())
+    from .conftest import REPO
+
+    config = yaml.safe_load((REPO / "configs" / "detection" / "small.yaml").read_text())
     shipped_lr = config["model"]["init_args"]["optim"]["lr"]
     assert float(base["--model.optim.lr"]) == 5e-4 != float(shipped_lr)
     for name, (_, overrides) in VARIANTS.items():

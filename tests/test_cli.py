@@ -132,7 +132,7 @@ def _command(args: list[str], capsys, main=train_main) -> tuple[int, str]:
 
 def test_missing_data_root_gives_one_clear_error(tmp_path, capsys):
     code, err = _command(["--config", CONFIG, "--data.init_args.root", str(tmp_path / "absent"),
-                                "--trainer.default_root_dir", str(tmp_path / "out")], capsys)
+                          "--trainer.default_root_dir", str(tmp_path / "out")], capsys)
     assert code == 2
     assert f"error: data root {tmp_path / 'absent'} does not exist" in err
     assert "Traceback" not in err
@@ -141,8 +141,8 @@ def test_missing_data_root_gives_one_clear_error(tmp_path, capsys):
 
 def test_unknown_model_name_gives_one_clear_error(tmp_path, shapes_root, capsys):
     code, err = _command(["--config", CONFIG, "--data.init_args.root", str(shapes_root),
-                                "--model.init_args.encoder.init_args.name", "vit_tiny_patch16_2244",
-                                "--trainer.default_root_dir", str(tmp_path / "out")], capsys)
+                          "--model.init_args.encoder.init_args.name", "vit_tiny_patch16_2244",
+                          "--trainer.default_root_dir", str(tmp_path / "out")], capsys)
     assert code == 2
     assert "Unknown timm model name 'vit_tiny_patch16_2244'" in err
     assert "vit_tiny_patch16_224" in err
@@ -184,8 +184,8 @@ def test_corrupt_image_skipped_in_training_fatal_in_evaluation_and_empty_class_f
     bad_val = root / "val" / "square" / "broken.png"
     shutil.copy(bad, bad_val)
     code, err = _command([*_tiny(root), "--data.init_args.batching.num_workers", "1",
-                                "--ckpt_path", str(tmp_path / "out" / "checkpoints" / "last.ckpt"),
-                                "--output_dir", str(tmp_path / "ev")], capsys, main=eval_main)
+                          "--ckpt_path", str(tmp_path / "out" / "checkpoints" / "last.ckpt"),
+                          "--output_dir", str(tmp_path / "ev")], capsys, main=eval_main)
     assert code == 2, err[-2000:]
     last = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(last) == 1 and str(bad_val) in last[0] and "cannot read image" in last[0]
