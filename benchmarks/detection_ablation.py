@@ -3,6 +3,7 @@ benchmarks.detection_ablation``; not part of ``make test``: each row trains a de
 
     python -m benchmarks.detection_ablation [--epochs 30] [--val_every 5] [--rows NAME ...]
         [--config configs/detection/shapes.yaml] [--work DIR] [--json FILE]
+        [--results docs/results/detection_ablation.json]
     python -m benchmarks.detection_ablation --step_cost [--rows NAME ...] [--steps 30]
 
 Every row is ``train.py`` exactly as a user runs it, in a subprocess, on the config's embedded
@@ -16,7 +17,7 @@ The table reports the last validation's ``val/map``, ``val/map_50``, ``val/map_7
 COCO mAP, equal to pycocotools), the first validated epoch at which ``val/map_50`` reaches 0.90,
 and the wall time of the whole run (start-up and validations included). The wall time *at* that
 epoch is the run's wall time times ``epoch / epochs`` (validation takes about 2 % of a run, so
-this is within a few seconds; stated as such in the README).
+this is within a few seconds).
 
 ``--step_cost`` measures what a row costs per training step instead, every row in this one
 process (the config's model, data and batch, ``--steps`` timed steps after warm-up, median;
@@ -38,7 +39,8 @@ from pathlib import Path
 
 from lightning.pytorch import Callback
 
-from benchmarks.common import machine, write_result
+from benchmarks.common import command_line, machine, write_result
+from benchmarks.results_json import write_results
 
 log = logging.getLogger("benchmarks.detection_ablation")
 
@@ -148,7 +150,7 @@ def step_cost(config: str, overrides: list[str], steps: int, warmup: int, work: 
 
 
 def markdown(rows: list[dict]) -> str:
-    """The README's table."""
+    """The rows as a markdown table (the benchmark's standard output)."""
     def num(v):
         return "—" if v is None else f"{v:.3f}"
 
@@ -162,6 +164,38 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def results_columns(epochs: int, val_every: int) -> list:
+    """The columns of the results table: the final scores, map_50 at each validation, the first
+    epoch at map_50 >= 0.90 and the run's wall time."""
+    checks = list(range(val_every, epochs + 1, val_every))
+    return ["row", *({"name": k, "format": ".3f"} for k in ("map", "map_50", "map_75")),
+            *({"name": f"map_50 epoch {e}", "format": ".2f"} for e in checks),
+            f"map_50 >= {MAP50_BAR:.2f} at epoch", {"name": "wall s", "format": ".0f"}]
+
+
+def results_rows(rows: list[dict], epochs: int, val_every: int) -> list[list]:
+    """One table row per ablation row (``None`` where a run failed or a validation is missing)."""
+    checks = list(range(val_every, epochs + 1, val_every))
+    out = []
+    for r in rows:
+        at = {c["epoch"]: c.get("val/map_50") for c in r.get("curve", [])}
+        out.append([r["row"], r.get("map"), r.get("map_50"), r.get("map_75"), *(at.get(e) for e in checks),
+                    r.get("epoch_map50_090"), r.get("seconds")])
+    return out
+
+
+def write_results_table(path: str, rows: list[dict], config: str, epochs: int, val_every: int,
+                        argv: list[str]) -> None:
+    """The documentation's results file of the rows run so far (one machine, one after another)."""
+    write_results(path, page="detection", title=f"Training aids of the DETR head after {epochs} epochs "
+                  f"({Path(config).name})", command=command_line("benchmarks.detection_ablation", argv),
+                  columns=results_columns(epochs, val_every), rows=results_rows(rows, epochs, val_every),
+                  description=f"Every row is `train.py --config {config} --trainer.max_epochs {epochs}` with one "
+                  "change (its overrides in `benchmarks/detection_ablation.py`), the same seed and data; "
+                  f"torchmetrics' COCO mAP on the validation scenes every {val_every} epochs. The runs ran one "
+                  "after another, alone.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,9 +206,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the rows whose name contains one of these, in this order")
     parser.add_argument("--work", default=None, help="runs (default: benchmarks/results/detection-ablation)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--results", default=None, help="the documentation's results file to write (after each row)")
     parser.add_argument("--step_cost", action="store_true", help="per-step cost of each row instead of trainings")
     parser.add_argument("--steps", type=int, default=30, help="--step_cost: timed steps per row")
     parser.add_argument("--repeats", type=int, default=3, help="--step_cost: interleaved repeats (median)")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     work = Path(args.work or REPO / "benchmarks" / "results" / "detection-ablation").resolve()
@@ -202,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: %s", name, {k: v for k, v in result.items() if k != "curve"})
         write_result(args.json, {"config": args.config, "epochs": args.epochs, "machine": machine(), "rows": rows,
                                  "table": markdown(rows)})
+        if args.results:
+            write_results_table(args.results, rows, args.config, args.epochs, args.val_every, argv)
     sys.stdout.write(markdown(rows) + "\n")
     return 0
 

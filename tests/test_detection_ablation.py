@@ -74,3 +74,25 @@ def test_rows_state_every_aid_so_they_do_not_depend_on_the_config():
         assert {"query_selection", "look_forward_twice", "dn_groups", "o2m_groups", "pyramid", "box_refine",
                 "focal", "dense_encoder"} <= set(last), name
         assert (last["query_selection"] == "true") == ("query selection" in name), name
+
+
+def test_results_table_has_a_column_per_validation_and_the_runs_values(tmp_path):
+    import json
+
+    from benchmarks.detection_ablation import write_results_table
+    from benchmarks.results_json import validate
+
+    curve = [{"epoch": 3, "val/map_50": 0.4}, {"epoch": 6, "val/map_50": 0.95}]
+    rows = [{"row": "a", **summarise(curve, seconds=60.0, epochs=6)},
+            {"row": "failed", "map": None, "seconds": 2.0, "curve": []}]
+    path = tmp_path / "ablation.json"
+    write_results_table(str(path), rows, "configs/detection/shapes.yaml", 6, 3, ["--epochs", "6", "--val_every", "3"])
+    data = json.loads(path.read_text())
+    assert validate(data) == []
+    names = [c if isinstance(c, str) else c["name"] for c in data["columns"]]
+    assert names == ["row", "map", "map_50", "map_75", "map_50 epoch 3", "map_50 epoch 6", "map_50 >= 0.90 at epoch",
+                     "wall s"]
+    assert data["rows"][0] == ["a", None, 0.95, None, 0.4, 0.95, 6, 60.0]  # the curve had no map / map_75
+    assert data["rows"][1] == ["failed", None, None, None, None, None, None, 2.0]
+    assert data["command"] == "python -m benchmarks.detection_ablation --epochs 6 --val_every 3"
+    assert data["machine"]["cores"] >= 1 and data["machine"]["cpu"]
