@@ -15,7 +15,10 @@ this module registers for the measurement only (they are not shipped):
 - ``relevance_x_rollout``: its product with the rollout;
 - ``relevance_sqrt``: its square root (a monotone change: pointing, deletion, insertion and ROAD,
   which read only the order of the patches, stay; energy, mIoU and SaCo, which read the values, move);
-- ``relevance_abs_grad``: ``|gradient| * attention`` instead of ``relu(gradient * attention)``.
+- ``relevance_abs_grad``: ``|gradient| * attention`` instead of ``relu(gradient * attention)``;
+- ``relevance_of_lrp``: ``relu(gradient * R_A)`` with ``R_A`` the AttnLRP relevance of each block's
+  attention weights instead of the weights themselves (the LRP-based rule of Chefer et al., CVPR
+  2021; one more forward and backward pass).
 
 The default ``--classification`` is the newest ``runs/demo/*/classification/checkpoints/last.ckpt``;
 ``--heldout`` a checkpoint of ``python -m benchmarks.classification_holdout strokes`` with its data
@@ -86,11 +89,36 @@ def _abs_grad(x) -> Tensor:
                               x.token_index, merges=x.merges)
 
 
+def attention_relevance(task, images: Tensor, target: Tensor, blocks: int, rules: bool = True) -> list[Tensor]:
+    """Per block the relevance of its attention weights, ``A * dS/dA`` with ``S`` the target
+    logits' sum: under AttnLRP's rules (:func:`vision_attn.explain.lrp.lrp_rules`), or with
+    ``rules=False`` the plain gradient times the weights. ``[B, heads, T, T]`` each."""
+    from vision_attn.explain.lrp import lrp_rules
+
+    with torch.inference_mode(False), torch.enable_grad():
+        x = images.detach().clone().requires_grad_(True)
+        with lrp_rules(task, rules=rules, trace=True) as record:
+            logits = task.head(task.encoder(x))
+        score = logits.gather(1, target.to(logits.device).long().view(-1, 1)).sum()
+        weights = record.probabilities[:blocks]  # a sequence-pooling head records its weights last
+        grads = torch.autograd.grad(score, weights)
+    return [(w * g).detach() for w, g in zip(weights, grads, strict=True)]
+
+
+def _of_lrp(x) -> Tensor:
+    from vision_attn.explain.rollout import gradient_relevance
+
+    if "attention_relevance" not in x.shared:
+        x.shared["attention_relevance"] = attention_relevance(x.task, x.images, x.target, len(x.attentions))
+    return gradient_relevance(x.shared["attention_relevance"], x.attention_grads, x.grid, x.num_prefix_tokens,
+                              x.token_index, merges=x.merges)
+
+
 def variants(blocks: Sequence[int] = (2, 3, 4)) -> dict[str, object]:
     """Variant name -> map function (``MethodInputs -> [B, h, w]``)."""
     out: dict[str, object] = {f"relevance_from_block_{k}": _from_block(k) for k in blocks}
     out.update(relevance_smoothed=_smoothed, relevance_x_rollout=_times_rollout, relevance_sqrt=_sqrt,
-               relevance_abs_grad=_abs_grad)
+               relevance_abs_grad=_abs_grad, relevance_of_lrp=_of_lrp)
     return out
 
 

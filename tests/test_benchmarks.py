@@ -844,3 +844,32 @@ def test_relevance_variants_reduce_to_relevance_where_they_should(monkeypatch):
     assert torch.allclose(rv._smoothed(x)[0], binomial)
     rows = rv.rows_of("demo", {"miou_relevance": 0.5, "road_relevance": float("nan")}, ["relevance"])
     assert rows == [["demo", "relevance", None, None, 0.5, None, None, None, None, None]]
+
+
+def test_attention_relevance_is_weights_times_gradient_and_the_rules_change_it():
+    """Without the rules it is the attention weights times the plain gradient that
+    ``capture_attention`` records; with AttnLRP's rules the gradient differs (the uniform rule of
+    ``A V`` alone halves it)."""
+    from benchmarks.relevance_variants import attention_relevance
+    from vision_attn import create_encoder
+    from vision_attn.explain.capture import capture_attention
+    from vision_attn.models.classifier import ClassifierConfig
+    from vision_attn.tasks import ClassificationTask
+
+    from .conftest import TINY_VIT
+
+    torch.manual_seed(0)
+    task = ClassificationTask(create_encoder("vit_tiny_patch16_224", **TINY_VIT), num_classes=3,
+                              head=ClassifierConfig(kind="linear")).eval().double()
+    images = torch.randn(2, 3, TINY_VIT["img_size"], TINY_VIT["img_size"], dtype=torch.float64)
+    target = torch.tensor([1, 2])
+    with capture_attention(task, keep_grad=True) as attn:
+        logits = task.head(task.encoder(images.clone().requires_grad_(True)))
+    logits.gather(1, target.view(-1, 1)).sum().backward()
+    plain = attention_relevance(task, images, target, len(attn), rules=False)
+    ruled = attention_relevance(task, images, target, len(attn))
+    assert len(plain) == len(ruled) == len(attn) >= 2
+    for a, p, r in zip(attn, plain, ruled, strict=True):
+        assert p.shape == r.shape == a.shape
+        assert torch.allclose(p, a.detach() * a.grad, atol=1e-12)
+        assert not torch.allclose(r, p, atol=1e-6)
