@@ -142,9 +142,13 @@ def run_folder(runs: Path, task: str, name: str) -> Path:
 
 
 def run(task: str, args, work: Path) -> dict:
+    run_dir = run_folder(work / "runs", task, args.name)
+    earlier = sorted(run_dir.glob("checkpoints/*.ckpt"))
+    if earlier:  # train.py would write beside them, and eval.py could read the earlier run's last.ckpt
+        raise FileExistsError(f"{run_dir} already holds a training ({earlier[0].name}): give the run another "
+                              "--name, or move that folder away to train it again")
     root = digit_root(task, work, args.img_size, args.train_images, args.val_images, args.captions_only,
                       args.scenes)
-    run_dir = run_folder(work / "runs", task, args.name)
     train_cmd = [sys.executable, str(REPO / "train.py"), "--config", f"configs/{task}/small.yaml",
                  "--data.root", str(root), "--trainer.max_epochs", str(args.epochs),
                  "--model.encoder.init_args.img_size", str(args.img_size),
@@ -195,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.img_size = args.img_size or DEFAULTS[args.task]["img_size"]
     work = Path(args.work or REPO / "benchmarks" / "results" / "holdout-work").resolve()
-    result = run(args.task, args, work)
+    try:
+        result = run(args.task, args, work)
+    except FileExistsError as e:
+        parser.error(str(e))
     result["machine"] = machine()
     sys.stdout.write(json.dumps({k: result[k] for k in ("task", "train_seconds", "eval_seconds", "scores")}) + "\n")
     write_result(args.json, result)

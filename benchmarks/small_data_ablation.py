@@ -217,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes:
         for seed in args.seeds:
             for variant in args.variants:
-                result = one_run(variant, size, seed, args, work, known_runs(args.results))
+                try:
+                    result = one_run(variant, size, seed, args, work, known_runs(args.results))
+                except FileExistsError as e:  # a run folder of another recipe under this run's name
+                    parser.error(str(e))
                 if result is None:
                     log.info("%s, %d images, seed %d: already in %s", variant, size, seed, args.results)
                     continue

@@ -683,6 +683,25 @@ def test_holdout_run_names_stay_one_folder_inside_the_runs_folder(tmp_path):
         assert "/" not in folder.name and "\\" not in folder.name and "\x00" not in folder.name
 
 
+def test_holdout_run_refuses_a_folder_that_holds_a_training(tmp_path, capsys):
+    """A run named like an earlier one would train beside its checkpoints, and eval.py could score
+    the earlier model: it stops before making data or training, and the earlier run is untouched."""
+    from benchmarks import holdout, small_data_ablation
+
+    run_dir = holdout.run_folder(tmp_path / "runs", "detection", "ablation shipped 300 seed 0")
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"earlier run")
+    with pytest.raises(SystemExit):
+        holdout.main(["detection", "--work", str(tmp_path), "--name", "ablation shipped 300 seed 0"])
+    assert "already holds a training (last.ckpt)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the ablation names its runs so, and says the same
+        small_data_ablation.main(["--sizes", "300", "--seeds", "0", "--variants", "shipped", "--work", str(tmp_path)])
+    assert "move that folder away" in capsys.readouterr().err
+    assert ckpt.read_bytes() == b"earlier run" and not (tmp_path / "data").exists()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["detection-ablation shipped 300 seed 0"]
+
+
 def test_shapes_seeds_first_epoch_needs_both_thresholds_and_the_table_means_the_seeds(tmp_path):
     """The first epoch at map_50 >= 0.90 *and* map >= 0.60 comes from the run's CSV log; the table
     has one row per seed and the mean of each column (empty where a seed lacks the value)."""
