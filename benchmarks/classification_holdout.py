@@ -38,7 +38,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from benchmarks.common import command_line, finite, machine, write_result
+from benchmarks.common import command_line, finite, machine, refuse_earlier_run, write_result
 from benchmarks.holdout import REPO, timed
 from benchmarks.results_json import write_results
 from vision_attn.data.strokes import mask_to_rle, render_stroke_scene
@@ -143,10 +143,9 @@ def last_val_top1(run_dir: Path) -> float | None:
 
 
 def run(data: str, name: str, epochs: int, overrides: list[str], work: Path) -> dict:
-    root = DATASETS[data][1](work)
     run_dir = work / "runs" / f"{data}-{name}"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
+    refuse_earlier_run(run_dir)
+    root = DATASETS[data][1](work)
     cmd = [sys.executable, str(REPO / "train.py"), "--config", CONFIG, "--data.root", str(root),
            "--trainer.max_epochs", str(epochs), "--trainer.default_root_dir", str(run_dir),
            "--trainer.enable_progress_bar", "false", *overrides]
@@ -197,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     work = Path(args.work or REPO / "benchmarks" / "results" / "classification-work").resolve()
-    result = run(args.data, args.name, args.epochs, overrides, work)
+    try:
+        result = run(args.data, args.name, args.epochs, overrides, work)
+    except FileExistsError as e:
+        parser.error(str(e))
     result["machine"] = machine()
     sys.stdout.write(json.dumps(result) + "\n")
     write_result(args.json, result)

@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmarks: interleaved repeats, medians, ratios."""
+"""Helpers shared by the benchmarks: interleaved repeats, medians, ratios, the machine, run folders."""
 
 from __future__ import annotations
 
@@ -74,3 +74,18 @@ def finite(value: float | int | None, digits: int | None = None) -> float | None
     if not math.isfinite(value):
         return None
     return round(value, digits) if digits is not None else value
+
+
+def refuse_earlier_run(run_dir: Path) -> None:
+    """Stop a benchmark run before it trains into ``run_dir`` when that folder already holds a
+    training's checkpoints: ``train.py`` would write beside them (Lightning versions the new
+    ``last.ckpt`` as ``last-v1.ckpt``), ``eval.py`` could then score the earlier model, and the earlier
+    run would be mixed with the new one.
+
+    Raises:
+        FileExistsError: naming the folder and what to do.
+    """
+    earlier = sorted(Path(run_dir).glob("checkpoints/*.ckpt"))
+    if earlier:
+        raise FileExistsError(f"{run_dir} already holds a training ({earlier[0].name}): give the run another "
+                              "--name, or move that folder away to train it again")

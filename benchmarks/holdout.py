@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import command_line, finite, machine, write_result
+from benchmarks.common import command_line, finite, machine, refuse_earlier_run, write_result
 from benchmarks.results_json import column_name, write_results
 from vision_attn.data.strokes import StrokeSceneConfig, ensure_stroke_scenes
 from vision_attn.data.synthetic import DigitSceneConfig, ensure_digit_scenes_coco
@@ -143,10 +143,7 @@ def run_folder(runs: Path, task: str, name: str) -> Path:
 
 def run(task: str, args, work: Path) -> dict:
     run_dir = run_folder(work / "runs", task, args.name)
-    earlier = sorted(run_dir.glob("checkpoints/*.ckpt"))
-    if earlier:  # train.py would write beside them, and eval.py could read the earlier run's last.ckpt
-        raise FileExistsError(f"{run_dir} already holds a training ({earlier[0].name}): give the run another "
-                              "--name, or move that folder away to train it again")
+    refuse_earlier_run(run_dir)
     root = digit_root(task, work, args.img_size, args.train_images, args.val_images, args.captions_only,
                       args.scenes)
     train_cmd = [sys.executable, str(REPO / "train.py"), "--config", f"configs/{task}/small.yaml",

@@ -22,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.common import command_line, finite, write_result
+from benchmarks.common import command_line, finite, refuse_earlier_run, write_result
 from benchmarks.holdout import REPO, run_folder, timed, validation_curve
 from benchmarks.results_json import write_results
 
@@ -93,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     work = Path(args.work or REPO / "benchmarks" / "results" / "shapes-work").resolve()
+    try:  # every seed's folder checked before the first training
+        for seed in args.seeds:
+            refuse_earlier_run(run_folder(work / "runs", args.task, f"seed{seed}"))
+    except FileExistsError as e:
+        parser.error(str(e))
     runs = [run_seed(args.task, seed, work) for seed in args.seeds]
     write_result(args.json, {"task": args.task, "runs": runs})
     sys.stdout.write(json.dumps(table(args.task, runs)[1]) + "\n")

@@ -702,6 +702,30 @@ def test_holdout_run_refuses_a_folder_that_holds_a_training(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["detection-ablation shipped 300 seed 0"]
 
 
+def test_seed_and_classification_benchmarks_refuse_an_earlier_training_too(tmp_path, capsys, monkeypatch):
+    """shapes_seeds checks every seed's folder before its first training; classification_holdout
+    keeps the earlier run instead of deleting it."""
+    from benchmarks import classification_holdout, holdout, shapes_seeds
+
+    trained = []
+    monkeypatch.setattr(shapes_seeds, "run_seed", lambda *a: trained.append(a))
+    second = holdout.run_folder(tmp_path / "runs", "detection", "seed1") / "checkpoints" / "last.ckpt"
+    second.parent.mkdir(parents=True)
+    second.write_bytes(b"seed 1")
+    with pytest.raises(SystemExit):
+        shapes_seeds.main(["detection", "--seeds", "0", "1", "--work", str(tmp_path)])
+    assert "seed1 already holds a training" in capsys.readouterr().err and trained == []
+    kept = tmp_path / "runs" / "strokes-small" / "checkpoints" / "best-019-1240.ckpt"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"earlier")
+    monkeypatch.setitem(classification_holdout.DATASETS, "strokes",
+                        (classification_holdout.DATASETS["strokes"][0], lambda work: trained.append(work)))
+    with pytest.raises(SystemExit):
+        classification_holdout.main(["strokes", "--work", str(tmp_path)])
+    assert "best-019-1240.ckpt" in capsys.readouterr().err and kept.read_bytes() == b"earlier"
+    assert trained == []  # no data made either
+
+
 def test_shapes_seeds_first_epoch_needs_both_thresholds_and_the_table_means_the_seeds(tmp_path):
     """The first epoch at map_50 >= 0.90 *and* map >= 0.60 comes from the run's CSV log; the table
     has one row per seed and the mean of each column (empty where a seed lacks the value)."""
