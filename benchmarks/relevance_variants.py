@@ -20,6 +20,11 @@ this module registers for the measurement only (they are not shipped):
   attention weights instead of the weights themselves (the LRP-based rule of Chefer et al., CVPR
   2021; one more forward and backward pass).
 
+Beside the methods, the notes give the **ceiling** of mIoU and mask mAP at the model's patch grid:
+the scores of an ideal map, each patch's share of the object's mask, upsampled to the image as the
+evaluation upsamples every method's map (:func:`patch_ceiling`, over every validation image): how
+far a method's map, which lives on the same grid, is from the object's own shape at that grid.
+
 The default ``--classification`` is the newest ``runs/demo/*/classification/checkpoints/last.ckpt``;
 ``--heldout`` a checkpoint of ``python -m benchmarks.classification_holdout strokes`` with its data
 root (the masks come from ``ROOT/annotations/instances_val.json``).
@@ -131,6 +136,78 @@ def register_variants() -> list[str]:
     return ["relevance", *variants(), "rollout", "lrp", "random"]
 
 
+def patch_ceiling(instances: str | Path, grid: tuple[int, int], data_config: dict) -> dict[str, float]:
+    """``{"miou", "map_mask"}`` of the ideal patch-grid maps of a classification validation split.
+
+    Per image of the COCO ``instances`` file, its objects' union mask (bool ``[H, W]``) is averaged
+    over the model input's ``grid`` cells (the share of each cell the mask covers, the mask taken
+    through the evaluation's resizing and crop: ``data_config``, the checkpoint's preprocessing), and
+    that grid map is brought back to the image by
+    :func:`~vision_attn.explain.localisation.grid_to_image` and scored by
+    :class:`~vision_attn.explain.segmentation.SegmentationScores`, as every method's map is.
+    """
+    import json
+
+    import numpy as np
+
+    from vision_attn.data.masks import decode_segmentation
+    from vision_attn.explain.localisation import grid_to_image
+    from vision_attn.explain.segmentation import SegmentationScores
+
+    coco = json.loads(Path(instances).read_text(encoding="utf-8"))
+    sizes = {im["id"]: (int(im["height"]), int(im["width"])) for im in coco["images"]}
+    objects: dict[object, list] = {}
+    for ann in coco["annotations"]:
+        if ann.get("segmentation"):
+            objects.setdefault(ann["image_id"], []).append(ann["segmentation"])
+    scores = SegmentationScores()
+    for image_id, segmentations in objects.items():
+        h, w = sizes[image_id]
+        masks = [decode_segmentation(seg, h, w, f"{instances}, image {image_id}") for seg in segmentations]
+        cells = _cell_shares(np.logical_or.reduce(masks), grid, data_config)
+        scores.update({"ceiling": grid_to_image(cells, (h, w), data_config)}, masks)
+    out = scores.compute()
+    return {"miou": out["miou_ceiling"], "map_mask": out["map_mask_ceiling"]} if out else {}
+
+
+def _cell_shares(mask, grid: tuple[int, int], data_config: dict):
+    """``[gh, gw]``: the fraction of each grid cell's image pixels that ``mask`` covers (a cell's
+    pixels: those that :func:`~vision_attn.explain.localisation.grid_to_image` in ``nearest`` mode
+    maps onto it; a cell no pixel falls in: 0)."""
+    import numpy as np
+
+    from vision_attn.explain.localisation import grid_to_image
+
+    gh, gw = grid
+    numbers = np.arange(1, gh * gw + 1, dtype=np.float64).reshape(grid)  # 0: outside the model input
+    cell = np.rint(grid_to_image(numbers, mask.shape, data_config, mode="nearest")).astype(np.int64).ravel()
+    count = np.bincount(cell, minlength=gh * gw + 1)[1:]
+    cover = np.bincount(cell, weights=mask.ravel().astype(np.float64), minlength=gh * gw + 1)[1:]
+    return np.divide(cover, count, out=np.zeros(gh * gw), where=count > 0).reshape(grid)
+
+
+def ceiling_of(ckpt: str | Path, data_root: str | Path | None) -> dict[str, float]:
+    """:func:`patch_ceiling` of a classifier checkpoint on ``data_root``'s validation split (default:
+    the checkpoint's own data: its root, or the embedded shapes data it was trained on); ``{}``
+    without an instances file with masks. The grid is the input size over the encoder's patch size."""
+    from vision_attn.data.synthetic import ShapesConfig, ensure_shapes_classification
+    from vision_attn.tasks.base import read_task_meta
+
+    meta, _ = read_task_meta(ckpt)
+    encoder = meta["model"]["init_args"]["encoder"]["init_args"]
+    data_config = meta["data_config"]
+    patch = encoder.get("patch_size")
+    if not isinstance(patch, int):
+        return {}
+    grid = (int(data_config["input_size"][1]) // patch, int(data_config["input_size"][2]) // patch)
+    if data_root is None:
+        data = meta.get("data", {}).get("init_args", {})
+        data_root = data.get("root") or ensure_shapes_classification(ShapesConfig(**data.get("synthetic") or {}),
+                                                                     data.get("cache_dir"))
+    instances = Path(data_root) / "annotations" / "instances_val.json"
+    return patch_ceiling(instances, grid, data_config) if instances.is_file() else {}
+
+
 def rows_of(label: str, metrics: dict[str, float], methods: Sequence[str]) -> list[list]:
     """One row per method: ``label``, the method, then :data:`MEASURES` (empty where not measured)."""
     return [[label, m, *(finite(metrics.get(f"{key}_{m}"), 4) for key in MEASURES.values())] for m in methods]
@@ -155,12 +232,15 @@ def main(argv: Sequence[str] | None = None) -> list[list]:
     models = [("demo classifier", demo, None)]
     if args.heldout:
         models.append(("held out (strokes)", args.heldout[0], args.heldout[1]))
-    rows, t0 = [], time.perf_counter()
+    rows, ceilings, t0 = [], [], time.perf_counter()
     for label, ckpt, root in models:
         with tempfile.TemporaryDirectory() as out:
             metrics = evaluate("classification", ckpt, args.images, args.seed, Path(out), data_root=root,
                                methods=methods)
         rows += rows_of(label, metrics, methods)
+        ceiling = ceiling_of(ckpt, root)
+        if ceiling:
+            ceilings.append(f"{label}: mIoU {ceiling['miou']:.3f}, mask mAP {ceiling['map_mask']:.3f}")
     header = ["model", "method", *MEASURES]
     print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
     for row in rows:
@@ -175,7 +255,10 @@ def main(argv: Sequence[str] | None = None) -> list[list]:
                                   "`eval.py`'s code. mIoU and mask mAP: the map against the object's mask as Chefer "
                                   "et al. (2021) score it (thresholded at its mean; average precision). None of the "
                                   "variants ships: the shipped `relevance` is the first row of each model.",
-                      notes=[f"{time.perf_counter() - t0:.0f} s in all"])
+                      notes=[*(["The ceiling at the patch grid (an ideal map: each patch's share of the object's "
+                                   "mask, upsampled as every map is; all validation images): " + "; ".join(ceilings)]
+                               if ceilings else []),
+                             f"{time.perf_counter() - t0:.0f} s in all"])
     return rows
 
 

@@ -916,3 +916,34 @@ def test_attention_relevance_is_weights_times_gradient_and_the_rules_change_it()
         assert p.shape == r.shape == a.shape
         assert torch.allclose(p, a.detach() * a.grad, atol=1e-12)
         assert not torch.allclose(r, p, atol=1e-6)
+
+
+def test_patch_ceiling_is_each_cells_share_of_the_mask_scored_as_the_maps_are(tmp_path):
+    import json
+
+    import numpy as np
+
+    from benchmarks.relevance_variants import _cell_shares, patch_ceiling
+    from vision_attn.explain.localisation import grid_to_image
+    from vision_attn.explain.segmentation import SegmentationScores
+
+    pre = {"input_size": (3, 8, 8), "crop_pct": 1.0, "crop_mode": "squash"}
+    mask = np.zeros((8, 8), bool)
+    mask[:4, :4] = True  # the top-left cell of a 2 x 2 grid
+    mask[4:8, 4:6] = True  # half of the bottom-right cell
+    assert np.array_equal(_cell_shares(mask, (2, 2), pre), [[1.0, 0.0], [0.0, 0.5]])
+    # a 16 px image seen at 8 px: each cell holds 8 x 8 original pixels
+    big = np.kron(mask, np.ones((2, 2), bool))
+    assert np.array_equal(_cell_shares(big, (2, 2), pre), [[1.0, 0.0], [0.0, 0.5]])
+    # the file: two objects in one image count as their union; an image without a mask is left out
+    polygons = [[[0, 0, 4, 0, 4, 4, 0, 4]], [[4, 4, 6, 4, 6, 8, 4, 8]]]
+    coco = {"images": [{"id": 1, "height": 8, "width": 8}, {"id": 2, "height": 8, "width": 8}],
+            "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "segmentation": polygons[0]},
+                            {"id": 2, "image_id": 1, "category_id": 1, "segmentation": polygons[1]},
+                            {"id": 3, "image_id": 2, "category_id": 1, "bbox": [0, 0, 2, 2]}]}
+    (tmp_path / "instances_val.json").write_text(json.dumps(coco))
+    expected = SegmentationScores()
+    expected.update({"m": grid_to_image(np.array([[1.0, 0.0], [0.0, 0.5]]), (8, 8), pre)}, [mask])
+    got = patch_ceiling(tmp_path / "instances_val.json", (2, 2), pre)
+    assert got["miou"] == pytest.approx(expected.compute()["miou_m"])
+    assert got["map_mask"] == pytest.approx(expected.compute()["map_mask_m"]) and 0.5 < got["miou"] < 1.0
