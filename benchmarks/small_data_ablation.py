@@ -26,7 +26,7 @@ A finished run is kept as ``WORK/ablation/<variant>-<size>-seed<S>.json`` and no
 the grid can be filled over several invocations; the table is written after each run. The
 results file keeps every run's numbers (its ``runs``): a run it holds is not run again either, and
 a later invocation in another checkout adds to it. A run folder that already holds a training
-(``WORK/runs/detection-ablation <variant> <size> seed <S>``, of an earlier recipe under the same
+(``WORK/runs/detection-ablation <variant> <size> seed <S>``, made with other settings under the same
 variant name) is not trained into: the run stops and names it. One row per variant, size and CPU: the seeds
 finished, mean and standard deviation of pycocotools' map, the means of map_50 and map_75, the
 median number of epochs to validation map_50 0.80 (every 5 epochs; empty: a seed never reached
