@@ -76,16 +76,20 @@ def finite(value: float | int | None, digits: int | None = None) -> float | None
     return round(value, digits) if digits is not None else value
 
 
-def refuse_earlier_run(run_dir: Path) -> None:
+def refuse_earlier_run(run_dir: Path, instead: str = "give the run another --name") -> None:
     """Stop a benchmark run before it trains into ``run_dir`` when that folder already holds a
     training's checkpoints: ``train.py`` would write beside them (Lightning versions the new
     ``last.ckpt`` as ``last-v1.ckpt``), ``eval.py`` could then score the earlier model, and the earlier
     run would be mixed with the new one.
+
+    Args:
+        run_dir: the run's folder.
+        instead: the benchmark's other way out, said in the error (``--name``, ``--work``).
 
     Raises:
         FileExistsError: naming the folder and what to do.
     """
     earlier = sorted(Path(run_dir).glob("checkpoints/*.ckpt"))
     if earlier:
-        raise FileExistsError(f"{run_dir} already holds a training ({earlier[0].name}): give the run another "
-                              "--name, or move that folder away to train it again")
+        raise FileExistsError(f"{run_dir} already holds a training ({earlier[0].name}): {instead}, or move that "
+                              "folder away to train it again")

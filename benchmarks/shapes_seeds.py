@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work or REPO / "benchmarks" / "results" / "shapes-work").resolve()
     try:  # every seed's folder checked before the first training
         for seed in args.seeds:
-            refuse_earlier_run(run_folder(work / "runs", args.task, f"seed{seed}"))
+            refuse_earlier_run(run_folder(work / "runs", args.task, f"seed{seed}"), "run it with another --work")
     except FileExistsError as e:
         parser.error(str(e))
     runs = [run_seed(args.task, seed, work) for seed in args.seeds]

@@ -714,7 +714,8 @@ def test_seed_and_classification_benchmarks_refuse_an_earlier_training_too(tmp_p
     second.write_bytes(b"seed 1")
     with pytest.raises(SystemExit):
         shapes_seeds.main(["detection", "--seeds", "0", "1", "--work", str(tmp_path)])
-    assert "seed1 already holds a training" in capsys.readouterr().err and trained == []
+    err = capsys.readouterr().err
+    assert "seed1 already holds a training" in err and "another --work" in err and trained == []
     kept = tmp_path / "runs" / "strokes-small" / "checkpoints" / "best-019-1240.ckpt"
     kept.parent.mkdir(parents=True)
     kept.write_bytes(b"earlier")
