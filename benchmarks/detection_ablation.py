@@ -164,10 +164,14 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _validated_epochs(epochs: int, val_every: int) -> list[int]:
+    return list(range(val_every, epochs + 1, val_every))
+
+
 def results_columns(epochs: int, val_every: int) -> list:
     """The columns of the results table: the final scores, map_50 at each validation, the first
     epoch at map_50 >= 0.90 and the run's wall time."""
-    checks = list(range(val_every, epochs + 1, val_every))
+    checks = _validated_epochs(epochs, val_every)
     return ["row", *({"name": k, "format": ".3f"} for k in ("map", "map_50", "map_75")),
             *({"name": f"map_50 epoch {e}", "format": ".2f"} for e in checks),
             f"map_50 >= {MAP50_BAR:.2f} at epoch", {"name": "wall s", "format": ".0f"}]
@@ -175,7 +179,7 @@ def results_columns(epochs: int, val_every: int) -> list:
 
 def results_rows(rows: list[dict], epochs: int, val_every: int) -> list[list]:
     """One table row per ablation row (``None`` where a run failed or a validation is missing)."""
-    checks = list(range(val_every, epochs + 1, val_every))
+    checks = _validated_epochs(epochs, val_every)
     out = []
     for r in rows:
         at = {c["epoch"]: c.get("val/map_50") for c in r.get("curve", [])}
