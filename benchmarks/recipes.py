@@ -32,14 +32,18 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.common import machine, write_result
+from benchmarks.common import command_line, machine, refuse_earlier_run, write_result
+from benchmarks.results_json import write_results
 
 log = logging.getLogger("benchmarks.recipes")
 
@@ -48,25 +52,42 @@ VAL_IMAGES = 1000
 """Validation images of every run (the accuracy of 1000 images has a standard error of at most
 1.6 points, about 0.4 near 0.98)."""
 
+_ENC = "--model.encoder.init_args."
+_AUG = "--data.init_args.augment."
+_BATCH = "--data.init_args.batching."
+_OPTIM = "--model.init_args.optim."
 ABLATION: dict[str, list[str]] = {
     "recipe (small.yaml)": [],
-    "stem linear (patch)": ["--model.encoder.init_args.stem", "patch"],
-    "stem SPT": ["--model.encoder.init_args.stem", "spt"],
-    "conv stem from 16 channels (a narrower stem)": ["--model.encoder.init_args.stem_channels", "16"],
-    "+ LSA": ["--model.encoder.init_args.lsa", "true"],
-    "pooling cls": ["--model.init_args.head.pooling", "cls"],
-    "pooling mean": ["--model.init_args.head.pooling", "mean"],
-    "repeated augmentation x3": ["--data.init_args.augment.repeated_augmentation", "3"],
-    "mixup 0.8 / cutmix 1.0": ["--model.init_args.mix.mixup", "0.8", "--model.init_args.mix.cutmix", "1.0"],
-    "RandAugment 2 ops": ["--data.init_args.augment.randaugment_ops", "2"],
-    "hflip on": ["--data.init_args.augment.hflip", "true"],
-    "batch 128 (fixed)": ["--data.init_args.batching.batch_size", "128"],
-    "batch 16 (auto, min 8)": ["--data.init_args.batching.min_batch_size", "8",
-                               "--data.init_args.batching.min_steps_per_epoch", "60"],
-    "embed dim 96 (3 heads)": ["--model.encoder.init_args.embed_dim", "96", "--model.encoder.init_args.num_heads", "3"],
+    "linear patch stem (timm's patch embedding)": [_ENC + "stem", "patch"],
+    "SPT stem (shifted patch tokenization)": [_ENC + "stem", "spt"],
+    "strided conv stem": [_ENC + "stem", "conv"],
+    "layer norm in the CNN stem (instead of instance norm)": [_ENC + "stem_norm", "layer"],
+    "CNN stem from 16 channels": [_ENC + "stem_channels", "16"],
+    "CNN stem from 64 channels": [_ENC + "stem_channels", "64"],
+    "8 x 8 patches (a 4 x 4 token grid)": [_ENC + "patch_size", "8"],
+    "+ LSA (locality self-attention)": [_ENC + "lsa", "true"],
+    "class-token pooling": ["--model.init_args.head.pooling", "cls"],
+    "mean pooling": ["--model.init_args.head.pooling", "mean"],
+    "width 96, 3 heads": [_ENC + "embed_dim", "96", _ENC + "num_heads", "3"],
+    "depth 6": [_ENC + "depth", "6"],
+    "mlp_ratio 4": [_ENC + "mlp_ratio", "4"],
+    "drop_path_rate 0": [_ENC + "drop_path_rate", "0"],
+    "label smoothing 0": ["--model.init_args.label_smoothing", "0"],
+    "repeated augmentation x3": [_AUG + "repeated_augmentation", "3"],
+    "mixup 0.8 / cutmix 1.0 (timm)": ["--model.init_args.mix.mixup", "0.8", "--model.init_args.mix.cutmix", "1.0"],
+    "RandAugment 2 ops": [_AUG + "randaugment_ops", "2"],
+    "horizontal flips on": [_AUG + "hflip", "true"],
+    "colour jitter 0.5": [_AUG + "colour_jitter", "0.5"],
+    "colour jitter 0 (none)": [_AUG + "colour_jitter", "0"],
+    "batch 128 (fixed)": [_BATCH + "batch_size", "128"],
+    "smaller batches (auto, floor 8, 100 steps per epoch)": [_BATCH + "min_batch_size", "8",
+                                                             _BATCH + "min_steps_per_epoch", "100"],
+    "lr 1.5e-3": [_OPTIM + "lr", "1.5e-3"],
+    "lr 5e-4": [_OPTIM + "lr", "5e-4"],
+    "weight decay 0.1": [_OPTIM + "weight_decay", "0.1"],
+    "EMA of the weights (decay 0.998)": [_OPTIM + "ema_decay", "0.998"],
 }
-"""Row name -> the overrides of that row (on top of the recipe). A row whose override equals
-the recipe's own setting measures the recipe again (a second seed of sorts)."""
+"""Row name -> the overrides of that row (on top of ``small.yaml``): one change per row."""
 
 FINETUNE_ENCODER = ["--model.encoder.init_args.stem", "patch"]
 """The pretrained and the from-scratch model of the ``finetune`` rows: the recipe's encoder with
@@ -147,29 +168,86 @@ def export_timm_weights(ckpt: Path, target: Path) -> Path:
     return target
 
 
-def run_sweep(args, work: Path) -> list[dict]:
+def run_folder(work: Path, kind: str, name: str) -> Path:
+    """The folder of one run: ``WORK/runs/KIND/NAME`` with characters other than letters, digits
+    and ``._+-`` of the name replaced by ``_``."""
+    return work / "runs" / kind / (re.sub(r"[^A-Za-z0-9._+-]+", "_", name).strip("._") or "run")
+
+
+def sweep_name(size: int, colour: str, image_size: int) -> str:
+    return f"glyphs-{size}-{colour}-{image_size}px"
+
+
+def run_sweep(args, work: Path, on_row: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    cells = [(image_size, colour, size) for image_size in args.image_sizes for colour in args.colours
+             for size in args.sizes]
+    for image_size, colour, size in cells:  # every run's folder checked before the first training
+        refuse_earlier_run(run_folder(work, "sweep", sweep_name(size, colour, image_size)), "give another --work")
     rows = []
-    for image_size in args.image_sizes:
-        for colour in args.colours:
-            for size in args.sizes:
-                root = glyph_root(work, size, image_size, colour)
-                name = f"glyphs-{size}-{colour}-{image_size}px"
-                result = train(args.config, root, args.epochs, work / "runs" / "sweep" / name, [])
-                rows.append({"train_images": size, "colour": colour, "image_size": image_size, **result})
-                log.info("%s: %s", name, result)
+    for image_size, colour, size in cells:
+        root = glyph_root(work, size, image_size, colour)
+        name = sweep_name(size, colour, image_size)
+        result = train(args.config, root, args.epochs, run_folder(work, "sweep", name), [])
+        rows.append({"train_images": size, "colour": colour, "image_size": image_size, **result})
+        log.info("%s: %s", name, result)
+        on_row(rows)
     return rows
 
 
-def run_ablation(args, work: Path) -> list[dict]:
+RUN_RESULT = "result.json"
+"""The file in an ablation run's folder holding its settings and result once it has finished: a
+second ``ablation`` call with the same ``--work`` reads it instead of training again."""
+
+
+def _mean(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known and len(known) == len(values) else None
+
+
+def run_ablation(args, work: Path, on_row: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Every row of :data:`ABLATION` (or ``args.rows``) at every seed of ``args.seeds``; a run
+    finished earlier under ``work`` with the same settings is read back, not trained again."""
+    names = [name for name in ABLATION if not args.rows or name in args.rows]
+    unknown = sorted(set(args.rows or ()) - set(ABLATION))
+    if unknown:
+        raise ValueError(f"--rows: no ablation row named {', '.join(map(repr, unknown))}; the rows: "
+                         + "; ".join(ABLATION))
+    cells = {}
+    for name in names:  # every run's folder checked before the first training
+        for seed in args.seeds:
+            run_dir = run_folder(work, "ablation", name if seed == 0 else f"{name} seed {seed}")
+            settings = {"row": name, "overrides": ABLATION[name], "seed": seed, "config": args.config,
+                        "epochs": args.epochs, "train_images": args.size, "colour": args.colour}
+            done = run_dir / RUN_RESULT
+            if done.is_file():
+                earlier = json.loads(done.read_text(encoding="utf-8"))
+                if {k: earlier.get(k) for k in settings} != settings:
+                    raise FileExistsError(f"{run_dir} holds a run of other settings ({done.name}): give another "
+                                          "--work, or move that folder away")
+            else:
+                refuse_earlier_run(run_dir, "give another --work")
+            cells[name, seed] = (run_dir, settings)
     root = glyph_root(work, args.size, 32, args.colour)
     rows = []
-    for name, overrides in ABLATION.items():
-        if args.rows and name not in args.rows:
-            continue
-        result = train(args.config, root, args.epochs, work / "runs" / "ablation" / name.replace(" ", "_").replace(
-            "/", "-"), overrides)
-        rows.append({"row": name, "overrides": " ".join(overrides), **result})
-        log.info("%s: %s", name, result)
+    for name in names:
+        row: dict = {"row": name, "overrides": " ".join(ABLATION[name]), "seeds": [], "top1": [], "seconds": []}
+        for seed in args.seeds:
+            run_dir, settings = cells[name, seed]
+            done = run_dir / RUN_RESULT
+            if done.is_file():
+                result = json.loads(done.read_text(encoding="utf-8"))
+                log.info("%s, seed %d: finished earlier (%s)", name, seed, done)
+            else:
+                result = train(args.config, root, args.epochs, run_dir,
+                               [*ABLATION[name], "--seed_everything", str(seed)])
+                if result["top1"] is not None:
+                    done.write_text(json.dumps({**settings, **result}, indent=1) + "\n", encoding="utf-8")
+            row["seeds"].append(seed)
+            row["top1"].append(result["top1"])
+            row["seconds"].append(result["seconds"])
+            log.info("%s, seed %d: %s", name, seed, result)
+        rows.append(row)
+        on_row(rows)
     return rows
 
 
@@ -202,8 +280,8 @@ def markdown(kind: str, rows: list[dict]) -> str:
         lines += [f"| {r['train_images']} | {r['colour']} | {r['image_size']} | {pct(r['top1'])} | {r['seconds']} |"
                   for r in rows]
     elif kind == "ablation":
-        lines = ["| row | top-1 | wall s |", "| --- | --- | --- |"]
-        lines += [f"| {r['row']} | {pct(r['top1'])} | {r['seconds']} |" for r in rows]
+        lines = ["| row | top-1 (mean of the seeds) | wall s (mean) |", "| --- | --- | --- |"]
+        lines += [f"| {r['row']} | {pct(_mean(r['top1']))} | {_mean(r['seconds']) or 0:.0f} |" for r in rows]
     else:
         lines = ["| train images | from scratch | fine-tuned | gain |", "| --- | --- | --- | --- |"]
         for r in rows:
@@ -211,6 +289,50 @@ def markdown(kind: str, rows: list[dict]) -> str:
             gain = "—" if a is None or b is None else f"{100 * (b - a):+.1f} pts"
             lines.append(f"| {r['train_images']} | {pct(a)} | {pct(b)} | {gain} |")
     return "\n".join(lines)
+
+
+def results_table(kind: str, rows: list[dict], args) -> dict:
+    """The documentation's table of a ``sweep`` or ``ablation`` run: its title, description,
+    columns and rows (``None`` where a run failed)."""
+    seconds = {"name": "wall s", "format": ".0f"}
+    if kind == "sweep":
+        return {"title": "small.yaml on digit glyphs: top-1 by training-set size, colour and resolution",
+                "description": f"`{args.config}` as shipped, {args.epochs} epochs through `train.py`, on the "
+                f"embedded glyphs (ten digits in seven fonts, slanted, coloured, with clutter), {VAL_IMAGES} "
+                "validation images; grey rows are single-channel copies; 64 px images are resized to the "
+                "recipe's 32. Wall s: the whole `train.py` run (start-up, data scan and validations included), "
+                "the runs one after another, alone.",
+                "columns": ["train images", "colour", "px", {"name": "top-1", "format": ".3f"}, seconds],
+                "rows": [[r["train_images"], r["colour"], r["image_size"], r["top1"], r["seconds"]] for r in rows]}
+    recipe = next((r["top1"] for r in rows if not r["overrides"]), [])
+    base = _mean(recipe) if recipe else None
+    spread = [f"The recipe's own seeds lie {100 * (max(recipe) - min(recipe)):.1f} points apart (lowest to "
+              "highest): a difference of that size is within what a seed changes."
+              ] if len(recipe) > 1 and None not in recipe else []
+    seeds = ", ".join(map(str, args.seeds))
+
+    def difference(r: dict) -> float | None:
+        top1 = _mean(r["top1"])
+        return None if base is None or top1 is None or not r["overrides"] else 100 * (top1 - base)
+
+    return {"title": f"small.yaml: one change at a time (top-1 after {args.epochs} epochs)",
+            "description": f"Each row is one change to `{args.config}`, trained {args.epochs} epochs through "
+            f"`train.py` on {args.size} embedded {args.colour} glyph images (ten digits in seven fonts, slanted, "
+            f"with clutter) with {VAL_IMAGES} validation images, at seeds {seeds} (`--seed_everything`), the "
+            "runs one after another, alone. Top-1: the mean over the seeds (each seed's in the next column); "
+            "difference: the row's mean minus the recipe's, in points; wall s: the mean `train.py` run.",
+            "columns": ["change", "train.py overrides", {"name": "top-1", "format": ".3f"}, "top-1 per seed",
+                        {"name": "difference (points)", "format": "+.1f"}, {"name": "wall s", "format": ".0f"}],
+            "notes": spread,
+            "rows": [[r["row"], r["overrides"] or "none", _mean(r["top1"]),
+                      " / ".join("–" if v is None else f"{v:.3f}" for v in r["top1"]), difference(r),
+                      _mean(r["seconds"])] for r in rows]}
+
+
+def write_results_table(path: str, kind: str, rows: list[dict], args, argv: list[str]) -> None:
+    """Write the rows run so far as the documentation's results file ``path``."""
+    write_results(path, page="classification", command=command_line("benchmarks.recipes", argv),
+                  **results_table(kind, rows, args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,18 +347,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image_sizes", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--rows", nargs="*", default=None, help="ablation: only these rows")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="ablation: train every row at these seeds")
     parser.add_argument("--pretrain_images", type=int, default=4000)
     parser.add_argument("--pretrain_epochs", type=int, default=30)
     parser.add_argument("--finetune_args", nargs="*", default=[], help="extra overrides of the fine-tuned runs")
     parser.add_argument("--work", default=None, help="data and runs (default: benchmarks/results/recipes-work)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--results", default=None,
+                        help="sweep / ablation: the documentation's results file to write (after each run)")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.sizes is None:
         args.sizes = [200, 1000] if args.kind == "finetune" else [500, 1000, 2000, 5000, 10000]
     work = Path(args.work or REPO / "benchmarks" / "results" / "recipes-work").resolve()
-    runner = {"sweep": run_sweep, "ablation": run_ablation, "finetune": run_finetune}[args.kind]
-    rows = runner(args, work)
+    if args.results and args.kind == "finetune":
+        parser.error("--results: sweep and ablation write a results table, finetune does not")
+    if args.kind == "finetune":
+        rows = run_finetune(args, work)
+    else:
+        def on_row(rows: list[dict]) -> None:
+            if args.results:
+                write_results_table(args.results, args.kind, rows, args, argv)
+
+        try:
+            rows = (run_sweep if args.kind == "sweep" else run_ablation)(args, work, on_row)
+        except (FileExistsError, ValueError) as e:
+            parser.error(str(e))
     table = markdown(args.kind, rows)
     sys.stdout.write(table + "\n")
     write_result(args.json, {"kind": args.kind, "config": args.config, "epochs": args.epochs, "machine": machine(),

@@ -688,9 +688,10 @@ PAGE_INTROS = {
 PAGE_PRODUCERS = {
     "overview": [("make demo", "trains and evaluates each task; then `python -m benchmarks.results_json demo "
                   "runs/demo/<time>/summary.json --json docs/results/demo.json`")],
-    "classification": [("python -m benchmarks.recipes sweep", "the `small.yaml` recipe across data sizes, colour "
-                        "and grey, 32 and 64 px"),
-                       ("python -m benchmarks.recipes ablation", "what each part of the recipe adds"),
+    "classification": [("python -m benchmarks.recipes sweep --results docs/results/classification_sweep.json",
+                        "the `small.yaml` recipe across data sizes, colour and grey, 32 and 64 px"),
+                       ("python -m benchmarks.recipes ablation --results docs/results/classification_ablation.json",
+                        "what each part of the recipe adds"),
                        ("python -m benchmarks.recipes finetune", "pretrained weights against training from scratch")],
     "detection": [("python -m benchmarks.detection_ablation", "the training aids, one change per row"),
                   ("python -m benchmarks.holdout detection", "`small.yaml` on digit and stroke scenes, 300 to 5000 "

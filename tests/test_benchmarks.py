@@ -268,6 +268,70 @@ def test_recipes_reads_runs_and_prints_tables(tmp_path):
     assert "+25.0 pts" in gain
 
 
+def test_recipes_ablation_writes_its_results_table(tmp_path, monkeypatch):
+    """benchmarks.recipes ablation --results: one row per change with its overrides, the mean
+    top-1 over the seeds, each seed's, and the difference to the recipe's row; rewritten after
+    every row; a finished run read back instead of trained again; an unfinished or other run's
+    folder refused before any training (the trainings are replaced by a stand-in here)."""
+    import benchmarks.recipes as recipes
+
+    trained = []
+    scores = {(): 0.9, ("--model.encoder.init_args.stem", "patch"): 0.7}
+
+    def fake_train(config, root, epochs, run_dir, overrides):
+        seed = int(overrides[overrides.index("--seed_everything") + 1])
+        trained.append((run_dir, seed))
+        (run_dir / "checkpoints").mkdir(parents=True)
+        (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"x")
+        return {"top1": scores.get(tuple(overrides[:-2]), 0.5) + seed / 100, "seconds": 10.0 + seed}
+
+    monkeypatch.setattr(recipes, "train", fake_train)
+    monkeypatch.setattr(recipes, "glyph_root", lambda work, size, image_size, colour: work / "data")
+    out = tmp_path / "docs" / "classification_ablation.json"
+    rows = ["recipe (small.yaml)", "linear patch stem (timm's patch embedding)", "mixup 0.8 / cutmix 1.0 (timm)"]
+    work = tmp_path / "w"
+    argv = ["ablation", "--work", str(work), "--results", str(out), "--rows", *rows]
+    assert recipes.main([*argv, "--seeds", "0", "2"]) == 0
+    data = json.loads(out.read_text())
+    assert data["page"] == "classification" and data["command"].startswith("python -m benchmarks.recipes ablation")
+    assert data["machine"]["cpu"] and data["machine"]["cores"] >= 1 and "seeds 0, 2" in data["description"]
+    assert data["notes"] == ["The recipe's own seeds lie 2.0 points apart (lowest to highest): a difference of "
+                             "that size is within what a seed changes."]
+    table = {r[0]: r for r in data["rows"]}
+    assert list(table) == rows
+    assert table[rows[0]][1:] == ["none", pytest.approx(0.91), "0.900 / 0.920", None, 11.0]
+    assert table[rows[1]][1:4] == ["--model.encoder.init_args.stem patch", pytest.approx(0.71), "0.700 / 0.720"]
+    assert table[rows[1]][4] == pytest.approx(-20.0) and table[rows[2]][4] == pytest.approx(-40.0)
+    ablation = work / "runs" / "ablation"
+    assert [(d.relative_to(ablation).as_posix(), s) for d, s in trained] == [
+        ("recipe_small.yaml", 0), ("recipe_small.yaml_seed_2", 2),
+        ("linear_patch_stem_timm_s_patch_embedding", 0), ("linear_patch_stem_timm_s_patch_embedding_seed_2", 2),
+        ("mixup_0.8_cutmix_1.0_timm", 0), ("mixup_0.8_cutmix_1.0_timm_seed_2", 2)]
+    # again with one more seed: the finished runs are read back, only seed 1 trains
+    assert recipes.main([*argv, "--seeds", "0", "1", "2"]) == 0
+    assert [s for _, s in trained[6:]] == [1, 1, 1]
+    assert json.loads(out.read_text())["rows"][0][3] == "0.900 / 0.910 / 0.920"
+    # a run that did not finish (checkpoints, no result) and a run of other settings: refused
+    # before the first training, the results file untouched
+    before = out.read_bytes()
+    (work / "runs" / "ablation" / "recipe_small.yaml_seed_1" / recipes.RUN_RESULT).unlink()
+    with pytest.raises(SystemExit):
+        recipes.main([*argv, "--seeds", "0", "1"])
+    with pytest.raises(SystemExit):
+        recipes.main([*argv[:-2], "--seeds", "2", "--epochs", "5"])
+    with pytest.raises(SystemExit):  # a row that does not exist is named
+        recipes.main(["ablation", "--work", str(tmp_path / "v"), "--rows", "no such row"])
+    assert len(trained) == 9 and out.read_bytes() == before
+    for name, overrides in recipes.ABLATION.items():  # every change is train.py options, in pairs
+        assert len(overrides) % 2 == 0 and all(o.startswith("--") for o in overrides[::2]), name
+    sweep = tmp_path / "docs" / "classification_sweep.json"
+    monkeypatch.setattr(recipes, "train", lambda config, root, epochs, run_dir, overrides: {"top1": 0.9,
+                                                                                          "seconds": 14.0})
+    assert recipes.main(["sweep", "--sizes", "500", "--colours", "grey", "colour", "--image_sizes", "32",
+                         "--work", str(tmp_path / "s"), "--results", str(sweep)]) == 0
+    assert json.loads(sweep.read_text())["rows"] == [[500, "grey", 32, 0.9, 14.0], [500, "colour", 32, 0.9, 14.0]]
+
+
 def test_token_merging_benchmark_rows(tmp_path):
     from benchmarks.merging import run, write_json
 
