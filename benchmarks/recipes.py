@@ -199,6 +199,23 @@ RUN_RESULT = "result.json"
 second ``ablation`` call with the same ``--work`` reads it instead of training again."""
 
 
+def read_run_result(path: Path) -> dict:
+    """A finished ablation run's :data:`RUN_RESULT` (its settings, ``top1`` and ``seconds``).
+
+    Raises:
+        ValueError: naming the file when it is not such a record.
+    """
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable run record ({e}); move its folder away to train it again") from e
+    if not isinstance(result, dict) or not all(isinstance(result.get(k), (int, float)) and not isinstance(
+            result.get(k), bool) for k in ("top1", "seconds")):
+        raise ValueError(f"{path}: a run record needs numbers 'top1' and 'seconds'; move its folder away to train "
+                         "it again")
+    return result
+
+
 def _mean(values: list) -> float | None:
     known = [v for v in values if v is not None]
     return sum(known) / len(known) if known and len(known) == len(values) else None
@@ -220,7 +237,7 @@ def run_ablation(args, work: Path, on_row: Callable[[list[dict]], None] = lambda
                         "epochs": args.epochs, "train_images": args.size, "colour": args.colour}
             done = run_dir / RUN_RESULT
             if done.is_file():
-                earlier = json.loads(done.read_text(encoding="utf-8"))
+                earlier = read_run_result(done)
                 if {k: earlier.get(k) for k in settings} != settings:
                     raise FileExistsError(f"{run_dir} holds a run of other settings ({done.name}): give another "
                                           "--work, or move that folder away")
@@ -235,7 +252,7 @@ def run_ablation(args, work: Path, on_row: Callable[[list[dict]], None] = lambda
             run_dir, settings = cells[name, seed]
             done = run_dir / RUN_RESULT
             if done.is_file():
-                result = json.loads(done.read_text(encoding="utf-8"))
+                result = read_run_result(done)
                 log.info("%s, seed %d: finished earlier (%s)", name, seed, done)
             else:
                 result = train(args.config, root, args.epochs, run_dir,

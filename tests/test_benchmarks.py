@@ -321,6 +321,12 @@ def test_recipes_ablation_writes_its_results_table(tmp_path, monkeypatch):
         recipes.main([*argv[:-2], "--seeds", "2", "--epochs", "5"])
     with pytest.raises(SystemExit):  # a row that does not exist is named
         recipes.main(["ablation", "--work", str(tmp_path / "v"), "--rows", "no such row"])
+    record = work / "runs" / "ablation" / "recipe_small.yaml" / recipes.RUN_RESULT
+    for broken in ("{not json", '{"top1": "0.9", "seconds": 1}'):  # a damaged record is named, nothing trains
+        record.write_text(broken)
+        with pytest.raises(ValueError, match="recipe_small.yaml"):
+            recipes.run_ablation(recipes.argparse.Namespace(rows=[rows[0]], seeds=[0], config="c", epochs=30,
+                                                            size=1000, colour="colour"), work)
     assert len(trained) == 9 and out.read_bytes() == before
     for name, overrides in recipes.ABLATION.items():  # every change is train.py options, in pairs
         assert len(overrides) % 2 == 0 and all(o.startswith("--") for o in overrides[::2]), name
