@@ -236,29 +236,27 @@ def run_ablation(args, work: Path, on_row: Callable[[list[dict]], None] = lambda
             settings = {"row": name, "overrides": ABLATION[name], "seed": seed, "config": args.config,
                         "epochs": args.epochs, "train_images": args.size, "colour": args.colour}
             done = run_dir / RUN_RESULT
-            if done.is_file():
-                earlier = read_run_result(done)
-                if {k: earlier.get(k) for k in settings} != settings:
-                    raise FileExistsError(f"{run_dir} holds a run of other settings ({done.name}): give another "
-                                          "--work, or move that folder away")
-            else:
+            earlier = read_run_result(done) if done.is_file() else None
+            if earlier is None:
                 refuse_earlier_run(run_dir, "give another --work")
-            cells[name, seed] = (run_dir, settings)
+            elif {k: earlier.get(k) for k in settings} != settings:
+                raise FileExistsError(f"{run_dir} holds a run of other settings ({done.name}): give another "
+                                      "--work, or move that folder away")
+            cells[name, seed] = (run_dir, settings, earlier)
     root = glyph_root(work, args.size, 32, args.colour)
     rows = []
     for name in names:
         row: dict = {"row": name, "overrides": " ".join(ABLATION[name]), "seeds": [], "top1": [], "seconds": []}
         for seed in args.seeds:
-            run_dir, settings = cells[name, seed]
-            done = run_dir / RUN_RESULT
-            if done.is_file():
-                result = read_run_result(done)
-                log.info("%s, seed %d: finished earlier (%s)", name, seed, done)
+            run_dir, settings, result = cells[name, seed]
+            if result is not None:
+                log.info("%s, seed %d: finished earlier (%s)", name, seed, run_dir / RUN_RESULT)
             else:
                 result = train(args.config, root, args.epochs, run_dir,
                                [*ABLATION[name], "--seed_everything", str(seed)])
                 if result["top1"] is not None:
-                    done.write_text(json.dumps({**settings, **result}, indent=1) + "\n", encoding="utf-8")
+                    (run_dir / RUN_RESULT).write_text(json.dumps({**settings, **result}, indent=1) + "\n",
+                                                      encoding="utf-8")
             row["seeds"].append(seed)
             row["top1"].append(result["top1"])
             row["seconds"].append(result["seconds"])
