@@ -93,3 +93,24 @@ def refuse_earlier_run(run_dir: Path, instead: str = "give the run another --nam
     if earlier:
         raise FileExistsError(f"{run_dir} already holds a training ({earlier[0].name}): {instead}, or move that "
                               "folder away to train it again")
+
+
+def read_run_record(path: Path, numbers: Sequence[str], mappings: Sequence[str] = ()) -> dict:
+    """A finished benchmark run's record (the JSON file a resumable benchmark writes into the run's
+    folder): a dict with a number under each of ``numbers`` and a dict under each of ``mappings``.
+
+    Raises:
+        ValueError: naming the file when it is not such a record, and what to do.
+    """
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable run record ({e}); move its folder away to train it again") from e
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not isinstance(record, dict) or not all(number(record.get(k)) for k in numbers) or not all(
+            isinstance(record.get(k), dict) for k in mappings):
+        needs = ", ".join([*(f"a number {k!r}" for k in numbers), *(f"an object {k!r}" for k in mappings)])
+        raise ValueError(f"{path}: a run record needs {needs}; move its folder away to train it again")
+    return record

@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --results: the table's title (default: small.yaml on data it was not tuned on)")
     parser.add_argument("--glance", action="store_true",
                         help="with --results: this run is the README's 'results at a glance' row of the task")
+    parser.add_argument("--explanations", default=None,
+                        help="also write eval.py's explanation measures of the run (a row per method) as a results "
+                             "file of the documentation")
     parser.add_argument("--work", default=None, help="data and runs (default: benchmarks/results/holdout-work)")
     parser.add_argument("--json", default=None)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -205,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     write_result(args.json, result)
     if args.results:
         write_holdout_results(args.results, result, args, command_line("benchmarks.holdout", argv))
+    if args.explanations:
+        write_explanation_results(args.explanations, result, args, command_line("benchmarks.holdout", argv))
     return 0
 
 
@@ -240,8 +245,10 @@ def write_holdout_results(path: str, result: dict, args, command: str) -> None:
                           if k != EPOCHS_TO and isinstance(scores.get(k), (int, float)))
         glance = [{"task": f"{result['task']} (held out)", "data": data, "metric": shown,
                    "time": f"{result['train_seconds']:.0f} s training", "command": command}]
+    captions_only = {str(r[1]).endswith(", captions only") for r in rows}  # a row's data says it
+    flag = " [--captions_only]" if len(captions_only) > 1 else " --captions_only" if True in captions_only else ""
     template = (f"python -m benchmarks.holdout {result['task']} --scenes SCENES --train_images N --val_images N"
-                f"{' --captions_only' if args.captions_only else ''} --name RUN --results {path} -- OVERRIDES")
+                f"{flag} --name RUN --results {path} -- OVERRIDES")
     title = getattr(args, "title", None) or f"small.yaml on data it was not tuned on ({result['task']})"
     write_results(path, page=result["task"], title=title,
                   command=template, columns=columns, rows=rows, glance=glance,
@@ -250,6 +257,48 @@ def write_holdout_results(path: str, result: dict, args, command: str) -> None:
                          *([f"{EPOCHS_TO}: the first validation at or above it (small.yaml validates every 10 "
                             "epochs, a run with --trainer.check_val_every_n_epoch 5 every 5); empty: never"]
                            if result["task"] == "detection" else [])])
+
+
+EXPLANATION_MEASURES = (("pointing", "pointing_"), ("energy", "energy_"), ("mIoU", "miou_"),
+                        ("deletion AUC", "deletion_auc_"), ("insertion AUC", "insertion_auc_"),
+                        ("sanity (Spearman)", "sanity_"))
+"""Column name and ``metrics.json`` key prefix (``<prefix><method>``) of each explanation measure."""
+EXPLAINED = {"captioning": "explain_words", "detection": "explain_images"}
+
+
+def explanation_rows(metrics: dict, task: str, eval_seconds: float) -> tuple[list, list[list]]:
+    """The columns and one row per method of ``eval.py``'s explanation measures in ``metrics``
+    (its ``metrics.json``, whose other keys sharing a prefix, such as ``pointing_words``, name no
+    registered method); a measure no method has (pointing without boxes) is left out."""
+    from vision_attn.explain.methods import METHODS
+
+    prefixes = [prefix for _, prefix in EXPLANATION_MEASURES]
+    methods = list(dict.fromkeys(key[len(prefix):] for key in metrics for prefix in prefixes
+                                 if key.startswith(prefix) and key[len(prefix):] in METHODS))
+    measures = [(name, prefix) for name, prefix in EXPLANATION_MEASURES
+                if any(f"{prefix}{m}" in metrics for m in methods)]
+    columns = ["method", *({"name": name, "format": ".3f"} for name, _ in measures), "items explained",
+               {"name": "eval.py s", "format": ".0f"}]
+    explained = metrics.get(EXPLAINED[task], metrics.get("explain_images"))
+    rows = [[m, *(finite(metrics.get(f"{prefix}{m}"), 4) for _, prefix in measures),
+             None if explained is None else int(explained), eval_seconds] for m in methods]
+    return columns, rows
+
+
+def write_explanation_results(path: str, result: dict, args, command: str) -> None:
+    """The run's explanation measures, a row per method (:func:`explanation_rows`), as a results
+    file of the documentation; refused (``ValueError``) when ``eval.py`` measured none."""
+    columns, rows = explanation_rows(result["metrics"], result["task"], result["eval_seconds"])
+    if not rows:
+        raise ValueError(f"{result['name']}: eval.py wrote no explanation measures (see its metrics.json)")
+    data = f"{args.scenes}, {args.img_size} px, {args.train_images} / {args.val_images} images" + (
+        ", captions only" if args.captions_only else "")
+    title = f"Explanations of small.yaml's {result['task']} model on data it was not tuned on ({data})"
+    write_results(path, page="explanations", title=title,
+                  command=command, columns=columns, rows=rows,
+                  notes=[f"the run: {result['name']}, {args.epochs} epochs, train.py overrides: "
+                         f"{' '.join(result['overrides']) or 'none'}; measured by its eval.py (every method the "
+                         "task's explanation defaults name)"])
 
 
 def _old_row(values: dict, columns: list[str], run_dir: Path) -> list:

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.common import command_line, machine, refuse_earlier_run, write_result
+from benchmarks.common import command_line, machine, read_run_record, refuse_earlier_run, write_result
 from benchmarks.results_json import write_results
 
 log = logging.getLogger("benchmarks.recipes")
@@ -205,15 +205,7 @@ def read_run_result(path: Path) -> dict:
     Raises:
         ValueError: naming the file when it is not such a record.
     """
-    try:
-        result = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable run record ({e}); move its folder away to train it again") from e
-    if not isinstance(result, dict) or not all(isinstance(result.get(k), (int, float)) and not isinstance(
-            result.get(k), bool) for k in ("top1", "seconds")):
-        raise ValueError(f"{path}: a run record needs numbers 'top1' and 'seconds'; move its folder away to train "
-                         "it again")
-    return result
+    return read_run_record(path, ("top1", "seconds"))
 
 
 def _mean(values: list) -> float | None:

@@ -20,6 +20,7 @@ import json
 import logging
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import command_line, finite, refuse_earlier_run, write_result
@@ -45,17 +46,23 @@ def first_epoch(run_dir: Path, map_50: float = 0.90, map_: float = 0.60) -> int 
     return next((e for e, v in validation_curve(run_dir, "val/map_50") if v >= map_50 and both.get(e, 0) >= map_), None)
 
 
-def run_seed(task: str, seed: int, work: Path) -> dict:
-    run_dir = run_folder(work / "runs", task, f"seed{seed}")
+def run_seed(task: str, seed: int, work: Path, overrides: Sequence[str] = (), run_dir: Path | None = None,
+             eval_options: Sequence[str] = ()) -> dict:
+    """``train.py`` then ``eval.py`` of ``configs/<task>/shapes.yaml`` at ``seed`` (with the
+    ``train.py`` ``overrides`` and ``eval.py`` ``eval_options``), in ``run_dir`` (default:
+    ``WORK/runs/<task>-seed<S>``): the seconds of each, ``eval.py``'s metrics and (detection) the
+    first epoch at the target."""
+    run_dir = run_dir or run_folder(work / "runs", task, f"seed{seed}")
     train = [sys.executable, str(REPO / "train.py"), "--config", f"configs/{task}/shapes.yaml",
              "--seed_everything", str(seed), "--trainer.default_root_dir", str(run_dir),
              "--trainer.enable_progress_bar", "false"]
     if task == "detection":
         train += ["--trainer.check_val_every_n_epoch", "1"]
-    train_s = timed(train, run_dir / "train.log")
+    train_s = timed([*train, *overrides], run_dir / "train.log")
     out = run_dir / "eval"
     eval_s = timed([sys.executable, str(REPO / "eval.py"), "--config", f"configs/{task}/shapes.yaml", "--ckpt_path",
-                    str(run_dir / "checkpoints" / "last.ckpt"), "--output_dir", str(out)], run_dir / "eval.log")
+                    str(run_dir / "checkpoints" / "last.ckpt"), "--output_dir", str(out), *eval_options],
+                   run_dir / "eval.log")
     result = {"seed": seed, "train_seconds": train_s, "eval_seconds": eval_s,
               "metrics": json.loads((out / "metrics.json").read_text())}
     if task == "detection":

@@ -697,10 +697,14 @@ PAGE_PRODUCERS = {
                   ("python -m benchmarks.holdout detection", "`small.yaml` on digit and stroke scenes, 300 to 5000 "
                    "training images"),
                   ("python -m benchmarks.shapes_seeds detection", "`shapes.yaml` (the `make demo` detector) over "
-                   "seeds")],
+                   "seeds"),
+                  ("python -m benchmarks.shapes_ablation detection --results docs/results/detection_changes.json",
+                   "`shapes.yaml` with one change at a time")],
     "captioning": [("python -m benchmarks.holdout captioning", "`small.yaml` on the embedded digit scenes"),
                    ("python -m benchmarks.shapes_seeds captioning", "`shapes.yaml` (the `make demo` captioner) over "
                     "seeds"),
+                   ("python -m benchmarks.shapes_ablation captioning --results docs/results/captioning_changes.json",
+                    "`shapes.yaml` with one change at a time"),
                    ("python -m benchmarks.caption_grounding CKPT", "whether the object words are read from the image"),
                    ("python -m benchmarks.caption_ceiling RUN", "how high CIDEr-D goes on the references")],
     "explanations": [("python -m benchmarks.explanations --demo_dir runs/demo", "every method on the three demo "

@@ -585,6 +585,11 @@ def test_holdout_stroke_scenes_captions_only_and_its_results_row(tmp_path):
     args.title = "small.yaml with one encoder option"  # --title: a table of its own
     write_holdout_results(str(out), other, args, "python -m benchmarks.holdout captioning")
     assert json.loads(out.read_text())["title"] == "small.yaml with one encoder option"
+    assert " --captions_only --name RUN" in json.loads(out.read_text())["command"]  # every row: captions only
+    args.captions_only = False  # a row with the instance files joins: the flag is optional in the command
+    write_holdout_results(str(out), {**result, "name": "boxes"}, args, "python -m benchmarks.holdout captioning")
+    data = json.loads(out.read_text())
+    assert " [--captions_only] --name RUN" in data["command"] and data["rows"][-1][1] == "strokes, 64 px, 3 / 2 images"
 
 
 def test_holdout_detection_rows_gain_columns_from_their_runs(tmp_path):
@@ -620,6 +625,145 @@ def test_holdout_detection_rows_gain_columns_from_their_runs(tmp_path):
     assert data["rows"] == [["old", "strokes", 40, 1.0, 2.0, 0.3, 0.6, 0.5123, 20, "none"],
                             ["gone", "strokes", 40, 1.0, 2.0, 0.1, 0.2, None, None, "x"],
                             ["new", "strokes, 96 px, 300 / 300 images", 40, 3.0, 4.0, 0.5, 0.9, 0.55, 10, "none"]]
+
+
+def test_holdout_explanation_table_has_a_row_per_method_of_eval_metrics(tmp_path):
+    """``--explanations``: one row per method named in ``metrics.json`` (keys such as
+    ``pointing_words`` or the unsuffixed ``deletion_auc`` are no method), a measure no method has
+    left out, the values as written; a run without explanation measures is refused."""
+    from types import SimpleNamespace
+
+    from benchmarks.holdout import write_explanation_results
+    from benchmarks.results_json import column_name, validate
+
+    metrics = {"pointing_acc": 0.9, "pointing_words": 12.0, "deletion_auc": 0.25, "bleu4": 0.8,
+               "deletion_auc_relevance": 0.25, "insertion_auc_relevance": 0.61234, "sanity_relevance": 0.1,
+               "deletion_auc_random": 0.42, "insertion_auc_random": 0.48, "sanity_random": 1.0,
+               "deletion_auc_attention": 0.3, "explain_words": 570.0}
+    args = SimpleNamespace(scenes="digits", img_size=64, train_images=1500, val_images=300, captions_only=True,
+                           epochs=40)
+    result = {"task": "captioning", "name": "small.yaml", "eval_seconds": 153.4, "overrides": [], "metrics": metrics}
+    out = tmp_path / "e.json"
+    write_explanation_results(str(out), result, args, "python -m benchmarks.holdout captioning --captions_only")
+    data = json.loads(out.read_text())
+    assert not validate(data) and data["page"] == "explanations"
+    assert [column_name(c) for c in data["columns"]] == ["method", "deletion AUC", "insertion AUC",
+                                                         "sanity (Spearman)", "items explained", "eval.py s"]
+    assert data["rows"] == [["relevance", 0.25, 0.6123, 0.1, 570, 153.4], ["random", 0.42, 0.48, 1.0, 570, 153.4],
+                            ["attention", 0.3, None, None, 570, 153.4]]
+    assert "captions only" in data["title"] and data["command"].endswith("--captions_only")
+    with pytest.raises(ValueError, match="small.yaml: eval.py wrote no explanation measures"):
+        write_explanation_results(str(tmp_path / "none.json"), {**result, "metrics": {"bleu4": 0.8}}, args, "x")
+    assert not (tmp_path / "none.json").exists()
+
+
+def test_shapes_ablation_changes_are_options_of_the_shipped_configs():
+    """Every row of ``benchmarks.shapes_ablation`` is ``train.py`` options that the task's
+    ``shapes.yaml`` accepts (parsed and validated, nothing built), each changing what it names."""
+    from benchmarks.shapes_ablation import CHANGES, RECIPE
+    from vision_attn.commands.train import TrainCLI
+
+    from .conftest import REPO
+
+    class ParseOnly(TrainCLI):
+        def instantiate_classes(self) -> None:
+            pass
+
+    for task, rows in CHANGES.items():
+        config = ["--config", str(REPO / "configs" / task / "shapes.yaml")]
+        recipe = ParseOnly(args=config).config
+        assert list(rows)[0] == RECIPE and rows[RECIPE] == []
+        for name, overrides in list(rows.items())[1:]:
+            assert len(overrides) % 2 == 0 and all(o.startswith("--") for o in overrides[::2]), name
+            parsed = ParseOnly(args=[*config, *overrides]).config
+            changed = [key for key in overrides[::2] if parsed.get(key[2:]) != recipe.get(key[2:])]
+            assert changed, f"{task}: {name} changes nothing"
+
+
+def test_shapes_ablation_rows_means_differences_and_resume(tmp_path, monkeypatch):
+    """The ablation's table from stand-in runs: a row per change in order, each metric's mean over
+    the seeds, the headline per seed and its difference to the recipe; finished runs are read
+    back, an unfinished or damaged run is refused before any training."""
+    from benchmarks import shapes_ablation as sa
+    from benchmarks.results_json import column_name, validate
+
+    trained = []
+    content = {(): 0.80, ("--model.init_args.decoder.dropout", "0.1"): 0.70}
+
+    def fake_run(task, seed, work, overrides, run_dir, eval_options):
+        assert eval_options == sa.EVAL_OPTIONS
+        trained.append((run_dir.name, seed))
+        (run_dir / "checkpoints").mkdir(parents=True)
+        (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"x")
+        value = content[tuple(overrides)] + seed / 100
+        return {"seed": seed, "train_seconds": 100.0 + seed, "eval_seconds": 5.0,
+                "metrics": {"bleu4": 0.9, "cider": 5.0 + seed, "kinds_exact": 0.5, "content_exact": value}}
+
+    monkeypatch.setattr(sa, "run_seed", fake_run)
+    rows = [sa.RECIPE, "decoder dropout 0.1"]
+    out = tmp_path / "c.json"
+    argv = ["captioning", "--seeds", "0", "2", "--work", str(tmp_path / "w"), "--results", str(out), "--rows", *rows]
+    assert sa.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert not validate(data) and data["page"] == "captioning" and data["machine"]["cores"] >= 1
+    assert [column_name(c) for c in data["columns"]][:8] == [
+        "change", "seeds", "BLEU-4", "CIDEr-D", "kinds_exact", "content_exact", "content_exact per seed",
+        "content_exact difference (points)"]
+    assert data["rows"][0] == [sa.RECIPE, "0, 2", 0.9, 6.0, 0.5, 0.81, "0.800 / 0.820", None, 101.0, "none"]
+    assert data["rows"][1][:8] == ["decoder dropout 0.1", "0, 2", 0.9, 6.0, 0.5, 0.71, "0.700 / 0.720",
+                                   pytest.approx(-10.0)]
+    assert data["notes"] == ["The recipe's own seeds lie 2.0 points of content_exact apart: a difference of that "
+                             "size is within what a seed changes."]
+    assert [s for _, s in trained] == [0, 2, 0, 2] and trained[0][0] == "captioning-recipe (shapes.yaml) seed 0"
+    assert sa.main([*argv[:1], "--seeds", "0", "1", "2", *argv[4:]]) == 0  # only seed 1 trains
+    assert [s for _, s in trained[4:]] == [1, 1]
+    assert json.loads(out.read_text())["rows"][0][6] == "0.800 / 0.810 / 0.820"
+    before = out.read_bytes()
+    runs = tmp_path / "w" / "runs"
+    (runs / "captioning-decoder dropout 0.1 seed 1" / sa.RUN_RESULT).unlink()  # unfinished: refused
+    with pytest.raises(SystemExit):
+        sa.main([*argv[:1], "--seeds", "0", "1", *argv[4:]])
+    (runs / "captioning-recipe (shapes.yaml) seed 0" / sa.RUN_RESULT).write_text('{"metrics": 1}')
+    with pytest.raises(ValueError, match="recipe .shapes.yaml. seed 0"):  # damaged: named
+        sa.run_ablation("captioning", [sa.RECIPE], [0], tmp_path / "w", train=fake_run)
+    with pytest.raises(SystemExit):  # a row that does not exist
+        sa.main(["detection", "--rows", "no such row", "--work", str(tmp_path / "v")])
+    assert len(trained) == 6 and out.read_bytes() == before
+
+
+def test_scst_benchmark_clock_rows_and_refusals(tmp_path, monkeypatch):
+    """``benchmarks.scst``: the clock in Lightning's format, the table's rows (the references' own,
+    then each run scored against all references and with one held out, its eval metrics), and a
+    folder that holds a training refused before anything runs."""
+    from benchmarks import scst
+    from benchmarks.caption_ceiling import prediction_row, reference_rows
+
+    assert scst.max_time(4.5) == "00:00:04:30" and scst.max_time(61) == "00:01:01:00"
+    assert scst.max_time(1500) == "01:01:00:00"
+    with pytest.raises(ValueError, match="at least a second"):
+        scst.max_time(0)
+    references = {1: ["a red circle", "a red circle left", "one red circle"],
+                  2: ["a blue square", "the blue square", "a square that is blue"]}
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "predictions.json").write_text(json.dumps([{"image_id": 1, "caption": "a red circle"},
+                                                               {"image_id": 2, "caption": "a blue circle"}]))
+    rows = scst.table(references, {"ce": {"run": str(run), "train_seconds": 12.5,
+                                          "metrics": {"bleu4": 0.5, "kinds_exact": 0.25, "content_exact": 0.125}}})
+    ref = reference_rows(references)
+    pred = prediction_row({1: "a red circle", 2: "a blue circle"}, references)
+    assert rows[0][1:3] == [ref["reference"], ref["held-out reference"]] and rows[1][1] == ref["best reference"]
+    assert rows[2] == ["ce", round(pred["all references"], 4), round(pred["held-out"], 4), 0.5, 0.25, 0.125, 12.5]
+    assert 0 < rows[2][1] < ref["best reference"] + 1e-9  # one wrong word scores below the oracle
+    ran = []
+    monkeypatch.setattr(scst, "timed", lambda cmd, log: ran.append(cmd) or 1.0)
+    (tmp_path / "w" / "scst" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "w" / "scst" / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    with pytest.raises(SystemExit):
+        scst.main(["--work", str(tmp_path / "w")])
+    with pytest.raises(SystemExit):
+        scst.main(["--work", str(tmp_path / "v"), "--ckpt", str(tmp_path / "missing.ckpt")])
+    assert ran == []
 
 
 def test_caption_ceiling_rows_against_direct_cider_d(tmp_path):
