@@ -294,11 +294,17 @@ def write_explanation_results(path: str, result: dict, args, command: str) -> No
     data = f"{args.scenes}, {args.img_size} px, {args.train_images} / {args.val_images} images" + (
         ", captions only" if args.captions_only else "")
     title = f"Explanations of small.yaml's {result['task']} model on data it was not tuned on ({data})"
-    write_results(path, page="explanations", title=title,
+    description = ("`eval.py`'s explanation measures of the run's model on its validation split, one row per method "
+                   "it draws (the task's defaults and the baselines).")
+    if result["task"] == "captioning" and args.captions_only:
+        description += (" Without boxes the deletion and insertion curves cover the generated words that can name "
+                        "something in the image; articles, pronouns, auxiliaries, conjunctions and a caption's frame "
+                        "(\"a picture of\") are left out (`vision_attn.explain.captioning.UNGROUNDED_WORDS`, "
+                        "`FRAME_WORDS`).")
+    write_results(path, page="explanations", title=title, description=description,
                   command=command, columns=columns, rows=rows,
-                  notes=[f"the run: {result['name']}, {args.epochs} epochs, train.py overrides: "
-                         f"{' '.join(result['overrides']) or 'none'}; measured by its eval.py (every method the "
-                         "task's explanation defaults name)"])
+                  notes=[f"The run: {result['name']}, {args.epochs} epochs, train.py overrides: "
+                         f"{' '.join(result['overrides']) or 'none'}."])
 
 
 def _old_row(values: dict, columns: list[str], run_dir: Path) -> list:

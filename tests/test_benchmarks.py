@@ -652,6 +652,8 @@ def test_holdout_explanation_table_has_a_row_per_method_of_eval_metrics(tmp_path
     assert data["rows"] == [["relevance", 0.25, 0.6123, 0.1, 570, 153.4], ["random", 0.42, 0.48, 1.0, 570, 153.4],
                             ["attention", 0.3, None, None, 570, 153.4]]
     assert "captions only" in data["title"] and data["command"].endswith("--captions_only")
+    assert "Without boxes" in data["description"] and data["notes"] == [
+        "The run: small.yaml, 40 epochs, train.py overrides: none."]
     with pytest.raises(ValueError, match="small.yaml: eval.py wrote no explanation measures"):
         write_explanation_results(str(tmp_path / "none.json"), {**result, "metrics": {"bleu4": 0.8}}, args, "x")
     assert not (tmp_path / "none.json").exists()
