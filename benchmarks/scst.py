@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "validation images with five references each; beam 3.",
                       command=command_line("benchmarks.scst", argv), columns=COLUMNS, rows=rows,
                       notes=["CIDEr-D, four: the COCO protocol's human score, each reference in turn held out and "
-                             "the caption scored against the other four, averaged over the five rounds",
+                             "the caption scored against the other four, the mean over the five choices",
                              "train.py s: from start to exit; the two continuations stop at the clock (Lightning's "
                              "--trainer.max_time), their validations included"])
     return 0

@@ -91,12 +91,22 @@ def test_no_words_about_how_the_project_was_developed():
     assert not found, "the pages speak of the software, not of its development:\n" + "\n".join(found[:40])
 
 
-def test_no_words_about_how_the_project_was_developed_in_the_code():
+OUTPUTS = REPO / "benchmarks" / "results"
+"""Where the benchmarks write their runs (ignored by git): outputs, not the project's text."""
+
+
+def _code_files() -> list[Path]:
+    """The ``.py``, ``.md`` and ``.yaml`` files of :data:`CODE` (not the benchmarks' outputs)."""
     files = []
     for name in CODE:
         path = REPO / name
-        files += [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".py", ".md", ".yaml"))
-    files = [f for f in files if f != Path(__file__) and "__pycache__" not in f.parts]
+        files += [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".py", ".md", ".yaml")
+                                                      and p.is_file() and OUTPUTS not in p.parents)
+    return [f for f in files if "__pycache__" not in f.parts]
+
+
+def test_no_words_about_how_the_project_was_developed_in_the_code():
+    files = [f for f in _code_files() if f != Path(__file__)]
     found = _development_words(files, CODE_PROCESS_WORDS)
     assert not found, "the code speaks of the software, not of its development:\n" + "\n".join(found[:40])
 
@@ -112,10 +122,7 @@ def test_every_readme_section_and_page_named_anywhere_exists():
     that exists."""
     headings = {m.group(1).strip().lower() for m in re.finditer(r"^#+\s+(.+)$", (REPO / "README.md").read_text(
         encoding="utf-8"), re.MULTILINE)}
-    files = _prose_files()
-    for name in CODE:
-        path = REPO / name
-        files += [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".py", ".md", ".yaml"))
+    files = _prose_files() + _code_files()
     missing = []
     for file in files:
         if file == Path(__file__) or "__pycache__" in file.parts:
