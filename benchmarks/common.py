@@ -114,3 +114,23 @@ def read_run_record(path: Path, numbers: Sequence[str], mappings: Sequence[str] 
         needs = ", ".join([*(f"a number {k!r}" for k in numbers), *(f"an object {k!r}" for k in mappings)])
         raise ValueError(f"{path}: a run record needs {needs}; move its folder away to train it again")
     return record
+
+
+def finished_run(run_dir: Path, settings: dict, read: Callable[[Path], dict],
+                 record: str = "result.json") -> dict | None:
+    """The record of a run that finished earlier in ``run_dir`` with the same ``settings`` (read by
+    ``read`` from ``run_dir/record``), or ``None`` when the folder holds no training: checked
+    before a resumable benchmark's first training.
+
+    Raises:
+        FileExistsError: the folder holds an unfinished training, or a run of other settings.
+        ValueError: the record is damaged (from ``read``).
+    """
+    done = Path(run_dir) / record
+    earlier = read(done) if done.is_file() else None
+    if earlier is None:
+        refuse_earlier_run(run_dir, "give another --work")
+    elif {k: earlier.get(k) for k in settings} != settings:
+        raise FileExistsError(f"{run_dir} holds a run of other settings ({done.name}): give another --work, or move "
+                              "that folder away")
+    return earlier

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.common import command_line, machine, read_run_record, refuse_earlier_run, write_result
+from benchmarks.common import command_line, finished_run, machine, read_run_record, refuse_earlier_run, write_result
 from benchmarks.results_json import write_results
 
 log = logging.getLogger("benchmarks.recipes")
@@ -227,14 +227,7 @@ def run_ablation(args, work: Path, on_row: Callable[[list[dict]], None] = lambda
             run_dir = run_folder(work, "ablation", name if seed == 0 else f"{name} seed {seed}")
             settings = {"row": name, "overrides": ABLATION[name], "seed": seed, "config": args.config,
                         "epochs": args.epochs, "train_images": args.size, "colour": args.colour}
-            done = run_dir / RUN_RESULT
-            earlier = read_run_result(done) if done.is_file() else None
-            if earlier is None:
-                refuse_earlier_run(run_dir, "give another --work")
-            elif {k: earlier.get(k) for k in settings} != settings:
-                raise FileExistsError(f"{run_dir} holds a run of other settings ({done.name}): give another "
-                                      "--work, or move that folder away")
-            cells[name, seed] = (run_dir, settings, earlier)
+            cells[name, seed] = (run_dir, settings, finished_run(run_dir, settings, read_run_result, RUN_RESULT))
     root = glyph_root(work, args.size, 32, args.colour)
     rows = []
     for name in names:

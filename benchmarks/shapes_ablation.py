@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.common import command_line, finite, read_run_record, refuse_earlier_run, write_result
+from benchmarks.common import command_line, finished_run, finite, read_run_record, write_result
 from benchmarks.holdout import REPO, run_folder
 from benchmarks.results_json import write_results
 from benchmarks.shapes_seeds import run_seed
@@ -110,14 +110,7 @@ def run_ablation(task: str, rows: list[str], seeds: list[int], work: Path, train
         for seed in seeds:
             run_dir = run_folder(work / "runs", task, f"{name} seed {seed}")
             settings = {"task": task, "row": name, "overrides": changes[name], "seed": seed}
-            done = run_dir / RUN_RESULT
-            earlier = read_run_result(done) if done.is_file() else None
-            if earlier is None:
-                refuse_earlier_run(run_dir, "give another --work")
-            elif {k: earlier.get(k) for k in settings} != settings:
-                raise FileExistsError(f"{run_dir} holds a run of other settings ({done.name}): give another --work, "
-                                      "or move that folder away")
-            cells[name, seed] = (run_dir, settings, earlier)
+            cells[name, seed] = (run_dir, settings, finished_run(run_dir, settings, read_run_result, RUN_RESULT))
     out = []
     for name in rows:
         runs = []
