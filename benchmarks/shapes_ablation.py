@@ -29,7 +29,7 @@ from pathlib import Path
 
 from benchmarks.common import command_line, finished_run, finite, read_run_record, write_result
 from benchmarks.holdout import REPO, run_folder
-from benchmarks.results_json import write_results
+from benchmarks.results_json import column_name, write_results
 from benchmarks.shapes_seeds import run_seed
 
 log = logging.getLogger("benchmarks.shapes_ablation")
@@ -132,9 +132,25 @@ def _mean(values: list) -> float | None:
     return round(statistics.fmean(known), 4) if known and len(known) == len(values) else None
 
 
-def table(task: str, rows: list[dict]) -> tuple[list, list[list], list[str]]:
+def seed_spread(seed_table: dict, column: str) -> tuple[list[str], float] | None:
+    """The seeds and the spread (max - min) of ``column`` in a ``benchmarks.shapes_seeds`` results
+    file (one row per seed, named by the seed, then their mean); None without two such seeds."""
+    names = [column_name(c) for c in seed_table.get("columns", [])]
+    if column not in names:
+        return None
+    i = names.index(column)
+    cells = [(r[0], r[i]) for r in seed_table.get("rows", []) if isinstance(r[0], str) and r[0].isdigit()]
+    values = [v for _, v in cells if isinstance(v, (int, float))]
+    if len(values) < 2 or len(values) != len(cells):
+        return None
+    return [s for s, _ in cells], round(100 * (max(values) - min(values)), 2)
+
+
+def table(task: str, rows: list[dict], seed_table: dict | None = None) -> tuple[list, list[list], list[str]]:
     """Columns, rows and notes: each metric's mean over the seeds, the headline per seed, its
-    difference to the recipe's mean (points), the mean ``train.py`` seconds."""
+    difference to the recipe's mean (points), the mean ``train.py`` seconds. With one seed of the
+    recipe, the note gives the recipe's seed spread from ``seed_table`` (the task's
+    ``benchmarks.shapes_seeds`` results) instead."""
     metrics = METRICS[task]
     headline, key = metrics[-1]
     means = {r["row"]: {k: _mean([run["metrics"].get(k) for run in r["runs"]]) for _, k in metrics} for r in rows}
@@ -157,12 +173,17 @@ def table(task: str, rows: list[dict]) -> tuple[list, list[list], list[str]]:
     if len(values) > 1 and all(isinstance(v, (int, float)) for v in values):
         notes.append(f"The recipe's own seeds lie {100 * (max(values) - min(values)):.1f} points of {headline} "
                      "apart: a difference of that size is within what a seed changes.")
+    elif seed_table is not None and (spread := seed_spread(seed_table, headline)) is not None:
+        notes.append(f"One seed per row. The unchanged recipe's seeds {', '.join(spread[0])} lie {spread[1]:.1f} "
+                     f"points of {headline} apart (`{seed_table.get('command', 'benchmarks.shapes_seeds')}`): "
+                     "a difference of that size is within what a seed changes.")
     return columns, out, notes
 
 
 def write_table(path: str, task: str, rows: list[dict], command: str) -> None:
     """The rows run so far as a results file of the documentation."""
-    columns, out, notes = table(task, rows)
+    seeds = REPO / "docs" / "results" / f"{task}_shapes.json"
+    columns, out, notes = table(task, rows, json.loads(seeds.read_text(encoding="utf-8")) if seeds.is_file() else None)
     config = f"configs/{task}/shapes.yaml"
     write_results(path, page=task, title=f"{config}: one change at a time",
                   description=f"Each row is `{config}` (the `make demo` recipe, on its embedded shape scenes) with "

@@ -731,6 +731,16 @@ def test_shapes_ablation_rows_means_differences_and_resume(tmp_path, monkeypatch
     with pytest.raises(SystemExit):  # a row that does not exist
         sa.main(["detection", "--rows", "no such row", "--work", str(tmp_path / "v")])
     assert len(trained) == 6 and out.read_bytes() == before
+    metrics = {"bleu4": 0.9, "cider": 5.0, "kinds_exact": 0.5, "content_exact": 0.8}
+    one = [{"row": sa.RECIPE, "overrides": "", "runs": [{"seed": 0, "train_seconds": 1.0, "metrics": metrics}]}]
+    seeds = {"command": "python -m benchmarks.shapes_seeds captioning", "columns": ["seed", {"name": "content_exact"}],
+             "rows": [["0", 0.80], ["1", 0.85], ["3", 0.83], ["mean of seeds 0, 1, 3", 0.826]]}
+    assert sa.table("captioning", one, seeds)[2] == [
+        "One seed per row. The unchanged recipe's seeds 0, 1, 3 lie 5.0 points of content_exact apart "
+        "(`python -m benchmarks.shapes_seeds captioning`): a difference of that size is within what a seed changes."]
+    seeds["rows"][1][1] = None  # a seed without the value: no spread
+    assert sa.table("captioning", one, seeds)[2] == [] == sa.table("captioning", one)[2]
+    assert sa.seed_spread({"columns": ["seed", "map"], "rows": [["0", 0.5], ["1", 0.6]]}, "map_75") is None
 
 
 def test_scst_benchmark_clock_rows_and_refusals(tmp_path, monkeypatch):
