@@ -7,7 +7,7 @@ machine and the command that reproduces it.
                   command="python -m benchmarks.merging --repeats 5",
                   columns=["r", "images/s", {"name": "speed-up", "format": ".2f"}], rows=[[0, 15.8, 1.0], ...])
 
-The date, the commit (``git rev-parse --short HEAD``, ``+dirty`` when tracked files differ) and
+The date, the commit (``git rev-parse --short HEAD``, ``+dirty`` when tracked code differs) and
 the machine (CPU model, cores, memory, GPU, operating system, Python and torch versions) are
 filled in here, on the machine that ran the benchmark. ``python docs/generate.py results``
 turns every ``docs/results/*.json`` written this way into the tables of the results pages and
@@ -118,8 +118,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def git_commit(repo: str | Path = REPO) -> str:
-    """The short commit of ``repo`` (``+dirty`` when tracked files differ from it), or
-    ``unknown`` outside a git checkout."""
+    """The short commit of ``repo`` (``+dirty`` when tracked files other than the documentation
+    differ from it: the results files a benchmark writes as it goes, and the pages rendered from
+    them, change no result), or ``unknown`` outside a git checkout."""
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10,
@@ -131,7 +132,7 @@ def git_commit(repo: str | Path = REPO) -> str:
     commit = git("rev-parse", "--short", "HEAD")
     if not commit:
         return "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no")
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs", ":(exclude)*.md")
     return commit + ("+dirty" if dirty else "")
 
 

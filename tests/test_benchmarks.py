@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -540,6 +541,35 @@ def test_holdout_scores_predictions_files_against_references(tmp_path):
     right = score_captioning(tmp_path / "right.json", root / "annotations" / "captions_val.json")
     wrong = score_captioning(tmp_path / "wrong.json", root / "annotations" / "captions_val.json")
     assert right["bleu4"] > 0.9 and right["cider"] > wrong["cider"] + 1.0 and wrong["bleu4"] < right["bleu4"]
+
+
+def test_results_commit_is_dirty_for_changed_code_not_for_the_results_being_written(tmp_path):
+    """A results file records ``<commit>+dirty`` when tracked code differs from the commit; the
+    results files and pages a benchmark rewrites as it goes do not make it dirty."""
+    import subprocess
+
+    from benchmarks.results_json import git_commit
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True,
+                              env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                                   "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}).stdout.strip()
+
+    assert git_commit(tmp_path) == "unknown"
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    files = {"code.py": "x = 1\n", "docs/results/t.json": "{}\n", "docs/results/t.md": "a\n", "README.md": "r\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "untracked.py").write_text("y = 2\n")
+    for name in ("docs/results/t.json", "docs/results/t.md", "README.md"):
+        (tmp_path / name).write_text("changed\n")
+    assert git_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head + "+dirty"
 
 
 def test_holdout_stroke_scenes_captions_only_and_its_results_row(tmp_path):
