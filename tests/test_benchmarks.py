@@ -557,7 +557,7 @@ def test_results_commit_is_dirty_for_changed_code_not_for_the_results_being_writ
 
     assert git_commit(tmp_path) == "unknown"
     (tmp_path / "docs" / "results").mkdir(parents=True)
-    files = {"code.py": "x = 1\n", "docs/results/t.json": "{}\n", "docs/results/t.md": "a\n", "README.md": "r\n"}
+    files = {"code.py": "x = 1\n", "docs/results/t.json": "{}\n", "docs/results/page.html": "a\n", "README.md": "r\n"}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     git("init", "-q")
@@ -565,7 +565,7 @@ def test_results_commit_is_dirty_for_changed_code_not_for_the_results_being_writ
     git("commit", "-qm", "c")
     head = git("rev-parse", "--short", "HEAD")
     (tmp_path / "untracked.py").write_text("y = 2\n")
-    for name in ("docs/results/t.json", "docs/results/t.md", "README.md"):
+    for name in ("docs/results/t.json", "docs/results/page.html", "README.md"):
         (tmp_path / name).write_text("changed\n")
     assert git_commit(tmp_path) == head
     (tmp_path / "code.py").write_text("x = 2\n")
