@@ -562,7 +562,7 @@ def test_results_commit_is_dirty_for_changed_code_not_for_the_results_being_writ
         (tmp_path / name).write_text(text)
     git("init", "-q")
     git("add", ".")
-    git("commit", "-qm", "c")
+    git("-c", "commit.gpgsign=false", "commit", "-qm", "c")
     head = git("rev-parse", "--short", "HEAD")
     (tmp_path / "untracked.py").write_text("y = 2\n")
     for name in ("docs/results/t.json", "docs/results/page.html", "README.md"):
