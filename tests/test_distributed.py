@@ -4,9 +4,12 @@ Each task: a tiny checkpoint, then ``eval.py`` of it on 1 process (called in the
 process) and on 2 processes over a validation split whose size is odd (not divisible by the
 process count): metrics equal, predictions equal, and equal to the validation metrics the training
 logged; outputs written once, by rank 0. The classifier is trained by a 2-process DDP ``train.py``
-run (its run folder written once, resuming continues the step count on 2 processes and then on 1);
-training under DDP is the tasks' shared base, so the detector and the captioner train in this
-process, with the batch of the two processes together.
+run, as a user starts it (Lightning starts the second process); its run folder is written once,
+and resuming continues the step count on 2 processes and then on 1. Training under DDP is the
+tasks' shared base, so the detector and the captioner train in this process, with the batch of the
+two processes together. The other 2-process runs start as ``torchrun`` starts them (every rank
+launched from outside with its rank in the environment, the launch of several nodes): forked
+from the test's process, so they pay no start-up.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import csv
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +76,31 @@ def _run(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.Completed
     res = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return res
+
+
+def _rank(rank: int, world: int, port: int, command: str, argv: list[str], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # as one process evaluated with one thread: the same sums, bit for bit
+    {"train": train_main, "eval": eval_main}[command](argv)
+    joined = torch.distributed.is_initialized()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(
+        [torch.distributed.get_rank(), torch.distributed.get_world_size()] if joined else None))
+
+
+def _launched_ranks(command: str, argv: list[str], tmp_path: Path, world: int = 2) -> None:
+    """``train.py`` / ``eval.py`` with ``argv`` on ``world`` processes started from outside, as
+    ``torchrun`` (or a cluster's scheduler) starts them: each rank forked from this process, its
+    rank, the world size and the address of rank 0 in its environment."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / f"ranks-{port}"
+    out.mkdir()
+    mp.start_processes(_rank, args=(world, port, command, [*argv, "--trainer.devices", str(world)], str(out)),
+                       nprocs=world, join=True, start_method="fork")
+    # one process group of ``world`` ranks, not ``world`` runs of one process each
+    assert [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)] == [[r, world] for r in range(world)]
 
 
 def _last_val(run: Path, key: str) -> float:
@@ -162,7 +191,7 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
             finally:
                 torch.set_num_threads(threads)
         else:
-            _run([str(REPO / "eval.py"), *args, *DDP, "--trainer.devices", "2"], tmp_path)
+            _launched_ranks("eval", [*args, *DDP], tmp_path)
         files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
         browser = ["mistakes.html"]  # every mistake, with its map
         assert [f for f in files if not f.startswith("overlays/")] == sorted(
@@ -209,8 +238,8 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
     if task != "classification":
         return  # training and resuming under DDP are the tasks' shared base (VisionTask + the CLI): proved once
     # resume: on 2 processes, then on 1; the step count, optimizer and schedule continue
-    _run([str(REPO / "train.py"), *common, *DDP, "--trainer.devices", "2", "--trainer.max_epochs", str(epochs * 3 // 2),
-          "--trainer.default_root_dir", str(run), "--ckpt_path", "last"], tmp_path)
+    _launched_ranks("train", [*common, *DDP, "--trainer.max_epochs", str(epochs * 3 // 2),
+                              "--trainer.default_root_dir", str(run), "--ckpt_path", "last"], tmp_path)
     assert _step(ckpt) == steps * 3 // 2
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     assert state["lr_schedulers"][0]["last_epoch"] == steps * 3 // 2
