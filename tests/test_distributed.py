@@ -185,7 +185,7 @@ def test_two_process_training_and_evaluation_match_one_process(task, tmp_path):
                 "--explain.mistakes", "0", *eval_only]
         if n == 1:  # one process, as a user without DDP runs it: in this process (no start-up to pay)
             threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # as the subprocesses (OMP_NUM_THREADS=1): the same sums, bit for bit
+            torch.set_num_threads(1)  # as each of the two ranks: the same sums, bit for bit
             try:
                 eval_main([*args, *ONE])
             finally:
