@@ -91,20 +91,6 @@ def tiny_encoder():
     return create_encoder("vit_tiny_patch16_224", **TINY_VIT).eval()
 
 
-# The files whose tests take longest go first, longest first, so that under ``make test``'s two
-# workers (``--dist loadfile``) the slow ones run beside the rest and the suite ends on short
-# files, with neither worker left waiting for the other (``--durations`` lists the slowest).
-_SLOW_FILES = ("test_distributed.py", "test_benchmarks.py", "test_notebooks.py", "test_security_fuzz.py",
-               "test_cli.py", "test_predict.py", "test_tutorials.py", "test_captioning_task.py",
-               "test_reliability.py", "test_classification.py", "test_security.py", "test_export.py",
-               "test_caption_metrics.py", "test_pyramid.py", "test_report.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(_SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
-
 def cached_and_uncached_epochs(make_dataset, monkeypatch, seed: int = 3) -> tuple[list, list]:
     """Items of a second epoch over ``make_dataset()`` with the decoded-image cache on (the
     first epoch filled it) and of one epoch over a fresh dataset with it off, both drawn after
