@@ -21,14 +21,16 @@ from vision_attn.explain.lrp_decoder import (
     smooth_cells,
 )
 
-HEADS = [{}, {"box_refine": True}, {"focal": True, "box_refine": True, "query_selection": True}, {"pyramid": True}]
+HEADS = [{}, {"box_refine": True}, {"focal": True, "box_refine": True, "query_selection": True}, {"pyramid": True},
+         # configs/detection/small.yaml's head
+         {"focal": True, "box_refine": True, "query_selection": True, "fdr": True}]
 
 
 def _relative_gap(budget: dict[str, float]) -> float:
     return abs(budget["total"] - budget["score"]) / max(abs(budget["score"]), 1e-12)
 
 
-@pytest.mark.parametrize("head", HEADS, ids=["plain", "box_refine", "focal_selection", "pyramid"])
+@pytest.mark.parametrize("head", HEADS, ids=["plain", "box_refine", "focal_selection", "pyramid", "small_yaml"])
 def test_each_detection_conserves_its_logit(head):
     task = _detector(**head).double()
     images = _images(1).double()
