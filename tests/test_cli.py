@@ -54,6 +54,15 @@ def test_train_writes_config_checkpoints_and_logs(trained_run):
     assert cfg["model"]["init_args"]["encoder"]["init_args"]["embed_dim"] == 32
 
 
+def test_train_without_checkpoints_writes_none_and_logs_as_usual(shapes_root, tmp_path):
+    out = tmp_path / "run"
+    train_main([*_tiny(shapes_root), "--trainer.default_root_dir", str(out), "--trainer.enable_checkpointing", "false",
+                "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"])
+    assert not list(out.rglob("*.ckpt"))
+    assert (out / "config.yaml").is_file()
+    assert "val/acc_top1" in (out / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+
+
 def test_eval_writes_contract_outputs(trained_run, shapes_root, tmp_path):
     out = tmp_path / "eval"
     # The config's model section differs from the checkpoint's (embed_dim, preprocessing): the

@@ -112,6 +112,16 @@ def test_print_config_keeps_the_users_logger_and_checkpoint_callback(capsys, tmp
     assert [c["class_path"].rsplit(".", 1)[1] for c in trainer["callbacks"]] == ["ModelCheckpoint"]
 
 
+def test_checkpoints_switched_off_add_no_checkpoint_callback(capsys):
+    # --trainer.enable_checkpointing false: no checkpoint callback of ours (Lightning refuses the
+    # combination), the loggers and the learning-rate monitor as usual
+    with pytest.raises(SystemExit):
+        train_main(["--config", CONFIG, "--trainer.enable_checkpointing", "false", "--print_config"])
+    trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
+    assert trainer["enable_checkpointing"] is False
+    assert [c["class_path"].rsplit(".", 1)[1] for c in trainer["callbacks"]] == ["LearningRateMonitor"]
+
+
 def test_fit_help_lists_the_model_and_data_options_of_the_configs_classes(capsys):
     with pytest.raises(SystemExit) as ex:
         train_main(["--config", CONFIG, "--help"])

@@ -7,6 +7,8 @@ Outputs under ``--trainer.default_root_dir`` (default ``runs/<config name>``)::
     ROOT/checkpoints/best-*.ckpt  best by the task's validation metric
     ROOT/tensorboard/version_N/   TensorBoard logs
     ROOT/csv/version_N/           metrics.csv
+
+``--trainer.enable_checkpointing false`` writes no checkpoint (a timing or a trial run).
 """
 
 from __future__ import annotations
@@ -107,14 +109,15 @@ class TrainCLI(_VisionAttnCLI):
         cls = resolve_class(self.config.model.class_path, VisionTask, "--model", self.allow_import)
         return getattr(cls, "monitor", ("val/loss", "min"))
 
-    def _run_defaults(self, root: Path, user_callbacks: list[Any], logger: Any,
-                      is_checkpoint, is_lr_monitor) -> tuple[Any, list[dict[str, Any]]]:
+    def _run_defaults(self, root: Path, user_callbacks: list[Any], logger: Any, is_checkpoint, is_lr_monitor,
+                      checkpointing: bool = True) -> tuple[Any, list[dict[str, Any]]]:
         """``(logger, callbacks to add)`` of a run into ``root``, as ``{class_path, init_args}``:
         TensorBoard + CSV loggers unless the config chose; the best-and-last checkpoint unless
-        the config has a checkpoint callback; a learning-rate monitor when anything logs."""
+        the config has a checkpoint callback or switched checkpoints off (``checkpointing``, the
+        trainer's ``enable_checkpointing``); a learning-rate monitor when anything logs."""
         monitor, mode = self._monitor()
         added = []
-        if not any(is_checkpoint(c) for c in user_callbacks):
+        if checkpointing and not any(is_checkpoint(c) for c in user_callbacks):
             added.append({"class_path": "vision_attn.commands.callbacks.RunCheckpoint", "init_args": {
                 "dirpath": str(root / "checkpoints"), "filename": "best-{epoch:03d}-{step}", "monitor": monitor,
                 "mode": mode, "save_last": True, "save_top_k": 1, "auto_insert_metric_name": False}})
@@ -137,7 +140,8 @@ class TrainCLI(_VisionAttnCLI):
             return lambda c: isinstance(c, dict) and str(c.get("class_path", "")).endswith(suffixes)
 
         logger, added = self._run_defaults(Path(trainer["default_root_dir"]), user, trainer.get("logger"),
-                                           named("ModelCheckpoint", "RunCheckpoint"), named("LearningRateMonitor"))
+                                           named("ModelCheckpoint", "RunCheckpoint"), named("LearningRateMonitor"),
+                                           trainer.get("enable_checkpointing") is not False)
         trainer["logger"], trainer["callbacks"] = logger, [*user, *added]
         cfg.pop("print_config", None)
         sys.stdout.write(yaml.safe_dump(cfg, sort_keys=False))
@@ -165,7 +169,8 @@ class TrainCLI(_VisionAttnCLI):
         user = config.get("callbacks") or []
         logger, added = self._run_defaults(root, user + callbacks, config.get("logger"),
                                            lambda c: isinstance(c, ModelCheckpoint),
-                                           lambda c: isinstance(c, LearningRateMonitor))
+                                           lambda c: isinstance(c, LearningRateMonitor),
+                                           config.get("enable_checkpointing") is not False)
         classes = {"vision_attn.commands.callbacks.RunCheckpoint": RunCheckpoint,
                    "lightning.pytorch.callbacks.LearningRateMonitor": LearningRateMonitor,
                    "lightning.pytorch.loggers.TensorBoardLogger": TensorBoardLogger,
