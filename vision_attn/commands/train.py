@@ -110,7 +110,7 @@ class TrainCLI(_VisionAttnCLI):
         return getattr(cls, "monitor", ("val/loss", "min"))
 
     def _run_defaults(self, root: Path, user_callbacks: list[Any], logger: Any, is_checkpoint, is_lr_monitor,
-                      checkpointing: bool = True) -> tuple[Any, list[dict[str, Any]]]:
+                      checkpointing: bool) -> tuple[Any, list[dict[str, Any]]]:
         """``(logger, callbacks to add)`` of a run into ``root``, as ``{class_path, init_args}``:
         TensorBoard + CSV loggers unless the config chose; the best-and-last checkpoint unless
         the config has a checkpoint callback or switched checkpoints off (``checkpointing``, the
