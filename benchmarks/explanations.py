@@ -1,14 +1,15 @@
 """One table of the explanation numbers of the three demo checkpoints (``make bench``).
 
     python -m benchmarks.explanations [--classification CKPT] [--detection CKPT]
-        [--captioning CKPT] [--images 40] [--seed 0] [--classification_data ROOT ...]
+        [--captioning CKPT] [--images 40] [--steps 8] [--seed 0] [--classification_data ROOT ...]
         [--heldout TASK CKPT [ROOT] ...] [--json docs/results/explanations.json]
 
 Trains nothing. Each checkpoint given (default: the newest
 ``runs/demo/*/<task>/checkpoints/last.ckpt`` of each task, when there is one) is evaluated by
 ``eval.py``'s own code (:func:`vision_attn.commands.evaluate.eval_main`, data from the settings saved in the
-checkpoint) with every explanation method of its task, the sanity check on and
-``--explain.faithfulness_images N``; the table reads the metrics it returns, per task and
+checkpoint) with every explanation method of its task, the sanity check on (the fully randomised
+model only: ``--explain.sanity_cascade false``), ``--explain.faithfulness_images N`` and
+``--explain.steps S``; the table reads the metrics it returns, per task and
 method (the ``random`` baseline included):
 
 - ``pointing``: ``pointing_<method>``, share of explained items whose map maximum lies in a
@@ -36,9 +37,11 @@ the best method of each column (``random`` included, ties joined with ``/``). ``
 the rows (without the ``best`` rows) as a results file of the documentation's explanations page
 (:mod:`benchmarks.results_json`; a missing metric is an empty cell).
 
-``--images 40`` (the default) keeps the three demo checkpoints and three held-out ones within
-about 5 minutes on 2 CPU cores (most of it the captioners' deletion and insertion curves: one
-forward pass per word, method and curve point); ``--images 100`` or more for tighter numbers.
+``--images 40`` and ``--steps 8`` (the defaults: deletion and insertion curves of 9 points, every
+eighth of the patches) keep the three demo checkpoints and three held-out ones within 5 minutes on
+2 CPU cores (most of it the decoders' deletion and insertion curves: one forward pass per word or
+detection, method and curve point); ``--images 100`` or more and ``--steps 16`` (``eval.py``'s
+default) for tighter numbers.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def newest_checkpoint(demo_dir: str | Path, task: str) -> Path | None:
 
 def evaluate(task: str, ckpt: str | Path, images: int, seed: int, out_dir: Path,
              score_threshold: float | None = None, data_root: str | Path | None = None,
-             methods: Sequence[str] | None = None) -> dict[str, float]:
+             methods: Sequence[str] | None = None, steps: int | None = None) -> dict[str, float]:
     """``eval_main`` on ``ckpt`` with every method of ``task``, the sanity check and (classification)
     ROAD; its metrics.
 
@@ -107,7 +110,8 @@ def evaluate(task: str, ckpt: str | Path, images: int, seed: int, out_dir: Path,
     (default: eval's ``--explain.score_threshold``). ``data_root``: evaluate on this root's
     validation split instead of the checkpoint's data (a classification root's boxes and masks:
     ``ROOT/annotations/instances_val.json`` when it exists). ``methods``: these registered methods
-    instead of :func:`task_methods` (``random`` is always measured).
+    instead of :func:`task_methods` (``random`` is always measured). ``steps``: points of the
+    deletion / insertion curves after the first (default: eval's ``--explain.steps``).
 
     Raises:
         CheckpointError: ``ckpt`` is not a vision_attn checkpoint of ``task``.
@@ -127,8 +131,11 @@ def evaluate(task: str, ckpt: str | Path, images: int, seed: int, out_dir: Path,
     instances = Path(data_root or "") / "annotations" / "instances_val.json"
     if data_root is not None and task == "classification" and instances.is_file():
         data += ["--explain.annotations", str(instances)]
-    road = ["--explain.road", "true"] if task == "classification" else []
-    return eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(out_dir), *threshold, *data, *road,
+    extra = ["--explain.road", "true"] if task == "classification" else []
+    extra += [] if steps is None else ["--explain.steps", str(steps)]
+    # the table reports the fully randomised model's correlation: the steps before it are not measured
+    extra += ["--explain.sanity_cascade", "false"]
+    return eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(out_dir), *threshold, *data, *extra,
                       "--seed_everything", str(seed),
                       "--explain.methods", f"[{', '.join(methods)}]",
                       "--explain.sanity", "true",
@@ -206,13 +213,14 @@ HELD_OUT = "held out"
 def run(checkpoints: dict[str, str | Path], images: int = 40, seed: int = 0,
         work_dir: str | Path | None = None, score_threshold: float | None = None,
         data_roots: dict[str, str | Path] | None = None,
-        heldout: Sequence[tuple[str, str | Path, str | Path | None]] = ()) -> dict:
+        heldout: Sequence[tuple[str, str | Path, str | Path | None]] = (), steps: int = 8) -> dict:
     """Evaluate each ``{task: checkpoint}`` and each held-out ``(task, checkpoint, root)``; the
     result :func:`format_table` prints.
 
     Args:
         checkpoints: a checkpoint per task (any subset of :data:`TASKS`).
         images: faithfulness / localisation / sanity images per task.
+        steps: points of the deletion / insertion curves after the first.
         seed: of the image sample, the random baseline and the randomised models.
         work_dir: where the evaluations write (``<work_dir>/<label>``); default a temporary folder.
         score_threshold: detection: explain detections scoring at least this (default: eval's).
@@ -230,7 +238,7 @@ def run(checkpoints: dict[str, str | Path], images: int = 40, seed: int = 0,
         for label, task, ckpt, root in runs:
             t1 = time.perf_counter()
             metrics = evaluate(task, ckpt, images, seed, base / label.replace(", ", "-").replace(" ", "-"),
-                               score_threshold, root)
+                               score_threshold, root, steps=steps)
             rows = task_rows(task, metrics)
             tasks[label] = {
                 "task": task,
@@ -242,7 +250,7 @@ def run(checkpoints: dict[str, str | Path], images: int = 40, seed: int = 0,
                 "metrics": {k: float(v) for k, v in metrics.items()},
                 "seconds": round(time.perf_counter() - t1, 1),
             }
-    return {"tasks": tasks, "images": images, "seed": seed,
+    return {"tasks": tasks, "images": images, "seed": seed, "steps": steps,
             "better": {c: b for c, (_, b) in COLUMNS.items()},
             "machine": machine(), "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -275,7 +283,8 @@ def write_json(path: str | Path, result: dict, command: str, title: str = DEMO_T
         path, page="explanations", title=title, command=command,
         columns=columns, rows=rows,
         description=f"Every explanation method of each task, measured by `eval.py` with the sanity check on, "
-                    f"{result['images']} sampled validation images per task (seed {result['seed']}). Pointing: "
+                    f"{result['images']} sampled validation images per task (seed {result['seed']}), deletion and "
+                    f"insertion curves of {result.get('steps', 16) + 1} points. Pointing: "
                     "the map's maximum within the box of the labelled class, the matched detection or the named "
                     "object; energy: the map's mass inside those boxes; mIoU: the map thresholded at its mean against "
                     "the object's mask (Chefer et al. 2021); deletion and insertion AUCs of the class "
@@ -296,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        help=f"{task} checkpoint (default: the newest DEMO_DIR/*/{task}/checkpoints/last.ckpt)")
     p.add_argument("--demo_dir", default="runs/demo", help="where `make demo` writes its runs")
     p.add_argument("--images", type=int, default=40, help="images per task for the explanation numbers")
+    p.add_argument("--steps", type=int, default=8,
+                   help="points of the deletion / insertion curves after the first (eval.py's default: 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the table here as a results file "
                                                 "(make bench: docs/results/explanations.json)")
@@ -325,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     try:
         roots = {t: r for t in TASKS if (r := getattr(a, f"{t}_data"))}
-        result = run(checkpoints, a.images, a.seed, a.work_dir, a.score_threshold, roots, heldout)
+        result = run(checkpoints, a.images, a.seed, a.work_dir, a.score_threshold, roots, heldout, a.steps)
     except VisionAttnError as err:  # a wrong or unreadable checkpoint, data not found: one clear line
         p.exit(2, f"{p.prog}: error: {err}\n")
     print(format_table(result))

@@ -1,7 +1,7 @@
 """How fine the decoder heads' AttnLRP maps should be: cells per patch side and the smoothing.
 
     python -m benchmarks.lrp_cells CKPT [--data ROOT] [--images 100] [--cells 1 2 4 8] [--own_query]
-        [--score_threshold 0.3] [--json docs/results/explanations_lrp_cells.json]
+        [--score_threshold 0.3] [--steps 16] [--json docs/results/explanations_lrp_cells.json]
 
 A detection or captioning checkpoint is evaluated by ``eval.py``'s own code with the ``lrp``
 method only, once per setting: each patch split into ``k`` x ``k`` cells
@@ -34,9 +34,10 @@ MEASURES = ("pointing", "energy", "miou", "deletion_auc", "insertion_auc")
 
 def measure(ckpt: str | Path, cells: int, smoothed: bool, images: int, out_dir: Path,
             data_root: str | Path | None = None, score_threshold: float | None = None,
-            own_query: bool = False) -> dict[str, float]:
+            own_query: bool = False, steps: int | None = None) -> dict[str, float]:
     """The ``lrp`` numbers of one setting (``eval_main`` with the cells, smoothing and
-    :data:`~vision_attn.explain.lrp_decoder.OWN_QUERY` patched in)."""
+    :data:`~vision_attn.explain.lrp_decoder.OWN_QUERY` patched in; ``steps``: the curves' points
+    after the first, default eval's)."""
     from vision_attn.commands.evaluate import eval_main
     from vision_attn.explain import lrp_decoder
 
@@ -47,6 +48,8 @@ def measure(ckpt: str | Path, cells: int, smoothed: bool, images: int, out_dir: 
         data = [] if data_root is None else ["--data.root", str(data_root)]
         if score_threshold is not None:  # detection: the detections explained
             data += ["--explain.score_threshold", str(score_threshold)]
+        if steps is not None:
+            data += ["--explain.steps", str(steps)]
         metrics = eval_main(["--ckpt_path", str(ckpt), "--output_dir", str(out_dir), *data,
                              "--explain.methods", "[lrp]", "--explain.faithfulness_images", str(images),
                              "--explain.seed", "0", "--seed_everything", "0", "--explain.num_overlays", "0",
@@ -69,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> list[list]:
     p.add_argument("--own_query", action="store_true",
                    help="detection: also each setting with relevance through the explained query's own "
                         "self-attention keys and values only (lrp_decoder.OWN_QUERY)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="points of the deletion / insertion curves after the first (default: eval.py's 16)")
     p.add_argument("--json", default=None, help="write the rows here as a results file")
     a = p.parse_args(argv)
     quiet_logging()
@@ -78,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> list[list]:
             for smoothed, own in [(False, False), (True, False)] + ([(True, True)] if a.own_query else []):
                 start = time.perf_counter()
                 got = measure(a.ckpt, cells, smoothed, a.images, Path(tmp) / f"{cells}-{int(smoothed)}-{int(own)}",
-                              a.data, a.score_threshold, own)
+                              a.data, a.score_threshold, own, a.steps)
                 rows.append([cells, smoothed, own, *(finite(got[m]) for m in MEASURES),
                              round(time.perf_counter() - start, 1)])
                 print(" | ".join(str(v) for v in rows[-1]), flush=True)

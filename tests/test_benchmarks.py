@@ -105,7 +105,7 @@ def test_cpu_paths_table_runs_tiny(tmp_path):
     assert data["machine"]["cpu"] and data["machine"]["cpu"] != "not recorded"
 
 
-def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
+def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys, monkeypatch):
     """``python -m benchmarks.explanations`` on a classifier, a detector and a captioner trained
     here for one or two epochs: one table with a row per task and method, the metrics of
     eval.py, ``—`` where a task has none, the best method per column, and the results file."""
@@ -146,6 +146,10 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
         ckpts[task] = tmp_path / task / "checkpoints" / "last.ckpt"
     out = tmp_path / "explanations.json"
     args = [a for task, c in ckpts.items() for a in (f"--{task}", str(c))]
+    import vision_attn.commands.evaluate as evaluate_command
+
+    calls, real_eval = [], evaluate_command.eval_main
+    monkeypatch.setattr(evaluate_command, "eval_main", lambda argv: calls.append(argv) or real_eval(argv))
     capsys.readouterr()
     result = main([*args, "--images", "2", "--score_threshold", "0", "--json", str(out),
                    "--work_dir", str(tmp_path / "eval"), "--heldout", "detection", str(ckpts["detection"])])
@@ -161,12 +165,18 @@ def test_explanations_table_of_tiny_checkpoints(tmp_path, shapes_root, capsys):
     assert [row[:2] for row in data["rows"]] == [[task, method] for task, entry in result["tasks"].items()
                                                  for method in entry["methods"]]
     assert list(result["tasks"]) == ["classification", "detection", "captioning", "detection, held out"]
+    # curves of 9 points (--steps 8, the default) and the sanity check's fully randomised model only
+    assert len(calls) == 4 and result["steps"] == 8 and "curves of 9 points" in data["description"]
+    for argv in (f" {' '.join(a)} " for a in calls):
+        assert " --explain.steps 8 " in argv and " --explain.sanity_cascade false " in argv
+    for folder in (tmp_path / "eval").iterdir():
+        assert json.loads((folder / "sanity.json").read_text())["steps"] == ["all"], folder
     # the decoder's AttnLRP at other resolutions: the shipped setting's row equals the table's lrp
     from benchmarks import lrp_cells
     from vision_attn.explain import lrp_decoder
 
     cells = lrp_cells.main([str(ckpts["detection"]), "--images", "2", "--cells", "1", "4", "--score_threshold", "0",
-                            "--own_query", "--json", str(tmp_path / "cells.json")])
+                            "--own_query", "--steps", "8", "--json", str(tmp_path / "cells.json")])
     assert [row[:3] for row in cells] == [[1, False, False], [1, True, False], [1, True, True], [4, False, False],
                                           [4, True, False], [4, True, True]]
     shipped = result["tasks"]["detection"]["methods"]["lrp"]

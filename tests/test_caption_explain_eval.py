@@ -199,6 +199,13 @@ def test_sanity_correlations(captioner, tmp_path):
                 rhos.append(float(spearman(e.extras["maps"][m][t][None].float(), randomised[m][b][t][None])))
         assert rhos and metrics[f"sanity_{m}"] == pytest.approx(sum(rhos) / len(rhos), abs=1e-5)
         assert metrics[f"sanity_{m}"] < 0.99  # the maps depend on the weights
+    # --explain.sanity_cascade false: the fully randomised model only, the same numbers
+    (tmp_path / "full").mkdir()
+    alone = write_caption_overlays(task, val, _options(sanity=True, sanity_cascade=False, faithfulness=False),
+                                   tmp_path / "full")
+    assert json.loads((tmp_path / "full" / "sanity.json").read_text())["steps"] == ["all"]
+    assert {k: v for k, v in alone.items() if k.startswith("sanity_")} == pytest.approx(
+        {k: v for k, v in metrics.items() if k.startswith("sanity_")}, abs=1e-9)
 
 
 PINNED = {  # the default relevance rule of the caption head (CAPTION_RULE, "decoder")

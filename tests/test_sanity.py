@@ -75,6 +75,24 @@ def test_model_cascade_randomises_the_head_first_then_the_encoder():
     assert w.abs().max() <= 2 * 0.02 and 0.01 < w.std() < 0.02  # timm's truncated N(0, 0.02^2)
 
 
+def test_without_the_cascade_only_the_fully_randomised_model_with_the_cascades_weights():
+    task = _task()
+    *_, (step, enc, head) = model_cascade(task.encoder, task.head, seed=1)
+    last = {k: v.clone() for k, v in [*enc.state_dict().items(), *head.state_dict().items()]}
+    alone = list(model_cascade(task.encoder, task.head, seed=1, cascade=False))
+    assert step == "all" and [s for s, *_ in alone] == ["all"]
+    got = [*alone[0][1].state_dict().items(), *alone[0][2].state_dict().items()]
+    assert [k for k, _ in got] == list(last) and all(torch.equal(v, last[k]) for k, v in got)
+    assert not torch.equal(alone[0][1].state_dict()["model.pos_embed"], task.encoder.state_dict()["model.pos_embed"])
+    images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    target = torch.tensor([0, 1, 2])
+    every = sanity_check(task, images, ["relevance", "rollout"], target, seed=1)
+    only = sanity_check(task, images, ["relevance", "rollout"], target, seed=1, cascade=False)
+    assert {m: list(v) for m, v in only.items()} == {"relevance": ["all"], "rollout": ["all"]}
+    for m in only:
+        torch.testing.assert_close(only[m]["all"], every[m]["all"], rtol=0, atol=0)
+
+
 def test_weight_blind_method_scores_one_and_relevance_lower():
     @register_method("fixed_map", description="test: the same map whatever the model")
     def _fixed(x):

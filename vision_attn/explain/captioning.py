@@ -494,7 +494,8 @@ def _sanity(task, images: Tensor, explained: list, items: list[tuple[int, int]],
     trained = {m: torch.cat(g).flatten(1) for m, g in grids.items()}  # (R, h * w)
     asked = [m for m in grids if m != "random"]
     out: dict[str, dict[str, Tensor]] = {m: {} for m in grids}
-    for step, encoder, head in model_cascade(task.encoder, task.head, seed=options.seed):
+    for step, encoder, head in model_cascade(task.encoder, task.head, seed=options.seed,
+                                               cascade=options.sanity_cascade):
         stand_in = StandIn(encoder, head, tokenizer=task.tokenizer)
         maps = teacher_forced_word_maps(stand_in, images[rows], tokens, asked, options.query_layers,
                                         relevance_rule(options, CAPTION_RULE))

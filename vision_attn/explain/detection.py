@@ -480,7 +480,8 @@ def _detection_sanity(task, batch: _Detected, maps: dict[str, list[torch.Tensor]
     methods = list(maps)
     trained = {m: torch.cat(v).flatten(1) for m, v in maps.items()}  # (R, h * w)
     out: dict[str, dict[str, torch.Tensor]] = {m: {} for m in methods}
-    for step, encoder, head in model_cascade(task.encoder, task.head, seed=options.seed):
+    for step, encoder, head in model_cascade(task.encoder, task.head, seed=options.seed,
+                                               cascade=options.sanity_cascade):
         randomised = detection_maps(StandIn(encoder, head), batch.images, batch.queries, batch.labels, methods,
                                     options.query_layers, seed, relevance_rule(options))
         for m in methods:

@@ -205,6 +205,9 @@ class ExplainOptions:
             ``OUT/maps/<method>/<NNNNN>.npy`` with ``OUT/maps/index.json``.
         sanity: the model-randomisation sanity check (Adebayo et al. 2018): ``sanity_<method>``
             and ``OUT/sanity.json``.
+        sanity_cascade: the sanity check randomises the model from the output down and measures
+            every step (``OUT/sanity.json``'s curves); ``false``: only the fully randomised model,
+            the step ``sanity_<method>`` reports (one map pass instead of one per block).
         content_words: captioning: a text file of the object words whose presence in the
             captions is checked against the references (one word per line); unset: the words
             that vary between the images' references
@@ -239,6 +242,7 @@ class ExplainOptions:
     annotations: str | None = None
     save_maps: bool = False
     sanity: bool = False
+    sanity_cascade: bool = True
     content_words: str | None = None
 
     # Not an option: ``eval.py`` sets it to the evaluation's ``predictions.json`` records before
@@ -560,7 +564,8 @@ def _localisation_and_sanity(task, dataset, picked: list[int], options: ExplainO
             expl = explain_classifier(task, images, methods, target=labels, generator=gen, **kwargs)
             _localise_images(task, dataset, idx.tolist(), labels, expl.maps, boxes, measures)
         if options.sanity:
-            measures.sanity.update(sanity_check(task, images, methods, labels, seed=options.seed, **kwargs))
+            measures.sanity.update(sanity_check(task, images, methods, labels, seed=options.seed,
+                                                cascade=options.sanity_cascade, **kwargs))
     metrics: dict[str, float] = {}
     if measures.maps is not None:
         measures.maps.compute()

@@ -133,16 +133,23 @@ def cascading_randomisation(encoder: nn.Module, seed: int = 0) -> Iterator[tuple
     yield "all", copied
 
 
-def model_cascade(encoder: nn.Module, head: nn.Module, seed: int = 0) -> Iterator[tuple[str, nn.Module, nn.Module]]:
+def model_cascade(encoder: nn.Module, head: nn.Module, seed: int = 0, cascade: bool = True
+                  ) -> Iterator[tuple[str, nn.Module, nn.Module]]:
     """Copies of the model (``encoder`` and ``head``) randomised from the output down (neither is
     changed): yields ``(step, encoder, head)``, first ``("head", encoder, random head)`` (the
     classifier, or a detector's or captioner's decoder, re-initialised as :func:`randomise_` does),
-    then the steps of :func:`cascading_randomisation` with that random head."""
+    then the steps of :func:`cascading_randomisation` with that random head.
+
+    ``cascade=False``: only the last step, ``("all", ...)``, the fully randomised model, with the
+    same weights as the cascade's last step (the steps before it are randomised, not yielded).
+    """
     random_head = copy.deepcopy(head).eval()
     randomise_(random_head, torch.Generator().manual_seed(seed + 1))
-    yield "head", encoder, random_head
+    if cascade:
+        yield "head", encoder, random_head
     for step, randomised in cascading_randomisation(encoder, seed):
-        yield step, randomised, random_head
+        if cascade or step == "all":
+            yield step, randomised, random_head
 
 
 def sanity_check(
@@ -151,6 +158,7 @@ def sanity_check(
     methods: Sequence[str],
     target: Tensor,
     seed: int = 0,
+    cascade: bool = True,
     **options,
 ) -> dict[str, dict[str, Tensor]]:
     """Spearman correlation between each method's maps of the trained model and of its
@@ -164,6 +172,7 @@ def sanity_check(
         target: ``[B]`` the classes explained (the same for every model).
         seed: of the random weights (and of the ``random`` baseline's noise, the same for every
             model).
+        cascade: every step of :func:`model_cascade`; ``False``: only ``all``.
         **options: further arguments of ``explain_classifier`` (``head_fusion``, ``token``, ...).
 
     Returns:
@@ -176,7 +185,7 @@ def sanity_check(
 
     trained = maps(task)
     out: dict[str, dict[str, Tensor]] = {m: {} for m in methods}
-    for step, encoder, head in model_cascade(task.encoder, task.head, seed):
+    for step, encoder, head in model_cascade(task.encoder, task.head, seed, cascade):
         stand_in = SimpleNamespace(encoder=encoder, head=head, class_names=getattr(task, "class_names", None))
         for method, randomised in maps(stand_in).items():
             out[method][step] = spearman(trained[method], randomised)
