@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from vision_attn.data.imageio import read_image
+from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
 from vision_attn.data.transforms import build_display_transform
 from vision_attn.errors import ConfigError, DataError
 from vision_attn.explain.faithfulness import (
@@ -205,9 +205,8 @@ class ExplainOptions:
             ``OUT/maps/<method>/<NNNNN>.npy`` with ``OUT/maps/index.json``.
         sanity: the model-randomisation sanity check (Adebayo et al. 2018): ``sanity_<method>``
             and ``OUT/sanity.json``.
-        sanity_cascade: the sanity check randomises the model from the output down and measures
-            every step (``OUT/sanity.json``'s curves); ``false``: only the fully randomised model,
-            the step ``sanity_<method>`` reports (one map pass instead of one per block).
+        sanity_cascade: measure every step of the sanity check's cascade (``OUT/sanity.json``'s curves);
+            ``false``: the fully randomised model only (``sanity_<method>``; one map pass, not one per block).
         content_words: captioning: a text file of the object words whose presence in the
             captions is checked against the references (one word per line); unset: the words
             that vary between the images' references
@@ -539,10 +538,6 @@ def _annotation_file(dataset, options: ExplainOptions) -> Path | None:
     return path
 
 
-def _limits(dataset) -> dict:
-    return {"max_pixels": dataset.max_pixels} if hasattr(dataset, "max_pixels") else {}
-
-
 def _localisation_and_sanity(task, dataset, picked: list[int], options: ExplainOptions, out_dir: Path,
                              box_file: Path | None) -> dict[str, float]:
     """Pointing / energy (with ``box_file``; with its objects' masks also pixel accuracy, mIoU and
@@ -595,7 +590,7 @@ def _localise_images(task, dataset, idx: list[int], labels: torch.Tensor, grid_m
     pre = task.inference_data_config()
     for j, i in enumerate(idx):
         rel = Path(dataset.samples[i][0]).as_posix()
-        size = read_image(Path(dataset.root) / rel, **_limits(dataset)).shape[:2]
+        size = read_image(Path(dataset.root) / rel, getattr(dataset, "max_pixels", DEFAULT_MAX_PIXELS)).shape[:2]
         maps = {m: grid_to_image(grid[j], size, pre) for m, grid in grid_maps.items()}  # (H, W) each
         label = names[int(labels[j])] if int(labels[j]) < len(names) else str(int(labels[j]))
         if measures.maps is not None:
