@@ -2,7 +2,7 @@
 AttnLRP, on the ``make demo`` classifier and one trained on data the methods were not tuned on
 (``python -m benchmarks.relevance_variants``; not part of ``make test``).
 
-    python -m benchmarks.relevance_variants [--classification CKPT] [--heldout CKPT ROOT]
+    python -m benchmarks.relevance_variants [--classification CKPT] [--heldout CKPT ROOT ...]
         [--images 100] [--seed 0] [--json docs/results/explanations_relevance_variants.json]
 
 Each checkpoint is evaluated by ``eval.py``'s own code (:func:`benchmarks.explanations.evaluate`:
@@ -26,8 +26,9 @@ evaluation upsamples every method's map (:func:`patch_ceiling`, over every valid
 far a method's map, which lives on the same grid, is from the object's own shape at that grid.
 
 The default ``--classification`` is the newest ``runs/demo/*/classification/checkpoints/last.ckpt``;
-``--heldout`` a checkpoint of ``python -m benchmarks.classification_holdout strokes`` with its data
-root (the masks come from ``ROOT/annotations/instances_val.json``).
+``--heldout`` (repeatable: several training seeds) a checkpoint of
+``python -m benchmarks.classification_holdout strokes`` with its data root (the masks come from
+``ROOT/annotations/instances_val.json``); its rows are labelled ``held out: RUN``, the run's folder.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> list[list]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--classification", default=None, help="default: the newest make demo classifier")
     p.add_argument("--demo_dir", default="runs/demo")
-    p.add_argument("--heldout", nargs=2, metavar=("CKPT", "ROOT"), default=None)
+    p.add_argument("--heldout", nargs=2, metavar=("CKPT", "ROOT"), action="append", default=[])
     p.add_argument("--images", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="the results file to write")
@@ -230,8 +231,7 @@ def main(argv: Sequence[str] | None = None) -> list[list]:
         p.error(f"no {args.demo_dir}/*/classification/checkpoints/last.ckpt: run make demo or pass --classification")
     methods = register_variants()
     models = [("demo classifier", demo, None)]
-    if args.heldout:
-        models.append(("held out (strokes)", args.heldout[0], args.heldout[1]))
+    models += [(f"held out: {Path(ckpt).parent.parent.name}", ckpt, root) for ckpt, root in args.heldout]
     rows, ceilings, t0 = [], [], time.perf_counter()
     for label, ckpt, root in models:
         with tempfile.TemporaryDirectory() as out:
