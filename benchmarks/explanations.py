@@ -220,7 +220,6 @@ def run(checkpoints: dict[str, str | Path], images: int = 40, seed: int = 0,
     Args:
         checkpoints: a checkpoint per task (any subset of :data:`TASKS`).
         images: faithfulness / localisation / sanity images per task.
-        steps: points of the deletion / insertion curves after the first.
         seed: of the image sample, the random baseline and the randomised models.
         work_dir: where the evaluations write (``<work_dir>/<label>``); default a temporary folder.
         score_threshold: detection: explain detections scoring at least this (default: eval's).
@@ -228,6 +227,7 @@ def run(checkpoints: dict[str, str | Path], images: int = 40, seed: int = 0,
         heldout: more checkpoints, each evaluated on its own data or on ``root`` when given (models
             trained on data the methods were not tuned on); their rows are labelled
             ``<task>, held out``.
+        steps: points of the deletion / insertion curves after the first.
     """
     t0 = time.perf_counter()
     tasks = {}
