@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from vision_attn.data.masks import compressed_counts
 from vision_attn.data.strokes import mask_to_rle
 from vision_attn.errors import DataError
 from vision_attn.explain.localisation import load_image_boxes, load_image_objects
@@ -103,6 +104,31 @@ def test_every_coco_mask_form_decodes_to_the_same_pixels():
                        ([[0, 0, float("nan"), 1, 2, 2]], "polygons")):
         with pytest.raises(DataError, match=match):
             decode_segmentation(bad, 7, 9, "ann 3")
+
+
+def test_compressed_rle_runs_equal_pycocotools_and_must_cover_the_image():
+    """Runs of pycocotools' own strings (deltas, long runs, empty and full masks) read back as the
+    column-major runs of the mask; a string whose runs cover less or more than the image is refused
+    (pycocotools would fill the rest of a short one from memory it never wrote)."""
+    from pycocotools import mask as coco_mask
+
+    rng = np.random.default_rng(0)
+    for h, w, p in ((7, 9, 0.0), (7, 9, 1.0), (40, 33, 0.5), (50, 60, 0.05), (1, 1, 1.0)):
+        m = rng.random((h, w)) < p
+        counts = coco_mask.encode(np.asfortranarray(m.astype(np.uint8)))["counts"].decode("ascii")
+        flat = m.flatten(order="F")
+        edges = np.flatnonzero(np.diff(flat.astype(int))) + 1
+        runs = np.diff(np.r_[0, edges, flat.size]).tolist()
+        expected = runs if not flat[0] else [0, *runs]
+        assert compressed_counts(counts) == expected
+        assert np.array_equal(decode_segmentation({"size": [h, w], "counts": counts}, h, w), m)
+    two_by_two = coco_mask.encode(np.asfortranarray(np.ones((2, 2), np.uint8)))["counts"].decode("ascii")
+    for counts, match in ((two_by_two, "cover 4 pixels, not height x width = 63"), ("", "cover 0 pixels"),
+                          ("0z", "not a compressed RLE character"), ("0P", "end inside a run"),
+                          ("351F", "run 3 .* is negative"),
+                          ("o" * 10**6, "longer than 64 bits")):
+        with pytest.raises(DataError, match=match):
+            decode_segmentation({"size": [7, 9], "counts": counts}, 7, 9, "ann 4")
 
 
 def test_instances_file_objects_with_masks(tmp_path):

@@ -11,7 +11,42 @@ import numpy as np
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS
 from vision_attn.errors import DataError
 
-__all__ = ["ImageMask", "decode_segmentation", "image_mask"]
+__all__ = ["ImageMask", "compressed_counts", "decode_segmentation", "image_mask"]
+
+
+def compressed_counts(counts: str) -> list[int]:
+    """The run lengths of a compressed COCO RLE string (COCO's format: each run a variable-length
+    group of characters ``'0' + 6 bits``, 5 value bits per character and ``0x20`` for "more", the
+    last character's ``0x10`` a sign; from the third run on, each value is a difference to the run
+    two before it).
+
+    Raises:
+        ValueError: a character outside ``'0'..'o'``, a run of over 64 bits or cut off at the end,
+            or a negative run.
+    """
+    runs: list[int] = []
+    value = shift = 0
+    for ch in counts:
+        code = ord(ch) - 48
+        if not 0 <= code < 64:
+            raise ValueError(f"{ch!r} is not a compressed RLE character ('0' to 'o')")
+        value |= (code & 0x1F) << shift
+        shift += 5
+        if code & 0x20:
+            if shift > 60:  # pycocotools' runs are 64-bit numbers
+                raise ValueError("a run of the compressed RLE counts is longer than 64 bits")
+            continue
+        if code & 0x10:
+            value -= 1 << shift
+        if len(runs) > 2:
+            value += runs[-2]
+        if value < 0:
+            raise ValueError(f"run {len(runs)} of the compressed RLE counts is negative")
+        runs.append(value)
+        value = shift = 0
+    if shift:
+        raise ValueError("the compressed RLE counts end inside a run")
+    return runs
 
 
 def decode_segmentation(segmentation: Any, height: int, width: int, where: str = "annotation") -> np.ndarray:
@@ -41,6 +76,11 @@ def decode_segmentation(segmentation: Any, height: int, width: int, where: str =
                     raise ValueError("uncompressed RLE counts must be non-negative integers summing to height x width")
                 rle = coco_mask.frPyObjects(segmentation, height, width)
             elif isinstance(counts, str):
+                # checked here: pycocotools decodes runs that cover less than the image from memory it never wrote
+                runs = compressed_counts(counts)
+                if sum(runs) != height * width:
+                    raise ValueError(f"compressed RLE counts cover {sum(runs)} pixels, not height x width = "
+                                     f"{height * width}")
                 rle = {"size": [height, width], "counts": counts.encode("ascii")}
             else:
                 raise ValueError("RLE counts must be a list of integers or a string")
