@@ -109,7 +109,7 @@ def test_given_images_folder_keeps_files_inside_it(tmp_path, kind, caplog):
         load()  # evaluation: an error
     with caplog.at_level(logging.WARNING):
         kept = load(**({"skip_unreadable": True} if kind == "instances" else {"skip_refused": True}))
-    assert kept == [1] and "skipped 1 images whose path leaves the split folder" in caplog.text
+    assert kept == [1] and "skipped 1 images or folders whose path leaves the split folder" in caplog.text
     _split(ann, folder, ["link.png"], kind, make_files=False)
     with pytest.raises(DataError, match=r"symbolic link .*secret.png.*follow_symlinks true"):
         load()

@@ -15,6 +15,7 @@ from vision_attn.data.dense import (
     CopyPasteConfig,
     DenseSchedule,
     MosaicConfig,
+    _stacked_masks,
     copy_paste,
     draw_centre,
     mosaic,
@@ -199,14 +200,14 @@ def test_a_masked_object_pastes_its_own_pixels_with_their_tight_box():
     mask[6, 3:8] = True
     asked = []
 
-    def mask_of(k):
-        asked.append(k)
+    def mask_of(k, size):
+        asked.append((k, size))
         return mask
 
     out, boxes, labels = copy_paste(image, torch.tensor([[0.0, 0, 10, 10]]), torch.tensor([1]),
                                     [(donor, torch.tensor([[2.0, 3, 8, 8]]), torch.tensor([3]))],
                                     torch.Generator().manual_seed(0), masks=[mask_of])
-    assert asked == [0] and labels.tolist() == [1, 3]
+    assert asked == [(0, (20, 24))] and labels.tolist() == [1, 3]
     x0, y0, x1, y1 = (int(v) for v in boxes[1])
     assert (x1 - x0, y1 - y0) == (5, 3)  # the mask's tight box: columns 3..7, rows 4..6
     # the box's placement: the cut-out (2, 3)-(8, 8) went to (x0 - 1, y0 - 1)
@@ -219,7 +220,7 @@ def test_a_masked_object_pastes_its_own_pixels_with_their_tight_box():
     for bad in (torch.ones(5, 5, dtype=torch.bool), torch.zeros(20, 24, dtype=torch.bool)):
         out, boxes, _ = copy_paste(image, torch.tensor([[0.0, 0, 10, 10]]), torch.tensor([1]),
                                    [(donor, torch.tensor([[2.0, 3, 8, 8]]), torch.tensor([3]))],
-                                   torch.Generator().manual_seed(0), masks=[lambda k, m=bad: m])
+                                   torch.Generator().manual_seed(0), masks=[lambda k, size, m=bad: m])
         x0, y0, x1, y1 = (int(v) for v in boxes[1])
         assert (x1 - x0, y1 - y0) == (6, 5) and torch.equal(out[:, y0:y1, x0:x1], donor[:, 3:8, 2:8])
 
@@ -263,7 +264,8 @@ def test_the_data_module_pastes_the_scene_objects_masks(tmp_path):
         ds = dm.dataset("train", train=True)
         ds.transform = None
         raw = ds._raw(0)
-        assert ds._object_mask(0, 0) is not None and ds._object_mask(0, 0).shape == raw[0].shape[-2:]
+        size = tuple(raw[0].shape[-2:])
+        assert ds._object_mask(0, 0, size) is not None and ds._object_mask(0, 0, size).shape == size
         torch.manual_seed(0)
         image = ds.dense(raw, ds._raw, len(ds), ds._object_mask)[0]
         changed[masks] = int((image != raw[0]).any(0).sum())
@@ -299,3 +301,33 @@ def test_pasted_objects_stay_inside_and_never_overlap(seed):
         src = d_boxes[label % 10]
         sx, sy = int(src[0].floor()), int(src[1].floor())
         assert torch.equal(out[:, y0:y1, x0:x1], d_image[:, sy : sy + y1 - y0, sx : sx + x1 - x0])
+
+
+def test_a_mask_declared_at_another_size_than_the_image_is_not_decoded(tmp_path, caplog, monkeypatch):
+    """An instances file that declares a 4000 x 4000 image for an 8 x 8 one: its objects' masks
+    are refused before decoding (no [n, 4000, 4000] stack from a 1 KB file), with a warning naming
+    the image, and the objects are pasted with their boxes."""
+    import json
+    import logging
+
+    from PIL import Image
+
+    import vision_attn.data.masks as masks_module
+    from vision_attn.data.detection import CocoDetection
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "annotations").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "a.png")
+    anns = [{"id": k + 1, "image_id": 7, "category_id": 1, "bbox": [1, 1, 4, 4],
+             "segmentation": [[1, 1, 5, 1, 5, 5]]} for k in range(3)]
+    (tmp_path / "annotations" / "instances_train.json").write_text(json.dumps(
+        {"images": [{"id": 7, "file_name": "a.png", "height": 4000, "width": 4000}], "annotations": anns,
+         "categories": [{"id": 1, "name": "c"}]}))
+    ds = CocoDetection(tmp_path, "train", scored_targets=False)
+    size = tuple(ds._raw(0)[0].shape[-2:])
+    assert size == (8, 8)
+    with caplog.at_level(logging.WARNING):
+        assert ds._object_mask(0, 0, (4000, 4000)) is not None  # declared and read sizes agree: decoded
+        monkeypatch.setattr(masks_module, "decode_segmentation", lambda *a, **k: pytest.fail("decoded"))
+        assert _stacked_masks(ds._object_mask, 0, 3, size) is None
+    assert "image id 7" in caplog.text and "4000x4000 is not the image's 8x8" in caplog.text

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vision_attn.data.imageio import ImageReadError, read_image
+from vision_attn.data.imageio import IMAGE_EXTENSIONS, ImageReadError, read_image
 
 
 def _save(img: Image.Image, path, **kw):
@@ -79,6 +79,20 @@ def test_bad_files_raise_one_clear_error_naming_the_file(tmp_path):
         with pytest.raises(ImageReadError, match=reason) as info:
             read_image(path)
         assert str(path) in str(info.value)
+
+
+def test_every_listed_extension_reads_and_other_formats_are_refused_whatever_the_name(tmp_path):
+    """Pillow picks a decoder from the content, not the name: only the listed formats are tried,
+    so PostScript (Ghostscript's input), icons or Targa files named ``.png`` are refused."""
+    img = Image.new("RGB", (12, 8), (200, 100, 50))
+    for ext in IMAGE_EXTENSIONS:
+        arr = read_image(_save(img, tmp_path / f"x{ext}"))
+        assert arr.shape == (8, 12, 3), ext
+    for fmt in ("EPS", "ICO", "TGA", "PCX"):
+        path = tmp_path / f"{fmt.lower()}_inside.png"
+        img.save(path, fmt)
+        with pytest.raises(ImageReadError, match=f"{path.name}.*not a readable image"):
+            read_image(path)
 
 
 def test_decompression_bomb_refused(tmp_path):

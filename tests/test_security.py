@@ -474,6 +474,16 @@ def _header_only_safetensors(path: Path, shape: list[int]) -> Path:
     return path
 
 
+def test_a_weights_header_nested_too_deeply_is_a_checkpoint_error(tmp_path):
+    from vision_attn.checkpoint_io import safetensors_shapes
+
+    header = b"[" * 200_000
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointError, match=r"deep.safetensors: not a safetensors file"):
+        safetensors_shapes(path)
+
+
 @pytest.mark.parametrize("shape", [[2**24, 0], [2**31, 0]])
 def test_a_tiny_weights_file_cannot_declare_a_huge_model(shape, tmp_path):
     from vision_attn.tasks.sources import load_model

@@ -77,7 +77,7 @@ def test_detection_file_name_outside_the_split_is_refused(outside, which, caplog
     with caplog.at_level(logging.WARNING):
         ds = CocoDetection(root, "val", skip_unreadable=True)  # training: a counted warning
     assert [im["id"] for im in ds.images] == [1]
-    assert "skipped 1 images whose path leaves the split folder, e.g. image id 2" in caplog.text
+    assert "skipped 1 images or folders whose path leaves the split folder, e.g. image id 2" in caplog.text
     dm = DetectionDataModule(root=str(root), layout=SplitLayout(train_split="val", val_split="val"),
                              batching=replace(DETECTION_BATCHING, num_workers=0))
     dm.preprocess = {"input_size": (3, 8, 8), "mean": (0.5,) * 3, "std": (0.5,) * 3}
@@ -96,7 +96,7 @@ def test_captioning_file_name_outside_the_split_is_refused(outside, which, caplo
     with caplog.at_level(logging.WARNING):
         images, captions = read_captions(root, "val", skip_refused=True)
     assert [im["id"] for im in images] == [1] and set(captions) == {1}
-    assert "skipped 1 images whose path leaves the split folder" in caplog.text
+    assert "skipped 1 images or folders whose path leaves the split folder" in caplog.text
     dm = CaptioningDataModule(root=str(root), layout=SplitLayout(train_split="val", val_split="val"),
                               batching=replace(CAPTIONING_BATCHING, num_workers=0))
     dm.preprocess = {"input_size": (3, 8, 8), "mean": (0.5,) * 3, "std": (0.5,) * 3}
@@ -119,6 +119,15 @@ def test_coco_symlinked_file_is_followed_only_when_asked(outside):
     assert len(read_captions(root, "val", follow_symlinks=True)[0]) == 1
 
 
+def test_a_loop_of_symbolic_links_is_a_refused_image_not_a_crash(tmp_path):
+    (tmp_path / "val").mkdir()
+    os.symlink("b.png", tmp_path / "val" / "a.png")
+    os.symlink("a.png", tmp_path / "val" / "b.png")
+    _coco_split(tmp_path, ["a.png"])
+    with pytest.raises(DataError, match="a.png.*a loop of symbolic links"):
+        CocoDetection(tmp_path, "val")
+
+
 def test_a_split_folder_that_is_a_symlink_is_fine(tmp_path):
     real = tmp_path / "elsewhere" / "val"
     _png(real / "a.png")
@@ -130,6 +139,19 @@ def test_a_split_folder_that_is_a_symlink_is_fine(tmp_path):
     _png(real / "cls" / "b.png")
     os.symlink(real, root / "train")
     assert len(ImageFolderDataset(root, "train", ["cls"])) == 1
+
+
+def test_a_class_folder_linked_outside_is_refused_before_its_files_are_listed(outside, caplog):
+    secret, root = outside
+    _png(root / "train" / "cls" / "a.png")
+    os.symlink(secret.parent, root / "train" / "linked")
+    with pytest.raises(DataError, match=r"class folder linked names .*linked, a symbolic link to .*secret") as info:
+        ImageFolderDataset(root, "train", ["cls", "linked"])
+    assert "outside.png" not in str(info.value)  # nothing in the folder outside was listed
+    with caplog.at_level(logging.WARNING):
+        ds = ImageFolderDataset(root, "train", ["cls", "linked"], skip_unreadable=True)
+    assert len(ds) == 1 and "skipped 1 images or folders" in caplog.text and "outside.png" not in caplog.text
+    assert len(ImageFolderDataset(root, "train", ["cls", "linked"], files=["cls/a.png"])) == 1  # not asked for
 
 
 # --- 15.6: ImageFolder files that are symlinks to elsewhere --------------------------------------
@@ -145,7 +167,7 @@ def test_imagefolder_symlinks_outside_are_followed_only_with_follow_symlinks(out
     with caplog.at_level(logging.WARNING):
         ds = ImageFolderDataset(root, "train", ["cls", "linked"], skip_unreadable=True)
     assert [s for s, _ in ds.samples] == [os.path.join("train", "cls", "a.png")]
-    assert "skipped 2 images whose path leaves the split folder" in caplog.text
+    assert "skipped 2 images or folders whose path leaves the split folder" in caplog.text
     ds = ImageFolderDataset(root, "train", ["cls", "linked"], follow_symlinks=True)
     assert len(ds) == 3
     dm = ImageFolderDataModule(root=str(root), layout=FolderLayout(val_split="train", follow_symlinks=True),
@@ -256,16 +278,22 @@ def test_malformed_entries_are_dropped_or_named_not_tracebacks(tmp_path, caplog)
         {"id": 12, "image_id": 1, "category_id": {"a": 1}, "bbox": [0, 0, 2, 2]},
         {"id": 13, "image_id": 1, "category_id": 1, "bbox": ["0", 0, 2, 2]},
         {"id": 14, "image_id": 1, "category_id": 1, "bbox": [0, 0, 2]},
+        {"id": 15, "image_id": 1, "category_id": 1, "bbox": [0, 0, 10**400, 2]},  # no float holds it
+        {"id": 16, "image_id": 1, "category_id": 1, "bbox": [1e308, 0, 1e308, 2]},  # finite, its corner is not
+        {"id": 17, "image_id": 1, "category_id": 1, "bbox": [0, 0, 2, 2], "area": 10**400},
     ]
     path.write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING):
         ds = CocoDetection(tmp_path, "val")
-    assert len(ds.annotations[1]) == 1
-    for text in ("(not an object)", "annotation id 11", "annotation id 12", "bbox is not four numbers"):
+    assert len(ds.annotations[1]) == 2
+    assert ds.scoring_target(1)["area"].tolist()[-1] == 4.0  # the box's area instead
+    for text in ("(not an object)", "annotation id 11", "annotation id 12", "bbox is not four numbers",
+                 "dropped 2 annotations (non-finite box), e.g. annotation id 15"):
         assert text in caplog.text
     for images, cats, match in [
         ([{"id": 1, "file_name": ["a.png"]}], CATS, "file_name that is not text"),
-        ([{"id": 1, "file_name": "a.png", "width": "8"}], CATS, "width that is not a number"),
+        ([{"id": 1, "file_name": "a.png", "width": "8"}], CATS, "width that is not a finite number"),
+        ([{"id": 1, "file_name": "a.png", "height": 10**400}], CATS, "id 1 has a height that is not a finite"),
         (["a.png"], CATS, "needs 'id' and 'file_name'"),
         ([{"id": 1, "file_name": "a.png"}], [{"id": "1"}], "needs an integer 'id'"),
     ]:
@@ -278,3 +306,40 @@ def test_malformed_entries_are_dropped_or_named_not_tracebacks(tmp_path, caplog)
                                                     {"id": 2, "image_id": 1, "caption": "a square"}]}))
     images, caps = read_captions(tmp_path, "val")
     assert caps == {1: ["a square"]}
+
+
+def test_a_data_roots_manifest_names_annotations_only_inside_the_root(tmp_path):
+    """``manifest.json`` (where eval.py finds the embedded data's boxes) is untrusted: a file
+    inside the root is found; odd JSON, a FIFO, links and names leading out of the root give none."""
+    import os
+
+    from vision_attn.data.synthetic import manifest_annotations
+
+    root = tmp_path / "root"
+    (root / "annotations").mkdir(parents=True)
+    (root / "annotations" / "instances_val.json").write_text("{}")
+    (tmp_path / "outside.json").write_text("{}")
+    manifest = root / "manifest.json"
+    manifest.write_text(json.dumps({"annotations": {"val": "annotations/instances_val.json"}}))
+    assert manifest_annotations(root, "val") == root / "annotations" / "instances_val.json"
+    assert manifest_annotations(root, "train") is None
+    for text in ('{"annotations": "x"}', '{"annotations": {"val": 3}}', "[" * 100000, "not json", "[]",
+                 json.dumps({"annotations": {"val": "../outside.json"}}),
+                 json.dumps({"annotations": {"val": str(tmp_path / "outside.json")}})):
+        manifest.write_text(text)
+        assert manifest_annotations(root, "val") is None, text[:40]
+    (root / "link.json").symlink_to(tmp_path / "outside.json")
+    manifest.write_text(json.dumps({"annotations": {"val": "link.json"}}))
+    assert manifest_annotations(root, "val") is None
+    elsewhere = tmp_path / "manifest_elsewhere.json"
+    elsewhere.write_text(json.dumps({"annotations": {"val": "annotations/instances_val.json"}}))
+    manifest.unlink()
+    manifest.symlink_to(elsewhere)  # the manifest itself outside the root
+    assert manifest_annotations(root, "val") is None
+    manifest.unlink()
+    os.mkfifo(manifest)  # would block a plain read
+    assert manifest_annotations(root, "val") is None
+    manifest.unlink()
+    manifest.symlink_to(root / "loop.json")
+    (root / "loop.json").symlink_to(manifest)
+    assert manifest_annotations(root, "val") is None

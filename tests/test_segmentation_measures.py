@@ -99,9 +99,14 @@ def test_every_coco_mask_form_decodes_to_the_same_pixels():
     compressed["counts"] = compressed["counts"].decode("ascii")
     for form in (polygon, mask_to_rle(m), compressed):
         assert np.array_equal(decode_segmentation(form, 7, 9), m), form
+    wide = np.zeros((7, 9), bool)
+    wide[1:5, 2:] = True  # vertices off the image (within its size of it) are fine
+    assert np.array_equal(decode_segmentation([[2, 1, 17.9, 1, 17.9, 5, 2, 5]], 7, 9), wide)
     for bad, match in (([[1, 2, 3]], "polygons"), ({"size": [8, 9], "counts": [63]}, "size"),
                        ({"size": [7, 9], "counts": [5, -1]}, "non-negative"), ("x", "polygons or an RLE"),
-                       ([[0, 0, float("nan"), 1, 2, 2]], "polygons")):
+                       ([[0, 0, float("nan"), 1, 2, 2]], "polygons"),
+                       ([[0, 0, 10**6, 0, 10**6, 10**6]], "vertex lies more than the image's size"),
+                       ([[0, 0, 9, 7] * 200], "outline .* is over 100 times")):  # 200 trips corner to corner
         with pytest.raises(DataError, match=match):
             decode_segmentation(bad, 7, 9, "ann 3")
 

@@ -191,7 +191,7 @@ def safetensors_shapes(path: str | Path) -> dict[str, tuple[tuple[int, ...], int
             if not 0 < n <= min(_MAX_HEADER, path.stat().st_size - 8):
                 raise CheckpointError(f"cannot read weights file {path}: not a safetensors file (header size {n})")
             header = json.loads(f.read(n))
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise CheckpointError(f"cannot read weights file {path}: not a safetensors file ({err})") from err
     if not isinstance(header, dict):
         raise CheckpointError(f"cannot read weights file {path}: its header is not a mapping")

@@ -229,15 +229,20 @@ class ImageFolderDataset(SkipUnreadable, Dataset):
         keep = None if files is None else set(files)
         scan = _ScanReport(split_dir, len(present))
         for done, cls in enumerate(present, 1):
+            # rglob does not descend into linked folders: only a linked class folder or a linked
+            # file can lead outside (checked without resolving every file of large datasets).
+            cls_inside = (split_dir / cls).resolve().is_relative_to(real_split)
+            if not cls_inside and not follow_symlinks:  # refused before anything outside is listed
+                if keep is None or any(k.startswith(f"{cls}/") for k in keep):
+                    _, why = image_path_inside(real_split, cls, follow_symlinks)
+                    refusals.refuse(f"class folder {cls}", split_dir / cls, why or "outside the split folder")
+                continue
             files = _list_images(split_dir / cls)
             if not files:
                 raise DataError(
                     f"class folder {split_dir / cls} contains no images ({', '.join(IMAGE_EXTENSIONS)}); "
                     "add images or remove the folder"
                 )
-            # rglob does not descend into linked folders: only a linked class folder or a linked
-            # file can lead outside (checked without resolving every file of large datasets).
-            cls_inside = (split_dir / cls).resolve().is_relative_to(real_split)
             if keep is not None:
                 files = [f for f in files if f.relative_to(split_dir).as_posix() in keep]
             for f in files:

@@ -38,6 +38,15 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def finite_number(value: Any) -> bool:
+    """A JSON number (not a boolean) that is a finite float: not NaN or infinity, and not an
+    integer too large for a float (JSON has no limit on digits)."""
+    try:
+        return _is_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 COCO_ID_LIMIT = 2**63
 """Image, annotation and category ids lie in ``0 .. COCO_ID_LIMIT - 1``: the non-negative
 64-bit integers that pycocotools and other COCO tools (NumPy ``int64`` arrays) accept."""
@@ -96,8 +105,9 @@ def validate_image_entry(im: Any, ann_file: Path) -> None:
         raise DataError(f"{ann_file}: image id {im['id']} has a file_name that is not text: "
                         f"{str(im['file_name'])[:80]}")
     for key in ("width", "height"):
-        if im.get(key) is not None and not (_is_number(im[key]) and math.isfinite(im[key])):
-            raise DataError(f"{ann_file}: image id {im['id']} has a {key} that is not a number: {str(im[key])[:80]}")
+        if im.get(key) is not None and not finite_number(im[key]):
+            raise DataError(f"{ann_file}: image id {im['id']} has a {key} that is not a finite number: "
+                            f"{str(im[key])[:80]}")
 
 
 def check_images_dir(images_dir: Path, ann_file: Path, split: str) -> None:
@@ -187,11 +197,12 @@ def category_names(cats: Any, path: Path, missing: str, invalid: str | None = No
 
 
 def coco_box(a: dict) -> tuple[float, float, float, float] | None:
-    """``(x, y, w, h)`` of an annotation, or ``None`` if its ``bbox`` is not four numbers."""
+    """``(x, y, w, h)`` of an annotation, or ``None`` if its ``bbox`` is not four numbers (a number
+    that is not a finite float reads as infinity)."""
     box = a.get("bbox")
     if not isinstance(box, list) or len(box) != 4 or not all(_is_number(v) for v in box):
         return None
-    return tuple(float(v) for v in box)
+    return tuple(float(v) if finite_number(v) else math.inf for v in box)
 
 
 def annotation_problem(a: Any, image_ids: Any, category_ids: Any, check_box: bool = True
@@ -212,7 +223,7 @@ def annotation_problem(a: Any, image_ids: Any, category_ids: Any, check_box: boo
     box = coco_box(a)
     if box is None:
         return "bbox is not four numbers", None
-    if not all(math.isfinite(v) for v in box):
+    if not all(math.isfinite(v) for v in (*box, box[0] + box[2], box[1] + box[3])):  # corners too
         return "non-finite box", box
     if box[2] <= 0 or box[3] <= 0:
         return "zero or negative size", box

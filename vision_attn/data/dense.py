@@ -229,8 +229,9 @@ def draw_centre(size: tuple[int, int], generator: torch.Generator | None = None,
     return min(int(ys), h - 1), min(int(xs), w - 1)
 
 
-MaskOf = Callable[[int], "torch.Tensor | None"]
-"""The mask of a donor's object ``k``: ``bool [H, W]`` in the donor's pixels, or ``None``."""
+MaskOf = Callable[[int, tuple[int, int]], "torch.Tensor | None"]
+"""The mask of object ``k`` of a donor read at ``size`` ``(H, W)``: ``bool [H, W]`` in the donor's
+pixels, or ``None`` (also for a mask declared at another size: it is not decoded)."""
 
 
 def copy_paste(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, donors: Sequence[Item],
@@ -294,7 +295,7 @@ def _cut_mask(mask_of: MaskOf | None, k: int, size: tuple[int, int], crop: tuple
                  ) -> torch.Tensor | None:
     """Object ``k``'s mask inside its cut-out ``crop = (y0, y1, x0, x1)``, or ``None`` (no mask,
     a mask of another size than the image's, or one that leaves the box empty)."""
-    mask = mask_of(k) if mask_of is not None else None
+    mask = mask_of(k, (int(size[0]), int(size[1]))) if mask_of is not None else None
     if mask is None or tuple(mask.shape) != tuple(size):
         return None
     y0, y1, x0, x1 = crop
@@ -302,10 +303,11 @@ def _cut_mask(mask_of: MaskOf | None, k: int, size: tuple[int, int], crop: tuple
     return cut if bool(cut.any()) else None
 
 
-def _stacked_masks(mask_of: Callable[[int, int], torch.Tensor | None], index: int, n: int) -> torch.Tensor | None:
-    """``bool [n, H, W]``: the masks of image ``index``'s ``n`` objects, or ``None`` unless all
+def _stacked_masks(mask_of: Callable[[int, int, tuple[int, int]], torch.Tensor | None], index: int, n: int,
+                   size: tuple[int, int]) -> torch.Tensor | None:
+    """``bool [n, H, W]``: the masks of image ``index``'s ``n`` objects (read at ``size``), or ``None`` unless all
     have one of the same size."""
-    masks = [mask_of(index, k) for k in range(n)]
+    masks = [mask_of(index, k, size) for k in range(n)]
     if n == 0 or any(m is None or m.shape != masks[0].shape for m in masks):
         return None
     return torch.stack(masks)
@@ -331,23 +333,26 @@ class DenseAugment:
         return config.enabled and bool(self.switches[name][0]) and float(torch.rand(1)) < config.prob
 
     def __call__(self, item: Item, read: Callable[[int], Item], count: int,
-                 mask_of: Callable[[int, int], torch.Tensor | None] | None = None, index: int | None = None) -> Item:
+                 mask_of: Callable[[int, int, tuple[int, int]], torch.Tensor | None] | None = None,
+                 index: int | None = None) -> Item:
         """``item`` (image ``index`` as read) made a mosaic and / or given pasted objects; ``read(i)``
         reads image ``i`` of the ``count`` images of the split (the other tiles, the donors);
-        ``mask_of(i, k)``: the mask of object ``k`` of image ``i``, or ``None``."""
+        ``mask_of(i, k, size)``: the mask of object ``k`` of image ``i`` read at ``size`` ``(H, W)``,
+        or ``None`` (one declared at another size is not decoded)."""
         if self._draw("mosaic", self.mosaic):
             others = [int(i) for i in torch.randint(count, (3,))]
             parts = [item] + [read(i) for i in others]
             masks = None
             if self.mosaic.masks and mask_of is not None and index is not None:
-                masks = [_stacked_masks(mask_of, i, len(p[1])) for i, p in zip([index, *others], parts, strict=True)]
+                masks = [_stacked_masks(mask_of, i, len(p[1]), (int(p[0].shape[-2]), int(p[0].shape[-1])))
+                         for i, p in zip([index, *others], parts, strict=True)]
             item = mosaic(*zip(*parts, strict=True), self.size, draw_centre(self.size, scale=self.mosaic.scale),
                           self.mosaic.min_visible, self.mosaic.scale, masks)
         if self._draw("copy_paste", self.copy_paste):
             picked = [int(i) for i in torch.randint(count, (self.copy_paste.objects,))]
             masks = None
             if self.copy_paste.masks and mask_of is not None:
-                masks = [lambda k, i=i: mask_of(i, k) for i in picked]
+                masks = [lambda k, size, i=i: mask_of(i, k, size) for i in picked]
             item = copy_paste(*item, [read(i) for i in picked], masks=masks)
         return item
 

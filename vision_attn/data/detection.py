@@ -45,7 +45,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,11 +60,11 @@ from torchvision.transforms.v2 import functional as TF
 from vision_attn.boxes import box_xyxy_to_cxcywh
 from vision_attn.data.coco import (
     COCO_ID_LIMIT,
-    _is_number,
     annotation_problem,
     check_category_id,
     check_images_dir,
     coco_id_error,
+    finite_number,
     is_coco_id,
     load_coco_annotations,
     read_image_entries,
@@ -249,7 +248,7 @@ class CocoDetection(SkipUnreadable, Dataset):
                 continue
             x, y, w, h = box
             label, crowd = label_of[a["category_id"]], int(bool(a.get("iscrowd", 0)))
-            area = float(a["area"]) if _is_number(a.get("area")) and math.isfinite(a["area"]) else w * h
+            area = float(a["area"]) if finite_number(a.get("area")) else w * h
             scored[a["image_id"]].append(([x, y, x + w, y + h], label, crowd, area))
             self._segmentations[a["image_id"]].append(a.get("segmentation") if self.scored_targets else None)
             if crowd:
@@ -329,15 +328,16 @@ class CocoDetection(SkipUnreadable, Dataset):
         xyxy = torch.tensor([a[0] for a in anns], dtype=torch.float32).reshape(-1, 4)
         return torch.from_numpy(rgb).permute(2, 0, 1), xyxy, torch.tensor([a[1] for a in anns], dtype=torch.int64)
 
-    def _object_mask(self, index: int, k: int) -> torch.Tensor | None:
-        """``bool [H, W]``: training object ``k``'s segmentation (:meth:`_raw`'s order) or ``None``
-        (none, no declared size, or unreadable: a warning, and the object is pasted with its box)."""
+    def _object_mask(self, index: int, k: int, size: tuple[int, int]) -> torch.Tensor | None:
+        """``bool [H, W]``: training object ``k``'s segmentation (:meth:`_raw`'s order) in the image as read at
+        ``size``, or ``None`` (none, no declared size, another size than the image's or unreadable: a
+        warning, and the object is pasted with its box; a mask is decoded only at the image's size)."""
         im = self.images[index]
         seg = self._object_segmentations[im["id"]][k]
         mask = None if seg is None else image_mask(seg, im.get("height"), im.get("width"),
                                                    f"{self.ann_file}: image id {im['id']}")
         try:
-            return None if mask is None else torch.from_numpy(mask.decode())
+            return None if mask is None else torch.from_numpy(mask.decode(size))
         except DataError as err:
             if im["id"] not in self._bad_masks:
                 self._bad_masks.add(im["id"])

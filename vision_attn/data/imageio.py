@@ -36,6 +36,7 @@ __all__ = [
     "cache_budget",
     "IMAGE_EXTENSIONS",
     "ImageReadError",
+    "READ_FORMATS",
     "decoded_bytes",
     "not_regular_reason",
     "read_image",
@@ -43,6 +44,10 @@ __all__ = [
 ]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+READ_FORMATS = ("PNG", "JPEG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
+"""The decoders :func:`read_image` lets Pillow use, by the file's content: those of
+:data:`IMAGE_EXTENSIONS` (JPEG's includes a camera's multi-picture JPEG). No other decoder is tried,
+so a file named ``.png`` that holds, say, PostScript is refused instead of handed to Ghostscript."""
 DEFAULT_MAX_PIXELS = 178_956_970  # PIL's own default bomb limit
 # Decoded bytes (PIL keeps RGB in 4 bytes a pixel): an 80-megapixel RGB photo or a 36-megapixel
 # RGBA PNG fits; PIL's own bomb check refuses more than 89 M pixels in any case.
@@ -181,14 +186,15 @@ def read_image(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS, apply_exi
 
     Raises:
         ImageReadError: missing, empty, not a regular file (FIFO, device, folder), truncated or
-            non-image file, or more than ``max_pixels`` pixels or ``max_bytes`` decoded bytes.
+            non-image file, a format outside :data:`READ_FORMATS`, or more than ``max_pixels``
+            pixels or ``max_bytes`` decoded bytes.
     """
     path = Path(path)
     fh = _open_regular(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with fh, Image.open(fh) as img:
+            with fh, Image.open(fh, formats=READ_FORMATS) as img:
                 w, h = img.size
                 if w * h > max_pixels:
                     raise ImageReadError(path, f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}")

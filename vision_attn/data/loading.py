@@ -98,8 +98,13 @@ def image_path_inside(split_dir: Path, name: str, follow_symlinks: bool = False)
     path = Path(os.path.normpath(split_dir / name))
     if path == split_dir or not path.is_relative_to(split_dir):
         return path, "a path outside the split folder"
-    if not follow_symlinks and not path.resolve().is_relative_to(split_dir):
-        return path, f"a symbolic link to {path.resolve()}, outside the split folder ({FOLLOW_HINT})"
+    if not follow_symlinks:
+        try:
+            target = path.resolve()
+        except (OSError, RuntimeError):  # RuntimeError: a loop of symbolic links (Python < 3.13)
+            return path, "a loop of symbolic links"
+        if not target.is_relative_to(split_dir):
+            return path, f"a symbolic link to {target}, outside the split folder ({FOLLOW_HINT})"
     return path, None
 
 
@@ -136,7 +141,7 @@ class PathRefusals:
     def report(self) -> None:
         """Log the training warning (once, if anything was refused)."""
         if self.count:
-            log.warning("%s: skipped %d images whose path leaves the split folder, e.g. %s",
+            log.warning("%s: skipped %d images or folders whose path leaves the split folder, e.g. %s",
                         self.source, self.count, self.example)
 
 

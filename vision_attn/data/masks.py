@@ -11,7 +11,7 @@ import numpy as np
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS
 from vision_attn.errors import DataError
 
-__all__ = ["ImageMask", "compressed_counts", "decode_segmentation", "image_mask"]
+__all__ = ["POLYGON_OUTLINE_LIMIT", "ImageMask", "compressed_counts", "decode_segmentation", "image_mask"]
 
 
 def compressed_counts(counts: str) -> list[int]:
@@ -49,6 +49,26 @@ def compressed_counts(counts: str) -> list[int]:
     return runs
 
 
+POLYGON_OUTLINE_LIMIT = 100
+"""A segmentation's polygons may be at most this many times the image's ``height + width`` long."""
+
+
+def _polygon_problem(polygons: list, height: int, width: int) -> str | None:
+    """Why ``polygons`` are not rasterised in a ``height x width`` image (pycocotools' time and
+    memory grow with the outline, not with the image): a vertex more than the image's size outside
+    it, or an outline over :data:`POLYGON_OUTLINE_LIMIT` times ``height + width``; else ``None``."""
+    extent, total = np.array([width, height], dtype=np.float64), 0.0
+    for polygon in polygons:
+        xy = np.asarray(polygon, dtype=np.float64).reshape(-1, 2)
+        if (xy < -extent).any() or (xy > 2 * extent).any():
+            return f"a polygon vertex lies more than the image's size ({width} x {height}) outside it"
+        total += float(np.hypot(*(np.roll(xy, -1, axis=0) - xy).T).sum())
+    if total > POLYGON_OUTLINE_LIMIT * (height + width):
+        return (f"the polygons' outline ({total:.0f} px) is over {POLYGON_OUTLINE_LIMIT} times the image's "
+                f"height + width")
+    return None
+
+
 def decode_segmentation(segmentation: Any, height: int, width: int, where: str = "annotation") -> np.ndarray:
     """``bool [height, width]``: the mask of a COCO ``segmentation`` (a list of polygons
     ``[[x0, y0, x1, y1, ...], ...]``, an uncompressed RLE ``{"size", "counts": [...]}`` or a
@@ -65,6 +85,9 @@ def decode_segmentation(segmentation: Any, height: int, width: int, where: str =
                                            and all(isinstance(v, (int, float)) and np.isfinite(v) for v in p)
                                            for p in segmentation):
                 raise ValueError("polygons must be lists of at least three finite x, y pairs")
+            problem = _polygon_problem(segmentation, height, width)
+            if problem:
+                raise ValueError(problem)
             rle = coco_mask.merge(coco_mask.frPyObjects(segmentation, height, width))
         elif isinstance(segmentation, dict) and "counts" in segmentation and "size" in segmentation:
             size = segmentation["size"]

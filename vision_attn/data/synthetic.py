@@ -194,6 +194,28 @@ def _ensure_imagefolder(
     return _atomic_dataset(target, build)
 
 
+def manifest_annotations(root: str | Path, split: str) -> Path | None:
+    """The annotation file a data root's ``manifest.json`` names for ``split`` under
+    ``"annotations"`` (:func:`ensure_shapes_classification` writes it), or ``None``: no manifest,
+    one that is not a regular file of JSON (or is nested too deeply), no such entry, or an entry
+    that is not a file inside ``root`` (the manifest itself must lie inside it too)."""
+    root = Path(root)
+    manifest_path = root / "manifest.json"
+    try:
+        inside = root.resolve()
+        if not manifest_path.is_file() or not manifest_path.resolve().is_relative_to(inside):
+            return None
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest.get("annotations") if isinstance(manifest, dict) else None
+        rel = files.get(split) if isinstance(files, dict) else None
+        if not isinstance(rel, str):
+            return None
+        path = root / rel
+        return path if path.is_file() and path.resolve().is_relative_to(inside) else None
+    except (OSError, RuntimeError, ValueError, RecursionError):  # RuntimeError: a symbolic link loop
+        return None
+
+
 def ensure_shapes_classification(config: ShapesConfig | None = None, cache_dir: str | Path | None = None) -> Path:
     """The shapes classification dataset as an ImageFolder root, generated on first use.
 

@@ -41,7 +41,6 @@ Used by ``eval.py`` (options under ``--explain.*``) and by the folder command
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
+from vision_attn.data.synthetic import manifest_annotations
 from vision_attn.data.transforms import build_display_transform
 from vision_attn.errors import ConfigError, DataError
 from vision_attn.explain.faithfulness import (
@@ -520,21 +520,13 @@ def _faithfulness_metrics(task, dataset, picked: list[int], options: ExplainOpti
 
 def _annotation_file(dataset, options: ExplainOptions) -> Path | None:
     """``options.annotations``, else the boxes the embedded shapes data names in its
-    ``manifest.json`` for this split, else ``None``."""
+    ``manifest.json`` for this split (:func:`~vision_attn.data.synthetic.manifest_annotations`),
+    else ``None``."""
     if options.annotations:
         return Path(options.annotations).expanduser()
-    root = Path(dataset.root)
-    try:
-        manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    rel = manifest.get("annotations", {}).get(getattr(dataset, "split", "")) if isinstance(manifest, dict) else None
-    if not isinstance(rel, str):
-        return None
-    path = root / rel
-    if not path.is_file() or not path.resolve().is_relative_to(root.resolve()):
-        return None
-    log.info("localisation: boxes of the embedded data from %s", path)
+    path = manifest_annotations(dataset.root, getattr(dataset, "split", ""))
+    if path is not None:
+        log.info("localisation: boxes of the embedded data from %s", path)
     return path
 
 
