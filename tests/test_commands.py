@@ -83,6 +83,33 @@ def test_argparse_commands_take_a_config_file(tmp_path):
         parse_command(parser(), ["--config", str(cfg)])
 
 
+def test_a_config_files_values_are_checked_as_the_command_lines(tmp_path):
+    """argparse applies ``type`` and ``choices`` to what the command line gives, not to defaults:
+    a config's values go through the same checks, with errors naming the file and the option."""
+    import argparse
+
+    def parser():
+        p = argparse.ArgumentParser(prog="x")
+        p.add_argument("--batch_size", type=int, default=16)
+        p.add_argument("--methods", nargs="+", choices=["rollout", "relevance"], default=None)
+        p.add_argument("--overlay.normalize", dest="normalize", default="shared", choices=["shared", "per_map"])
+        p.add_argument("--overwrite", action="store_true")
+        return p
+
+    cfg = tmp_path / "p.yaml"
+    for text, match in (("methods: [nope]", r"p.yaml: --methods: 'nope' is not one of rollout, relevance"),
+                        ("overlay: {normalize: bogus}", r"--overlay.normalize: 'bogus' is not one of shared"),
+                        ("batch_size: ten", r"--batch_size: 'ten' is not valid"),
+                        ("batch_size: [1, 2]", r"--batch_size: .* is not one value"),
+                        ("overwrite: 3", r"--overwrite is a switch: give true or false")):
+        cfg.write_text(text + "\n")
+        with pytest.raises(ConfigError, match=match):
+            parse_command(parser(), ["--config", str(cfg)])
+    cfg.write_text("methods: relevance\nbatch_size: '8'\noverwrite: true\noverlay: {normalize: per_map}\n")
+    args = parse_command(parser(), ["--config", str(cfg)])
+    assert (args.methods, args.batch_size, args.overwrite, args.normalize) == (["relevance"], 8, True, "per_map")
+
+
 def test_fit_word_and_print_config_show_the_run_folder_loggers_and_callbacks(capsys):
     # LightningCLI's spelling "train.py fit --config ..." works; --print_config prints what the run
     # will really use: its folder, the TensorBoard + CSV loggers, the checkpoint and LR callbacks

@@ -605,3 +605,91 @@ def test_the_security_page_lists_what_a_config_may_name_and_the_limits():
     listed = {m for m in CODE_LOADING_MODULES if f"`{m}`" in page}
     assert len(listed) >= 25 and "`torch.hub`" in page and "`numpy`" in page
     assert [k for k in LIMITS if f"VISION_ATTN_MAX_{k.upper()}" not in page] == []
+
+
+# ------------------------------------------------------------------ shared references: pickle and YAML aliases
+
+def _doubled(levels: int) -> list:
+    """``x = [x, x]`` ``levels`` times: a few bytes per level, ``2**levels`` values when walked."""
+    x: list = [0]
+    for _ in range(levels):
+        x = [x, x]
+    return x
+
+
+def test_a_checkpoint_of_shared_lists_is_refused_at_once_not_walked_for_days(tmp_path):
+    """Pickle keeps shared lists shared: a kilobyte describing 2**24 values (2**40 would take days
+    to walk). Every check of the metadata walks it, so it is counted first, once per distinct list."""
+    from vision_attn.tasks.base import read_task_meta
+
+    def edit(meta):
+        meta["data"] = {"class_path": "vision_attn.data.ImageFolderDataModule",
+                        "init_args": {"root": "x", "junk": _doubled(23)}}
+
+    ckpt = _edited_meta_checkpoint(tmp_path / "bomb.ckpt", edit)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"bomb.ckpt: vision_attn holds more than 4194304 values"):
+        read_task_meta(ckpt)
+    assert time.perf_counter() - start < 20  # walking it takes longer
+
+    def cyclic(meta):
+        loop: list = []
+        loop.append(loop)
+        _enc_args(meta)["timm_kwargs"] = {"x": loop}
+
+    with pytest.raises(CheckpointError, match="contains itself"):
+        read_task_meta(_edited_meta_checkpoint(tmp_path / "cycle.ckpt", cyclic))
+
+
+def test_shared_values_are_counted_each_time_they_appear_in_linear_time():
+    from vision_attn.schema import MAX_DATA_DEPTH, check_data_size
+
+    shared = (0.5, 0.5, 0.5)
+    check_data_size({"mean": shared, "std": shared, "names": [str(i) for i in range(10**5)]}, "ok")
+    check_data_size(_doubled(20), "ok", max_values=2**22)  # 2**22 - 1 values with the leaves
+    with pytest.raises(CheckpointError, match="x: k holds more than 100 values"):
+        check_data_size(_doubled(7), "x", "k", max_values=100)  # 255 values
+    deep: list = []
+    cur = deep
+    for _ in range(MAX_DATA_DEPTH + 1):
+        cur.append([])
+        cur = cur[0]
+    with pytest.raises(CheckpointError, match=f"more than {MAX_DATA_DEPTH} deep"):
+        check_data_size(deep, "x")
+
+
+def _alias_bomb(levels: int) -> str:
+    lines = ["x0: &x0 [1, 2]"] + [f"x{i}: &x{i} [*x{i - 1}, *x{i - 1}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_before_the_parser_expands_it(tmp_path):
+    """A config of 900 bytes whose aliases describe 2**30 values: refused naming the file, by
+    fit / validate / test (jsonargparse) and by the argparse commands, from a file, a --config
+    string, or a file a config names; anchors of ordinary size are fine."""
+    from vision_attn.commands.args import _read_config, screen_configs
+
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_alias_bomb(30))
+    assert bomb.stat().st_size < 1000
+    with pytest.raises(ConfigError, match=r"--config .*bomb.yaml holds more than 262144 values"):
+        screen_configs(["--config", str(bomb)])
+    with pytest.raises(ConfigError, match="bomb.yaml holds more than"):
+        screen_configs([f"--config={bomb}"])
+    with pytest.raises(ConfigError, match="the --config string holds more than"):
+        screen_configs(["--config", "{" + _alias_bomb(30).replace("\n", ", ").rstrip(", ") + "}"])
+    outer = tmp_path / "outer.yaml"
+    outer.write_text(f"anchor: &a 1\nalso: *a\nmodel: {bomb}\n")
+    with pytest.raises(ConfigError, match=r"outer.yaml -> .*bomb.yaml holds more than"):
+        screen_configs(["--config", str(outer)])
+    with pytest.raises(ConfigError, match="--model.*bomb.yaml holds more than|bomb.yaml holds more than"):
+        screen_configs(["--model", str(bomb)])
+    with pytest.raises(ConfigError, match="bomb.yaml holds more than"):
+        _read_config(str(bomb))
+    fine = tmp_path / "fine.yaml"
+    fine.write_text("defaults: &d {lr: 0.001, weight_decay: 0.05}\nmodel:\n  optim:\n    <<: *d\n")
+    screen_configs(["fit", "--config", str(fine), "--trainer.max_epochs", "1"])
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="holds more than"):
+        TrainCLI(args=["--config", str(bomb), "--print_config"])
+    assert time.perf_counter() - start < 60

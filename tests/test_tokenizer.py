@@ -116,3 +116,45 @@ def test_old_checkpoints_vocabulary_lists_and_new_json_both_restore():
     shuffled["model"]["vocab"] = {"a": 0, "<pad>": 1, "<bos>": 2, "<eos>": 3, "<unk>": 4}
     with pytest.raises(CheckpointError, match="must start with the special tokens"):
         WordTokenizer.restore(json.dumps(shuffled))
+
+
+def test_a_stored_text_pipeline_runs_none_of_its_own_rules(caplog, monkeypatch):
+    """Only the stored vocabulary is read: a normaliser that doubles every letter 25 times (2 KB of
+    JSON, gigabytes per caption) or a regex that panics the Rust engine is never compiled or run;
+    a differing pipeline is named in a warning. Vocabularies over the limit are refused."""
+    import logging
+
+    good = WordTokenizer([*SPECIAL_TOKENS, "a", "cat"])
+    spec = json.loads(good.to_json())
+    doubling = {"type": "Replace", "pattern": {"String": "a"}, "content": "aa"}
+    for normalizer in ({"type": "Sequence", "normalizers": [doubling] * 25},
+                       {"type": "Replace", "pattern": {"Regex": "(a|a)+$"}, "content": "x"}):
+        spec["normalizer"] = normalizer
+        with caplog.at_level(logging.WARNING):
+            tok = WordTokenizer.restore(json.dumps(spec))
+        assert tok.encode("a cat") == good.encode("a cat") == [1, 4, 5, 2]
+        assert "text pipeline differs" in caplog.text
+        caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        WordTokenizer.restore(good.to_json())
+    assert "differs" not in caplog.text  # its own JSON: no warning
+    for bad, match in (({"a": "0"}, "mapping of words to ids"), ([], "mapping of words to ids")):
+        spec["model"]["vocab"] = bad
+        with pytest.raises(CheckpointError, match=match):
+            WordTokenizer.restore(json.dumps(spec))
+    monkeypatch.setenv("VISION_ATTN_MAX_VOCAB", "5")
+    with pytest.raises(CheckpointError, match="6 words, over the limit of 5"):
+        WordTokenizer.restore(good.to_json())
+
+
+def test_a_real_sized_vocabulary_is_stored_and_checked_as_a_checkpoint_argument():
+    """A captioner trained on COCO-sized captions stores a tokenizer JSON far longer than other
+    strings a checkpoint may hold; it passes the argument check, and an oversized one does not."""
+    from vision_attn.schema import check_value
+
+    tok = WordTokenizer([*SPECIAL_TOKENS, *(f"word{i}" for i in range(20_000))])
+    text = tok.to_json()
+    assert len(text) > 1 << 18
+    check_value(text, list[str] | str | None, "model.init_args.vocab", "checkpoint x")
+    with pytest.raises(CheckpointError, match="model.init_args.name"):
+        check_value(text, str, "model.init_args.name", "checkpoint x")

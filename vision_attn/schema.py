@@ -36,7 +36,10 @@ __all__ = [
     "JSONValue",
     "LIMITS",
     "MAX_MODEL_BYTES_ENV",
+    "MAX_DATA_DEPTH",
+    "MAX_DATA_VALUES",
     "PreprocessOverrides",
+    "check_data_size",
     "check_limits",
     "check_model_bytes",
     "check_value",
@@ -174,6 +177,58 @@ def check_limits(config: Any, what: str, key: str = "", error: type[VisionAttnEr
                 check_limits(v, what, f"{key}[{i}]", error)
 
 
+MAX_DATA_VALUES = 1 << 22
+"""The most values a checkpoint's metadata may hold, shared containers counted each time they appear."""
+MAX_DATA_DEPTH = 64
+"""The deepest nesting of lists and mappings a config or a checkpoint's metadata may have."""
+
+
+def check_data_size(data: Any, what: str, key: str = "", max_values: int = MAX_DATA_VALUES,
+                    error: type[VisionAttnError] = CheckpointError) -> None:
+    """Refuse nested data (lists, tuples, mappings and scalars) that holds more than ``max_values``
+    values as the walkers of this module see it, every shared container counted each time it
+    appears, that contains itself, or that nests deeper than :data:`MAX_DATA_DEPTH`.
+
+    Pickle (a checkpoint) and YAML aliases (a config) keep shared containers shared, so a file of
+    a few kilobytes can describe ``2**40`` values (``x = [x, x]`` forty times). The count is made
+    once per distinct container, in time linear in the file.
+
+    Raises:
+        CheckpointError: (or ``error``) naming ``what`` and ``key``.
+    """
+    def children(obj: Any) -> list[Any]:
+        return [*obj.keys(), *obj.values()] if isinstance(obj, Mapping) else list(obj)
+
+    def nested(obj: Any) -> bool:
+        return isinstance(obj, (Mapping, list, tuple))
+
+    where = f"{what}: {key}" if key else what
+    counted: dict[int, int] = {}  # id -> values below it, the container counted
+    open_: set[int] = set()  # entered, not finished: its own descendants
+    stack: list[tuple[Any, int, bool]] = [(data, 0, False)]
+    while stack:
+        obj, depth, finished = stack.pop()
+        if not nested(obj):
+            continue
+        oid = id(obj)
+        if finished:
+            open_.discard(oid)
+            counted[oid] = 1 + sum(counted[id(c)] if nested(c) else 1 for c in children(obj))
+            if counted[oid] > max_values:
+                raise error(f"{where} holds more than {max_values} values (shared parts counted each time they "
+                            "appear); refusing to read it")
+            continue
+        if oid in counted:
+            continue
+        if oid in open_:
+            raise error(f"{where} contains itself; refusing to read it")
+        if depth >= MAX_DATA_DEPTH:
+            raise error(f"{where} nests lists and mappings more than {MAX_DATA_DEPTH} deep; refusing to read it")
+        open_.add(oid)
+        stack.append((obj, depth, True))
+        stack.extend((c, depth + 1, False) for c in children(obj) if nested(c))
+
+
 def _check_size(value: Any, key: str, name: str, what: str, low: int, error: type[VisionAttnError]) -> None:
     top = limit(name)
     if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
@@ -238,6 +293,13 @@ def check_model_bytes(build: Callable[[], torch.nn.Module], what: str,
 # Type checking of plain data against a constructor's type hints.
 
 _MAX_STRING = 1 << 16
+_CHARS_PER_WORD = 64  # a stored caption tokenizer (``vocab``): its JSON takes about 20 characters a word
+
+
+def _max_string(key: str) -> int:
+    """The longest string ``key`` may hold: :data:`_MAX_STRING`, or for ``vocab`` (a stored caption
+    tokenizer's JSON) room for the largest vocabulary :data:`LIMITS` allows."""
+    return _CHARS_PER_WORD * limit("vocab") if key.rsplit(".", 1)[-1] == "vocab" else _MAX_STRING
 
 
 def constructor_hints(cls: type) -> dict[str, Any]:
@@ -335,7 +397,7 @@ def _fits(value: Any, hint: Any, key: str, what: str, error: type[VisionAttnErro
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if hint is str:
-        return isinstance(value, str) and len(value) <= _MAX_STRING
+        return isinstance(value, str) and len(value) <= _max_string(key)
     if origin in (list, Sequence, typing.Sequence) or hint in (list,):
         item = args[0] if args else Any
         return isinstance(value, (list, tuple)) and all(

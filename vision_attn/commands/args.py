@@ -67,6 +67,78 @@ def normalize_flags(argv: Sequence[str], renamed: dict[str, str] | None = None,
     return out
 
 
+MAX_CONFIG_VALUES = 1 << 18
+"""The most values a config may hold with its YAML aliases expanded (:func:`screen_configs`)."""
+_CONFIG_SUFFIXES = (".yaml", ".yml")  # JSON has no aliases: annotation files are not read here
+_SCREENED_BYTES = 8 << 20  # a larger YAML file another option names is data, not a config
+
+
+def _screen_yaml(text: str, where: str, depth: int = 0) -> None:
+    """Refuse YAML whose aliases expand past :data:`MAX_CONFIG_VALUES` values (safe_load keeps
+    them shared, so reading costs what the text costs), then the config files it names."""
+    from vision_attn.schema import check_data_size  # torch: only once a config has aliases
+
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError):
+        return  # not YAML: the parser names the problem
+    check_data_size(data, where, max_values=MAX_CONFIG_VALUES, error=ConfigError)
+    if depth < 4:
+        for value in _strings(data):
+            _screen_file(value, f"{where} -> {value}", depth + 1, named=False)
+
+
+def _strings(data: Any) -> list[str]:
+    if isinstance(data, dict):
+        return [v for x in data.values() for v in _strings(x)]
+    if isinstance(data, list):
+        return [v for x in data for v in _strings(x)]
+    return [data] if isinstance(data, str) else []
+
+
+def _is_file(value: str) -> bool:
+    try:
+        return Path(value).is_file()
+    except (OSError, ValueError):  # a name too long for a file, a NUL
+        return False
+
+
+def _screen_file(value: str, where: str, depth: int, named: bool) -> None:
+    """Screen ``value`` when it is a config file (given to ``--config``, or a ``*.yaml`` / ``*.yml``
+    file of at most 8 MiB); alias-free text cannot expand, so only text with an anchor is parsed."""
+    if not (named or Path(value).suffix.lower() in _CONFIG_SUFFIXES) or not _is_file(value):
+        return
+    try:
+        if not named and Path(value).stat().st_size > _SCREENED_BYTES:
+            return
+        text = Path(value).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return
+    if "&" in text and "*" in text:
+        _screen_yaml(text, where, depth)
+
+
+def screen_configs(argv: Sequence[str]) -> None:
+    """Refuse, before any parser expands them, configs whose YAML aliases describe more than
+    :data:`MAX_CONFIG_VALUES` values (a file of a few hundred bytes can describe billions: the
+    "billion laughs"), contain themselves or nest too deeply: ``--config`` files and strings, and
+    the config files other options or those configs name.
+
+    Raises:
+        ConfigError: naming the file (or ``--config`` string) and what is wrong with it.
+    """
+    for i, arg in enumerate(argv):
+        option, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
+        if arg.startswith("-") and not eq:
+            continue
+        named = option in ("--config", "-c") or (not option and i > 0 and argv[i - 1] in ("--config", "-c"))
+        where = f"--config {value}" if named else value
+        if Path(value).suffix.lower() in _CONFIG_SUFFIXES or named:
+            _screen_file(value, where, 0, named)
+        if named and "&" in value and "*" in value and not _is_file(value):
+            _screen_yaml(value, "the --config string", 0)
+
+
 def _read_config(path: str) -> dict[str, Any]:
     """A ``--config`` file of an argparse command: a YAML mapping of option names to values, nested
     mappings flattened to dotted names (``group: {field: 1}`` is ``group.field``)."""
@@ -76,6 +148,9 @@ def _read_config(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: cannot read it ({err})") from err
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of option names to values")
+    from vision_attn.schema import check_data_size
+
+    check_data_size(data, f"--config {path}", max_values=MAX_CONFIG_VALUES, error=ConfigError)
     flat: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, dict):
@@ -83,6 +158,47 @@ def _read_config(path: str) -> dict[str, Any]:
         else:
             flat[str(key)] = value
     return flat
+
+
+def _as_given(parser: argparse.ArgumentParser, data: dict[str, Any], path: str) -> dict[str, Any]:
+    """``data`` (by destination) with each value converted and checked as the command line's would
+    be: the option's ``type`` applied to its text, its ``choices`` enforced, switches true or false,
+    a list (or one value) for options that take several values, one value for the others.
+
+    Raises:
+        ConfigError: naming the file and the option, for a value the command line would refuse.
+    """
+    actions = {a.dest: a for a in parser._actions}
+    out: dict[str, Any] = {}
+    for dest, value in data.items():
+        action = actions.get(dest)
+        where = f"--config {path}: {action.option_strings[0] if action and action.option_strings else dest}"
+        if action is None or value is None:
+            out[dest] = value
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where} is a switch: give true or false, not {str(value)[:40]!r}")
+            out[dest] = value
+        else:
+            several = action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)
+            if several:  # one value given alone is a list of one, as on the command line
+                out[dest] = [_given_value(action, v, where) for v in (value if isinstance(value, list) else [value])]
+            else:
+                out[dest] = _given_value(action, value, where)
+    return out
+
+
+def _given_value(action: argparse.Action, value: Any, where: str) -> Any:
+    if isinstance(value, (list, dict)):
+        raise ConfigError(f"{where}: {str(value)[:40]!r} is not one value")
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    try:
+        converted = action.type(text) if callable(action.type) else value
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
+        raise ConfigError(f"{where}: {text[:40]!r} is not valid ({err})") from None
+    if action.choices is not None and converted not in action.choices:
+        raise ConfigError(f"{where}: {text[:40]!r} is not one of {', '.join(map(str, action.choices))}")
+    return converted
 
 
 def _dests(parser: argparse.ArgumentParser) -> set[str]:
@@ -141,7 +257,7 @@ def parse_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None, r
         unknown = sorted(str(k) for k in data if k not in dests)
         if unknown:
             raise ConfigError(f"--config {path}: unknown options {unknown}; see {parser.prog} --help")
-        parser.set_defaults(**data)
+        parser.set_defaults(**_as_given(parser, data, path))
     args = parser.parse_args(argv)
     missing = [f"--{r}" for r in required if getattr(args, r, None) in (None, "")]
     if missing:

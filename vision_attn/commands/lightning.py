@@ -17,6 +17,7 @@ from vision_attn.commands.args import (
     _null_dataclass_fields,
     condense_parse_error,
     plain_text,
+    screen_configs,
     with_suggestions,
 )
 from vision_attn.commands.policy import (
@@ -78,6 +79,7 @@ class _VisionAttnCLI(LightningCLI):
         argv = kwargs.pop("args", None)
         self._argv, self.allow_import = split_allow_import(list(sys.argv[1:] if argv is None else argv))
         self._argv = _null_dataclass_fields(self._argv)
+        screen_configs(self._argv)  # before jsonargparse expands any YAML alias
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("run", False)

@@ -29,6 +29,7 @@ from vision_attn.explain.records import Explained
 from vision_attn.models.encoder import ViTEncoder
 from vision_attn.schema import (
     PreprocessOverrides,
+    check_data_size,
     check_limits,
     check_model_bytes,
     check_value,
@@ -511,6 +512,7 @@ def read_task_meta(path: str | Path, allow_import: tuple[str, ...] = ()) -> tupl
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {path}: its {CHECKPOINT_KEY!r} entry is not a mapping")
     what = f"checkpoint {path}"
+    check_data_size(meta, what, CHECKPOINT_KEY)  # first: every check below walks it
     check_value(meta.get("format", 1), int, f"{CHECKPOINT_KEY}.format", what)
     check_value(meta.get("task"), str, f"{CHECKPOINT_KEY}.task", what)
     for key, hint in (("data_config", PreprocessOverrides), ("optim", Optimization)):
@@ -531,6 +533,7 @@ def build_task_from_meta(meta: dict[str, Any], what: str = "checkpoint",
                          allow_import: tuple[str, ...] = ()) -> VisionTask:
     """Instantiate the task described by a checkpoint's metadata (random weights), after
     checking it: vision_attn classes only, no pretrained or file weights, plain arguments."""
+    check_data_size(meta, what)
     model_cfg = meta.get("model") if isinstance(meta, dict) else None
     cls, enc_cls, model_cfg = _checked_model_config(model_cfg, what, allow_import)
     init_args = dict(model_cfg["init_args"])
