@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # bottom to top
     ("explain", ("vision_attn.explain",)),
     ("tasks", ("vision_attn.tasks",)),
     ("report", ("vision_attn.report",)),
-    ("entry points", ("vision_attn.predict", "vision_attn.export", "vision_attn.demo", "vision_attn.overlay")),
+    ("entry points", ("vision_attn.predict", "vision_attn.onnx_predict", "vision_attn.export", "vision_attn.demo",
+                      "vision_attn.overlay")),
     ("commands", ("vision_attn.commands",)),
     ("public API", ("vision_attn",)),
 ]

@@ -424,3 +424,99 @@ def test_report_items_are_built_only_for_the_report_s_images(classifier_ckpt, ma
     assert len(list((out / "overlays").rglob("*.png"))) == 7
     html = (out / "report.html").read_text()
     assert html.count('"kind": "patches"') + html.count('"kind":"patches"') == 2
+
+
+
+@pytest.fixture(scope="module")
+def exported_onnx(tmp_path_factory):
+    """A tiny classifier exported once: its metadata dresses the hostile files below."""
+    pytest.importorskip("onnxruntime")
+    from vision_attn.export import export_onnx
+
+    tmp = tmp_path_factory.mktemp("onnx")
+    return export_onnx(_checkpoint(_tasks()["classification"], tmp / "m.ckpt"), tmp / "m.onnx")
+
+
+def _with_graph(exported, path, nodes, initializers):
+    """An ONNX file with ``exported``'s vision_attn metadata around another graph: images
+    [b, 3, H, W] -> logits."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    props = {p.key: p.value for p in exported.metadata_props}
+    size = list(json.loads(props["data_config"])["input_size"])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["b", *size])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    for key, value in props.items():
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, path)
+    return path
+
+
+def test_an_onnx_graph_that_asks_for_gigabytes_fails_clearly_within_the_cap(exported_onnx, folder, tmp_path):
+    """A file of under 2 KB whose graph fills an 8 GiB tensor (ConstantOfShape): ONNX Runtime's
+    arena is capped (VISION_ATTN_MAX_ONNX_BYTES, 4 GiB by default), so the run fails with one line
+    naming the file and the variable instead of taking the memory."""
+    import resource
+
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("ReduceMean", ["images", "axes"], ["m"], keepdims=0),
+             helper.make_node("ConstantOfShape", ["shape"], ["big"],
+                              value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
+             helper.make_node("ReduceSum", ["big"], ["s"], keepdims=0),
+             helper.make_node("Add", ["m", "s"], ["logits"])]
+    inits = [numpy_helper.from_array(np.array([2048, 1024, 1024], np.int64), "shape"),
+             numpy_helper.from_array(np.array([2, 3], np.int64), "axes")]
+    bomb = _with_graph(onnx.load(exported_onnx), tmp_path / "bomb.onnx", nodes, inits)
+    assert bomb.stat().st_size < 2000
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointError, match=r"bomb.onnx .*needs more memory than VISION_ATTN_MAX_ONNX_BYTES"):
+        predict_folder(bomb, folder, tmp_path / "out", QUIET)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 2_000_000  # KiB: not the 8 GiB
+
+
+@pytest.mark.parametrize(("data_config", "match"), [
+    ('{"input_size": [3, 40000, 40000]}', "VISION_ATTN_MAX_INPUT_SIZE"),
+    ('{"input_size": "abc"}', "data_config"),
+    ('{"mean": "xyz"}', "data_config"),
+    ('{"interpolation": "evil", "input_size": [3, 32, 32]}', "data_config"),
+    ('{"mean": [0.5, 0.5, 0.5]}', "no input_size"),
+    ("[" * 100_000, "broken vision_attn metadata"),
+])
+def test_an_onnx_files_preprocessing_is_checked_as_a_checkpoints(data_config, match, exported_onnx, tmp_path):
+    import onnx
+
+    from vision_attn.onnx_predict import OnnxPredictor
+
+    model = onnx.load(exported_onnx)
+    for prop in model.metadata_props:
+        if prop.key == "data_config":
+            prop.value = data_config
+    onnx.save(model, tmp_path / "m.onnx")
+    with pytest.raises(CheckpointError, match=match):
+        OnnxPredictor(tmp_path / "m.onnx")
+
+
+def test_links_out_of_the_images_folder_are_skipped_unless_followed(tmp_path):
+    from vision_attn.predict import resolve_images
+
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    Image.new("RGB", (8, 6)).save(secret / "private.png")
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (8, 6)).save(images / "a.png")
+    os.symlink(secret / "private.png", images / "innocent.png")
+    os.symlink(images / "a.png", images / "inside.png")  # a link that stays inside is read
+    for spec in (images, f"{images}/*.png"):
+        _, files, skipped = resolve_images(spec)
+        assert sorted(p.name for p in files) == ["a.png", "inside.png"]
+        assert [s["file"] for s in skipped] == ["innocent.png"] and "--follow_symlinks" in skipped[0]["reason"]
+        _, files, skipped = resolve_images(spec, follow_symlinks=True)
+        assert len(files) == 3 and skipped == []
+    assert resolve_images(images / "innocent.png")[1] == [images / "innocent.png"]  # named alone: read

@@ -273,3 +273,57 @@ def test_overlay_names_carry_no_bidi_override_or_zero_width_character(tmp_path):
     written = save_png(out / "overlays" / f"00001_{spoof}", IMG, root=out)
     assert written.name.startswith("00001_photo_gnp.exe-") and "\u202e" not in written.name
     assert [p.name for p in (out / "overlays").iterdir()] == [written.name]
+
+
+def test_names_and_ids_from_files_cannot_forge_a_log_line_or_move_the_cursor(tmp_path, capsys):
+    """The console's log lines and one-line errors escape control and format characters, and a
+    line break inside a message starts an indented line; annotation ids in warnings are shown as
+    short JSON."""
+    from vision_attn.commands.args import console_logging
+    from vision_attn.data.coco import shown_value
+    from vision_attn.outputs import ConsoleText, console_text
+
+    hostile = "a.png\nERROR vision_attn: checkpoint verified OK\x1b[1A\x1b[2K\u202egnp.exe\u2028"
+    clean = console_text(hostile)
+    assert "\x1b" not in clean and "\u202e" not in clean and "\u2028" not in clean
+    assert "\\x1b[1A" in clean and "\\u202e" in clean
+    assert all(line.startswith("    ") for line in clean.split("\n")[1:])  # no line of its own
+    assert console_text("photos/ünïcode café\tok.png") == "photos/ünïcode café\tok.png"  # ordinary text unchanged
+    assert shown_value("x\n" + "A" * 1000) == '"x\\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA...'
+    assert len(shown_value(["\x1b"] * 100)) == 60 and "\x1b" not in shown_value(["\x1b"] * 100)
+
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    try:
+        for handler in saved:
+            root.removeHandler(handler)
+        console_logging()
+        console_logging()  # idempotent: one filter per handler
+        assert [sum(isinstance(f, ConsoleText) for f in h.filters) for h in root.handlers] == [1]
+        logging.getLogger("vision_attn.data").warning("dropped 1 annotation, e.g. %s", hostile)
+        err = capsys.readouterr().err
+        assert "\x1b" not in err and "\nERROR" not in err and "\n    ERROR vision_attn: checkpoint" in err
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in saved:
+            root.addHandler(handler)
+
+
+def test_a_dropped_annotations_id_is_shown_escaped_and_short(tmp_path, caplog):
+    from PIL import Image
+
+    from vision_attn.data.detection import CocoDetection
+
+    (tmp_path / "val").mkdir()
+    (tmp_path / "annotations").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "val" / "a.png")
+    forged = "x\nERROR vision_attn: forged\x1b[2K" + "A" * 200_000
+    (tmp_path / "annotations" / "instances_val.json").write_text(json.dumps({
+        "images": [{"id": 1, "file_name": "a.png"}], "categories": [{"id": 1, "name": "c"}],
+        "annotations": [{"id": forged, "image_id": 99, "category_id": 1, "bbox": [0, 0, 2, 2]}]}))
+    with caplog.at_level(logging.WARNING):
+        CocoDetection(tmp_path, "val")
+    line = next(r.getMessage() for r in caplog.records if "dropped 1 annotations" in r.getMessage())
+    assert "\n" not in line and "\x1b" not in line and len(line) < 300
+    assert 'e.g. annotation id "x\\nERROR vision_attn: forged\\u001b[2KAAA' in line

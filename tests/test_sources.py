@@ -164,6 +164,25 @@ def test_class_names_from_a_file_for_another_head(tmp_path):
         load_model("timm:vit_tiny_patch16_224", weights_file=file, class_names=tmp_path / "missing.txt")
 
 
+def test_a_class_names_file_is_bounded_before_it_sizes_any_output(tmp_path, monkeypatch):
+    """Names go into every prediction and the report: a file of a few megabytes of one name, more
+    names than the class limit, or a file larger than any allowed list is refused, naming it."""
+    names = tmp_path / "names.txt"
+    names.write_text("cat\n" + "x" * 2_000_000 + "\ndog\n")
+    with pytest.raises(DataError, match=r"names.txt: name 2 is longer than 1000 characters"):
+        resolve_class_names(3, names)
+    monkeypatch.setenv("VISION_ATTN_MAX_NUM_CLASSES", "2")
+    names.write_text("cat\ndog\nbird\n")
+    with pytest.raises(DataError, match=r"names.txt gives 3 names, over the limit of 2"):
+        resolve_class_names(3, names)
+    names.write_text("cat\n" * 1000)
+    with pytest.raises(DataError, match=r"names.txt is larger than 2 names of 1000 characters could be"):
+        resolve_class_names(3, names)
+    monkeypatch.delenv("VISION_ATTN_MAX_NUM_CLASSES")
+    names.write_text("cat\n\ndog\n  bird  \n")
+    assert resolve_class_names(3, names) == ["cat", "dog", "bird"]
+
+
 def test_imagenet_heads_are_named_offline():
     assert resolve_class_names(1000)[1] == IMAGENET.index_to_description(1)
     in21k = resolve_class_names(21843)

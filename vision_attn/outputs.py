@@ -42,9 +42,11 @@ import numpy as np
 from vision_attn.errors import VisionAttnError
 
 __all__ = [
+    "ConsoleText",
     "MAX_NAME_BYTES",
     "OutputPathError",
     "atomic_output",
+    "console_text",
     "csv_cell",
     "display_path",
     "json_ready",
@@ -94,6 +96,33 @@ def _truncate_bytes(text: str, limit: int) -> str:
 
 def _unsafe_char(c: str) -> bool:
     return c in "/\\" or unicodedata.category(c) in _UNSAFE_CATEGORIES
+
+
+def console_text(text: str) -> str:
+    """``text`` safe to print on a terminal or in a log: control and invisible format characters
+    (those :func:`safe_filename` replaces; separators excepted) escaped as ``\\xNN`` / ``\\uNNNN``,
+    so a file name or an id from a file cannot move the cursor, colour the screen or erase a
+    line; a line break starts an indented line, so no such text can forge a log line of its own."""
+    out = []
+    for c in str(text):
+        if c == "\n":
+            out.append("\n    ")
+        elif c not in "/\\\t" and unicodedata.category(c) in _UNSAFE_CATEGORIES:
+            out.append(f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+class ConsoleText(logging.Filter):
+    """A handler's filter that passes every record's message through :func:`console_text`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = console_text(message)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        return True
 
 
 def safe_filename(name: str, max_bytes: int = MAX_NAME_BYTES) -> str:

@@ -43,7 +43,6 @@ explanation code runs and no hook is put on the model: the task's plain forward
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import queue
@@ -78,10 +77,11 @@ from vision_attn.explain.methods import skip_inapplicable
 from vision_attn.explain.overlay import save_png
 from vision_attn.explain.progress import Progress
 from vision_attn.models.merging import merge_tokens
+from vision_attn.onnx_predict import OnnxPredictor
 from vision_attn.outputs import display_path, safe_filename, write_json
 from vision_attn.report import write_report
 from vision_attn.report.folder import folder_sections, record_line
-from vision_attn.tasks.base import VisionTask, build_task_from_meta
+from vision_attn.tasks.base import VisionTask
 from vision_attn.tasks.sources import load_model
 
 __all__ = ["OUTPUTS", "BackgroundWriter", "FolderRun", "ModelSource", "OverlayWriteError", "check_outputs",
@@ -97,12 +97,27 @@ OUTPUTS = ("predictions.json", "skipped.json", "report.html", "overlays")
 SCAN_QUIET_S = 3.0  # seconds a folder scan runs before it reports its progress (a quick scan says nothing)
 
 
-def scan_folder(folder: Path) -> tuple[list[Path], list[dict[str, str]]]:
+def _outside_reason(path: Path, root: Path, follow_symlinks: bool) -> str | None:
+    """Why an image ``path`` found under ``root`` is not read: a symbolic link that leads out of
+    ``root`` (unless ``follow_symlinks``); else ``None``."""
+    if follow_symlinks or not path.is_symlink():
+        return None
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a loop of links
+        return "a loop of symbolic links"
+    if target.is_relative_to(root.resolve()):
+        return None
+    return "a symbolic link out of the images folder (--follow_symlinks follows links you trust)"
+
+
+def scan_folder(folder: Path, follow_symlinks: bool = False) -> tuple[list[Path], list[dict[str, str]]]:
     """The image files under ``folder`` (recursively, sorted) and the entries that are not read.
 
     Entries are classified from ``stat`` alone, never opened (opening a FIFO blocks): FIFOs,
-    devices and sockets, and links to nothing with an image extension, come back as
-    ``[{"file", "reason"}]`` (``file`` relative to ``folder``); other files are ignored.
+    devices and sockets, links to nothing, and (unless ``follow_symlinks``) links out of
+    ``folder``, with an image extension, come back as ``[{"file", "reason"}]`` (``file``
+    relative to ``folder``); other files are ignored.
     A scan that takes more than a few seconds (a large or remote folder) reports its progress
     (:class:`~vision_attn.explain.progress.Progress`): the paths found, then those checked.
     """
@@ -125,9 +140,9 @@ def scan_folder(folder: Path) -> tuple[list[Path], list[dict[str, str]]]:
             continue
         if stat.S_ISDIR(mode):
             continue
-        reason = not_regular_reason(mode)
+        reason = not_regular_reason(mode) or (_outside_reason(p, folder, follow_symlinks) if is_image else None)
         if reason:
-            log.warning("skipping %s: %s", p, reason)
+            log.warning("skipping %r: %s", str(p), reason)
             skipped.append({"file": str(p.relative_to(folder)), "reason": reason})
         elif is_image:
             images.append(p)
@@ -138,11 +153,12 @@ def scan_folder(folder: Path) -> tuple[list[Path], list[dict[str, str]]]:
 GLOB_CHARS = frozenset("*?[")
 
 
-def resolve_images(spec: str | Path) -> tuple[Path, list[Path], list[dict[str, str]]]:
+def resolve_images(spec: str | Path, follow_symlinks: bool = False) -> tuple[Path, list[Path], list[dict[str, str]]]:
     """``(root, image files, skipped)`` of ``--images``: a single file (its folder is the root,
     so its record's ``file`` is its name), a folder searched recursively (:func:`scan_folder`),
     or a glob such as ``photos/**/*.jpg`` (the root is the folder before the first wildcard;
-    ``**`` matches any depth).
+    ``**`` matches any depth). A folder's or a glob's links out of the root are skipped unless
+    ``follow_symlinks``; a file named alone is read wherever it lies.
 
     Raises:
         VisionAttnError: when nothing is there or nothing matches.
@@ -150,7 +166,7 @@ def resolve_images(spec: str | Path) -> tuple[Path, list[Path], list[dict[str, s
     text = str(spec)
     path = Path(text)
     if path.is_dir():
-        return (path, *scan_folder(path))
+        return (path, *scan_folder(path, follow_symlinks))
     if path.is_file() or (os.path.lexists(path) and not any(c in text for c in GLOB_CHARS)):
         root = path.parent
         mode = os.stat(path, follow_symlinks=True).st_mode if path.exists() else None
@@ -168,7 +184,7 @@ def resolve_images(spec: str | Path) -> tuple[Path, list[Path], list[dict[str, s
         if p.is_dir():
             continue
         try:
-            reason = not_regular_reason(p.stat().st_mode)
+            reason = not_regular_reason(p.stat().st_mode) or _outside_reason(p, root, follow_symlinks)
         except OSError as err:
             reason = f"cannot access it ({err.strerror or err})"
         (skipped.append({"file": str(p.relative_to(root)), "reason": reason}) if reason else files.append(p))
@@ -350,66 +366,6 @@ class PredictionWriter(BasePredictionWriter):
                      full_attention=self.full_attention)
 
 
-class OnnxPredictor(L.LightningModule):
-    """An exported model run by ONNX Runtime in Lightning's predict loop. Its records come from
-    the task its metadata describes (:meth:`~vision_attn.tasks.VisionTask.predictions_from_outputs`,
-    which needs the labels, not the weights); ONNX holds no attention, so no overlays."""
-
-    def __init__(self, path: Path, allow_import: tuple[str, ...] = ()) -> None:
-        super().__init__()
-
-        try:
-            import onnxruntime as ort
-        except ImportError as err:  # pragma: no cover - depends on the install
-            raise VisionAttnError("running .onnx models needs onnxruntime: pip install 'vision_attn[export]'") from err
-        self.path = path
-        try:  # ONNX Runtime's errors derive from Exception only: make them one clear line
-            self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-            meta = self.session.get_modelmeta().custom_metadata_map
-        except Exception as err:  # noqa: BLE001
-            raise CheckpointError(f"ONNX Runtime cannot load {path}: {_first_line(err)}; "
-                                  "export it again with vision-attn export") from err
-        if meta.get("format") != "vision_attn":
-            raise CheckpointError(f"{path} was not exported by vision_attn (no metadata); use vision-attn export")
-        try:
-            stored = json.loads(meta["data_config"])
-            data_config = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()}
-            model = json.loads(meta["model"])
-        except (KeyError, TypeError, AttributeError, ValueError) as err:
-            raise CheckpointError(f"{path} has broken vision_attn metadata ({type(err).__name__}: {err}); "
-                                  "export it again with vision-attn export") from err
-        task = build_task_from_meta({"model": model}, f"ONNX model {path}", allow_import)
-        if not task.onnx_predicts:
-            raise CheckpointError(f"{path} holds a {task.task_name} model whose predictions need PyTorch "
-                                  "(e.g. beam search); predict with the checkpoint instead")
-        task.encoder.data_config = data_config
-        self.task = task.eval()
-        self.task_name = task.task_name
-        self.predict_options = None
-
-    def inference_data_config(self) -> dict[str, Any]:
-        return self.task.inference_data_config()
-
-    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0) -> dict[str, Any]:
-        files = batch["files"]
-        records: list[dict[str, Any]] = []
-        if files:
-            try:
-                outputs = self.session.run(None, {"images": batch["images"].cpu().numpy()})
-            except Exception as err:  # noqa: BLE001 - ONNX Runtime's errors derive from Exception only
-                raise CheckpointError(f"ONNX Runtime failed running {self.path} on a batch of shape "
-                                      f"{tuple(batch['images'].shape)}: {_first_line(err)}") from err
-            records = self.task.predictions_from_outputs(tuple(torch.from_numpy(o) for o in outputs), batch["sizes"],
-                                                         self.predict_options)
-        return {"files": files, "records": records, "panels": [None] * len(files),
-                "report_items": [None] * len(files), "skipped": batch["skipped"]}
-
-
-def _first_line(err: BaseException) -> str:
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    return lines[0] if lines else type(err).__name__
-
-
 @dataclass
 class ModelSource:
     """Where the model of :func:`predict_folder` comes from, and how it is built (:func:`load_source`).
@@ -450,6 +406,8 @@ class FolderRun:
         background_writes: encode and write the overlay PNGs on a background thread while the
             model runs the next batch (:class:`BackgroundWriter`; the same files as writing them
             in the loop, ``False``).
+        follow_symlinks: read images that symbolic links in the folder lead to outside it
+            (``--follow_symlinks``; default: skipped, listed in ``skipped.json``).
         full_attention: ``report.html`` keeps every layer and head of the per-patch attention
             view (``--report.full_attention``; the page then grows with the model and the number
             of images: about 7.4 MB per image on ViT-B/16); default: each image's attention is
@@ -465,6 +423,7 @@ class FolderRun:
     report_images: int = 50
     background_writes: bool = True
     full_attention: bool = False
+    follow_symlinks: bool = False
 
 
 def check_outputs(out: Path, overwrite: bool = False) -> None:
@@ -554,7 +513,7 @@ def predict_folder(
     run = run or FolderRun()
     source = source if isinstance(source, ModelSource) else ModelSource(source)
     out = Path(output_dir)
-    images, files, skipped = resolve_images(images)
+    images, files, skipped = resolve_images(images, run.follow_symlinks)
     check_outputs(out, run.overwrite)
     accelerator = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu"}.get(run.device or "auto", "auto")
     check_accelerator(accelerator, run.devices, flag="--device")

@@ -369,6 +369,18 @@ def _option_value(argv: list[str], flag: str) -> str | None:
     return value
 
 
+def console_logging() -> None:
+    """The commands' log lines on the console (``LEVEL logger: message``, INFO and above), every
+    message passed through :func:`~vision_attn.outputs.console_text` (names and ids from files
+    cannot forge a line or move the cursor)."""
+    from vision_attn.outputs import ConsoleText
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, ConsoleText) for f in handler.filters):
+            handler.addFilter(ConsoleText())
+
+
 def one_line(err: BaseException) -> str:
     """The message of ``err``; for errors re-raised from a DataLoader worker, the original one."""
     text = str(err)

@@ -15,6 +15,7 @@ import warnings
 from datetime import datetime
 from pathlib import Path
 
+from vision_attn.commands.args import console_logging
 from vision_attn.commands.evaluate import eval_main
 from vision_attn.commands.train import train_main
 from vision_attn.outputs import write_json
@@ -62,7 +63,7 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     args, extra = parser.parse_known_args()
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    console_logging()
     results = run_demo(args.output_dir, args.tasks, extra)
     print("\n== vision_attn demo ==")
     for task, r in results.items():

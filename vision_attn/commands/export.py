@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
 
-from vision_attn.commands.args import parse_command
+from vision_attn.commands.args import console_logging, parse_command
 from vision_attn.commands.policy import split_allow_import
 from vision_attn.errors import VisionAttnError
 from vision_attn.export import export_onnx, export_safetensors
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m vision_attn.expor
     parser.add_argument("--overwrite", action="store_true", help="replace an existing file")
     parser.add_argument("--allow_import", action="append", default=[], metavar="PREFIX",
                         help="let the checkpoint name task classes from this module prefix (your own task)")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    console_logging()
     try:
         args = parse_command(parser, argv, required=("ckpt_path",), renamed={"--output": "--output_file"})
         split_allow_import([a for p in args.allow_import for a in ("--allow_import", p)])  # refuses risky prefixes

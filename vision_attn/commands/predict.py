@@ -4,12 +4,11 @@ the command line of :func:`vision_attn.predict.predict_folder`."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-from vision_attn.commands.args import parse_command
+from vision_attn.commands.args import console_logging, parse_command
 from vision_attn.commands.options import (
     add_folder_options,
     folder_flags,
@@ -22,6 +21,7 @@ from vision_attn.errors import VisionAttnError
 from vision_attn.explain.evaluate import ExplainOptions
 from vision_attn.explain.methods import METHODS
 from vision_attn.explain.overlay import NORMALIZE
+from vision_attn.outputs import console_text
 from vision_attn.predict import (
     FolderRun,
     ModelSource,
@@ -79,6 +79,8 @@ def build_parser(prog: str, description: str, expected_task: str | None = None,
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the outputs of an earlier run (predictions.json, skipped.json, report.html, "
                              "overlays/) in --output_dir")
+    parser.add_argument("--follow_symlinks", action="store_true",
+                        help="read images that symbolic links in --images lead to outside it (default: skipped)")
     parser.add_argument("--batch_size", type=int, default=16, help="images per forward pass")
     parser.add_argument("--num_workers", type=int, default=2, help="DataLoader processes decoding the images")
     if not explain:
@@ -150,20 +152,21 @@ def run_cli(argv: list[str] | None, prog: str, description: str, expected_task: 
     """The command line of :func:`predict_folder` (``vision-attn predict`` / ``explain``,
     ``python -m vision_attn.predict`` and ``python -m vision_attn.overlay``)."""
     parser = build_parser(prog, description, expected_task, explain)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    console_logging()
     task_options = _TaskOptions(argv, expected_task)
     try:
         args = parse_command(parser, argv, required=("model", "images", "output_dir"), extend=task_options)
         devices = int(args.devices) if str(args.devices).isdigit() else args.devices
         run = FolderRun(batch_size=args.batch_size, num_workers=args.num_workers, device=args.device,
-                        devices=devices, overwrite=args.overwrite, full_attention=args.full_attention)
+                        devices=devices, overwrite=args.overwrite, full_attention=args.full_attention,
+                        follow_symlinks=args.follow_symlinks)
         drawn = ExplainOptions(methods=list(args.methods) if args.methods else None, alpha=args.alpha,
                                normalize=args.normalize, head_fusion=args.head_fusion)
         model = task_options.model
         result = predict_folder(_source(args, expected_task), args.images, args.output_dir, run, drawn,
                                 folder_options(args, type(task_of(model))), explain or not args.no_overlays, model)
     except VisionAttnError as err:
-        sys.stderr.write(f"error: {err}\n")
+        sys.stderr.write(f"error: {console_text(str(err))}\n")
         raise SystemExit(2) from None
     print(f"{len(result['predictions'])} images, {len(result['skipped'])} skipped -> {args.output_dir}")
 

@@ -13,8 +13,9 @@ import zipfile
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from vision_attn.commands.args import one_line, take_verbose
+from vision_attn.commands.args import console_logging, one_line, take_verbose
 from vision_attn.errors import VisionAttnError
+from vision_attn.outputs import console_text
 
 log = logging.getLogger("vision_attn")
 
@@ -47,7 +48,7 @@ def run_entry(fn, verbose: bool | None = None) -> None:
     """
     if verbose is None:
         sys.argv[1:], verbose = take_verbose(sys.argv[1:])
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    console_logging()
     quiet_console(verbose)
     torch.set_float32_matmul_precision("high")
     ours = (VisionAttnError,)
@@ -63,5 +64,6 @@ def run_entry(fn, verbose: bool | None = None) -> None:
         cause: BaseException | None = err
         while cause is not None and not isinstance(cause, ours):
             cause = cause.__cause__ or cause.__context__
-        sys.stderr.write(f"error: {one_line(cause or err)}\n(set VISION_ATTN_DEBUG=1 for the traceback)\n")
+        message = console_text(one_line(cause or err))
+        sys.stderr.write(f"error: {message}\n(set VISION_ATTN_DEBUG=1 for the traceback)\n")
         raise SystemExit(2) from None

@@ -49,6 +49,7 @@ from vision_attn.data.coco import (
     is_coco_id,
     load_coco_annotations,
     read_image_entries,
+    shown_value,
 )
 from vision_attn.data.detection import CocoDetection, CocoLayout
 from vision_attn.data.imageio import DEFAULT_MAX_PIXELS, read_image
@@ -113,7 +114,7 @@ def read_captions(root: Path, split: str, follow_symlinks: bool = False, skip_re
             captions[image_id].append(text)
             continue
         dropped[reason] += 1
-        example.setdefault(reason, a.get("id") if isinstance(a, dict) else str(a)[:40])
+        example.setdefault(reason, shown_value(a.get("id") if isinstance(a, dict) else a))
     for reason, n in dropped.items():
         log.warning("%s: dropped %d captions (%s), e.g. annotation id %s", ann_file, n, reason, example[reason])
     without = [im["id"] for im in images if not captions[im["id"]]]
@@ -156,7 +157,7 @@ def read_annotated_objects(path: Path) -> AnnotatedObjects:
     for a in data["annotations"]:
         if annotation_problem(a, objects, names, check_box=False)[0] is not None:
             dropped += 1
-            example = example or (a.get("id") if isinstance(a, dict) else str(a)[:40])
+            example = example or shown_value(a.get("id") if isinstance(a, dict) else a)
             continue
         if a.get("iscrowd"):
             continue

@@ -57,15 +57,21 @@ def is_coco_id(value: Any) -> bool:
     return _is_int(value) and 0 <= value < COCO_ID_LIMIT
 
 
+def shown_value(value: Any, width: int = 60) -> str:
+    """``value`` as the file writes it, for a message: JSON with every control and non-ASCII
+    character escaped (an id cannot start a forged log line or move the cursor), at most
+    ``width`` characters."""
+    try:
+        shown = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError):
+        shown = ascii(value)
+    return shown if len(shown) <= width else shown[: width - 3] + "..."
+
+
 def coco_id_error(ann_file: Path, what: str, value: Any, fix: str = "fix the annotation file") -> DataError:
     """The error for an id that is not a COCO id (:func:`is_coco_id`), naming the file and the
     id as the file writes it (``what``: ``"image id"``, ``"category id"``), ending with ``fix``."""
-    try:
-        shown = json.dumps(value)
-    except (TypeError, ValueError):
-        shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
+    shown = shown_value(value)
     return DataError(f"{ann_file}: {what} {shown} is not an integer from 0 to 2**63 - 1 (COCO ids are "
                      f"non-negative 64-bit integers); {fix}")
 

@@ -68,6 +68,7 @@ from vision_attn.data.coco import (
     is_coco_id,
     load_coco_annotations,
     read_image_entries,
+    shown_value,
     sorted_categories,
     validate_image_entry,
 )
@@ -244,7 +245,7 @@ class CocoDetection(SkipUnreadable, Dataset):
             reason, box = annotation_problem(a, by_image, label_of)
             if reason:
                 dropped[reason] += 1
-                example.setdefault(reason, a.get("id") if isinstance(a, dict) else str(a)[:40])
+                example.setdefault(reason, shown_value(a.get("id") if isinstance(a, dict) else a))
                 continue
             x, y, w, h = box
             label, crowd = label_of[a["category_id"]], int(bool(a.get("iscrowd", 0)))
@@ -259,7 +260,7 @@ class CocoDetection(SkipUnreadable, Dataset):
                 x0, y0, x1, y1 = max(0.0, x0), max(0.0, y0), min(float(iw), x1), min(float(ih), y1)
                 if x1 <= x0 or y1 <= y0:
                     dropped["outside the image"] += 1
-                    example.setdefault("outside the image", a.get("id"))
+                    example.setdefault("outside the image", shown_value(a.get("id")))
                     continue
             by_image[a["image_id"]].append(([x0, y0, x1, y1], label))
             self._object_segmentations[a["image_id"]].append(a.get("segmentation"))
@@ -329,9 +330,8 @@ class CocoDetection(SkipUnreadable, Dataset):
         return torch.from_numpy(rgb).permute(2, 0, 1), xyxy, torch.tensor([a[1] for a in anns], dtype=torch.int64)
 
     def _object_mask(self, index: int, k: int, size: tuple[int, int]) -> torch.Tensor | None:
-        """``bool [H, W]``: training object ``k``'s segmentation (:meth:`_raw`'s order) in the image as read at
-        ``size``, or ``None`` (none, no declared size, another size than the image's or unreadable: a
-        warning, and the object is pasted with its box; a mask is decoded only at the image's size)."""
+        """``bool [H, W]``: object ``k``'s segmentation (:meth:`_raw`'s order) in the image read at ``size``, or
+        ``None`` (none, unreadable, or declared at another size: never decoded; the object is pasted with its box)."""
         im = self.images[index]
         seg = self._object_segmentations[im["id"]][k]
         mask = None if seg is None else image_mask(seg, im.get("height"), im.get("width"),

@@ -37,6 +37,7 @@ from vision_attn.checkpoint_io import load_state_dict_file
 from vision_attn.errors import DataError, EncoderError
 from vision_attn.models.classifier import ClassifierConfig
 from vision_attn.models.encoder import ViTEncoder, suggest_model_names
+from vision_attn.schema import limit
 from vision_attn.tasks.base import VisionTask, load_task
 from vision_attn.tasks.classification import ClassificationTask
 from vision_attn.tasks.embedding import EmbeddingTask
@@ -187,16 +188,30 @@ def imagenet_class_names(num_classes: int) -> list[str] | None:
     return [info.index_to_description(i) for i in range(num_classes)]
 
 
+MAX_CLASS_NAME = 1000
+"""The longest class name, in characters, a class names file may give."""
+
+
 def _read_names(class_names: ClassNames) -> tuple[list[str], str]:
     if isinstance(class_names, (str, Path)):
         path = Path(class_names)
         if not path.is_file():
             raise DataError(f"class names file {path} does not exist; give a text file with one class name per line")
+        most = limit("num_classes")
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
+            if path.stat().st_size > most * (MAX_CLASS_NAME + 1):
+                raise DataError(f"class names file {path} is larger than {most} names of {MAX_CLASS_NAME} "
+                                "characters could be; give one class name per line")
+            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         except (OSError, UnicodeDecodeError) as err:
             raise DataError(f"cannot read class names file {path}: {err}") from err
-        return [line.strip() for line in lines if line.strip()], f"class names file {path}"
+        long = next((i for i, line in enumerate(lines) if len(line) > MAX_CLASS_NAME), None)
+        if long is not None:
+            raise DataError(f"class names file {path}: name {long + 1} is longer than {MAX_CLASS_NAME} characters")
+        if len(lines) > most:
+            raise DataError(f"class names file {path} gives {len(lines)} names, over the limit of {most} "
+                            "(VISION_ATTN_MAX_NUM_CLASSES)")
+        return lines, f"class names file {path}"
     return [str(n) for n in class_names], "class_names"
 
 
