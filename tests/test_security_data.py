@@ -343,3 +343,35 @@ def test_a_data_roots_manifest_names_annotations_only_inside_the_root(tmp_path):
     manifest.symlink_to(root / "loop.json")
     (root / "loop.json").symlink_to(manifest)
     assert manifest_annotations(root, "val") is None
+
+
+def test_sizes_a_dataset_sets_are_bounded_with_clear_messages(tmp_path, caplog, monkeypatch):
+    """What a file sizes is bounded: the categories (the heads are built from them), the training
+    targets of one image (the matching's cost grows with them) and a caption's length (tokenised
+    whole each time its image is drawn)."""
+    _png(tmp_path / "val" / "a.png")
+    _coco_split(tmp_path, ["a.png"])
+    path = tmp_path / "annotations" / "instances_val.json"
+    data = json.loads(path.read_text())
+    monkeypatch.setenv("VISION_ATTN_MAX_NUM_CLASSES", "3")
+    path.write_text(json.dumps({**data, "categories": [{"id": i, "name": str(i)} for i in range(1, 5)]}))
+    with pytest.raises(DataError, match=r"instances_val.json has 4 categories, over the limit of 3"):
+        CocoDetection(tmp_path, "val")
+    path.write_text(json.dumps({**data, "categories": [{"id": 1, "name": "a"}, {"id": 1, "name": "b"}]}))
+    with pytest.raises(DataError, match="lists category id 1 twice"):
+        CocoDetection(tmp_path, "val")
+    monkeypatch.setenv("VISION_ATTN_MAX_OBJECTS", "5")
+    boxes = [{"id": k, "image_id": 1, "category_id": 1, "bbox": [0, 0, 4, 4]} for k in range(100, 112)]
+    path.write_text(json.dumps({**data, "annotations": boxes}))
+    with caplog.at_level(logging.WARNING):
+        ds = CocoDetection(tmp_path, "val")
+    assert len(ds.annotations[1]) == 5 and len(ds.scoring_target(1)["boxes"]) == 12  # scored as written
+    assert "dropped 7 annotations (over 5 objects in its image), e.g. annotation id 105" in caplog.text
+    captions = tmp_path / "annotations" / "captions_val.json"
+    captions.write_text(json.dumps({"images": [{"id": 1, "file_name": "a.png"}],
+                                    "annotations": [{"id": 7, "image_id": 1, "caption": "dog " * 5000},
+                                                    {"id": 8, "image_id": 1, "caption": "a black square"}]}))
+    with caplog.at_level(logging.WARNING):
+        _, caps = read_captions(tmp_path, "val")
+    assert caps == {1: ["a black square"]}
+    assert "dropped 1 captions (caption longer than 10000 characters), e.g. annotation id 7" in caplog.text

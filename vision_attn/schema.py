@@ -96,6 +96,7 @@ LIMITS: dict[str, int] = {
     "num_queries": 1 << 14,
     "max_length": 1 << 14,
     "tensor_dim": 1 << 22,
+    "objects": 1000,  # training targets of one image (the matching's cost grows with them)
 }
 """Name -> the largest value accepted (environment variable ``VISION_ATTN_MAX_<NAME>``)."""
 

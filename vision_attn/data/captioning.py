@@ -8,7 +8,8 @@
   time the image is drawn (so every caption is seen over the epochs); evaluation keeps all of
   them as references.
 - Faulty annotations never crash training: captions of unknown image ids, captions that are
-  not text or are empty after normalisation are dropped, and images left without a caption
+  not text, longer than :data:`MAX_CAPTION_CHARS` or empty after normalisation are dropped, and
+  images left without a caption
   are skipped — each kind counted in one warning naming an example id. A file that is not
   UTF-8 or not JSON, or an image file that is missing, is an error naming the file or id.
 - Image ids must be what COCO tools accept (they end up in output file names and results files:
@@ -74,6 +75,11 @@ __all__ = ["CaptionOptions", "CaptioningDataModule", "CocoCaptions", "caption_co
 log = logging.getLogger(__name__)
 
 
+MAX_CAPTION_CHARS = 10_000
+"""Captions longer than this are dropped when read (a warning counts them): every caption is
+tokenised whole each time its image is drawn, and references are scored whole."""
+
+
 def read_captions(root: Path, split: str, follow_symlinks: bool = False, skip_refused: bool = False,
                   images_dir: str | Path | None = None,
                   ann_file: str | Path | None = None) -> tuple[list[dict], dict[int, list[str]]]:
@@ -108,6 +114,8 @@ def read_captions(root: Path, split: str, follow_symlinks: bool = False, skip_re
             reason = "unknown image id"
         elif not isinstance(text, str):
             reason = "caption is not text"
+        elif len(text) > MAX_CAPTION_CHARS:
+            reason = f"caption longer than {MAX_CAPTION_CHARS} characters"
         elif not normalize_caption(text):
             reason = "empty caption"
         else:

@@ -24,6 +24,7 @@ from typing import Any
 
 from vision_attn.data.loading import PathRefusals, image_path_inside
 from vision_attn.errors import DataError
+from vision_attn.schema import limit
 
 __all__ = ["COCO_ID_LIMIT", "annotation_problem", "category_names", "check_category_id", "check_images_dir",
            "coco_box", "coco_id_error", "is_coco_id", "load_coco_annotations", "read_image_entries",
@@ -166,12 +167,20 @@ def check_category_id(category: Any, ann_file: Path) -> None:
 
 
 def sorted_categories(cats: Any, ann_file: Path) -> list[dict]:
-    """The ``categories`` list checked (:func:`check_category_id`) and sorted by id: the order of
-    the detection labels ``0..C-1``."""
+    """The ``categories`` list checked (:func:`check_category_id`, each id once, at most
+    ``VISION_ATTN_MAX_NUM_CLASSES`` of them: the heads are sized from it) and sorted by id: the
+    order of the detection labels ``0..C-1``."""
     if not isinstance(cats, list) or not cats:
         raise DataError(f"annotation file {ann_file} has no categories")
+    if len(cats) > limit("num_classes"):
+        raise DataError(f"annotation file {ann_file} has {len(cats)} categories, over the limit of "
+                        f"{limit('num_classes')} (VISION_ATTN_MAX_NUM_CLASSES)")
+    seen: set[int] = set()
     for c in cats:
         check_category_id(c, ann_file)
+        if c["id"] in seen:
+            raise DataError(f"annotation file {ann_file} lists category id {shown_value(c['id'])} twice")
+        seen.add(c["id"])
     return sorted(cats, key=lambda c: c["id"])
 
 

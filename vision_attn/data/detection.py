@@ -87,6 +87,7 @@ from vision_attn.data.transforms import (
     model_preprocess,
 )
 from vision_attn.errors import ConfigError, DataError
+from vision_attn.schema import limit
 
 __all__ = ["COCO_ID_LIMIT", "CocoDetection", "CocoLayout", "DetectionDataModule", "DetectionTransform",
            "SquareDetectionTransform", "check_category_id", "check_images_dir", "coco_id_error", "coco_root",
@@ -230,38 +231,35 @@ class CocoDetection(SkipUnreadable, Dataset):
         """``(training targets, scored ground truth)`` by image id: the training targets
         (non-crowd, clipped to the image) and the scored ground truth (crowd included and flagged,
         boxes as written, as pycocotools scores them). Unusable annotations are dropped, each kind
-        counted in one warning."""
+        counted in one warning, and so are the training targets of an image beyond its first
+        ``VISION_ATTN_MAX_OBJECTS`` (1000)."""
         label_of = {cid: i for i, cid in enumerate(self.category_ids)}
         by_image: dict[int, list[tuple[list[float], int]]] = {im["id"]: [] for im in self.images}
         scored: dict[int, list[tuple[list[float], int, int, float]]] = {im["id"]: [] for im in self.images}
         # each scored object's segmentation (None without one), kept for evaluation datasets only
         self._segmentations: dict[int, list[Any]] = {im["id"]: [] for im in self.images}
         self._object_segmentations: dict[int, list[Any]] = {im["id"]: [] for im in self.images}  # of the targets
-        sizes = {im["id"]: (im.get("height"), im.get("width")) for im in self.images}
-        self._sizes = sizes
-        dropped: Counter = Counter()
-        example: dict[str, Any] = {}
+        self._sizes = sizes = {im["id"]: (im.get("height"), im.get("width")) for im in self.images}
+        dropped, example, most = Counter(), {}, limit("objects")
         for a in annotations:
             reason, box = annotation_problem(a, by_image, label_of)
+            if not reason:
+                x, y, w, h = box
+                label, crowd = label_of[a["category_id"]], int(bool(a.get("iscrowd", 0)))
+                area = float(a["area"]) if finite_number(a.get("area")) else w * h
+                scored[a["image_id"]].append(([x, y, x + w, y + h], label, crowd, area))
+                self._segmentations[a["image_id"]].append(a.get("segmentation") if self.scored_targets else None)
+                if crowd:
+                    continue
+                (ih, iw), (x0, y0, x1, y1) = sizes[a["image_id"]], (x, y, x + w, y + h)
+                if ih and iw:
+                    x0, y0, x1, y1 = max(0.0, x0), max(0.0, y0), min(float(iw), x1), min(float(ih), y1)
+                reason = ("outside the image" if x1 <= x0 or y1 <= y0 else  # VISION_ATTN_MAX_OBJECTS:
+                          f"over {most} objects in its image" if len(by_image[a["image_id"]]) >= most else None)
             if reason:
                 dropped[reason] += 1
                 example.setdefault(reason, shown_value(a.get("id") if isinstance(a, dict) else a))
                 continue
-            x, y, w, h = box
-            label, crowd = label_of[a["category_id"]], int(bool(a.get("iscrowd", 0)))
-            area = float(a["area"]) if finite_number(a.get("area")) else w * h
-            scored[a["image_id"]].append(([x, y, x + w, y + h], label, crowd, area))
-            self._segmentations[a["image_id"]].append(a.get("segmentation") if self.scored_targets else None)
-            if crowd:
-                continue
-            ih, iw = sizes[a["image_id"]]
-            x0, y0, x1, y1 = x, y, x + w, y + h
-            if ih and iw:
-                x0, y0, x1, y1 = max(0.0, x0), max(0.0, y0), min(float(iw), x1), min(float(ih), y1)
-                if x1 <= x0 or y1 <= y0:
-                    dropped["outside the image"] += 1
-                    example.setdefault("outside the image", shown_value(a.get("id")))
-                    continue
             by_image[a["image_id"]].append(([x0, y0, x1, y1], label))
             self._object_segmentations[a["image_id"]].append(a.get("segmentation"))
         for reason, n in dropped.items():
