@@ -75,7 +75,7 @@ class OnnxPredictor(L.LightningModule):
         except (KeyError, TypeError, ValueError, RecursionError) as err:
             raise CheckpointError(f"{path} has broken vision_attn metadata ({type(err).__name__}: {err}); "
                                   "export it again with vision-attn export") from err
-        check_data_size(stored, what, "data_config")  # as a checkpoint's preprocessing is checked
+        check_data_size({"data_config": stored, "model": model}, what)  # as read_task_meta checks a checkpoint's
         check_value(stored, PreprocessOverrides, "data_config", what)
         check_limits(stored, what, "data_config")
         if "input_size" not in stored:

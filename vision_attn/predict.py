@@ -63,6 +63,7 @@ from vision_attn.data.imageio import (
     not_regular_reason,
     read_image,
 )
+from vision_attn.data.loading import link_target
 from vision_attn.data.transforms import build_eval_transform
 from vision_attn.distributed import check_accelerator, gather_objects
 from vision_attn.errors import (
@@ -102,9 +103,8 @@ def _outside_reason(path: Path, root: Path, follow_symlinks: bool) -> str | None
     ``root`` (unless ``follow_symlinks``); else ``None``."""
     if follow_symlinks or not path.is_symlink():
         return None
-    try:
-        target = path.resolve()
-    except (OSError, RuntimeError):  # RuntimeError: a loop of links
+    target = link_target(path)
+    if target is None:
         return "a loop of symbolic links"
     if target.is_relative_to(root.resolve()):
         return None

@@ -60,6 +60,7 @@ __all__ = [
     "RepeatedAugmentationSampler",
     "RepeatedDataset",
     "SkipUnreadable",
+    "link_target",
     "SplitDataModule",
     "UnpaddedDistributedSampler",
     "auto_batch_size",
@@ -77,6 +78,14 @@ MAX_UNREADABLE_IN_A_ROW = 20
 
 
 FOLLOW_HINT = "pass --data.layout.follow_symlinks true to follow links you trust"
+
+
+def link_target(path: Path) -> Path | None:
+    """Where ``path`` leads, every symbolic link followed; ``None`` for a loop of links."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a loop of symbolic links (Python < 3.13)
+        return None
 
 
 def image_path_inside(split_dir: Path, name: str, follow_symlinks: bool = False) -> tuple[Path, str | None]:
@@ -99,9 +108,8 @@ def image_path_inside(split_dir: Path, name: str, follow_symlinks: bool = False)
     if path == split_dir or not path.is_relative_to(split_dir):
         return path, "a path outside the split folder"
     if not follow_symlinks:
-        try:
-            target = path.resolve()
-        except (OSError, RuntimeError):  # RuntimeError: a loop of symbolic links (Python < 3.13)
+        target = link_target(path)
+        if target is None:
             return path, "a loop of symbolic links"
         if not target.is_relative_to(split_dir):
             return path, f"a symbolic link to {target}, outside the split folder ({FOLLOW_HINT})"

@@ -533,7 +533,6 @@ def build_task_from_meta(meta: dict[str, Any], what: str = "checkpoint",
                          allow_import: tuple[str, ...] = ()) -> VisionTask:
     """Instantiate the task described by a checkpoint's metadata (random weights), after
     checking it: vision_attn classes only, no pretrained or file weights, plain arguments."""
-    check_data_size(meta, what)
     model_cfg = meta.get("model") if isinstance(meta, dict) else None
     cls, enc_cls, model_cfg = _checked_model_config(model_cfg, what, allow_import)
     init_args = dict(model_cfg["init_args"])
